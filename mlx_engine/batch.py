@@ -1,0 +1,58 @@
+"""What one forward pass processes (ollama's ``input.Batch``), shared by caches and models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mlx_engine.ml import Tensor
+
+
+@dataclass
+class Batch:
+    """``N`` tokens, from one or several sequences, processed in one forward pass as ``[1, N, D]``.
+
+    Attributes:
+        inputs: token ids, int32 ``[N]`` on the host, or an INT32 Tensor ``[N]`` on the device (pipelined decode feeds
+            the last sampled tokens without reading them back).
+        positions: int32 ``[N]``, the position of each token in its sequence (0-based).
+        sequences: int32 ``[N]``, the sequence id of each token (``0 <= id < max_sequences``).
+        outputs: int32 ``[K]``, indices into the batch of the tokens whose logits are wanted (for example the last
+            token of each sequence); the model returns logits ``[K, vocab]`` in that order.
+        embeddings: optional float Tensor ``[N, D]`` used instead of looking ``inputs`` up (input embeddings).
+    """
+
+    inputs: "np.ndarray | Tensor"
+    positions: np.ndarray
+    sequences: np.ndarray
+    outputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    embeddings: "Tensor | None" = None
+
+    def __post_init__(self) -> None:
+        self.positions = np.asarray(self.positions, dtype=np.int32).reshape(-1)
+        self.sequences = np.asarray(self.sequences, dtype=np.int32).reshape(-1)
+        self.outputs = np.asarray(self.outputs, dtype=np.int32).reshape(-1)
+        if isinstance(self.inputs, (list, tuple, np.ndarray)):
+            self.inputs = np.asarray(self.inputs, dtype=np.int32).reshape(-1)
+        if len(self.positions) != len(self.sequences):
+            raise ValueError(f"batch has {len(self.positions)} positions but {len(self.sequences)} sequence ids")
+        n = len(self.positions)
+        if self.inputs is not None and self.inputs.shape[0] != n:
+            raise ValueError(f"batch has {self.inputs.shape[0]} inputs but {n} positions")
+        if len(self.outputs) and (self.outputs.min() < 0 or self.outputs.max() >= n):
+            raise ValueError(f"batch outputs {self.outputs.tolist()} out of range for {n} tokens")
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    @classmethod
+    def single(cls, tokens: "np.ndarray | list[int] | Tensor", start: int, sequence: int = 0,
+               logits: str = "last") -> "Batch":
+        """A batch of consecutive tokens of one sequence starting at position ``start``.
+
+        ``logits``: ``"last"`` (the last token), ``"all"`` or ``"none"``.
+        """
+        n = tokens.shape[0] if isinstance(tokens, Tensor) else len(tokens)
+        outputs = {"last": [n - 1], "all": list(range(n)), "none": []}[logits]
+        return cls(tokens, np.arange(start, start + n, dtype=np.int32), np.full(n, sequence, np.int32), outputs)

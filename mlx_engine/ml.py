@@ -1,0 +1,447 @@
+"""The interfaces every model, cache and pipeline is written against: ``Backend``, ``Context``, ``Tensor``.
+
+This module imports nothing of ours (the layer rule of the design note). ``mlx_engine/mlx/`` implements it on MLX;
+``models/``, ``kvcache/`` and ``imagegen/`` see only these classes.
+
+Conventions (fixed here for every implementation):
+
+- Shapes are in NumPy order, outermost first: hidden states ``[B, L, D]``, attention ``[B, H, L, Dh]``, KV cache
+  storage ``[1, H_kv, cells, Dh]``, images ``[B, H, W, C]`` (channels last).
+- A forward pass over a :class:`mlx_engine.batch.Batch` of ``N`` tokens (from one or several sequences) runs with
+  ``B = 1, L = N``: sequences are kept apart by the attention mask, not by the batch axis (ollama's design).
+- Masks are additive: ``0`` where a key is visible and ``-inf`` where it is hidden, shape ``[L, cells]`` (broadcast
+  over batch and heads).
+- Operations return new tensors; only ``Tensor.__setitem__`` changes a tensor in place.
+- Computation may be lazy: nothing is guaranteed to have run until ``Context.evaluate`` or a copy out to NumPy.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+
+
+class DType(enum.Enum):
+    """Element types. ``itemsize`` is in bytes."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    INT64 = "int64"
+    INT32 = "int32"
+    UINT32 = "uint32"
+    INT8 = "int8"
+    UINT8 = "uint8"
+    BOOL = "bool"
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+    @property
+    def is_floating(self) -> bool:
+        return self in (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16)
+
+    @classmethod
+    def parse(cls, name: "str | DType") -> "DType":
+        """``DType.parse("fp16")`` -> ``DType.FLOAT16``. Raises ``ValueError`` naming the accepted spellings."""
+        if isinstance(name, DType):
+            return name
+        key = str(name).lower().strip()
+        key = _ALIASES.get(key, key)
+        try:
+            return cls(key)
+        except ValueError:
+            raise ValueError(
+                f"unknown dtype {name!r}; use one of {', '.join(d.value for d in cls)} (or f32, f16, bf16)"
+            ) from None
+
+
+_ITEMSIZE = {
+    DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.INT64: 8, DType.INT32: 4, DType.UINT32: 4,
+    DType.INT8: 1, DType.UINT8: 1, DType.BOOL: 1,
+}
+_ALIASES = {"f32": "float32", "fp32": "float32", "f16": "float16", "fp16": "float16", "half": "float16",
+            "bf16": "bfloat16", "i32": "int32", "i64": "int64"}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How a backend wants KV caches laid out (ollama's ``ml.CacheConfig``).
+
+    Attributes:
+        padding: the number of cells a cache rounds its used range up to, so attention kernels see aligned sizes.
+        mask_dtype: dtype of the additive mask returned by ``Cache.get``.
+        step: the number of cells a growing cache allocates at a time (when not reserving the whole capacity).
+    """
+
+    padding: int = 1
+    mask_dtype: DType = DType.FLOAT32
+    step: int = 256
+
+
+Scalar = Union[int, float, bool]
+Index = Any  # what NumPy accepts inside [...]: ints, slices, Ellipsis, None, or an integer Tensor
+
+
+class Tensor(abc.ABC):
+    """An n-dimensional array on the backend's device.
+
+    Arithmetic operators (``+ - * / @``, unary ``-``) take another Tensor (broadcast by NumPy rules) or a Python
+    scalar. Errors: shape mismatches raise ``ValueError`` from the implementation.
+    """
+
+    __slots__ = ()
+
+    # ---- description -------------------------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, ...]:
+        """The shape, NumPy order."""
+
+    @property
+    @abc.abstractmethod
+    def dtype(self) -> DType:
+        """The element type. For a quantized tensor, the dtype it dequantizes to."""
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of device memory this tensor holds (packed size for a quantized tensor)."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+    @property
+    def is_quantized(self) -> bool:
+        """True for an affine-quantized weight (see :meth:`linear`, :meth:`take`, :meth:`dequantize`)."""
+        return False
+
+    # ---- arithmetic --------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def __add__(self, other: "Tensor | Scalar") -> "Tensor": ...
+
+    @abc.abstractmethod
+    def __sub__(self, other: "Tensor | Scalar") -> "Tensor": ...
+
+    @abc.abstractmethod
+    def __mul__(self, other: "Tensor | Scalar") -> "Tensor": ...
+
+    @abc.abstractmethod
+    def __truediv__(self, other: "Tensor | Scalar") -> "Tensor": ...
+
+    @abc.abstractmethod
+    def __rsub__(self, other: Scalar) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def __neg__(self) -> "Tensor": ...
+
+    def __radd__(self, other: Scalar) -> "Tensor":
+        return self + other
+
+    def __rmul__(self, other: Scalar) -> "Tensor":
+        return self * other
+
+    def __matmul__(self, other: "Tensor") -> "Tensor":
+        return self.matmul(other)
+
+    @abc.abstractmethod
+    def matmul(self, other: "Tensor") -> "Tensor":
+        """Batched matrix product ``[..., M, K] @ [..., K, N] -> [..., M, N]``."""
+
+    @abc.abstractmethod
+    def linear(self, weight: "Tensor", bias: "Tensor | None" = None) -> "Tensor":
+        """``self @ weight.T + bias``: ``[..., in] x [out, in] -> [..., out]``. ``weight`` may be quantized."""
+
+    @abc.abstractmethod
+    def exp(self) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def log(self) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def sqrt(self) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def tanh(self) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def maximum(self, other: "Tensor | Scalar") -> "Tensor": ...
+
+    @abc.abstractmethod
+    def minimum(self, other: "Tensor | Scalar") -> "Tensor": ...
+
+    @abc.abstractmethod
+    def compare(self, op: str, other: "Tensor | Scalar") -> "Tensor":
+        """Elementwise comparison, ``op`` one of ``< <= > >= == !=``; returns a BOOL tensor."""
+
+    @abc.abstractmethod
+    def where(self, if_true: "Tensor | Scalar", if_false: "Tensor | Scalar") -> "Tensor":
+        """``self`` is a BOOL condition; picks from ``if_true`` where it holds, else ``if_false``."""
+
+    # ---- reductions --------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def sum(self, axis: int | None = None, keepdims: bool = False) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def mean(self, axis: int | None = None, keepdims: bool = False) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def max(self, axis: int | None = None, keepdims: bool = False) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def argmax(self, axis: int = -1) -> "Tensor":
+        """Index of the largest element along ``axis`` (INT32/UINT32), the axis removed."""
+
+    @abc.abstractmethod
+    def argsort(self, axis: int = -1, descending: bool = False) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def cumsum(self, axis: int = -1) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def logsumexp(self, axis: int = -1, keepdims: bool = False) -> "Tensor": ...
+
+    # ---- shape and indexing ------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def reshape(self, *shape: int) -> "Tensor":
+        """A view with a new shape; one entry may be ``-1``."""
+
+    @abc.abstractmethod
+    def transpose(self, *axes: int) -> "Tensor":
+        """Permute axes (all of them, as ``numpy.transpose``)."""
+
+    @abc.abstractmethod
+    def __getitem__(self, index: Index) -> "Tensor":
+        """NumPy basic indexing (ints, slices, ``...``, ``None``) and integer-Tensor indexing."""
+
+    @abc.abstractmethod
+    def __setitem__(self, index: Index, value: "Tensor | Scalar") -> None:
+        """In-place update of a region (a slice update, or a scatter when ``index`` holds an integer Tensor)."""
+
+    @abc.abstractmethod
+    def take(self, indices: "Tensor", axis: int = 0) -> "Tensor":
+        """Gather along ``axis`` (``numpy.take``). On a quantized ``[rows, cols]`` weight, ``axis=0`` gathers rows and
+        returns them dequantized: the embedding lookup."""
+
+    @abc.abstractmethod
+    def take_along_axis(self, indices: "Tensor", axis: int) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def put_along_axis(self, indices: "Tensor", values: "Tensor", axis: int) -> "Tensor":
+        """A copy of ``self`` with ``values`` written at ``indices`` along ``axis`` (``numpy.put_along_axis``)."""
+
+    @abc.abstractmethod
+    def astype(self, dtype: DType) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def dequantize(self) -> "Tensor":
+        """A quantized tensor as a dense one in its ``dtype``; a dense tensor is returned as it is."""
+
+    # ---- neural-network operations -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def softmax(self, axis: int = -1) -> "Tensor":
+        """Softmax, computed in float32 for accuracy, returned in ``self.dtype``."""
+
+    @abc.abstractmethod
+    def rms_norm(self, weight: "Tensor | None", eps: float) -> "Tensor":
+        """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last axis (Zhang & Sennrich 2019)."""
+
+    @abc.abstractmethod
+    def layer_norm(self, weight: "Tensor | None", bias: "Tensor | None", eps: float) -> "Tensor":
+        """Layer normalisation over the last axis (Ba et al. 2016)."""
+
+    @abc.abstractmethod
+    def group_norm(self, groups: int, weight: "Tensor | None", bias: "Tensor | None", eps: float) -> "Tensor":
+        """Group normalisation of a channels-last ``[B, ..., C]`` tensor (Wu & He 2018), as ``torch.nn.GroupNorm``."""
+
+    @abc.abstractmethod
+    def rope(self, positions: "Tensor | int", dims: int, base: float | None = 10000.0, scale: float = 1.0,
+             traditional: bool = False, freqs: "Tensor | None" = None) -> "Tensor":
+        """Rotary position embedding (Su et al. 2021, RoFormer) on ``[B, H, L, Dh]``.
+
+        Args:
+            positions: an int (the position of token 0; tokens follow contiguously) or an INT32 Tensor ``[B]`` of
+                start positions, one per batch row.
+            dims: how many leading features of ``Dh`` are rotated.
+            base: the frequency base ``theta``; ``None`` when ``freqs`` is given.
+            scale: positions are multiplied by it (linear scaling).
+            traditional: rotate interleaved pairs ``(2i, 2i+1)`` (GPT-J / llama.cpp "norm") instead of the halves
+                ``(i, i + dims/2)`` (GPT-NeoX / Hugging Face).
+            freqs: explicit inverse-wavelengths ``[dims/2]`` (1 / theta_i), e.g. after Llama 3 scaling.
+        """
+
+    @abc.abstractmethod
+    def gelu(self, approximate: bool = False) -> "Tensor":
+        """GELU (Hendrycks & Gimpel 2016): exact erf form, or the tanh approximation when ``approximate``."""
+
+    @abc.abstractmethod
+    def silu(self) -> "Tensor":
+        """``x * sigmoid(x)``."""
+
+    @abc.abstractmethod
+    def sigmoid(self) -> "Tensor": ...
+
+    @abc.abstractmethod
+    def conv2d(self, weight: "Tensor", bias: "Tensor | None" = None, stride: int = 1, padding: int = 0) -> "Tensor":
+        """2-D convolution, channels last: ``[B, H, W, Cin] x [Cout, kH, kW, Cin] -> [B, H', W', Cout]``."""
+
+    @abc.abstractmethod
+    def upsample_nearest(self, factor: int) -> "Tensor":
+        """Nearest-neighbour upsampling of ``[B, H, W, C]`` by an integer factor in H and W."""
+
+    # ---- leaving the device ------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def numpy(self) -> np.ndarray:
+        """Evaluate and copy to host. BFLOAT16 comes back as float32."""
+
+    def item(self) -> Scalar:
+        return self.numpy().item()
+
+
+class Context(abc.ABC):
+    """The scope of one forward pass or one denoising step.
+
+    It makes tensors, starts computation, and lets go of what it made when it closes. Use it as a context manager.
+    """
+
+    @abc.abstractmethod
+    def from_numpy(self, array: np.ndarray, dtype: DType | None = None) -> Tensor:
+        """A device tensor holding a copy of ``array`` (cast to ``dtype`` when given)."""
+
+    def from_list(self, values: Sequence[Any], dtype: DType) -> Tensor:
+        return self.from_numpy(np.asarray(values), dtype)
+
+    @abc.abstractmethod
+    def zeros(self, shape: Sequence[int], dtype: DType) -> Tensor: ...
+
+    @abc.abstractmethod
+    def full(self, shape: Sequence[int], value: Scalar, dtype: DType) -> Tensor: ...
+
+    @abc.abstractmethod
+    def arange(self, start: int, stop: int, dtype: DType = DType.INT32) -> Tensor: ...
+
+    @abc.abstractmethod
+    def concatenate(self, tensors: Sequence[Tensor], axis: int) -> Tensor: ...
+
+    @abc.abstractmethod
+    def stack(self, tensors: Sequence[Tensor], axis: int = 0) -> Tensor: ...
+
+    @abc.abstractmethod
+    def scaled_dot_product_attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                                     mask: "Tensor | str | None" = None) -> Tensor:
+        """``softmax(q k^T * scale + mask) v`` (Vaswani et al. 2017).
+
+        Shapes: ``q [B, Hq, L, Dh]``, ``k, v [B, Hkv, S, Dh]`` with ``Hq`` a multiple of ``Hkv`` (grouped-query
+        attention), ``mask`` additive ``[L, S]`` (or broadcastable to ``[B, Hq, L, S]``), the string ``"causal"``
+        (query ``i`` sees keys ``0..S-L+i``), or ``None``. Returns ``[B, Hq, L, Dh]``.
+        """
+
+    @abc.abstractmethod
+    def categorical(self, logits: Tensor, seed_key: Any) -> Tensor:
+        """Draw one index per row of ``logits [N, V]`` with probability ``softmax(logits)``; returns INT32 ``[N]``.
+        ``seed_key`` is a value made by :meth:`random_key`."""
+
+    @abc.abstractmethod
+    def random_key(self, seed: int) -> Any:
+        """A random-state key from an integer seed; the same seed gives the same draws."""
+
+    @abc.abstractmethod
+    def split_key(self, key: Any) -> tuple[Any, Any]:
+        """Two independent keys from one."""
+
+    @abc.abstractmethod
+    def random_normal(self, shape: Sequence[int], dtype: DType, key: Any) -> Tensor:
+        """Standard normal noise (used for diffusion latents)."""
+
+    @abc.abstractmethod
+    def evaluate(self, *tensors: Tensor) -> None:
+        """Compute the given tensors now (blocking)."""
+
+    @abc.abstractmethod
+    def evaluate_async(self, *tensors: Tensor) -> None:
+        """Start computing the given tensors and return at once (for pipelined decode)."""
+
+    def close(self) -> None:
+        """Let go of intermediates made in this context."""
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Backend(abc.ABC):
+    """Made from a model file or folder. Owns the weights, the metadata, the device, and the memory controls.
+
+    Errors: constructing one from a missing or corrupt file raises ``mlx_engine.errors.WeightsError``.
+    """
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """The device in words, e.g. ``"mlx cpu (OpenBLAS)"``."""
+
+    @property
+    @abc.abstractmethod
+    def compute_dtype(self) -> DType:
+        """The float type models compute in on this device (float32 on CPU, float16 or bfloat16 on GPUs)."""
+
+    @property
+    @abc.abstractmethod
+    def metadata(self) -> Mapping[str, Any]:
+        """Key-value metadata of the model file (GGUF keys, or ``config.json`` flattened with its keys)."""
+
+    @property
+    @abc.abstractmethod
+    def weights(self) -> Mapping[str, Tensor]:
+        """The model's tensors by the names in the file."""
+
+    @abc.abstractmethod
+    def new_context(self) -> Context: ...
+
+    def cache_config(self) -> CacheConfig:
+        """The KV cache layout this backend prefers."""
+        return CacheConfig()
+
+    # ---- memory controls (bytes) ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def set_memory_limit(self, nbytes: int) -> int:
+        """Limit device memory; returns the previous limit."""
+
+    @abc.abstractmethod
+    def set_cache_limit(self, nbytes: int) -> int:
+        """Limit the allocator's cache of freed buffers; returns the previous limit."""
+
+    @abc.abstractmethod
+    def set_wired_limit(self, nbytes: int) -> int:
+        """Wire (pin) up to this much memory (Metal only; a no-op elsewhere). Opt-in; returns the previous limit."""
+
+    @abc.abstractmethod
+    def active_memory(self) -> int: ...
+
+    @abc.abstractmethod
+    def peak_memory(self) -> int: ...
+
+    @abc.abstractmethod
+    def reset_peak_memory(self) -> None: ...
+
+    @abc.abstractmethod
+    def clear_cache(self) -> None:
+        """Return the allocator's cached buffers to the system."""
+
+    def close(self) -> None:
+        """Drop the weights."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)

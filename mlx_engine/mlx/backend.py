@@ -1,0 +1,163 @@
+"""The MLX ``Backend`` and ``Context``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlx_engine.ml import Backend, CacheConfig, Context, DType
+from mlx_engine.mlx.runtime import blas_description, mx, select_device
+from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
+from mlx_engine.weights import QuantizedArray, open_weights
+
+
+class MLXContext(Context):
+    """Makes MLX tensors. MLX frees intermediates by reference counting, so closing has nothing to release."""
+
+    def from_numpy(self, array, dtype=None):
+        a = mx.array(np.asarray(array))
+        return MLXTensor(a if dtype is None else a.astype(TO_MX[dtype]))
+
+    def zeros(self, shape, dtype):
+        return MLXTensor(mx.zeros(tuple(shape), dtype=TO_MX[dtype]))
+
+    def full(self, shape, value, dtype):
+        return MLXTensor(mx.full(tuple(shape), value, dtype=TO_MX[dtype]))
+
+    def arange(self, start, stop, dtype=DType.INT32):
+        return MLXTensor(mx.arange(start, stop, dtype=TO_MX[dtype]))
+
+    def concatenate(self, tensors, axis):
+        return MLXTensor(mx.concatenate([t.a for t in tensors], axis=axis))
+
+    def stack(self, tensors, axis=0):
+        return MLXTensor(mx.stack([t.a for t in tensors], axis=axis))
+
+    def scaled_dot_product_attention(self, q, k, v, scale, mask=None):
+        m = mask if isinstance(mask, str) or mask is None else mask.a
+        if m is not None and not isinstance(m, str) and m.dtype != q.a.dtype:
+            m = m.astype(q.a.dtype)
+        return MLXTensor(mx.fast.scaled_dot_product_attention(q.a, k.a, v.a, scale=scale, mask=m))
+
+    def categorical(self, logits, seed_key):
+        return MLXTensor(mx.random.categorical(logits.a, key=seed_key).astype(mx.int32))
+
+    def random_key(self, seed):
+        return mx.random.key(int(seed))
+
+    def split_key(self, key):
+        k1, k2 = mx.random.split(key)
+        return k1, k2
+
+    def random_normal(self, shape, dtype, key):
+        return MLXTensor(mx.random.normal(tuple(shape), dtype=TO_MX[dtype], key=key))
+
+    def evaluate(self, *tensors):
+        mx.eval(*[t.w if t.is_quantized else t.a for t in tensors])
+
+    def evaluate_async(self, *tensors):
+        mx.async_eval(*[t.w if t.is_quantized else t.a for t in tensors])
+
+
+class MLXBackend(Backend):
+    """Weights from a GGUF file, a safetensors file, or a Hugging Face folder, on an MLX device.
+
+    Args:
+        path: the model file or folder.
+        device: ``cpu``, ``gpu``, ``metal``, ``cuda`` or None (automatic; see ``mlx_engine.mlx.runtime``).
+        dtype: the compute dtype; float weights are cast to it. Default: float32 on CPU (MLX's CPU backend has no
+            fast half-precision matmul), float16 on GPUs.
+        requantize: re-quantize tensors of quantized types that MLX cannot hold as they are (K-quants, Q5_0...)
+            to this many bits (4 or 8, group size 32) instead of keeping them dequantized.
+
+    Raises:
+        WeightsError: the file is missing, truncated or corrupt (the message names it).
+    """
+
+    def __init__(self, path: "str | Path | None" = None, *, device: str | None = None, dtype: "DType | str | None" = None,
+                 requantize: int | None = None):
+        self._device = select_device(device)
+        self._dtype = DType.parse(dtype) if dtype else (DType.FLOAT32 if self._device == "cpu" else DType.FLOAT16)
+        self._weights: dict[str, MLXTensor] = {}
+        self._metadata: Mapping[str, Any] = {}
+        self.path = Path(path) if path is not None else None
+        if path is not None:
+            with open_weights(path) as wf:
+                self._metadata = wf.metadata
+                self.tensor_types = {n: wf.type_name(n) for n in wf.names()}
+                for name in wf.names():
+                    self._weights[name] = self._to_device(wf.load(name, requantize=requantize))
+
+    def _to_device(self, host: "np.ndarray | QuantizedArray") -> MLXTensor:
+        dt = TO_MX[self._dtype]
+        if isinstance(host, QuantizedArray):
+            t = MLXQuantizedTensor(mx.array(host.weight), mx.array(host.scales).astype(dt),
+                                   mx.array(host.biases).astype(dt), host.group_size, host.bits)
+            mx.eval(t.w, t.scales, t.biases)
+            return t
+        a = mx.array(host)
+        if mx.issubdtype(a.dtype, mx.floating) and a.dtype != dt:
+            a = a.astype(dt)
+        mx.eval(a)
+        return MLXTensor(a)
+
+    @property
+    def name(self) -> str:
+        if self._device == "cpu":
+            return f"mlx cpu ({blas_description()})"
+        return f"mlx {self._device}"
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    @property
+    def compute_dtype(self) -> DType:
+        return self._dtype
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self._metadata
+
+    @property
+    def weights(self) -> dict[str, MLXTensor]:
+        return self._weights
+
+    def weights_nbytes(self) -> int:
+        return sum(t.nbytes for t in self._weights.values())
+
+    def new_context(self) -> MLXContext:
+        return MLXContext()
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(padding=1, mask_dtype=self._dtype, step=256)
+
+    def set_memory_limit(self, nbytes: int) -> int:
+        return mx.set_memory_limit(int(nbytes))
+
+    def set_cache_limit(self, nbytes: int) -> int:
+        return mx.set_cache_limit(int(nbytes))
+
+    def set_wired_limit(self, nbytes: int) -> int:
+        if self._device != "metal":
+            return 0
+        return mx.set_wired_limit(int(nbytes))
+
+    def active_memory(self) -> int:
+        return mx.get_active_memory()
+
+    def peak_memory(self) -> int:
+        return mx.get_peak_memory()
+
+    def reset_peak_memory(self) -> None:
+        mx.reset_peak_memory()
+
+    def clear_cache(self) -> None:
+        mx.clear_cache()
+
+    def close(self) -> None:
+        self._weights.clear()
+        mx.clear_cache()

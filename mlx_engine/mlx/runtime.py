@@ -1,0 +1,75 @@
+"""Importing MLX the right way: a fast BLAS first on Linux CPU, then the device choice.
+
+Environment variables:
+    MLX_ENGINE_DEVICE: ``cpu``, ``gpu`` (Metal or CUDA, whichever MLX has), ``metal`` or ``cuda``. Default: Metal
+        where available, else CUDA, else CPU.
+    MLX_ENGINE_OPENBLAS: ``0`` stops us loading a system OpenBLAS before MLX on Linux. The ``mlx[cpu]`` wheel links the
+        reference BLAS; OpenBLAS loaded first with ``RTLD_GLOBAL`` supplies ``sgemm`` about 30x faster (measured on a
+        2048x2048 float32 matmul: 2.8 s -> 0.09 s).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+from mlx_engine.errors import EngineError
+
+_OPENBLAS_NAMES = ("libopenblas.so.0", "libopenblas.so", "libopenblasp-r0.so")
+_blas = "system default"
+
+
+def _load_openblas() -> str:
+    """Load OpenBLAS globally before MLX on Linux; return a description of the BLAS in use."""
+    if not sys.platform.startswith("linux"):
+        return "Accelerate" if sys.platform == "darwin" else "system default"
+    if "mlx.core" in sys.modules:
+        return "as loaded before mlx_engine (mlx was imported first)"
+    if os.environ.get("MLX_ENGINE_OPENBLAS", "1").lower() in ("0", "false", "no", "off"):
+        return "reference BLAS (OpenBLAS disabled by MLX_ENGINE_OPENBLAS=0)"
+    for name in _OPENBLAS_NAMES:
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            return f"OpenBLAS ({name})"
+        except OSError:
+            continue
+    return "reference BLAS (no system OpenBLAS found; install libopenblas0-pthread for ~30x faster matmuls)"
+
+
+_blas = _load_openblas()
+
+import mlx.core as mx  # noqa: E402  (must come after the BLAS is loaded)
+
+
+def blas_description() -> str:
+    """Which BLAS MLX's CPU backend uses in this process, in words."""
+    return _blas
+
+
+def _cuda_available() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
+def select_device(requested: str | None = None) -> str:
+    """Set MLX's default device and return its name: ``"metal"``, ``"cuda"`` or ``"cpu"``.
+
+    ``requested`` (or ``MLX_ENGINE_DEVICE``) overrides the automatic choice. Raises ``EngineError`` when the
+    requested device is not available.
+    """
+    want = (requested or os.environ.get("MLX_ENGINE_DEVICE") or "auto").lower()
+    metal = mx.metal.is_available()
+    cuda = _cuda_available()
+    if want == "auto":
+        want = "metal" if metal else "cuda" if cuda else "cpu"
+    if want == "gpu":
+        if not (metal or cuda):
+            raise EngineError("device 'gpu' requested but MLX sees neither Metal nor CUDA; use MLX_ENGINE_DEVICE=cpu")
+        want = "metal" if metal else "cuda"
+    if want == "metal" and not metal or want == "cuda" and not cuda:
+        raise EngineError(f"device {want!r} requested but it is not available here; use MLX_ENGINE_DEVICE=cpu")
+    if want not in ("metal", "cuda", "cpu"):
+        raise EngineError(f"unknown device {want!r}; use cpu, gpu, metal or cuda")
+    mx.set_default_device(mx.cpu if want == "cpu" else mx.gpu)
+    return want

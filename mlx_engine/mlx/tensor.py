@@ -1,0 +1,276 @@
+"""The MLX ``Tensor``: a thin wrapper over ``mx.array`` (one attribute, no checks on the hot path)."""
+
+from __future__ import annotations
+
+import operator
+
+import mlx.nn as nn
+import numpy as np
+
+from mlx_engine.errors import UnsupportedError
+from mlx_engine.ml import DType, Tensor
+from mlx_engine.mlx.runtime import mx
+
+TO_MX = {
+    DType.FLOAT32: mx.float32, DType.FLOAT16: mx.float16, DType.BFLOAT16: mx.bfloat16, DType.INT64: mx.int64,
+    DType.INT32: mx.int32, DType.UINT32: mx.uint32, DType.INT8: mx.int8, DType.UINT8: mx.uint8, DType.BOOL: mx.bool_,
+}
+FROM_MX = {v: k for k, v in TO_MX.items()}
+_COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq,
+            "!=": operator.ne}
+
+
+def raw(x):
+    """The ``mx.array`` behind a Tensor, or a scalar as it is."""
+    return x.a if isinstance(x, MLXTensor) else x
+
+
+def _index(index):
+    if isinstance(index, tuple):
+        return tuple(raw(i) for i in index)
+    return raw(index)
+
+
+class MLXTensor(Tensor):
+    __slots__ = ("a",)
+
+    def __init__(self, a: "mx.array"):
+        self.a = a
+
+    def __repr__(self) -> str:
+        return f"MLXTensor(shape={self.shape}, dtype={self.dtype.value})"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.a.shape)
+
+    @property
+    def dtype(self) -> DType:
+        return FROM_MX[self.a.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes
+
+    # arithmetic
+    def __add__(self, o):
+        return MLXTensor(self.a + raw(o))
+
+    def __radd__(self, o):
+        return MLXTensor(raw(o) + self.a)
+
+    def __sub__(self, o):
+        return MLXTensor(self.a - raw(o))
+
+    def __rsub__(self, o):
+        return MLXTensor(raw(o) - self.a)
+
+    def __mul__(self, o):
+        return MLXTensor(self.a * raw(o))
+
+    def __rmul__(self, o):
+        return MLXTensor(raw(o) * self.a)
+
+    def __truediv__(self, o):
+        return MLXTensor(self.a / raw(o))
+
+    def __neg__(self):
+        return MLXTensor(-self.a)
+
+    def matmul(self, other):
+        return MLXTensor(self.a @ other.a)
+
+    def linear(self, weight, bias=None):
+        if isinstance(weight, MLXQuantizedTensor):
+            y = mx.quantized_matmul(self.a, weight.w, weight.scales, weight.biases, transpose=True,
+                                    group_size=weight.group_size, bits=weight.bits)
+        else:
+            y = self.a @ weight.a.T
+        if bias is not None:
+            y = y + bias.a
+        return MLXTensor(y)
+
+    def exp(self):
+        return MLXTensor(mx.exp(self.a))
+
+    def log(self):
+        return MLXTensor(mx.log(self.a))
+
+    def sqrt(self):
+        return MLXTensor(mx.sqrt(self.a))
+
+    def tanh(self):
+        return MLXTensor(mx.tanh(self.a))
+
+    def maximum(self, o):
+        return MLXTensor(mx.maximum(self.a, raw(o)))
+
+    def minimum(self, o):
+        return MLXTensor(mx.minimum(self.a, raw(o)))
+
+    def compare(self, op, o):
+        try:
+            fn = _COMPARE[op]
+        except KeyError:
+            raise ValueError(f"unknown comparison {op!r}; use one of {' '.join(_COMPARE)}") from None
+        return MLXTensor(fn(self.a, raw(o)))
+
+    def where(self, if_true, if_false):
+        return MLXTensor(mx.where(self.a, raw(if_true), raw(if_false)))
+
+    # reductions
+    def sum(self, axis=None, keepdims=False):
+        return MLXTensor(mx.sum(self.a, axis=axis, keepdims=keepdims))
+
+    def mean(self, axis=None, keepdims=False):
+        return MLXTensor(mx.mean(self.a, axis=axis, keepdims=keepdims))
+
+    def max(self, axis=None, keepdims=False):
+        return MLXTensor(mx.max(self.a, axis=axis, keepdims=keepdims))
+
+    def argmax(self, axis=-1):
+        return MLXTensor(mx.argmax(self.a, axis=axis))
+
+    def argsort(self, axis=-1, descending=False):
+        return MLXTensor(mx.argsort(-self.a if descending else self.a, axis=axis))
+
+    def cumsum(self, axis=-1):
+        return MLXTensor(mx.cumsum(self.a, axis=axis))
+
+    def logsumexp(self, axis=-1, keepdims=False):
+        return MLXTensor(mx.logsumexp(self.a, axis=axis, keepdims=keepdims))
+
+    # shape and indexing
+    def reshape(self, *shape):
+        return MLXTensor(self.a.reshape(*shape))
+
+    def transpose(self, *axes):
+        return MLXTensor(self.a.transpose(*axes))
+
+    def __getitem__(self, index):
+        return MLXTensor(self.a[_index(index)])
+
+    def __setitem__(self, index, value):
+        self.a[_index(index)] = raw(value)
+
+    def take(self, indices, axis=0):
+        return MLXTensor(mx.take(self.a, raw(indices), axis=axis))
+
+    def take_along_axis(self, indices, axis):
+        return MLXTensor(mx.take_along_axis(self.a, indices.a, axis=axis))
+
+    def put_along_axis(self, indices, values, axis):
+        return MLXTensor(mx.put_along_axis(self.a, indices.a, raw(values), axis=axis))
+
+    def astype(self, dtype):
+        return MLXTensor(self.a.astype(TO_MX[dtype]))
+
+    def dequantize(self):
+        return self
+
+    # neural-network operations
+    def softmax(self, axis=-1):
+        return MLXTensor(mx.softmax(self.a, axis=axis, precise=True))
+
+    def rms_norm(self, weight, eps):
+        return MLXTensor(mx.fast.rms_norm(self.a, raw(weight), eps))
+
+    def layer_norm(self, weight, bias, eps):
+        return MLXTensor(mx.fast.layer_norm(self.a, raw(weight), raw(bias), eps))
+
+    def group_norm(self, groups, weight, bias, eps):
+        # Statistics over (spatial, channels of the group), as torch.nn.GroupNorm.
+        x = self.a
+        shape = x.shape
+        c = shape[-1]
+        g = x.reshape(shape[0], -1, groups, c // groups)
+        mean = mx.mean(g, axis=(1, 3), keepdims=True)
+        var = mx.var(g, axis=(1, 3), keepdims=True)
+        y = ((g - mean) * mx.rsqrt(var + eps)).reshape(shape)
+        if weight is not None:
+            y = y * weight.a
+        if bias is not None:
+            y = y + bias.a
+        return MLXTensor(y)
+
+    def rope(self, positions, dims, base=10000.0, scale=1.0, traditional=False, freqs=None):
+        return MLXTensor(mx.fast.rope(self.a, dims, traditional=traditional, base=base, scale=scale,
+                                      offset=raw(positions), freqs=raw(freqs)))
+
+    def gelu(self, approximate=False):
+        return MLXTensor(nn.gelu_approx(self.a) if approximate else nn.gelu(self.a))
+
+    def silu(self):
+        return MLXTensor(nn.silu(self.a))
+
+    def sigmoid(self):
+        return MLXTensor(mx.sigmoid(self.a))
+
+    def conv2d(self, weight, bias=None, stride=1, padding=0):
+        y = mx.conv2d(self.a, weight.a, stride=stride, padding=padding)
+        if bias is not None:
+            y = y + bias.a
+        return MLXTensor(y)
+
+    def upsample_nearest(self, factor):
+        b, h, w, c = self.a.shape
+        y = mx.broadcast_to(self.a[:, :, None, :, None, :], (b, h, factor, w, factor, c))
+        return MLXTensor(y.reshape(b, h * factor, w * factor, c))
+
+    def numpy(self):
+        a = self.a
+        if a.dtype == mx.bfloat16:
+            a = a.astype(mx.float32)
+        return np.array(a, copy=True)
+
+
+class MLXQuantizedTensor(MLXTensor):
+    """An affine-quantized weight ``[rows, cols]`` (MLX's layout): ``w = scale * q + bias`` per group of
+    ``group_size`` consecutive elements of a row, ``q`` packed into uint32 words, lowest bits first.
+
+    ``linear`` runs ``mx.quantized_matmul``; ``take(axis=0)`` gathers rows and dequantizes them; any other operation
+    works on the dequantized values.
+    """
+
+    __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape")
+
+    def __init__(self, w, scales, biases, group_size: int, bits: int):
+        self.w, self.scales, self.biases = w, scales, biases
+        self.group_size, self.bits = group_size, bits
+        self._shape = (w.shape[0], w.shape[1] * 32 // bits)
+
+    def __repr__(self) -> str:
+        return f"MLXQuantizedTensor(shape={self.shape}, bits={self.bits}, group_size={self.group_size})"
+
+    @property
+    def a(self):
+        return mx.dequantize(self.w, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def dtype(self):
+        return FROM_MX[self.scales.dtype]
+
+    @property
+    def is_quantized(self):
+        return True
+
+    @property
+    def nbytes(self):
+        return self.w.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    def take(self, indices, axis=0):
+        if axis != 0:
+            return super().take(indices, axis)
+        i = raw(indices)
+        return MLXTensor(mx.dequantize(self.w[i], self.scales[i], self.biases[i], group_size=self.group_size,
+                                       bits=self.bits))
+
+    def dequantize(self):
+        return MLXTensor(self.a)
+
+    def __setitem__(self, index, value):
+        raise UnsupportedError("a quantized weight cannot be updated in place; dequantize it first")

@@ -1,0 +1,132 @@
+"""What a weight reader returns: named host arrays (NumPy) plus typed metadata. Device upload is the backend's job."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class QuantizedArray:
+    """An affine-quantized 2-D weight in MLX's layout: element ``j`` of row ``r`` is
+    ``scales[r, j // group_size] * q + biases[r, j // group_size]`` where ``q`` is the ``bits``-bit unsigned integer
+    at bit ``bits * (j % (32 // bits))`` of word ``weight[r, j // (32 // bits)]``.
+
+    Attributes:
+        weight: uint32 ``[rows, cols * bits / 32]``.
+        scales, biases: float32 ``[rows, cols / group_size]``.
+        group_size: elements per scale (32 for GGUF Q4_0, Q4_1, Q8_0).
+        bits: 4 or 8.
+    """
+
+    weight: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+    group_size: int
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[rows, cols]``."""
+        per_word = 32 // self.bits
+        shifts = (np.arange(per_word, dtype=np.uint32) * self.bits)
+        q = (self.weight[:, :, None] >> shifts) & np.uint32((1 << self.bits) - 1)
+        q = q.reshape(self.weight.shape[0], -1).astype(np.float32)
+        g = q.reshape(q.shape[0], -1, self.group_size)
+        return (g * self.scales[:, :, None] + self.biases[:, :, None]).reshape(q.shape)
+
+
+class Metadata(Mapping[str, Any]):
+    """Key-value metadata with typed access. Errors name the file and the key."""
+
+    def __init__(self, values: dict[str, Any], source: str):
+        self._values = values
+        self.source = source
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def _typed(self, key: str, kinds: tuple[type, ...], default: Any, what: str) -> Any:
+        from mlx_engine.errors import WeightsError
+
+        if key not in self._values:
+            if default is _REQUIRED:
+                raise WeightsError(f"{self.source}: metadata key {key!r} is missing")
+            return default
+        value = self._values[key]
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            raise WeightsError(f"{self.source}: metadata {key!r} should be {what}, found {type(value).__name__}")
+        return value
+
+    def get_int(self, key: str, default: Any = None) -> int:
+        return self._typed(key, (int, np.integer), _REQUIRED if default is None else default, "an integer")
+
+    def get_float(self, key: str, default: Any = None) -> float:
+        v = self._typed(key, (int, float, np.integer, np.floating), _REQUIRED if default is None else default,
+                        "a number")
+        return float(v)
+
+    def get_str(self, key: str, default: Any = None) -> str:
+        return self._typed(key, (str,), _REQUIRED if default is None else default, "a string")
+
+    def get_bool(self, key: str, default: Any = None) -> bool:
+        return self._typed(key, (bool,), _REQUIRED if default is None else default, "a boolean")
+
+    def get_list(self, key: str, default: Any = None) -> list:
+        return self._typed(key, (list, tuple, np.ndarray), _REQUIRED if default is None else default, "an array")
+
+
+_REQUIRED = object()
+
+
+class WeightFile(abc.ABC):
+    """An open model file (or folder of shards). Use as a context manager; ``close`` releases file handles."""
+
+    path: Path
+    format: str  # "gguf" or "safetensors"
+
+    @property
+    @abc.abstractmethod
+    def metadata(self) -> Metadata: ...
+
+    @abc.abstractmethod
+    def names(self) -> list[str]:
+        """Tensor names in file order."""
+
+    @abc.abstractmethod
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical shape in NumPy order (GGUF's reversed ggml order already undone)."""
+
+    @abc.abstractmethod
+    def type_name(self, name: str) -> str:
+        """The stored type: ``F32``, ``F16``, ``BF16``, ``Q4_0``, ``Q4_K``... (GGUF's names; safetensors dtypes as
+        ``F32``/``F16``/``BF16``/``I32``...)."""
+
+    @abc.abstractmethod
+    def load(self, name: str, requantize: int | None = None) -> "np.ndarray | QuantizedArray":
+        """One tensor on the host. Q4_0, Q4_1 and Q8_0 come back as a lossless :class:`QuantizedArray` (group 32);
+        other quantized types dequantized to float32 (or re-quantized to ``requantize`` bits, group 32, when given);
+        F16 as float16, BF16 as float32, F32 as float32. Raises ``WeightsError`` naming the file and tensor."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "WeightFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
