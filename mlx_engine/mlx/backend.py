@@ -42,6 +42,13 @@ class MLXContext(Context):
             m = m.astype(q.a.dtype)
         return MLXTensor(mx.fast.scaled_dot_product_attention(q.a, k.a, v.a, scale=scale, mask=m))
 
+    def quantize(self, x, group_size=64, bits=8):
+        w, s, b = mx.quantize(x.a, group_size=group_size, bits=bits)
+        return MLXTensor(w), MLXTensor(s), MLXTensor(b)
+
+    def dequantize(self, packed, scales, biases, group_size=64, bits=8):
+        return MLXTensor(mx.dequantize(packed.a, scales.a, biases.a, group_size=group_size, bits=bits))
+
     def categorical(self, logits, seed_key):
         return MLXTensor(mx.random.categorical(logits.a, key=seed_key).astype(mx.int32))
 
