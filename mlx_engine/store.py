@@ -52,6 +52,7 @@ __all__ = [
     "Store",
     "WheelMember",
     "default_root",
+    "canonical_name",
     "safe_name",
 ]
 
@@ -407,7 +408,32 @@ class Store:
                              license=m.get("license"))
 
     def is_present(self, name: str) -> bool:
-        return self._find_manifest(name) is not None
+        """Whether ``name`` (a catalog name, family name or ``hf:`` name) is complete in the store."""
+        return self._find_manifest(canonical_name(name)) is not None
+
+    def looks_like_model(self, arg: str) -> bool:
+        """Whether a command-line argument names a model rather than being a prompt: a catalog or family name,
+        ``hf:...``, a GGUF file or model folder, ``name:tag``, a name in the store, or a model pulled with ollama."""
+        if not arg or not arg.strip():
+            return False
+        path = Path(arg).expanduser()
+        if path.is_dir():
+            return True
+        if path.is_file():
+            return path.suffix == ".gguf" or _is_gguf(path)
+        if any(c.isspace() for c in arg):
+            return False
+        if arg.startswith("hf:") or canonical_name(arg) in CATALOG:
+            return True
+        if re.fullmatch(r"[\w.\-]+(/[\w.\-]+)*:[\w.\-]+", arg):
+            return True
+        if arg.endswith(".gguf"):
+            return True
+        try:
+            self.resolve(arg, pull=False, progress=False)
+        except EngineError:
+            return False
+        return True
 
     # -------------------------------------------------------------------------------------------------- resolution
 
@@ -436,9 +462,8 @@ class Store:
         if path.exists():
             return self._resolve_path(path)
 
-        key = model.lower()
-        if key in CATALOG or key in _FAMILY_DEFAULTS:
-            name = _FAMILY_DEFAULTS.get(key, key)
+        name = canonical_name(model)
+        if name in CATALOG:
             found = self._find_manifest(name)
             if found is not None:
                 return self._resolved_from_manifest(*found)
@@ -637,8 +662,7 @@ class Store:
         """
         if name.startswith("hf:"):
             return self._resolve_hf(name, pull=True, progress=progress)
-        key = _FAMILY_DEFAULTS.get(name.lower(), name.lower())
-        entry = CATALOG.get(key)
+        entry = CATALOG.get(canonical_name(name))
         if entry is None:
             raise ModelNotFoundError(f"{name!r} is not in the catalog. {self._catalog_hint()}")
         found = self._find_manifest(entry.name)
@@ -771,7 +795,7 @@ class Store:
         Raises:
             ModelNotFoundError: the model is not in the store and cannot be resolved without pulling.
         """
-        found = self._find_manifest(name) or self._find_manifest(_FAMILY_DEFAULTS.get(name.lower(), name.lower()))
+        found = self._find_manifest(canonical_name(name))
         if found is not None:
             return self._info(*found, detailed=True)
         resolved = self.resolve(name, pull=False, progress=False)
@@ -790,8 +814,7 @@ class Store:
         Raises:
             ModelNotFoundError: the model is not in the store.
         """
-        key = _FAMILY_DEFAULTS.get(name.lower(), name.lower()) if name.lower() in CATALOG or \
-            name.lower() in _FAMILY_DEFAULTS else name
+        key = canonical_name(name)
         folder = self.model_dir(key)
         manifest = folder / MANIFEST
         if not folder.is_dir() or not folder.resolve().is_relative_to(self.models_dir.resolve()) or \
@@ -816,10 +839,18 @@ class Store:
         _fill_info(info, path, detailed=detailed)
         if info.parameters is None and m.get("parameters"):
             info.parameters = _parse_count(m["parameters"])
+            info.extra["parameters_approximate"] = True
         return info
 
 
 _FAMILY_DEFAULTS = {"smollm2": "smollm2:135m", "gemma3": "gemma3:270m"}
+
+
+def canonical_name(name: str) -> str:
+    """A catalog name as written in the catalog (``SmolLM2`` -> ``smollm2:135m``); other names unchanged."""
+    key = name.strip().lower()
+    key = _FAMILY_DEFAULTS.get(key, key)
+    return key if key in CATALOG else name.strip()
 
 
 def _parse_count(s: str) -> int | None:

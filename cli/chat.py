@@ -1,0 +1,291 @@
+"""The ``chat`` command's read-eval-print loop.
+
+On a terminal it reads with prompt_toolkit (line editing, history saved in the store's ``chat_history``); otherwise it
+reads plain lines from stdin, so ``printf 'hi\\n/bye\\n' | mlx-engine chat`` works. Answers stream as they are
+generated; Ctrl-C stops an answer (the partial answer stays in the conversation, as the ChatSession keeps it) and
+Ctrl-D or ``/bye`` exits.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from cli.main import StopOnInterrupt, _describe_model, stream_to
+from mlx_engine.errors import EngineError
+
+HELP = """\
+Commands:
+  /help, /?              this help
+  /bye                   exit (Ctrl-D too)
+  /clear                 forget the conversation (the system prompt stays)
+  /system [TEXT]         set the system prompt (without TEXT: show it)
+  /set PARAMETER VALUE   set an option: temperature, top_k, top_p, min_p, repeat_penalty,
+                         seed, max_tokens, verbose (on/off); /set alone shows them
+  /show                  the model and the current options
+  /regen                 answer the last message again
+  /save FILE             save the conversation (messages and options, JSON)
+  /load FILE             load a conversation saved with /save
+Write \"\"\" to begin a multiline message and \"\"\" again to end it.
+Ctrl-C stops an answer and keeps the conversation; Ctrl-D or /bye exits."""
+
+
+def _parse_bool(v: str) -> bool:
+    low = v.strip().lower()
+    if low in ("1", "on", "true", "yes", "y"):
+        return True
+    if low in ("0", "off", "false", "no", "n"):
+        return False
+    raise ValueError(f"expected on or off, not {v!r}")
+
+
+def _seed(v: str) -> int | None:
+    return None if v.strip().lower() in ("none", "random", "off") else int(v)
+
+
+def _check(cast, ok, what):
+    def conv(v: str):
+        x = cast(v)
+        if x is not None and not ok(x):
+            raise ValueError(f"must be {what}")
+        return x
+
+    return conv
+
+
+PARAMETERS = {
+    "temperature": _check(float, lambda x: x >= 0, ">= 0"),
+    "top_k": _check(int, lambda x: x >= 0, ">= 0 (0 = off)"),
+    "top_p": _check(float, lambda x: 0 <= x <= 1, "between 0 and 1"),
+    "min_p": _check(float, lambda x: 0 <= x <= 1, "between 0 and 1"),
+    "repeat_penalty": _check(float, lambda x: x > 0, "> 0"),
+    "repeat_last_n": _check(int, lambda x: x >= 0, ">= 0"),
+    "presence_penalty": _check(float, lambda x: True, "a number"),
+    "frequency_penalty": _check(float, lambda x: True, "a number"),
+    "seed": _seed,
+    "max_tokens": _check(int, lambda x: x >= 1, ">= 1"),
+}
+ALIASES = {"num_predict": "max_tokens", "temp": "temperature"}
+
+
+class ChatRepl:
+    """An interactive conversation with ``model`` (an :class:`mlx_engine.api.Model`)."""
+
+    def __init__(self, model, *, system: str | None = None, options: dict | None = None, verbose: bool = False,
+                 history_file: Path | None = None, stdin=None, stdout=None):
+        self.model = model
+        self.session = model.chat_session(system=system, **(options or {}))
+        self.verbose = verbose
+        self.history_file = history_file
+        self.stdin = stdin if stdin is not None else sys.stdin
+        self.out = stdout if stdout is not None else click.get_text_stream("stdout")
+        self.interactive = bool(self.stdin is not None and self.stdin.isatty() and self.out.isatty())
+        self._prompt_session = None
+
+    # --------------------------------------------------------------------------------------------------- input
+
+    def _make_prompt_session(self):
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+        history = InMemoryHistory()
+        if self.history_file is not None:
+            try:
+                self.history_file.parent.mkdir(parents=True, exist_ok=True)
+                history = FileHistory(str(self.history_file))
+            except OSError:
+                pass
+        return PromptSession(history=history)
+
+    def _read_line(self, prompt: str) -> str:
+        """One line; raises EOFError at the end of input and KeyboardInterrupt on Ctrl-C at the prompt."""
+        if self.interactive:
+            if self._prompt_session is None:
+                self._prompt_session = self._make_prompt_session()
+            from prompt_toolkit.formatted_text import HTML
+
+            placeholder = HTML("<style fg='ansibrightblack'>Send a message (/? for help)</style>") \
+                if prompt == ">>> " else None
+            return self._prompt_session.prompt(prompt, placeholder=placeholder)
+        line = self.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\r\n")
+
+    def read_message(self) -> str:
+        """A message: one line, or the lines between ``\"\"\"`` marks (the marks removed)."""
+        line = self._read_line(">>> ")
+        if not line.lstrip().startswith('"""'):
+            return line
+        first = line.lstrip()[3:]
+        if first.rstrip().endswith('"""') and first.strip():
+            return first.rstrip()[:-3]
+        lines = [first] if first else []
+        while True:
+            more = self._read_line("... ")
+            if more.rstrip().endswith('"""'):
+                lines.append(more.rstrip()[:-3])
+                break
+            lines.append(more)
+        text = "\n".join(lines)
+        return text if text.strip() else ""
+
+    # ---------------------------------------------------------------------------------------------------- loop
+
+    def echo(self, text: str = "", err: bool = False) -> None:
+        click.echo(text, err=err)
+
+    def run(self) -> None:
+        if self.interactive:
+            self.echo(f"{_describe_model(self.model)}")
+            if not self.model.has_chat_template:
+                self.echo(f"{self.model.name} is a base model without a chat template: it continues your text.")
+            self.echo("Type /? for help, Ctrl-D or /bye to exit.")
+        while True:
+            try:
+                text = self.read_message()
+            except KeyboardInterrupt:
+                self.echo("Use Ctrl-D or /bye to exit.")
+                continue
+            except EOFError:
+                if self.interactive:
+                    self.echo()
+                return
+            if not text.strip():
+                continue
+            try:
+                if text.startswith("/"):
+                    if not self.command(text):
+                        return
+                else:
+                    self.answer(self.session.send(text))
+            except EngineError as e:
+                self.echo(f"Error: {e}", err=True)
+            except KeyboardInterrupt:  # a second Ctrl-C while generating
+                self.echo("\n^C", err=True)
+
+    def answer(self, generator) -> None:
+        with StopOnInterrupt() as stop:
+            stats, text, interrupted = stream_to(self.out, generator, stop)
+        if interrupted:
+            self.out.write(" ^C (stopped; the partial answer is kept)\n")
+        elif not text.endswith("\n"):
+            self.out.write("\n")
+        if self.interactive:
+            self.out.write("\n")
+        self.out.flush()
+        if self.verbose and stats is not None:
+            self.echo(stats.summary(), err=True)
+
+    # ------------------------------------------------------------------------------------------------ commands
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False means exit."""
+        cmd, _, arg = line.strip().partition(" ")
+        cmd = cmd.lower()
+        arg = arg.strip()
+        if cmd in ("/bye", "/exit", "/quit"):
+            return False
+        if cmd in ("/help", "/?"):
+            self.echo(HELP)
+        elif cmd == "/clear":
+            self.session.clear()
+            self.echo("Cleared the conversation.")
+        elif cmd == "/system":
+            if arg:
+                self.session.set_system(arg)
+                self.echo("Set the system prompt.")
+            else:
+                self.echo(f"System prompt: {self._system() or '(none)'}")
+        elif cmd == "/set":
+            self._set(arg)
+        elif cmd == "/show":
+            self._show()
+        elif cmd == "/regen":
+            self.answer(self.session.regenerate())
+        elif cmd == "/save":
+            if not arg:
+                self.echo("Usage: /save FILE")
+            else:
+                path = Path(arg).expanduser()
+                self.session.save(path)
+                self.echo(f"Saved the conversation to {path}.")
+        elif cmd == "/load":
+            if not arg:
+                self.echo("Usage: /load FILE")
+            else:
+                path = Path(arg).expanduser()
+                if not path.is_file():
+                    self.echo(f"Error: no such file: {path}", err=True)
+                    return True
+                self.session.load(path)
+                n = len([m for m in self.session.messages if m.get("role") != "system"])
+                self.echo(f"Loaded {n} messages from {path}.")
+        else:
+            self.echo(f"Unknown command {cmd!r}. Type /? for help.")
+        return True
+
+    def _system(self) -> str | None:
+        for m in self.session.messages:
+            if m.get("role") == "system":
+                return m.get("content")
+        return None
+
+    def _set(self, arg: str) -> None:
+        name, _, value = arg.partition(" ")
+        name = name.strip().lower().replace("-", "_")
+        name = ALIASES.get(name, name)
+        value = value.strip()
+        if not name:
+            opts = {k: v for k, v in self.session.options.items()}
+            opts["verbose"] = self.verbose
+            self.echo("Options: " + ", ".join(f"{k}={v}" for k, v in sorted(opts.items())))
+            return
+        if name == "verbose":
+            try:
+                self.verbose = _parse_bool(value) if value else True
+            except ValueError as e:
+                self.echo(f"Error: verbose: {e}", err=True)
+                return
+            self.echo(f"Set verbose to {'on' if self.verbose else 'off'}.")
+            return
+        if name == "quiet":
+            self.verbose = False
+            self.echo("Set verbose to off.")
+            return
+        if name == "system":
+            self.command(f"/system {value}")
+            return
+        if name not in PARAMETERS:
+            self.echo(f"Unknown parameter {name!r}. Parameters: {', '.join([*PARAMETERS, 'verbose'])}.")
+            return
+        if not value:
+            self.echo(f"Usage: /set {name} VALUE")
+            return
+        try:
+            converted = PARAMETERS[name](value)
+        except ValueError as e:
+            self.echo(f"Error: {name}: invalid value {value!r} ({e})", err=True)
+            return
+        if converted is None:
+            self.session.options.pop(name, None)
+        else:
+            self.session.options[name] = converted
+        self.echo(f"Set {name} to {converted}.")
+
+    def _show(self) -> None:
+        info = dict(getattr(self.model, "info", {}) or {})
+        self.echo(f"Model: {_describe_model(self.model)}")
+        for key in ("context_length", "license", "source", "path"):
+            if info.get(key) is not None:
+                value = str(info[key]).strip().splitlines()[0] if key == "license" else info[key]
+                self.echo(f"  {key.replace('_', ' ')}: {value}")
+        self.echo(f"  chat template: {'yes' if self.model.has_chat_template else 'none (base model)'}")
+        self.echo(f"System prompt: {self._system() or '(none)'}")
+        opts = {k: v for k, v in self.session.options.items()}
+        opts["verbose"] = self.verbose
+        self.echo("Options: " + ", ".join(f"{k}={v}" for k, v in sorted(opts.items())))
+        turns = len([m for m in self.session.messages if m.get("role") == "user"])
+        self.echo(f"Conversation: {turns} messages from you")

@@ -1,0 +1,357 @@
+"""The ``mlx-engine`` command: ``pull``, ``list``, ``show``, ``rm``, ``run``, ``chat``.
+
+Every :class:`~mlx_engine.errors.EngineError` ends the command with ``Error: <message>`` on stderr and exit status 1,
+never a traceback. The Python API (:mod:`mlx_engine.api`) is imported only by the commands that generate, so the store
+commands start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+
+import click
+
+from mlx_engine import __version__
+from mlx_engine.errors import EngineError, InvalidRequestError
+from mlx_engine.store import CATALOG, DEFAULT_MODEL, Store, format_bytes, format_count
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class EngineGroup(click.Group):
+    """A click group that turns engine errors into ``Error: <message>`` and exit status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except EngineError as e:
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=EngineGroup, context_settings=CONTEXT_SETTINGS)
+@click.version_option(__version__, "--version", prog_name="mlx-engine")
+def main() -> None:
+    """An inference engine on Apple's MLX: chat with Llama, Gemma 3 and Qwen3 models.
+
+    A MODEL is a catalog name (default smollm2:135m), a GGUF file, a Hugging Face folder, hf:org/repo, or a model
+    you pulled with ollama. Models live in the store ($MLX_ENGINE_HOME, else your cache folder).
+    """
+
+
+# ------------------------------------------------------------------------------------------------------ store commands
+
+
+@main.command()
+@click.argument("models", nargs=-1, required=True, metavar="MODEL...")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+def pull(models: tuple[str, ...], quiet: bool) -> None:
+    """Download catalog models (or hf:org/repo) into the store.
+
+    \b
+    Example: mlx-engine pull smollm2:135m gemma3:270m
+    """
+    store = Store()
+    for name in models:
+        already = store.is_present(name)
+        resolved = store.pull(name, progress=not quiet)
+        if already:
+            click.echo(f"{resolved.name} is already in the store: {resolved.path}")
+        else:
+            click.echo(f"pulled {resolved.name} to {resolved.path}")
+
+
+@main.command("list")
+@click.option("--catalog", is_flag=True, help="List the catalog, pulled or not.")
+def list_(catalog: bool) -> None:
+    """List the models in the store: name, architecture, parameters, quantization, size on disk."""
+    store = Store()
+    if catalog:
+        rows = [("NAME", "ARCH", "PARAMS", "QUANT", "SIZE", "LICENSE", "PULLED", "DESCRIPTION")]
+        for e in CATALOG.values():
+            rows.append((e.name, e.architecture, e.parameters, e.quantization, format_bytes(e.size), e.license,
+                         "yes" if store.is_present(e.name) else "no", e.description))
+        _table(rows)
+        return
+    infos = store.list()
+    if not infos:
+        click.echo(f"No models in the store ({store.models_dir}).")
+        click.echo(f"Pull one with: mlx-engine pull {DEFAULT_MODEL}   (catalog: {', '.join(CATALOG)})")
+        return
+    rows = [("NAME", "ARCH", "PARAMS", "QUANT", "SIZE", "SOURCE")]
+    for i in infos:
+        rows.append((i.name, i.architecture or "?", i.parameters_str, i.quantization or "?", i.size_str, i.source))
+    _table(rows)
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        click.echo("   ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+@main.command()
+@click.argument("model")
+@click.option("--template", "what", flag_value="template", help="Print only the chat template.")
+@click.option("--license", "what", flag_value="license", help="Print only the license.")
+@click.option("--json", "what", flag_value="json", help="Print everything as JSON.")
+def show(model: str, what: str | None) -> None:
+    """Show a model: architecture, parameters, quantization, context length, license, chat template, source.
+
+    \b
+    Example: mlx-engine show smollm2:135m
+    """
+    info = Store().show(model)
+    if what == "template":
+        if info.chat_template is None:
+            raise click.ClickException(f"{info.name} has no chat template (a base model)")
+        click.echo(info.chat_template)
+        return
+    if what == "license":
+        click.echo(info.license or "unknown")
+        return
+    if what == "json":
+        data = {
+            "name": info.name, "architecture": info.architecture, "parameters": info.parameters,
+            "quantization": info.quantization, "context_length": info.context_length,
+            "size_bytes": info.size_bytes, "license": info.license, "chat_template": info.chat_template,
+            "source": info.source, "path": str(info.path),
+            **{k: v for k, v in info.extra.items() if v is not None and k != "parameters_approximate"},
+        }
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(_describe(info))
+
+
+def _describe(info) -> str:
+    lines = [("name", info.name)]
+    if info.description:
+        lines.append(("description", info.description))
+    params = info.parameters_str
+    if info.parameters is not None and not info.extra.get("parameters_approximate"):
+        params += f" ({info.parameters:,})"
+    lines += [
+        ("architecture", info.architecture or "?"),
+        ("parameters", params),
+        ("quantization", info.quantization or "?"),
+        ("context length", str(info.context_length) if info.context_length else "?"),
+        ("size on disk", info.size_str),
+    ]
+    lic = (info.license or "unknown").strip().splitlines() or ["unknown"]
+    lines.append(("license", lic[0] + ("  (show --license prints it all)" if len(lic) > 1 else "")))
+    origin = info.extra.get("origin")
+    lines.append(("source", info.source + (f" ({origin})" if origin else "")))
+    lines.append(("path", str(info.path)))
+    if info.extra.get("metadata_error"):
+        lines.append(("chat template", "unknown"))
+    elif info.chat_template:
+        lines.append(("chat template", f"yes, {len(info.chat_template)} characters (show --template prints it)"))
+    else:
+        lines.append(("chat template", "none: a base model; run and chat continue the text"))
+    if info.extra.get("metadata_error"):
+        lines.append(("note", f"could not read the metadata: {info.extra['metadata_error']}"))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"  {k.ljust(width)}   {v}" for k, v in lines)
+
+
+@main.command()
+@click.argument("models", nargs=-1, required=True, metavar="MODEL...")
+def rm(models: tuple[str, ...]) -> None:
+    """Delete models from the store.
+
+    \b
+    Example: mlx-engine rm gemma3:270m
+    """
+    store = Store()
+    for name in models:
+        store.remove(name)
+        click.echo(f"deleted {name}")
+
+
+# ------------------------------------------------------------------------------------------------- generation commands
+
+
+def _sampling_options(f):
+    """The sampling options shared by ``run`` and ``chat``."""
+    opts = [
+        click.option("--system", "-s", default=None, help="System prompt (instruct models)."),
+        click.option("--temperature", "-t", type=click.FloatRange(min=0), default=None,
+                     help="Sampling temperature; 0 is greedy."),
+        click.option("--top-k", type=click.IntRange(min=0), default=None, help="Keep the k most likely tokens."),
+        click.option("--top-p", type=click.FloatRange(0, 1), default=None, help="Nucleus sampling mass."),
+        click.option("--min-p", type=click.FloatRange(0, 1), default=None,
+                     help="Drop tokens below this share of the most likely one."),
+        click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Penalty for repeated tokens (1 = none)."),
+        click.option("--seed", type=int, default=None, help="Random seed, for reproducible sampling."),
+        click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None,
+                     help="Most tokens to generate."),
+        click.option("--stop", multiple=True, help="Stop at this string (repeatable)."),
+        click.option("--device", type=click.Choice(["cpu", "gpu"]), default=None,
+                     help="Device (default: $MLX_ENGINE_DEVICE, else the GPU where there is one)."),
+        click.option("--context-length", "-c", type=click.IntRange(min=1), default=None,
+                     help="Context length in tokens (default: the model's)."),
+        click.option("--verbose", "-v", is_flag=True,
+                     help="Print the device and BLAS, and the speed after each answer, on stderr."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+_OPTION_NAMES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "max_tokens")
+
+
+def _collect_options(kw: dict) -> dict:
+    opts = {k: kw[k] for k in _OPTION_NAMES if kw.get(k) is not None}
+    if kw.get("stop"):
+        opts["stop"] = list(kw["stop"])
+    return opts
+
+
+def _load(model: str, kw: dict):
+    from mlx_engine import api
+
+    return api.load(model, device=kw.get("device"), context_length=kw.get("context_length"), pull=True,
+                    progress=True)
+
+
+def _describe_model(model) -> str:
+    info = getattr(model, "info", {}) or {}
+    bits = [info.get("architecture") or getattr(model, "architecture", None)]
+    params = info.get("parameters")
+    if isinstance(params, int):
+        bits.append(format_count(params))
+    elif params:
+        bits.append(str(params))
+    if info.get("quantization"):
+        bits.append(str(info["quantization"]))
+    desc = ", ".join(b for b in bits if b)
+    return f"{model.name} ({desc}) on {model.backend_name}"
+
+
+class StopOnInterrupt:
+    """While active, the first Ctrl-C only sets :attr:`hit` (checked between streamed chunks, so the generator is
+    closed at a clean point); a second Ctrl-C raises ``KeyboardInterrupt`` at once."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._old = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def __enter__(self) -> "StopOnInterrupt":
+        self.hit = False
+        try:
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: leave Ctrl-C as it is
+            self._old = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def stream_to(out, generator, stop: StopOnInterrupt):
+    """Write the text chunks of ``generator`` to ``out`` as they come; returns ``(stats or None, text, interrupted)``.
+    The generator is closed when Ctrl-C is pressed (or on any error), which keeps a chat's partial answer."""
+    stats = None
+    text = []
+    try:
+        for item in generator:
+            if isinstance(item, str):
+                out.write(item)
+                out.flush()
+                text.append(item)
+            else:
+                stats = item
+            if stop.hit:
+                break
+    finally:
+        generator.close()
+    return stats, "".join(text), stop.hit
+
+
+@main.command(context_settings={"ignore_unknown_options": False})
+@click.argument("args", nargs=-1, metavar="[MODEL] [PROMPT]...")
+@_sampling_options
+@click.option("--raw", is_flag=True, help="Plain completion: no chat template (the default for base models).")
+def run(args: tuple[str, ...], raw: bool, **kw) -> None:
+    """Generate one answer, streamed to stdout.
+
+    MODEL defaults to smollm2:135m and is pulled on first use. The prompt is the remaining arguments, else stdin.
+    Instruct models get their chat template; base models (and --raw) continue the text.
+
+    \b
+    Examples:
+      mlx-engine run "What is the capital of France?"
+      mlx-engine run gemma3:270m "The capital of France is" --max-tokens 20
+      echo "Tell me a joke." | mlx-engine run smollm2:135m --temperature 0.7 --verbose
+    """
+    store = Store()
+    args = list(args)
+    model_name = DEFAULT_MODEL
+    if args and store.looks_like_model(args[0]):
+        model_name = args.pop(0)
+    prompt = " ".join(args)
+    if not prompt:
+        if sys.stdin is None or sys.stdin.closed:
+            raise InvalidRequestError("no prompt: give it as an argument or on stdin")
+        if sys.stdin.isatty():
+            click.echo("Reading the prompt from stdin; end it with Ctrl-D (mlx-engine chat starts a conversation).",
+                       err=True)
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise InvalidRequestError("the prompt is empty: give it as an argument or on stdin")
+
+    model = _load(model_name, kw)
+    use_raw = raw or not model.has_chat_template
+    options = _collect_options(kw)
+    if kw.get("system") is not None:
+        options["system"] = kw["system"]
+    if kw["verbose"]:
+        click.echo(_describe_model(model) + (" (raw completion)" if use_raw else ""), err=True)
+    out = click.get_text_stream("stdout")
+    with StopOnInterrupt() as stop:
+        stats, text, interrupted = stream_to(out, model.stream(prompt, raw=use_raw, **options), stop)
+    if not text.endswith("\n"):
+        out.write("\n")
+        out.flush()
+    if kw["verbose"] and stats is not None:
+        click.echo(stats.summary(), err=True)
+    if interrupted:
+        sys.exit(130)
+
+
+@main.command()
+@click.argument("model", default=DEFAULT_MODEL, required=False)
+@_sampling_options
+@click.option("--no-history", is_flag=True, help="Do not read or write the input history file.")
+def chat(model: str, no_history: bool, **kw) -> None:
+    """Chat with a model in the terminal.
+
+    Line editing and history (arrow keys), streaming answers, multiline input between \"\"\" marks, and slash
+    commands (/help lists them). Ctrl-C stops an answer and keeps the conversation; Ctrl-D or /bye exits. The KV
+    cache is kept between turns, so each turn processes only the new message. Reads plain lines when stdin is not a
+    terminal.
+
+    \b
+    Example: mlx-engine chat smollm2:135m --temperature 0.7
+    """
+    from cli.chat import ChatRepl
+
+    store = Store()
+    loaded = _load(model, kw)
+    options = _collect_options(kw)
+    repl = ChatRepl(loaded, system=kw.get("system"), options=options, verbose=kw["verbose"],
+                    history_file=None if no_history else store.history_file)
+    repl.run()
+
+
+if __name__ == "__main__":
+    main()
