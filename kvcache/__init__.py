@@ -1,0 +1,18 @@
+"""KV caches, written against the ``mlx_engine.ml`` interfaces (no MLX import here).
+
+- :class:`CausalCache`: every earlier position of the token's own sequence.
+- :class:`SlidingWindowCache`, :class:`SlidingWindowMemoryCache`: positions ``p - W .. p``, bounded storage.
+- :class:`ChunkedAttentionCache`: positions of the token's chunk.
+- :class:`EncoderCache`: cross-attention keys and values of an encoder output.
+- :class:`WrapperCache`: one of the above per layer type.
+
+See :mod:`kvcache.base` for the interface and its semantics.
+"""
+
+from kvcache.base import Cache, LayerShape, ShiftFn
+from kvcache.causal import CausalCache, ChunkedAttentionCache, SlidingWindowCache, SlidingWindowMemoryCache
+from kvcache.encoder import EncoderCache
+from kvcache.wrapper import WrapperCache
+
+__all__ = ["Cache", "CausalCache", "ChunkedAttentionCache", "EncoderCache", "LayerShape", "ShiftFn",
+           "SlidingWindowCache", "SlidingWindowMemoryCache", "WrapperCache"]
