@@ -559,7 +559,7 @@ class Store:
             raise ModelNotFoundError(f"ollama model {model!r}: blob {model_blob} is missing; run: ollama pull {model}")
         if not _is_gguf(model_blob):
             raise ModelNotFoundError(f"ollama model {model!r}: blob {model_blob} is not a GGUF file")
-        name = parts[-1] + ":" + tag if parts[:2] == ["registry.ollama.ai", "library"] else "/".join(parts) + ":" + tag
+        name = _ollama_name(parts, tag)
         return ResolvedModel(path=model_blob, name=name, source="ollama", license=license_text)
 
     def ollama_models(self) -> list[tuple[str, Path]]:
@@ -572,12 +572,8 @@ class Store:
             if p.is_file():
                 rel = p.relative_to(manifests).parts
                 if len(rel) >= 4:
-                    host, ns, model, tag = rel[0], "/".join(rel[1:-2]), rel[-2], rel[-1]
-                    if host == "registry.ollama.ai" and ns == "library":
-                        out.append((f"{model}:{tag}", p))
-                    else:
-                        out.append((f"{host}/{ns}/{model}:{tag}", p))
-        return out
+                    out.append((_ollama_name(list(rel[:-1]), rel[-1]), p))
+        return sorted(out)
 
     # -------------------------------------------------------------------------------------------------- hugging face
 
@@ -868,6 +864,13 @@ def _size_on_disk(path: Path) -> int:
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts):
             total += p.stat().st_size
     return total
+
+
+def _ollama_name(parts: list[str], tag: str) -> str:
+    """As ollama writes names: ``x:tag`` for its own library, ``ns/x:tag`` for its registry, else in full."""
+    if parts[0] == "registry.ollama.ai":
+        parts = parts[2:] if parts[1] == "library" else parts[1:]
+    return "/".join(parts) + ":" + tag
 
 
 def _ollama_blob(root: Path, digest: str) -> Path | None:

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from mlx_engine.store import Store
+from mlx_engine.store import Store, default_root
+
+_SESSION_ROOT = default_root()  # read once, before any test changes the environment
 
 
 @pytest.fixture(scope="session")
 def model_store() -> Store:
-    """The default model store, as it was when the session started (before any test changes the environment)."""
-    return Store()
+    """The default model store ($MLX_ENGINE_HOME or the user's cache folder, as the session started)."""
+    return Store(_SESSION_ROOT)
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +31,33 @@ def smollm2_gguf(model_store: Store) -> Path:
 def gemma3_gguf(model_store: Store) -> Path:
     """``gemma-3-270m-q4_k_m.gguf`` (gemma3 architecture, base model, no chat template) in the store."""
     return model_store.pull("gemma3:270m", progress=False).path
+
+
+def link_model(source_folder: Path, root: Path) -> Path:
+    """Put a model of another store into the store at ``root`` without copying: its files as symbolic links, its
+    manifest copied. Returns the new model folder."""
+    dest = root / "models" / source_folder.name
+    dest.mkdir(parents=True)
+    for f in source_folder.iterdir():
+        if f.name == "manifest.json":
+            (dest / f.name).write_bytes(f.read_bytes())
+        elif f.is_file() and not f.name.startswith("."):
+            (dest / f.name).symlink_to(f.resolve())
+    return dest
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty store: ``$MLX_ENGINE_HOME`` set to a fresh folder (and no ollama models) for this test."""
+    root = tmp_path / "home"
+    root.mkdir()
+    monkeypatch.setenv("MLX_ENGINE_HOME", str(root))
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "no-ollama"))
+    return root
+
+
+@pytest.fixture
+def home_with_smollm2(home: Path, smollm2_gguf: Path) -> Path:
+    """:func:`home` holding smollm2:135m (linked from the session's store)."""
+    link_model(smollm2_gguf.parent, home)
+    return home
