@@ -320,9 +320,9 @@ class GGUFFile(WeightFile):
         n_kv = h.u64("metadata count")
         # every key-value pair takes at least 8 + 4 + 1 bytes, every tensor info 8 + 4 + 4 + 8
         if n_kv * 13 > size - h.pos:
-            raise h.fail(f"corrupt header: {n_kv} metadata entries cannot fit in {size} bytes")
+            raise h.fail(f"truncated or corrupt header: {n_kv} metadata entries cannot fit in {size} bytes")
         if n_tensors * 24 > size - h.pos:
-            raise h.fail(f"corrupt header: {n_tensors} tensors cannot fit in {size} bytes")
+            raise h.fail(f"truncated or corrupt header: {n_tensors} tensors cannot fit in {size} bytes")
 
         values: dict[str, Any] = {}
         types: dict[str, str] = {}
