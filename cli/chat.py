@@ -80,7 +80,7 @@ class ChatRepl:
         self.verbose = verbose
         self.history_file = history_file
         self.stdin = stdin if stdin is not None else sys.stdin
-        self.out = stdout if stdout is not None else click.get_text_stream("stdout")
+        self.out = stdout if stdout is not None else sys.stdout
         self.interactive = bool(self.stdin is not None and self.stdin.isatty() and self.out.isatty())
         self._prompt_session = None
 

@@ -316,7 +316,7 @@ def run(args: tuple[str, ...], raw: bool, **kw) -> None:
         options["system"] = kw["system"]
     if kw["verbose"]:
         click.echo(_describe_model(model) + (" (raw completion)" if use_raw else ""), err=True)
-    out = click.get_text_stream("stdout")
+    out = sys.stdout
     with StopOnInterrupt() as stop:
         stats, text, interrupted = stream_to(out, model.stream(prompt, raw=use_raw, **options), stop)
     if not text.endswith("\n"):
