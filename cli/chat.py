@@ -170,7 +170,7 @@ class ChatRepl:
         with StopOnInterrupt() as stop:
             stats, text, interrupted = stream_to(self.out, generator, stop)
         if interrupted:
-            self.out.write(" ^C (stopped; the partial answer is kept)\n")
+            self.out.write(" [stopped; the partial answer stays in the conversation]\n")
         elif not text.endswith("\n"):
             self.out.write("\n")
         if self.interactive:

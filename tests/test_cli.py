@@ -381,7 +381,7 @@ def test_chat_repl_stops_at_ctrl_c(fake_load):
     ChatRepl(model, stdin=In(), stdout=Out()).run()
     answers = [m["content"] for m in model.session.messages if m["role"] == "assistant"]
     assert answers == ["one two three", "one two three"]
-    assert Out.text.count("^C (stopped; the partial answer is kept)") == 2
+    assert Out.text.count("[stopped; the partial answer stays in the conversation]") == 2
     assert "four" not in Out.text
 
 
