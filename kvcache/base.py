@@ -90,9 +90,8 @@ class Cache(abc.ABC):
             one forward pass; ``None`` when every returned key is visible to every token of the batch (for example a
             single-sequence decode step in a causal cache).
 
-        The keys and values are views of the cache's storage, valid until the next ``put`` of the layer. Let go of
-        them after the forward pass: while a view is alive the next ``put`` must copy the whole storage instead of
-        updating it in place.
+        The keys and values are views of the cache's storage. Let go of them after the forward pass: while a view
+        is alive, the next ``put`` of the layer must copy the whole storage instead of updating it in place.
         """
 
     def set_config(self, config: CacheConfig) -> None:

@@ -65,29 +65,35 @@ class EncoderCache(Cache):
 
     def prepare_forward(self, ctx: Context, batch: Batch, reserve: bool = False) -> Callable[[], None]:
         """Raises ``CacheError`` for a batch of several sequences, or of another sequence than the one whose encoder
-        output is stored (the encoder cache holds one sequence)."""
+        output is stored (the encoder cache holds one sequence). A reserve batch may hold any sequences."""
         self._check()
         seqs = np.unique(batch.sequences)
+        if reserve:
+            def commit_reserve() -> None:
+                self._cur_pos, self._cur_seq, self._reserve = 0, int(seqs[0]), True
+            return commit_reserve
         if len(seqs) != 1:
             raise CacheError(f"the encoder cache holds one sequence, the batch has sequences {seqs.tolist()}")
         seq = int(seqs[0])
-        if not reserve and self._cached and seq != self._owner:
+        if self._cached and seq != self._owner:
             raise CacheError(f"the encoder cache holds the encoder output of sequence {self._owner}, not {seq}; remove "
                              f"it first (remove({self._owner}, 0, None))")
         pos = int(np.min(batch.positions))
 
         def commit() -> None:
-            self._cur_pos, self._cur_seq, self._reserve = pos, seq, reserve
+            self._cur_pos, self._cur_seq, self._reserve = pos, seq, False
         return commit
 
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         """Store ``key [1, H_kv, S_enc, Dk]`` and ``value [1, H_kv, S_enc, Dv]`` for the current layer, replacing
-        what it held. In a reserve pass the storage is made but the cache does not count as holding an encoder
-        output."""
+        what it held. In a reserve pass the storage is made (unless an encoder output is stored, which is kept) but
+        the cache does not count as holding an encoder output."""
         self._check()
         if key.ndim != 4 or value.ndim != 4 or key.shape[:3] != value.shape[:3]:
             raise ValueError(f"put expects key [1, H_kv, S, Dk] and value [1, H_kv, S, Dv], got {list(key.shape)} and "
                              f"{list(value.shape)}")
+        if self._reserve and self._cached:
+            return  # a reserve pass must not overwrite a stored encoder output
         if key.dtype != self.dtype:
             key = key.astype(self.dtype)
         if value.dtype != self.dtype:

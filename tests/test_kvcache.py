@@ -352,6 +352,12 @@ def test_encoder_cache(backend, ctx):
         assert mask is None and k.dtype == DType.FLOAT16 and k.shape == (1, 2, 7, 8) and v.shape == (1, 2, 7, 4)
         np.testing.assert_allclose(k.numpy(), (k0 + layer).astype(np.float16))
         np.testing.assert_allclose(v.numpy(), (v0 - layer).astype(np.float16))
+    # a reserve pass (any sequences) neither replaces nor un-caches the stored output
+    cache.start_forward(ctx, batch([0, 1], [0, 0]), reserve=True)
+    cache.set_layer(0)
+    cache.put(ctx, ctx.zeros((1, 2, 7, 8), DType.FLOAT32), ctx.zeros((1, 2, 7, 4), DType.FLOAT32))
+    assert cache.encoder_cached()
+    np.testing.assert_allclose(cache.get(ctx)[0].numpy(), k0.astype(np.float16))
     assert cache.can_resume(0, 3)
     with pytest.raises(CacheError, match="one sequence"):
         cache.start_forward(ctx, batch([0, 1], [9, 0]))
@@ -363,7 +369,7 @@ def test_encoder_cache(backend, ctx):
     assert cache.encoder_cached()
     cache.remove(0, 5, 6)  # over it: dropped
     assert not cache.encoder_cached() and cache.nbytes() == 0
-    with pytest.raises(CacheError, match="holds nothing for layer 1"):
+    with pytest.raises(CacheError, match="holds nothing for layer 0"):
         cache.get(ctx)
 
 
