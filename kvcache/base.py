@@ -107,7 +107,8 @@ class Cache(abc.ABC):
             backend: makes contexts (for :meth:`remove`'s key shifts) and gives the default :class:`CacheConfig`.
             dtype: the storage dtype of keys and values (and of the scales of a quantized cache).
             max_sequences: sequences that may live in the cache at once; ids are ``0 .. max_sequences - 1``.
-            capacity: the most tokens one sequence may hold (the context length).
+            capacity: the most tokens one sequence may hold (the context length). Cells are pooled: a causal cache
+                has ``max_sequences * capacity`` of them, and one sequence may use the room others leave.
             max_batch: the most tokens one forward pass may hold (the prefill chunk size).
         """
 
