@@ -580,3 +580,22 @@ def test_open_weights_dispatch(tmp_path: Path):
         open_weights(tmp_path / "notes.txt")
     with pytest.raises(WeightsError, match="no such file"):
         open_weights(tmp_path / "missing")
+
+
+def test_weights_package_never_imports_mlx():
+    """mlx_engine/weights is host-side (NumPy, gguf): importing and using it must not load mlx."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mlx_engine.weights as w, mlx_engine.weights.quant as q, numpy as np; "
+            "q.quantize_affine(np.ones((2, 32), np.float32), 4); "
+            "bad = sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')); "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    package = Path(__file__).resolve().parents[1] / "mlx_engine" / "weights"
+    for f in package.glob("*.py"):
+        for line in f.read_text().splitlines():
+            s = line.strip()
+            assert not (s.startswith(("import mlx", "from mlx")) and not s.startswith(("import mlx_engine",
+                                                                                     "from mlx_engine"))), (f, s)

@@ -17,11 +17,15 @@ class QuantizedArray:
     ``scales[r, j // group_size] * q + biases[r, j // group_size]`` where ``q`` is the ``bits``-bit unsigned integer
     at bit ``bits * (j % (32 // bits))`` of word ``weight[r, j // (32 // bits)]``.
 
+    This is MLX's affine layout (``mx.quantize`` / ``mx.dequantize`` / ``mx.quantized_matmul``), so the three arrays
+    upload as they are. GGUF Q4_0 (scale ``d``, bias ``-8d``), Q4_1 (``d``, ``m``) and Q8_0 (``q + 128``, ``d``,
+    ``-128d``) map onto it without loss; see :mod:`mlx_engine.weights.quant`.
+
     Attributes:
         weight: uint32 ``[rows, cols * bits / 32]``.
         scales, biases: float32 ``[rows, cols / group_size]``.
-        group_size: elements per scale (32 for GGUF Q4_0, Q4_1, Q8_0).
-        bits: 4 or 8.
+        group_size: elements per scale (32 for GGUF Q4_0, Q4_1, Q8_0 and for re-quantized tensors).
+        bits: 4 or 8 (2 is also understood by :meth:`dequantize`).
     """
 
     weight: np.ndarray
@@ -34,8 +38,14 @@ class QuantizedArray:
     def shape(self) -> tuple[int, int]:
         return (self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the three arrays together."""
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+
     def dequantize(self) -> np.ndarray:
-        """float32 ``[rows, cols]``."""
+        """float32 ``[rows, cols]``: ``scale * q + bias`` evaluated in float32 (for GGUF Q4_0, Q4_1 and Q8_0 this
+        equals ``gguf.quants.dequantize`` exactly)."""
         per_word = 32 // self.bits
         shifts = (np.arange(per_word, dtype=np.uint32) * self.bits)
         q = (self.weight[:, :, None] >> shifts) & np.uint32((1 << self.bits) - 1)
@@ -118,9 +128,11 @@ class WeightFile(abc.ABC):
 
     @abc.abstractmethod
     def load(self, name: str, requantize: int | None = None) -> "np.ndarray | QuantizedArray":
-        """One tensor on the host. Q4_0, Q4_1 and Q8_0 come back as a lossless :class:`QuantizedArray` (group 32);
-        other quantized types dequantized to float32 (or re-quantized to ``requantize`` bits, group 32, when given);
-        F16 as float16, BF16 as float32, F32 as float32. Raises ``WeightsError`` naming the file and tensor."""
+        """One tensor on the host. Q4_0, Q4_1 and Q8_0 (2-D) come back as a lossless :class:`QuantizedArray`
+        (group 32); other quantized types dequantized to float32 (or re-quantized to ``requantize`` bits, 4 or 8,
+        group 32, when given); F16 as float16, BF16 as float32, F32 as float32, integers as stored. Arrays may be
+        read-only views of a memory-mapped file. Raises ``WeightsError`` naming the file and tensor (and
+        ``InvalidRequestError`` for a ``requantize`` other than None, 4 or 8)."""
 
     def close(self) -> None:
         pass
