@@ -1,0 +1,715 @@
+"""The tokenizer: GGUF metadata or a Hugging Face folder -> a ``tokenizers.Tokenizer``, plus chat templates and a
+streaming detokenizer.
+
+From GGUF metadata (llama.cpp's keys, values as Python str/int/float/bool, lists or NumPy arrays), the tokenizer is
+rebuilt the way transformers 5.x rebuilds it (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``: its
+``byte_level_tokenizer``, ``sentencepiece_tokenizer``, ``gemma_tokenizer``, ``add_gguf_special_tokens``,
+``set_split_regex``, and the classes ``GPT2Tokenizer``, ``LlamaTokenizer``, ``GemmaTokenizer`` they hand to), with
+our own code and three deliberate differences, each following llama.cpp (``src/llama-vocab.cpp``):
+
+- ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE): the pre-tokenizer regex follows ``tokenizer.ggml.pre`` for the
+  pre-types llama.cpp gives a regex; transformers has no entry for the StarCoder family (``starcoder``, ``smollm``,
+  ``refact``, ``codeshell``, ``command-r``, ``exaone``, ``minerva``), whose llama.cpp regexes first split every
+  ``\\p{N}`` on its own. We add that split (``Digits(individual_digits=True)``, as SmolLM's own ``tokenizer.json``
+  does). For SmolLM2 the ids are the same either way (its vocabulary holds no multi-digit token).
+- Control and user-defined tokens (``token_type`` 3 and 4) are always kept whole (special and plain added tokens),
+  with their spelling as stored; transformers drops a byte-level control token spelled outside the byte alphabet and
+  a user-defined token whose stored spelling is not a vocabulary key.
+- ``tokenizer.ggml.add_space_prefix == False`` is honoured for a SentencePiece vocabulary (no ``▁`` prepended);
+  transformers ignores the key for non-Gemma models. Gemma never prepends, in both.
+
+``decode`` and the streaming detokenizer turn each id into bytes by the tokenizer's own decoder rules (ByteLevel,
+or Replace/ByteFallback/Fuse/Strip, or Metaspace), join them, and decode UTF-8 with U+FFFD for invalid bytes. On valid
+text this equals ``tokenizers``' decode exactly; it differs only on invalid byte sequences inside a run of
+byte-fallback tokens, where ``tokenizers`` writes one U+FFFD per byte of the whole run and we one per maximal invalid
+subpart (as its ByteLevel decoder and Python do). Other decoders (WordPiece...) use ``tokenizers``' decode.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
+from models.chat_template import default_template, render_chat_template
+
+__all__ = ["Tokenizer", "Detokenizer", "bytes_to_unicode"]
+
+# GGUF token types (gguf.TokenType / llama_token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+#: Control tokens that end generation, by text: llama.cpp's end-of-generation list (``llama_vocab::impl::load``).
+EOG_TOKEN_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+    "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>",
+})
+
+# Pre-tokenizer splits of byte-level vocabularies by ``tokenizer.ggml.pre``. Regexes as in transformers'
+# GGUF_PRE_TOKENIZER_SPLITS (themselves from the models' tokenizer.json files) and llama.cpp's llama-vocab.cpp.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+}
+#: llama.cpp pre-types whose first regex is ``\p{N}`` followed by GPT-2's: digits split one by one.
+_DIGIT_SPLIT_PRES = frozenset({"starcoder", "smollm", "refact", "codeshell", "command-r", "exaone", "minerva"})
+
+_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding"})
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (``openai/gpt-2/src/encoder.py``): printable Latin-1 bytes map to
+    themselves, the other 68 to ``chr(256 + n)``."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_TO_CHAR = bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+# ---- metadata helpers --------------------------------------------------------------------------------------------
+
+def _plain(value: Any) -> Any:
+    """NumPy scalars and arrays to Python values (metadata may come from any reader)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def _meta(md: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    return _plain(md[key]) if key in md and md[key] is not None else default
+
+
+def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary with scores: every split of a token into two vocabulary tokens, best
+    token first. Reproduces ``transformers.tokenization_utils_base.generate_merges(vocab, vocab_scores)``: tokens in
+    ``scores`` order, the pairs of one token ordered by the ids of their pieces, then a stable sort by
+    (score, len(left), len(right)), highest first.
+
+    Within one token the left lengths differ, so the result is: tokens by score (highest first, ties in ``scores``
+    order), the pairs of a token by left length (longest first), and tokens of equal score interleaved by
+    (left length, right length)."""
+    items = sorted(((t, s) for t, s in scores.items() if len(t) > 1), key=lambda x: -x[1])  # stable
+    out: list[tuple[str, str]] = []
+    group: list[tuple[int, int, int, str, str]] = []
+
+    def splits(token: str):
+        n = len(token)
+        for k in range(n - 1, 0, -1):
+            left = token[:k]
+            if left in vocab:
+                right = token[k:]
+                if right in vocab:
+                    yield left, right
+
+    i, m = 0, len(items)
+    while i < m:
+        j = i + 1
+        score = items[i][1]
+        while j < m and items[j][1] == score:
+            j += 1
+        if j == i + 1:
+            out.extend(splits(items[i][0]))
+        else:  # several tokens share a score: interleave by (len(left), len(right)), highest first
+            group.clear()
+            for seq in range(i, j):
+                for left, right in splits(items[seq][0]):
+                    group.append((-len(left), -len(right), seq, left, right))
+            group.sort()
+            out.extend((g[3], g[4]) for g in group)
+        i = j
+    return out
+
+
+def _file_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
+    out = []
+    for m in merges:
+        parts = m.split(" ")
+        if len(parts) == 2:
+            out.append((parts[0], parts[1]))
+    return out
+
+
+# ---- building from GGUF ------------------------------------------------------------------------------------------
+
+def _build_byte_level(tokens: list[str], types: list[int], md: Mapping[str, Any]
+                      ) -> tuple[_HFTokenizer, dict[str, int]]:
+    """Byte-level BPE (``tokenizer.ggml.model == "gpt2"``): transformers' ``byte_level_tokenizer`` + GPT2Tokenizer
+    (BPE without unk, ``ByteLevel`` pre-tokenizer and decoder) + ``set_split_regex``."""
+    alphabet = set(_CHAR_TO_BYTE)
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if types[i] in (CONTROL, USER_DEFINED) or set(t) <= alphabet:
+            vocab[t] = i
+        else:
+            vocab["".join(_BYTE_TO_CHAR[b] for b in t.encode("utf-8"))] = i
+    merges = _file_merges(_meta(md, "tokenizer.ggml.merges", []))
+    tk = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                 end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    pre = str(_meta(md, "tokenizer.ggml.pre", "default"))
+    if pre in _PRE_SPLITS:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre in _DIGIT_SPLIT_PRES:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    else:  # "default", "gpt-2" and the rest: GPT-2's own regex
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    return tk, vocab
+
+
+def _build_sentencepiece(tokens: list[str], types: list[int], md: Mapping[str, Any], gemma: bool
+                         ) -> tuple[_HFTokenizer, dict[str, int]]:
+    """SentencePiece-style BPE with byte fallback (``tokenizer.ggml.model == "llama"``).
+
+    Gemma (transformers' ``gemma_tokenizer`` + ``GemmaTokenizer``): tokens made only of whitespace with a space in
+    them are respelled with ``▁``; merges are derived from the vocabulary ordered by file position; spaces become ``▁``
+    in a normalizer; nothing is prepended. Others (``sentencepiece_tokenizer`` + ``LlamaTokenizer``): merges from the
+    file, else derived from the scores; a ``Metaspace`` pre-tokenizer prepends ``▁`` to the text's start when
+    ``add_space_prefix`` (default true), and the decoder strips it again.
+    """
+    if gemma:
+        spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        order = {t: -i for i, t in enumerate(spelled)}
+        merges = _merges_from_vocab(vocab, order)
+        unk = tokens[int(_meta(md, "tokenizer.ggml.unknown_token_id", 3))] if tokens else "<unk>"
+        tk = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, dropout=None,
+                                     byte_fallback=True))
+        tk.normalizer = normalizers.Replace(" ", "\u2581")
+        tk.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+        tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        return tk, vocab
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in md:
+        merges = _file_merges(_meta(md, "tokenizer.ggml.merges", []))
+    else:
+        scores = _meta(md, "tokenizer.ggml.scores")
+        if scores is None:
+            raise WeightsError("GGUF tokenizer 'llama' has neither tokenizer.ggml.merges nor tokenizer.ggml.scores")
+        merges = _merges_from_vocab(vocab, dict(zip(tokens, (float(s) for s in scores))))
+    tk = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    prefix = bool(_meta(md, "tokenizer.ggml.add_space_prefix", True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tk.decoder = decoders.Sequence(steps)
+    return tk, vocab
+
+
+# ---- decoding plans ----------------------------------------------------------------------------------------------
+
+class _DecodePlan:
+    """How one token id becomes bytes, read from a ``tokenizers`` decoder's JSON. ``None`` from :meth:`parse` when the
+    decoder is not one we reproduce (then ``tokenizers``' own decode is used)."""
+
+    __slots__ = ("byte_level", "replacements", "byte_fallback", "metaspace", "metaspace_first", "strip")
+
+    def __init__(self):
+        self.byte_level = False
+        self.replacements: list[tuple[str, str]] = []
+        self.byte_fallback = False
+        self.metaspace: str | None = None  # the replacement character
+        self.metaspace_first = False  # drop the replacement characters of the first token (prepend scheme)
+        self.strip: tuple[str, int] | None = None  # (content, count) stripped from the start of the whole text
+
+    @classmethod
+    def parse(cls, spec: Any) -> "_DecodePlan | None":
+        if not spec:
+            return None
+        steps = spec["decoders"] if spec.get("type") == "Sequence" else [spec]
+        plan = cls()
+        stage = 0  # 0: string transforms; 1: bytes made (ByteFallback/ByteLevel); 2: fused into one string
+        for st in steps:
+            kind = st.get("type")
+            if kind == "Replace" and stage == 0 and "String" in st.get("pattern", {}):
+                plan.replacements.append((st["pattern"]["String"], st["content"]))
+            elif kind == "Metaspace" and stage == 0 and plan.metaspace is None:
+                plan.metaspace = st.get("replacement", "\u2581")
+                scheme = st.get("prepend_scheme")
+                plan.metaspace_first = (scheme != "never") if scheme is not None else bool(st.get("add_prefix_space",
+                                                                                                  True))
+            elif kind == "ByteFallback" and stage == 0 and plan.metaspace is None:
+                plan.byte_fallback = True
+                stage = 1
+            elif kind == "ByteLevel" and stage == 0 and not plan.replacements and plan.metaspace is None:
+                plan.byte_level = True
+                stage = 2  # ByteLevel returns one fused string
+            elif kind == "Fuse":
+                stage = 2
+            elif kind == "Strip" and stage == 2 and plan.strip is None and not st.get("stop", 0):
+                plan.strip = (st["content"], int(st.get("start", 0)))
+            else:
+                return None
+        return plan
+
+    def piece(self, token: str, first: bool) -> bytes:
+        """The bytes of one token (``first``: it is the first token of the text being decoded)."""
+        if self.byte_level:
+            try:
+                return bytes([_CHAR_TO_BYTE[c] for c in token])
+            except KeyError:
+                return token.encode("utf-8")
+        for pattern, content in self.replacements:
+            token = token.replace(pattern, content)
+        if self.metaspace is not None:
+            token = token.replace(self.metaspace, "" if first and self.metaspace_first else " ")
+        if self.byte_fallback and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        return token.encode("utf-8")
+
+
+class Detokenizer:
+    """Streaming detokenizer: ``add(token_id)`` returns the text completed by that token, ``flush()`` the rest.
+
+    Never returns part of a UTF-8 character: bytes of a character split across tokens (byte-fallback tokens,
+    byte-level pieces) are held until the character is complete. ``"".join(all outputs) == tokenizer.decode(ids,
+    skip_special)``. Each ``add`` costs O(length of the token) (an incremental UTF-8 decoder over the token's bytes).
+    """
+
+    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = False):
+        self._tok = tokenizer
+        self._skip = tokenizer._special_ids if skip_special else frozenset()
+        self._plan = tokenizer._plan
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._first = True
+        self._strip = tokenizer._plan.strip[1] if tokenizer._plan.strip else 0
+
+    def add(self, token_id: int) -> str:
+        """Feed one token id; returns the newly completed text (possibly empty)."""
+        token_id = int(token_id)
+        if token_id in self._skip:
+            return ""
+        piece = self._tok._piece(token_id, self._first)
+        self._first = False
+        return self._stripped(self._utf8.decode(piece))
+
+    def flush(self) -> str:
+        """The text still held (an incomplete character at the end becomes U+FFFD); the detokenizer is then reset."""
+        text = self._stripped(self._utf8.decode(b"", final=True))
+        self._utf8.reset()
+        self._first = True
+        self._strip = self._plan.strip[1] if self._plan.strip else 0
+        return text
+
+    def _stripped(self, text: str) -> str:
+        if self._strip and text:
+            content = self._plan.strip[0]
+            while self._strip and text:
+                if text[0] == content:
+                    text = text[1:]
+                    self._strip -= 1
+                else:
+                    self._strip = 0
+        return text
+
+
+class _WindowDetokenizer:
+    """Streaming detokenizer for decoders we do not reproduce byte by byte: decodes the window from the previous
+    emitted boundary (Hugging Face text-generation-inference's prefix/read offsets) and holds text that ends in
+    U+FFFD. At most ``_MAX_HOLD`` tokens are held, so a run of invalid bytes cannot make it quadratic."""
+
+    _MAX_HOLD = 16
+
+    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = False):
+        self._decode = tokenizer._hf.decode
+        self._skip = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        prev = self._decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        text = self._decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        held = len(self._ids) - self._read
+        if len(text) > len(prev) and (not text.endswith("\ufffd") or held > self._MAX_HOLD):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(prev):]
+        return ""
+
+    def flush(self) -> str:
+        prev = self._decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        text = self._decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        self._ids, self._prefix, self._read = [], 0, 0
+        return text[len(prev):]
+
+
+# ---- the tokenizer -----------------------------------------------------------------------------------------------
+
+class Tokenizer:
+    """Text <-> token ids for one model, its end-of-sequence ids, and its chat template.
+
+    Build one with :meth:`from_gguf` or :meth:`from_folder`; the constructor takes an assembled
+    ``tokenizers.Tokenizer`` and the facts around it.
+
+    Attributes:
+        bos_id: the beginning-of-sequence id, or None.
+        eos_ids: every id that ends generation (see :meth:`from_gguf`, :meth:`from_folder`).
+        add_bos: whether :meth:`encode` adds ``bos_id`` by default.
+        architecture: the model architecture (``general.architecture`` or ``config.json``'s ``model_type``); picks
+            the standard turn format when the model has no chat template.
+    """
+
+    def __init__(self, backend: _HFTokenizer, *, bos_id: int | None = None, eos_ids: Iterable[int] = (),
+                 add_bos: bool = False, chat_template: str | None = None, architecture: str | None = None,
+                 special_tokens: Mapping[str, str] | None = None, token_texts: Sequence[str] | None = None):
+        self._hf = backend
+        self.bos_id = bos_id
+        self.eos_ids: set[int] = {int(i) for i in eos_ids}
+        self.add_bos = bool(add_bos)
+        self.architecture = architecture
+        self._chat_template = chat_template or None
+        self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v}
+        self._texts = token_texts
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._plan = _DecodePlan.parse(_decoder_spec(backend))
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+
+    # ---- construction ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any], architecture: str | None = None) -> "Tokenizer":
+        """From GGUF metadata (``tokenizer.ggml.*`` keys; values as Python or NumPy values).
+
+        ``eos_ids``: ``tokenizer.ggml.eos_token_id``, ``eot_token_id``, ``eom_token_id``, and every control token whose
+        text is in llama.cpp's end-of-generation list (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``,
+        ``<|endoftext|>``...). ``add_bos``: ``tokenizer.ggml.add_bos_token``, else true for SentencePiece vocabularies
+        and false for byte-level ones (transformers' defaults).
+
+        Raises:
+            WeightsError: the tokenizer keys are missing or inconsistent.
+            UnsupportedError: a ``tokenizer.ggml.model`` other than ``gpt2`` and ``llama``.
+        """
+        md = metadata
+        kind = _meta(md, "tokenizer.ggml.model")
+        tokens = _meta(md, "tokenizer.ggml.tokens")
+        if kind is None or tokens is None:
+            raise WeightsError("the GGUF metadata has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens)")
+        tokens = [str(t) for t in tokens]
+        types = _meta(md, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise WeightsError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        arch = architecture or _meta(md, "general.architecture")
+        if kind == "gpt2":
+            tk, vocab = _build_byte_level(tokens, types, md)
+            default_add_bos = False
+        elif kind == "llama":
+            tk, vocab = _build_sentencepiece(tokens, types, md, gemma=str(arch) in _GEMMA_ARCHS)
+            default_add_bos = True
+        else:
+            raise UnsupportedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' and 'llama')")
+
+        control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == CONTROL]
+        user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+                if ty == USER_DEFINED and t in vocab]
+        if control:
+            tk.add_special_tokens(control)
+        if user:
+            tk.add_tokens(user)
+
+        def text_of(key: str) -> str | None:
+            i = _meta(md, f"tokenizer.ggml.{key}")
+            return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+        special = {"bos_token": text_of("bos_token_id"), "eos_token": text_of("eos_token_id"),
+                   "unk_token": text_of("unknown_token_id"), "pad_token": text_of("padding_token_id")}
+        if kind == "llama" and str(arch) in _GEMMA_ARCHS and "<mask>" in vocab:
+            special["mask_token"] = "<mask>"
+        # Named special tokens not yet kept whole become special added tokens (TokenizersBackend.__init__ does so).
+        added = {t.content for t in tk.get_added_tokens_decoder().values()}
+        missing = [AddedToken(t, normalized=False, special=True) for t in special.values() if t and t not in added]
+        if missing:
+            tk.add_special_tokens(missing)
+
+        bos = _meta(md, "tokenizer.ggml.bos_token_id")
+        eos = {int(_meta(md, f"tokenizer.ggml.{k}")) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+               if _meta(md, f"tokenizer.ggml.{k}") is not None}
+        eos |= {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in EOG_TOKEN_TEXTS}
+        add_bos = _meta(md, "tokenizer.ggml.add_bos_token", default_add_bos)
+        template = _meta(md, "tokenizer.chat_template")
+        return cls(tk, bos_id=None if bos is None else int(bos), eos_ids=eos, add_bos=bool(add_bos),
+                   chat_template=template, architecture=arch, special_tokens=special, token_texts=tokens)
+
+    @classmethod
+    def from_folder(cls, path: "str | Path", architecture: str | None = None) -> "Tokenizer":
+        """From a Hugging Face folder: ``tokenizer.json``, ``tokenizer_config.json`` (special tokens,
+        ``add_bos_token``, ``chat_template``), ``chat_template.jinja``, ``generation_config.json`` and ``config.json``
+        (``eos_token_id`` lists, ``model_type``).
+
+        ``eos_ids``: the ``eos_token`` of ``tokenizer_config.json``, the ``eos_token_id`` of ``generation_config.json``
+        and ``config.json`` (an int or a list), and every special token whose text is in llama.cpp's
+        end-of-generation list. ``add_bos``: ``add_bos_token`` when given, else whether ``tokenizer.json``'s
+        post-processor puts the BOS token first.
+
+        Raises:
+            WeightsError: no ``tokenizer.json`` in the folder (the message names the folder), or an unreadable one.
+        """
+        folder = Path(path)
+        tj = folder / "tokenizer.json"
+        if not tj.is_file():
+            hint = " (it has only a SentencePiece tokenizer.model, which we do not read)" \
+                if (folder / "tokenizer.model").is_file() else ""
+            raise WeightsError(f"{folder}: no tokenizer.json{hint}")
+        try:
+            tk = _HFTokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises a plain Exception on bad JSON
+            raise WeightsError(f"{tj}: cannot read the tokenizer: {e}") from e
+        config = _read_json(folder / "tokenizer_config.json")
+        generation = _read_json(folder / "generation_config.json")
+        model_config = _read_json(folder / "config.json")
+
+        def token_text(v: Any) -> str | None:
+            if isinstance(v, Mapping):
+                v = v.get("content")
+            return v if isinstance(v, str) and v else None
+
+        special = {k: token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        bos_id = tk.token_to_id(special["bos_token"]) if special["bos_token"] else None
+        if bos_id is None and isinstance(model_config.get("bos_token_id"), int):
+            bos_id = model_config["bos_token_id"]
+            special["bos_token"] = tk.id_to_token(bos_id)
+        eos: set[int] = set()
+        if special["eos_token"] and tk.token_to_id(special["eos_token"]) is not None:
+            eos.add(tk.token_to_id(special["eos_token"]))
+        for src in (generation, model_config):
+            v = src.get("eos_token_id")
+            eos.update(int(i) for i in (v if isinstance(v, list) else [v]) if isinstance(i, int))
+        for i, t in tk.get_added_tokens_decoder().items():
+            if t.special and t.content in EOG_TOKEN_TEXTS:
+                eos.add(i)
+        if not special["eos_token"] and eos:
+            special["eos_token"] = tk.id_to_token(min(eos))
+        if "add_bos_token" in config and config["add_bos_token"] is not None:
+            add_bos = bool(config["add_bos_token"])
+        else:
+            add_bos = bos_id is not None and _post_processor_adds(tk, bos_id)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if not template and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        if not template and (folder / "chat_template.json").is_file():
+            template = _read_json(folder / "chat_template.json").get("chat_template")
+        arch = architecture or model_config.get("model_type")
+        return cls(tk, bos_id=bos_id, eos_ids=eos, add_bos=add_bos, chat_template=template or None,
+                   architecture=arch, special_tokens=special)
+
+    # ---- text <-> ids ------------------------------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``, ``<start_of_turn>``...) become
+        their ids.
+
+        Args:
+            add_bos: put ``bos_id`` first; None: as the model says (:attr:`add_bos`). BOS is never doubled: when the
+                text already starts with the BOS token, it is not added again.
+
+        Raises:
+            InvalidRequestError: ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text to tokenize must be a string, got {type(text).__name__}")
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        want = self.add_bos if add_bos is None else add_bos
+        if want and self.bos_id is not None and not (ids and ids[0] == self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: "Iterable[int] | int", skip_special: bool = False) -> str:
+        """The text of ``ids`` (special tokens written out unless ``skip_special``). Invalid UTF-8 becomes U+FFFD."""
+        if isinstance(ids, numbers.Integral):
+            ids = [int(ids)]
+        plan = self._plan
+        if plan is None:
+            return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        skip = self._special_ids if skip_special else ()
+        parts = []
+        first = True
+        for i in ids:
+            i = int(i)
+            if i in skip:
+                continue
+            parts.append(self._piece(i, first))
+            first = False
+        text = b"".join(parts).decode("utf-8", "replace")
+        if plan.strip and text:
+            content, count = plan.strip
+            n = 0
+            while n < count and n < len(text) and text[n] == content:
+                n += 1
+            text = text[n:]
+        return text
+
+    def detokenizer(self, skip_special: bool = False) -> "Detokenizer":
+        """A new streaming detokenizer (see :class:`Detokenizer`)."""
+        if self._plan is None:
+            return _WindowDetokenizer(self, skip_special)  # type: ignore[return-value]
+        return Detokenizer(self, skip_special)
+
+    def _piece(self, token_id: int, first: bool = False) -> bytes:
+        first = first and self._plan.metaspace_first
+        key = (token_id, first)
+        b = self._pieces.get(key)
+        if b is None:
+            text = self._hf.id_to_token(token_id)
+            if text is None:
+                text = self._texts[token_id] if self._texts is not None and 0 <= token_id < len(self._texts) else ""
+                if text and self._plan.byte_level and token_id not in self._special_ids:
+                    text = "".join(_BYTE_TO_CHAR[x] for x in text.encode("utf-8"))
+            b = self._pieces[key] = self._plan.piece(text, first)
+        return b
+
+    # ---- vocabulary --------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """The number of ids (added tokens included)."""
+        return self._vocab_size
+
+    def is_special(self, token_id: int) -> bool:
+        """True for a special (control) token: BOS, EOS, ``<|im_start|>``, ``<start_of_turn>``..."""
+        return int(token_id) in self._special_ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._hf.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._hf.id_to_token(int(token_id))
+
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text, or None."""
+        return self._special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        """The main EOS token's text (``tokenizer.ggml.eos_token_id`` / ``eos_token``), or None."""
+        return self._special_tokens.get("eos_token")
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """``bos_token``, ``eos_token``, ``unk_token``, ``pad_token`` (those the model has): what templates see."""
+        return dict(self._special_tokens)
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._hf
+
+    # ---- chat --------------------------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str | None:
+        """The model's own chat template (Jinja2 source), or None."""
+        return self._chat_template
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True when the model ships a chat template (an instruction-tuned model)."""
+        return self._chat_template is not None
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render ``messages`` (``{"role": ..., "content": ...}`` dicts) with the model's template, or, for a model
+        without one, with its architecture's standard turn format (Gemma's, Llama 3's, else ChatML; see
+        :func:`models.chat_template.default_template`). Extra keyword arguments (``tools``, ``documents``,
+        ``enable_thinking``...) reach the template. Returns the prompt text (BOS included when the template writes it:
+        encode it with ``add_bos=None``, which does not double it).
+
+        Raises:
+            InvalidRequestError: an empty conversation, or one the template rejects.
+        """
+        template = self._chat_template or default_template(self.architecture, self._hf.get_vocab())
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                    special_tokens=self._special_tokens, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={sorted(self.eos_ids)}, "
+                f"architecture={self.architecture!r}, chat_template={'yes' if self.has_chat_template else 'no'})")
+
+
+def _decoder_spec(tk: _HFTokenizer) -> Any:
+    dec = tk.decoder
+    if dec is None:
+        return None
+    return json.loads(dec.__getstate__())
+
+
+def _post_processor_adds(tk: _HFTokenizer, bos_id: int) -> bool:
+    """Whether the post-processor of a ``tokenizer.json`` puts ``bos_id`` first in a single sequence."""
+    pp = tk.post_processor
+    if pp is None:
+        return False
+    spec = json.loads(pp.__getstate__())
+    procs = spec.get("processors", [spec]) if spec.get("type") == "Sequence" else [spec]
+    for p in procs:
+        if p.get("type") == "TemplateProcessing":
+            single = p.get("single") or []
+            if single and "SpecialToken" in single[0]:
+                name = single[0]["SpecialToken"]["id"]
+                ids = p.get("special_tokens", {}).get(name, {}).get("ids") or []
+                return bool(ids) and ids[0] == bos_id
+            return False
+        if p.get("type") in ("BertProcessing", "RobertaProcessing"):
+            cls_tok = p.get("cls")
+            return bool(cls_tok) and cls_tok[1] == bos_id
+    return False
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{path}: not valid JSON: {e}") from e
+    return data if isinstance(data, dict) else {}
+
