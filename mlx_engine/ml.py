@@ -277,7 +277,8 @@ class Tensor(abc.ABC):
             scale: positions are multiplied by it (linear scaling).
             traditional: rotate interleaved pairs ``(2i, 2i+1)`` (GPT-J / llama.cpp "norm") instead of the halves
                 ``(i, i + dims/2)`` (GPT-NeoX / Hugging Face).
-            freqs: explicit inverse-wavelengths ``[dims/2]`` (1 / theta_i), e.g. after Llama 3 scaling.
+            freqs: explicit per-pair periods ``[dims/2]`` replacing ``base ** (2i / dims)`` (the angle of pair ``i`` at
+                position ``p`` is ``p / freqs[i]``; MLX's convention), e.g. after Llama 3 frequency scaling.
         """
 
     @abc.abstractmethod

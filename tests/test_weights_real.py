@@ -217,14 +217,15 @@ def _backend(path: Path, **kw):
     return b, b.peak_memory(), time.perf_counter() - t0
 
 
+@pytest.mark.parametrize("keep_quantized", [True, False], ids=["quantized", "dequantized"])
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
-def test_mlx_backend_loads_real_models(which: str, request, record_property):
+def test_mlx_backend_loads_real_models(which: str, keep_quantized: bool, request, record_property):
     pytest.importorskip("mlx.core")
     from mlx_engine.mlx.tensor import MLXQuantizedTensor
 
     path = request.getfixturevalue(f"{which}_gguf")
     reader = request.getfixturevalue(f"{which}_reader")
-    backend, peak, seconds = _backend(path)
+    backend, peak, seconds = _backend(path, quantized=keep_quantized)
     try:
         nbytes = backend.weights_nbytes()
         record_property("load_s", round(seconds, 3))
@@ -235,13 +236,14 @@ def test_mlx_backend_loads_real_models(which: str, request, record_property):
         by_type = {t.name: t.tensor_type.name for t in reader.tensors}
         assert backend.tensor_types == by_type
         quantized = {n for n, t in backend.weights.items() if isinstance(t, MLXQuantizedTensor)}
-        assert quantized == {t.name for t in reader.tensors if t.tensor_type.name in ("Q4_0", "Q4_1", "Q8_0")
-                             and len(t.shape) == 2}
+        lossless = {t.name for t in reader.tensors if t.tensor_type.name in ("Q4_0", "Q4_1", "Q8_0")
+                    and len(t.shape) == 2}
+        assert quantized == (lossless if keep_quantized else set())
         for t in reader.tensors:
             w = backend.weights[t.name]
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             assert tuple(w.shape) == shape, t.name
-            if t.name not in quantized and t.tensor_type.name != "F32" and t.name != "token_embd.weight":
+            if t.name not in lossless and t.tensor_type.name != "F32" and t.name != "token_embd.weight":
                 continue  # the dequantized K-quants were compared above; keep the test short
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             step = ROWS_PER_CHUNK if t.name == "token_embd.weight" else rows

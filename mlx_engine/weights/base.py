@@ -43,15 +43,21 @@ class QuantizedArray:
         """Bytes of the three arrays together."""
         return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
 
-    def dequantize(self) -> np.ndarray:
+    def dequantize(self, rows_per_chunk: int = 4096) -> np.ndarray:
         """float32 ``[rows, cols]``: ``scale * q + bias`` evaluated in float32 (for GGUF Q4_0, Q4_1 and Q8_0 this
-        equals ``gguf.quants.dequantize`` exactly)."""
+        equals ``gguf.quants.dequantize`` exactly). Works through ``rows_per_chunk`` rows at a time, so the only
+        large allocation is the result."""
         per_word = 32 // self.bits
         shifts = (np.arange(per_word, dtype=np.uint32) * self.bits)
-        q = (self.weight[:, :, None] >> shifts) & np.uint32((1 << self.bits) - 1)
-        q = q.reshape(self.weight.shape[0], -1).astype(np.float32)
-        g = q.reshape(q.shape[0], -1, self.group_size)
-        return (g * self.scales[:, :, None] + self.biases[:, :, None]).reshape(q.shape)
+        mask = np.uint32((1 << self.bits) - 1)
+        rows, cols = self.shape
+        out = np.empty((rows, cols), np.float32)
+        for r0 in range(0, rows, rows_per_chunk):
+            r1 = min(rows, r0 + rows_per_chunk)
+            q = ((self.weight[r0:r1, :, None] >> shifts) & mask).astype(np.float32)
+            g = q.reshape(r1 - r0, -1, self.group_size)
+            out[r0:r1] = (g * self.scales[r0:r1, :, None] + self.biases[r0:r1, :, None]).reshape(r1 - r0, cols)
+        return out
 
 
 class Metadata(Mapping[str, Any]):

@@ -1,0 +1,285 @@
+"""The public Python API: load a model, generate, stream, chat.
+
+>>> import mlx_engine
+>>> model = mlx_engine.load("smollm2:135m")            # pulls it on first use
+>>> model.generate("What is the capital of France?", max_tokens=32)
+>>> for piece in model.stream("Tell me a story", temperature=0.7, seed=1):
+...     print(piece if isinstance(piece, str) else piece.summary(), end="")
+>>> chat = model.chat_session(system="You are terse.")
+>>> "".join(p for p in chat.send("Hi!") if isinstance(p, str))
+
+Options accepted by ``generate``, ``stream``, ``chat`` and ``ChatSession.send`` (keywords):
+``system`` (str), ``raw`` (bool: no chat template), ``temperature`` (0 = greedy, the default), ``top_k``, ``top_p``,
+``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``, ``seed``,
+``max_tokens`` (default 256), ``stop`` (list of strings). An unknown or invalid option raises
+:class:`mlx_engine.errors.InvalidRequestError`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from mlx_engine.errors import InvalidRequestError
+from mlx_engine.mlx import MLXBackend
+from mlx_engine.store import DEFAULT_MODEL, Store
+from models.registry import load_text_model
+from models.runner import GenerationStats, Request, Runner
+from models.sampler import SamplerOptions
+from models.tokenizer import Tokenizer
+
+__all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "GenerationStats", "DEFAULT_MODEL"]
+
+_SAMPLER_KEYS = {f.name for f in fields(SamplerOptions)}
+_OTHER_KEYS = {"system", "raw", "max_tokens", "stop"}
+DEFAULT_CONTEXT = 8192  # cap on the cache's capacity unless the caller asks for more
+
+
+def _split_options(options: dict[str, Any]) -> tuple[SamplerOptions, dict[str, Any]]:
+    unknown = set(options) - _SAMPLER_KEYS - _OTHER_KEYS
+    if unknown:
+        raise InvalidRequestError(f"unknown option(s) {', '.join(sorted(unknown))}; valid options: "
+                                  f"{', '.join(sorted(_SAMPLER_KEYS | _OTHER_KEYS))}")
+    sampler = SamplerOptions(**{k: v for k, v in options.items() if k in _SAMPLER_KEYS and v is not None})
+    sampler.validate()
+    rest = {k: options.get(k) for k in _OTHER_KEYS}
+    if rest["max_tokens"] is None:
+        rest["max_tokens"] = 256
+    stop = rest["stop"]
+    rest["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+    return sampler, rest
+
+
+class Model:
+    """A loaded text model: weights on the device, tokenizer, and a runner with its KV cache.
+
+    Attributes:
+        name: the name it was loaded by. architecture: ``llama``, ``gemma3`` or ``qwen3``.
+        info: architecture, parameters, quantization, context_length, chat_template, license, source, path.
+        context_length: the most tokens a sequence may hold here.
+        load_seconds, weights_bytes, load_peak_bytes: what loading took (seconds, bytes on the device, and the
+            device's peak memory during the load).
+    """
+
+    def __init__(self, name: str, path: Path, *, source: str = "file", license: str | None = None,
+                 device: str | None = None, dtype: str | None = None, context_length: int | None = None,
+                 kv_bits: int | None = None, requantize: int | None = None, max_sequences: int = 4):
+        t0 = time.perf_counter()
+        self.backend = MLXBackend(path, device=device, dtype=dtype, requantize=requantize)
+        self.text_model = load_text_model(self.backend)
+        self.load_peak_bytes = self.backend.peak_memory()
+        self.weights_bytes = self.backend.weights_nbytes()
+        self.tokenizer = (Tokenizer.from_gguf(self.backend.metadata) if path.is_file()
+                          else Tokenizer.from_folder(path))
+        config = self.text_model.config
+        ctx_len = context_length or min(config.context_length, DEFAULT_CONTEXT)
+        if ctx_len < 2:
+            raise InvalidRequestError(f"context_length must be at least 2, got {ctx_len}")
+        self.context_length = ctx_len
+        self.runner = Runner(self.text_model, self.tokenizer, context_length=ctx_len, max_sequences=max_sequences,
+                             kv_bits=kv_bits)
+        self.load_seconds = time.perf_counter() - t0
+        self.name = name
+        self.path = path
+        self.architecture = config.architecture
+        types = getattr(self.backend, "tensor_types", {})
+        quant = max(set(types.values()), key=list(types.values()).count) if types else "unknown"
+        self.info = {
+            "architecture": self.architecture, "parameters": self._parameter_count(), "quantization": quant,
+            "context_length": config.context_length, "chat_template": self.tokenizer.chat_template,
+            "license": license, "source": source, "path": str(path),
+        }
+        self._free_sequences = list(range(1, max_sequences))
+
+    def _parameter_count(self) -> int:
+        n = 0
+        for t in self.backend.weights.values():
+            k = 1
+            for s in t.shape:
+                k *= s
+            n += k
+        return n
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True for an instruction-tuned model that ships a chat template."""
+        return self.tokenizer.has_chat_template
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    # ---- prompts -----------------------------------------------------------------------------------------------
+    def _encode_text(self, text: str) -> list[int]:
+        bos = self.tokenizer.bos_token
+        add_bos = None if not bos or not text.startswith(bos) else False  # the template already wrote BOS
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages`` (``{"role", "content"}`` dicts)."""
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidRequestError(f"each message must be a dict with 'role' and 'content', got {m!r}")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def prompt_tokens(self, prompt: str, *, system: str | None = None, raw: bool | None = None) -> list[int]:
+        """Token ids for a one-shot prompt: the chat template for instruct models, raw text for base models (or
+        when ``raw``)."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidRequestError("the prompt is empty; give some text")
+        if raw is None:
+            raw = not self.has_chat_template
+        if raw:
+            return self._encode_text((system + "\n\n" if system else "") + prompt)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self._encode_text(self.render(messages))
+
+    # ---- generation --------------------------------------------------------------------------------------------
+    def stream(self, prompt: str, **options: Any) -> Iterator["str | GenerationStats"]:
+        """Text chunks as they are generated, then one :class:`GenerationStats`."""
+        sampler, rest = _split_options(options)
+        tokens = self.prompt_tokens(prompt, system=rest["system"], raw=rest["raw"])
+        return self.runner.stream(Request(tokens, sampler, rest["max_tokens"], rest["stop"], 0))
+
+    def generate(self, prompt: str, **options: Any) -> str:
+        """The whole completion of ``prompt`` as one string."""
+        return "".join(p for p in self.stream(prompt, **options) if isinstance(p, str))
+
+    def chat(self, messages: list[dict[str, str]], **options: Any) -> str:
+        """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``)."""
+        sampler, rest = _split_options(options)
+        if not messages:
+            raise InvalidRequestError("the conversation is empty; give at least one user message")
+        tokens = self._encode_text(self.render(list(messages)))
+        return "".join(p for p in self.runner.stream(Request(tokens, sampler, rest["max_tokens"], rest["stop"], 0))
+                       if isinstance(p, str))
+
+    def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
+        """A conversation that keeps its KV cache between turns."""
+        _split_options(options)
+        seq = self._free_sequences.pop(0) if self._free_sequences else 0
+        return ChatSession(self, seq, system, options)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class ChatSession:
+    """A conversation whose KV cache persists between turns: turn N prefills only the new message (the runner
+    reuses the longest cached prefix of the templated conversation), on sliding-window layers too.
+
+    Attributes:
+        messages: the conversation so far (system message first when set).
+        options: the default generation options of ``send`` (mutable).
+    """
+
+    def __init__(self, model: Model, sequence: int, system: str | None, options: dict[str, Any]):
+        self.model = model
+        self.sequence = sequence
+        self.options = dict(options)
+        self.messages: list[dict[str, str]] = []
+        self.last_stats: GenerationStats | None = None
+        self.set_system(system)
+
+    def set_system(self, text: str | None) -> None:
+        """Set (or with None remove) the system message."""
+        self.messages = [m for m in self.messages if m["role"] != "system"]
+        if text:
+            self.messages.insert(0, {"role": "system", "content": text})
+
+    def clear(self) -> None:
+        """Forget the conversation (the system message stays)."""
+        self.messages = [m for m in self.messages if m["role"] == "system"]
+        self.model.runner.reset(self.sequence)
+
+    def send(self, text: str, **options: Any) -> Iterator["str | GenerationStats"]:
+        """Add a user message and stream the answer: text chunks, then one :class:`GenerationStats`. If the caller
+        stops reading (closes the generator), the partial answer is kept in the conversation."""
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidRequestError("the message is empty; type some text")
+        self.messages.append({"role": "user", "content": text})
+        return self._answer(options)
+
+    def regenerate(self, **options: Any) -> Iterator["str | GenerationStats"]:
+        """Drop the last answer and answer the last user message again."""
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if not self.messages or self.messages[-1]["role"] != "user":
+            raise InvalidRequestError("there is no user message to answer again")
+        return self._answer(options)
+
+    def _answer(self, options: dict[str, Any]) -> Iterator["str | GenerationStats"]:
+        opts = {**self.options, **options}
+        opts.pop("system", None)
+        opts.pop("raw", None)
+        sampler, rest = _split_options(opts)
+        tokens = self.model._encode_text(self.model.render(self.messages))
+        req = Request(tokens, sampler, rest["max_tokens"], rest["stop"], self.sequence)
+        return self._record(self.model.runner.stream(req))
+
+    def _record(self, pieces: Iterator["str | GenerationStats"]) -> Iterator["str | GenerationStats"]:
+        answer: list[str] = []
+        try:
+            for p in pieces:
+                if isinstance(p, str):
+                    answer.append(p)
+                else:
+                    self.last_stats = p
+                yield p
+        finally:
+            pieces.close()
+            self.messages.append({"role": "assistant", "content": "".join(answer)})
+
+    def save(self, path: "str | Path") -> None:
+        """Write the conversation and options as JSON."""
+        Path(path).write_text(json.dumps({"messages": self.messages, "options": self.options}, indent=2))
+
+    def load(self, path: "str | Path") -> None:
+        """Read a conversation written by :meth:`save` (its cache is rebuilt on the next turn)."""
+        try:
+            data = json.loads(Path(path).read_text())
+            messages = data["messages"]
+            if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+                raise ValueError("bad message")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InvalidRequestError(f"{path}: not a saved conversation ({e})") from None
+        self.messages = messages
+        self.options.update(data.get("options", {}))
+
+
+def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None,
+         context_length: int | None = None, pull: bool = True, progress: bool = True, kv_bits: int | None = None,
+         requantize: int | None = None) -> Model:
+    """Load a model by catalog name (``smollm2:135m``, ``gemma3:270m``), GGUF path, Hugging Face folder,
+    ``hf:org/repo`` or ollama name; pulls catalog models on first use.
+
+    Raises:
+        ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.
+        UnsupportedError: an architecture we do not run (the message lists those we do).
+    """
+    resolved = Store().resolve(model, pull=pull, progress=progress)
+    return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,
+                 dtype=dtype, context_length=context_length, kv_bits=kv_bits, requantize=requantize)
+
+
+def _as_model(model: "Model | str") -> Model:
+    return model if isinstance(model, Model) else load(model)
+
+
+def generate(model: "Model | str", prompt: str, **options: Any) -> str:
+    """``load(model).generate(prompt, **options)``."""
+    return _as_model(model).generate(prompt, **options)
+
+
+def stream(model: "Model | str", prompt: str, **options: Any) -> Iterator["str | GenerationStats"]:
+    """``load(model).stream(prompt, **options)``."""
+    return _as_model(model).stream(prompt, **options)
+
+
+def chat(model: "Model | str", messages: list[dict[str, str]], **options: Any) -> str:
+    """``load(model).chat(messages, **options)``."""
+    return _as_model(model).chat(messages, **options)

@@ -1,0 +1,368 @@
+"""What every text architecture shares: the decoder-only transformer forward pass on the ``ml`` interfaces.
+
+An architecture file (``llama.py``, ``gemma3.py``, ``qwen3.py``) supplies a :class:`DecoderConfig` read from GGUF
+metadata or a Hugging Face ``config.json``, a name map for its checkpoint tensors, and the per-layer cache choice;
+:class:`DecoderModel` runs the layers. Shapes: hidden states ``[1, N, D]`` for a batch of ``N`` tokens (sequences are
+kept apart by the cache's mask), attention ``[1, H, N, Dh]``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from mlx_engine.batch import Batch
+from mlx_engine.errors import UnsupportedError, WeightsError
+from mlx_engine.ml import Backend, Context, DType, Tensor
+
+if TYPE_CHECKING:
+    from kvcache import Cache
+
+
+@dataclass
+class DecoderConfig:
+    """Hyper-parameters of a decoder-only transformer.
+
+    Attributes:
+        architecture: ``llama``, ``gemma3`` or ``qwen3``.
+        rope_theta: RoPE base of the global (full-attention) layers; ``rope_local_theta`` of the sliding layers.
+        rope_freqs: explicit RoPE periods ``[head_dim/2]`` after frequency scaling (Llama 3), or None.
+        rope_scale: positions are multiplied by it (linear RoPE scaling: ``1 / factor``).
+        rope_traditional: rotate interleaved pairs, for GGUF Llama checkpoints whose Q/K rows llama.cpp's converter
+            permuted (attention scores are unchanged: queries and keys are permuted alike).
+        sliding_window: the window ``W`` in the cache's convention (a token sees ``W + 1`` keys), or None.
+        layer_types: per layer, ``"sliding_attention"`` or ``"full_attention"``.
+        query_scale: the attention scale (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5`` for Gemma).
+        embed_scale: embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)``).
+        qk_norm: per-head RMSNorm on queries and keys (Qwen3, Gemma 3).
+        sandwich_norm: RMSNorm after attention and after the MLP too (Gemma 2/3).
+        activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    context_length: int
+    rope_theta: float = 10000.0
+    rope_local_theta: float | None = None
+    rope_freqs: np.ndarray | None = None
+    rope_scale: float = 1.0
+    rope_traditional: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    query_scale: float | None = None
+    embed_scale: float | None = None
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    activation: str = "silu"
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_layers
+        if self.query_scale is None:
+            self.query_scale = self.head_dim ** -0.5
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise WeightsError(f"model config has {name} = {getattr(self, name)}; it must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise WeightsError(f"model config has {self.num_heads} heads, not a multiple of "
+                               f"{self.num_kv_heads} key/value heads")
+
+
+# GGUF tensor names (llama.cpp's) to the Hugging Face names every architecture file uses.
+_GGUF_NAMES = [
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"rope_freqs\.weight", "rope_freqs"),
+    (r"blk\.(\d+)\.attn_norm\.(weight|bias)", r"model.layers.\1.input_layernorm.\2"),
+    (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"blk\.(\d+)\.attn_output\.(weight|bias)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
+    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+]
+_GGUF_RE = [(re.compile(p + "$"), r) for p, r in _GGUF_NAMES]
+
+
+def hf_names_from_gguf(weights: dict[str, Tensor], ffn_norm: str) -> dict[str, Tensor]:
+    """Rename llama.cpp tensor names to Hugging Face ones. ``ffn_norm`` is what ``blk.N.ffn_norm`` is in this
+    architecture (``post_attention_layernorm`` for Llama and Qwen3, ``pre_feedforward_layernorm`` for Gemma 3)."""
+    out = {}
+    for name, t in weights.items():
+        m = re.match(r"blk\.(\d+)\.ffn_norm\.weight$", name)
+        if m:
+            out[f"model.layers.{m.group(1)}.{ffn_norm}.weight"] = t
+            continue
+        for rx, repl in _GGUF_RE:
+            if rx.match(name):
+                out[rx.sub(repl, name)] = t
+                break
+        else:
+            out[name] = t
+    return out
+
+
+def rope_positions(ctx: Context, batch: Batch) -> "int | Tensor":
+    """The RoPE offset for a batch: an int when its tokens are consecutive positions of one sequence (the fast
+    path), else an INT32 Tensor ``[N]`` with each token's own position."""
+    pos, seqs = batch.positions, batch.sequences
+    n = len(pos)
+    if n == 1 or (np.all(seqs == seqs[0]) and pos[-1] - pos[0] == n - 1 and np.all(np.diff(pos) == 1)):
+        return int(pos[0])
+    return ctx.from_numpy(pos, DType.INT32)
+
+
+def apply_rope(x: Tensor, positions: "int | Tensor", dims: int, base: float | None, scale: float,
+               traditional: bool, freqs: "Tensor | None") -> Tensor:
+    """RoPE on ``x [1, H, N, Dh]`` at ``positions`` (see :func:`rope_positions`). Per-token positions put the tokens
+    on the batch axis (``[N, H, 1, Dh]``), where MLX's RoPE takes one offset per row."""
+    if isinstance(positions, int):
+        return x.rope(positions, dims, base=base, scale=scale, traditional=traditional, freqs=freqs)
+    y = x.transpose(2, 1, 0, 3).rope(positions, dims, base=base, scale=scale, traditional=traditional, freqs=freqs)
+    return y.transpose(2, 1, 0, 3)
+
+
+class DecoderModel(abc.ABC):
+    """A decoder-only transformer (Llama, Qwen3, Gemma 3) running on the ``ml`` interfaces.
+
+    Subclasses set ``architecture`` and implement ``config_from_gguf``, ``config_from_hf``, ``sanitize`` and
+    optionally ``make_cache``.
+    """
+
+    architecture = ""
+
+    def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend):
+        self.config = config
+        self.backend = backend
+        self.dtype = backend.compute_dtype
+        self.w = weights
+        self._check_weights()
+        ctx = backend.new_context()
+        freqs = config.rope_freqs
+        self._rope_freqs = ctx.from_numpy(np.asarray(freqs, np.float32)) if freqs is not None else None
+        self.head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        self.layers = [self._layer_weights(i) for i in range(config.num_layers)]
+
+    # ---- construction ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_backend(cls, backend: Backend, source: str) -> "DecoderModel":
+        """Build from a loaded backend. ``source`` is ``"gguf"`` or ``"hf"`` (the naming of the tensors)."""
+        if source == "gguf":
+            config = cls.config_from_gguf(backend.metadata, backend.weights)
+        else:
+            config = cls.config_from_hf(backend.metadata)
+        weights = cls.sanitize(dict(backend.weights), config, source)
+        return cls(config, weights, backend)
+
+    @classmethod
+    @abc.abstractmethod
+    def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
+        """Hyper-parameters from GGUF metadata (``<arch>.block_count`` ...). Raises ``WeightsError``."""
+
+    @classmethod
+    @abc.abstractmethod
+    def config_from_hf(cls, config: Any) -> DecoderConfig:
+        """Hyper-parameters from a Hugging Face ``config.json`` mapping. Raises ``WeightsError``."""
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, Tensor], config: DecoderConfig, source: str) -> dict[str, Tensor]:
+        """Map checkpoint names to Hugging Face names (and fix conventions). The default handles GGUF names."""
+        return hf_names_from_gguf(weights, "post_attention_layernorm") if source == "gguf" else weights
+
+    def _check_weights(self) -> None:
+        need = ["model.embed_tokens.weight", "model.norm.weight"]
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            need += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                     p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight",
+                     p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
+        missing = [n for n in need if n not in self.w]
+        if missing:
+            raise WeightsError(f"the {self.architecture} checkpoint lacks {len(missing)} tensors, e.g. "
+                               f"{', '.join(missing[:3])}; is it a complete {self.architecture} model?")
+
+    def _layer_weights(self, i: int) -> dict[str, Tensor | None]:
+        p = f"model.layers.{i}."
+        names = {
+            "attn_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
+            "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias",
+            "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
+            "k_norm": "self_attn.k_norm.weight", "post_attn_norm": "post_attention_layernorm.weight",
+            "pre_ffn_norm": "pre_feedforward_layernorm.weight", "post_ffn_norm": "post_feedforward_layernorm.weight",
+            "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
+        }
+        return {k: self.w.get(p + v) for k, v in names.items()}
+
+    # ---- caches ------------------------------------------------------------------------------------------------
+    def is_sliding(self, layer: int) -> bool:
+        return self.config.layer_types[layer] == "sliding_attention"
+
+    def make_cache(self, kv_bits: int | None = None) -> "Cache":
+        """The cache for this model: causal, or a wrapper of sliding-window and causal caches per layer type."""
+        from kvcache import CausalCache, SlidingWindowMemoryCache, WrapperCache
+
+        if not any(self.is_sliding(i) for i in range(self.config.num_layers)):
+            return CausalCache(shift_fn=self.shift, kv_bits=kv_bits)
+        # Extra memory beyond the window lets a chat session rewind a little (re-tokenised history) and resume.
+        w = self.config.sliding_window
+        sliding = SlidingWindowMemoryCache(w, w + 256, shift_fn=self.shift, kv_bits=kv_bits)
+        full = CausalCache(shift_fn=self.shift, kv_bits=kv_bits)
+        return WrapperCache([full, sliding], [1 if self.is_sliding(i) else 0 for i in range(self.config.num_layers)])
+
+    def layer_kv_shapes(self) -> list[tuple[int, int, int]]:
+        c = self.config
+        return [(c.num_kv_heads, c.head_dim, c.head_dim)] * c.num_layers
+
+    def _rope_args(self, layer: int) -> tuple[float | None, "Tensor | None"]:
+        c = self.config
+        if self.is_sliding(layer) and c.rope_local_theta is not None:
+            return c.rope_local_theta, None
+        if self._rope_freqs is not None:
+            return None, self._rope_freqs
+        return c.rope_theta, None
+
+    def _rope_scale(self, layer: int) -> float:
+        return 1.0 if self.is_sliding(layer) and self.config.rope_local_theta is not None else self.config.rope_scale
+
+    def shift(self, ctx: Context, layer: int, keys: Tensor, shift: Tensor) -> Tensor:
+        """Re-rotate cached keys ``[1, H_kv, n, Dh]`` by per-cell position deltas ``shift`` (INT32 ``[n]``): RoPE
+        rotations compose additively, so rotating by the delta renumbers the key."""
+        base, freqs = self._rope_args(layer)
+        return apply_rope(keys, shift, self.config.head_dim, base, self._rope_scale(layer),
+                          self.config.rope_traditional, freqs)
+
+    # ---- forward -----------------------------------------------------------------------------------------------
+    def embed(self, ctx: Context, batch: Batch) -> Tensor:
+        """Hidden states ``[1, N, D]`` for the batch's tokens (or its given embeddings)."""
+        if batch.embeddings is not None:
+            h = batch.embeddings
+        else:
+            ids = batch.inputs if isinstance(batch.inputs, Tensor) else ctx.from_numpy(batch.inputs, DType.INT32)
+            h = self.w["model.embed_tokens.weight"].take(ids, axis=0)
+        if h.dtype != self.dtype:
+            h = h.astype(self.dtype)
+        if self.config.embed_scale is not None:
+            h = h * self.config.embed_scale
+        return h.reshape(1, h.shape[-2], h.shape[-1])
+
+    def forward(self, ctx: Context, batch: Batch, cache: "Cache", hidden_only: bool = False) -> Tensor:
+        """Run the batch through the model, storing its keys and values in ``cache``.
+
+        Returns logits ``[K, vocab]`` (float, the compute dtype) for the batch's ``outputs``, or with
+        ``hidden_only`` the final-normed hidden states ``[1, N, D]`` of every token.
+        Raises ``CacheFullError`` when the cache has no room (nothing is stored then).
+        """
+        c = self.config
+        cache.start_forward(ctx, batch)
+        positions = rope_positions(ctx, batch)
+        h = self.embed(ctx, batch)
+        n = h.shape[1]
+        act = (lambda t: t.silu()) if c.activation == "silu" else (lambda t: t.gelu(approximate=True))
+        eps = c.rms_norm_eps
+        for i, lw in enumerate(self.layers):
+            cache.set_layer(i)
+            x = h.rms_norm(lw["attn_norm"], eps)
+            q = x.linear(lw["q"], lw["q_bias"]).reshape(1, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
+            k = x.linear(lw["k"], lw["k_bias"]).reshape(1, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+            v = x.linear(lw["v"], lw["v_bias"]).reshape(1, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+            if c.qk_norm:
+                q = q.rms_norm(lw["q_norm"], eps)
+                k = k.rms_norm(lw["k_norm"], eps)
+            base, freqs = self._rope_args(i)
+            scale = self._rope_scale(i)
+            q = apply_rope(q, positions, c.head_dim, base, scale, c.rope_traditional, freqs)
+            k = apply_rope(k, positions, c.head_dim, base, scale, c.rope_traditional, freqs)
+            cache.put(ctx, k, v)
+            keys, values, mask = cache.get(ctx)
+            o = ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
+            o = o.transpose(0, 2, 1, 3).reshape(1, n, c.num_heads * c.head_dim).linear(lw["o"])
+            if c.sandwich_norm:
+                h = h + o.rms_norm(lw["post_attn_norm"], eps)
+                x = h.rms_norm(lw["pre_ffn_norm"], eps)
+            else:
+                h = h + o
+                x = h.rms_norm(lw["post_attn_norm"], eps)
+            m = (act(x.linear(lw["gate"])) * x.linear(lw["up"])).linear(lw["down"])
+            h = h + (m.rms_norm(lw["post_ffn_norm"], eps) if c.sandwich_norm else m)
+        if hidden_only:
+            return h.rms_norm(self.w["model.norm.weight"], eps)
+        out = batch.outputs
+        if len(out) == n and np.array_equal(out, np.arange(n)):
+            rows = h[0]
+        elif len(out) == 1:
+            rows = h[0, int(out[0]):int(out[0]) + 1]
+        else:
+            rows = h[0].take(ctx.from_numpy(out, DType.INT32), axis=0)
+        return rows.rms_norm(self.w["model.norm.weight"], eps).linear(self.head)
+
+
+def metadata_getter(metadata: Any, prefix: str) -> Callable[..., Any]:
+    """``get("block_count")`` reads ``<prefix>.block_count`` from GGUF metadata, with a default or a clear error."""
+
+    def get(key: str, default: Any = ...) -> Any:
+        full = f"{prefix}.{key}"
+        if full in metadata:
+            v = metadata[full]
+            return v.item() if isinstance(v, np.generic) else v
+        if default is ...:
+            raise WeightsError(f"GGUF metadata key {full!r} is missing; the file is not a complete {prefix} model")
+        return default
+
+    return get
+
+
+def vocab_size_of(weights: dict[str, Tensor], metadata: Any, arch: str) -> int:
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    emb = weights.get("token_embd.weight")
+    if emb is not None:
+        return emb.shape[0]
+    if tokens is not None:
+        return len(tokens)
+    raise WeightsError(f"cannot tell the vocabulary size of this {arch} GGUF (no token_embd.weight)")
+
+
+def check_rope_scaling(kind: str | None, arch: str) -> None:
+    if kind not in (None, "none", "linear", "llama3", "default"):
+        raise UnsupportedError(f"{arch}: RoPE scaling {kind!r} is not supported (linear and llama3 are)")
+
+
+def llama3_rope_freqs(base: float, dims: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                      original_context: int) -> np.ndarray:
+    """RoPE periods ``[dims/2]`` with Llama 3.1's frequency scaling (transformers' ``_compute_llama3_parameters``):
+    long wavelengths divided by ``factor``, short ones kept, and a smooth blend between."""
+    freqs = base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    wavelens = 2 * math.pi * freqs
+    low_wavelen = original_context / low_freq_factor
+    high_wavelen = original_context / high_freq_factor
+    out = np.where(wavelens > low_wavelen, freqs * factor, freqs)
+    medium = (wavelens > high_wavelen) & (wavelens < low_wavelen)
+    smooth = (original_context / wavelens - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
+    return np.where(medium, smooth_freqs, out).astype(np.float32)
+
+
+def hf_rope_parameters(config: Any) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` from a ``config.json``: transformers 5 nests both under ``rope_parameters``."""
+    params = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
