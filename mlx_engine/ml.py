@@ -205,6 +205,13 @@ class Tensor(abc.ABC):
     @abc.abstractmethod
     def argsort(self, axis: int = -1, descending: bool = False) -> "Tensor": ...
 
+    def argpartition(self, kth: int, axis: int = -1) -> "Tensor":
+        """Indices that partition ``self`` along ``axis`` around its ``kth`` smallest element
+        (``numpy.argpartition``): the first ``kth`` positions index elements no larger, the rest no smaller, in no
+        particular order. For the sampler's top-k (a selection instead of a sort of the whole vocabulary). This
+        default sorts fully, which is a valid partition; backends override it with a linear-time selection."""
+        return self.argsort(axis=axis)
+
     @abc.abstractmethod
     def cumsum(self, axis: int = -1) -> "Tensor": ...
 

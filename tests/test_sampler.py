@@ -262,3 +262,16 @@ def test_valid_edge_options(ctx):
         tok = Sampler(o, ctx).sample(ctx.from_numpy(np.array([[0.0, 1.0, 0.5]], np.float32)))
         assert tok.numpy()[0] == 1
     assert math.isclose(SamplerOptions().top_p, 1.0) and SamplerOptions().repeat_last_n == 64
+
+
+def test_argpartition_selects_the_top_k(ctx):
+    """``Tensor.argpartition`` (added for the sampler's top-k) partitions as ``numpy.argpartition``."""
+    x = np.random.default_rng(3).normal(size=(3, 1000)).astype(np.float32)
+    got = ctx.from_numpy(-x).argpartition(39, axis=-1).numpy()[:, :40]
+    for r in range(3):
+        assert set(got[r]) == set(np.argsort(-x[r])[:40])
+    from mlx_engine.ml import Tensor
+
+    default = Tensor.argpartition(ctx.from_numpy(-x), 39)  # the interface's default: a full sort
+    for r in range(3):
+        assert set(default.numpy()[r, :40]) == set(np.argsort(-x[r])[:40])

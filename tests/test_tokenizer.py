@@ -82,11 +82,13 @@ _NUMERAL = regex.compile(r"\p{N}")
 # ---- fixtures ------------------------------------------------------------------------------------------------------
 
 
-def _metadata(path: Path) -> dict:
+def _metadata(path: Path):
+    """The file's metadata as the engine reads it (``mlx_engine.weights`` ``Metadata``: NumPy arrays for numeric
+    arrays), which is what ``Tokenizer.from_gguf`` gets at load time."""
     from mlx_engine.weights import open_weights
 
     with open_weights(path) as wf:
-        return dict(wf.metadata)
+        return wf.metadata
 
 
 @pytest.fixture(scope="session")

@@ -134,6 +134,9 @@ class MLXTensor(Tensor):
     def argsort(self, axis=-1, descending=False):
         return MLXTensor(mx.argsort(-self.a if descending else self.a, axis=axis))
 
+    def argpartition(self, kth, axis=-1):
+        return MLXTensor(mx.argpartition(self.a, kth, axis=axis))
+
     def cumsum(self, axis=-1):
         return MLXTensor(mx.cumsum(self.a, axis=axis))
 
