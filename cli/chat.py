@@ -173,11 +173,12 @@ class ChatRepl:
             self.out.write(" [stopped; the partial answer stays in the conversation]\n")
         elif not text.endswith("\n"):
             self.out.write("\n")
-        if self.interactive:
-            self.out.write("\n")
         self.out.flush()
         if self.verbose and stats is not None:
             self.echo(stats.summary(), err=True)
+        if self.interactive:
+            self.out.write("\n")
+            self.out.flush()
 
     # ------------------------------------------------------------------------------------------------ commands
 

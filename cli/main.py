@@ -8,6 +8,7 @@ commands start fast.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 
@@ -28,6 +29,13 @@ class EngineGroup(click.Group):
             return super().invoke(ctx)
         except EngineError as e:
             raise click.ClickException(str(e)) from None
+        except BrokenPipeError:  # `mlx-engine run ... | head`: the reader left; stop quietly
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+            except (OSError, ValueError, AttributeError):
+                pass
+            ctx.exit(141)
 
 
 @click.group(cls=EngineGroup, context_settings=CONTEXT_SETTINGS)

