@@ -319,6 +319,23 @@ def test_hf_models_download_once_into_the_store(home, monkeypatch):
     assert store.list() == [] and not (home / "models" / "hf-org-repo").exists()
 
 
+def test_hf_single_gguf_file(home, monkeypatch, tmp_path):
+    import huggingface_hub
+
+    calls = []
+
+    def hf_hub_download(repo_id, filename, revision=None, local_dir=None, **kw):
+        calls.append((repo_id, filename, revision))
+        return str(fake_gguf(Path(local_dir) / filename))
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    r = Store().resolve("hf:org/repo-GGUF/model.Q4_0.gguf@v1", progress=False)
+    assert calls == [("org/repo-GGUF", "model.Q4_0.gguf", "v1")]
+    assert r.source == "hf" and r.path == home / "models" / "hf-org-repo-GGUF-model.Q4_0.gguf@v1" / "model.Q4_0.gguf"
+    assert Store().resolve("hf:org/repo-GGUF/model.Q4_0.gguf@v1", pull=False).path == r.path
+    assert len(calls) == 1
+
+
 def test_hf_offline_gives_a_clear_error_and_leaves_nothing(home, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(PullError) as e:
