@@ -253,7 +253,8 @@ def test_from_folder_matches_transformers(smollm2_ref, gemma3_ref, smollm2_tok, 
         ref.save_pretrained(str(folder))
         assert (folder / "tokenizer.json").is_file()
         ours = Tokenizer.from_folder(folder)
-        oracle = transformers.AutoTokenizer.from_pretrained(str(folder))
+        # transformers reading the folder back; for Gemma (4 s to reload 262k tokens) the tokenizer that wrote it
+        oracle = transformers.AutoTokenizer.from_pretrained(str(folder)) if name == "smollm2" else ref
         assert ours.bos_id == gguf_tok.bos_id and ours.add_bos == gguf_tok.add_bos
         assert ours.eos_ids == gguf_tok.eos_ids
         assert ours.chat_template == gguf_tok.chat_template
