@@ -154,44 +154,42 @@ class Runner:
             self._cached.setdefault(seq, []).extend(int(t) for t in chunk)
         return logits, len(tokens) - start
 
-    # ---- one request, streamed ---------------------------------------------------------------------------------
-    def stream(self, req: Request) -> Iterator["str | GenerationStats"]:
-        """Generate for one request: yields text chunks (never half a UTF-8 character, never part of a stop
-        string), then one :class:`GenerationStats`.
+    # ---- one request ------------------------------------------------------------------------------------------
+    def generate_tokens(self, req: Request, stats: GenerationStats | None = None) -> Iterator[int]:
+        """The generated token ids of one request, one at a time, up to ``max_tokens`` or a full context (the
+        caller decides about end-of-sequence ids and stop strings by closing the generator).
 
-        Decode is pipelined: step ``n + 1`` is dispatched to the device before token ``n`` is read back. Closing the
-        generator early stops generation; the cache then holds exactly the tokens read so far.
+        Decode is pipelined: step ``n + 1`` is dispatched to the device before token ``n`` is read back, so the
+        host's work overlaps the device's. Every token yielded has been fed to the model, so the cache then holds
+        the prompt and exactly the tokens read so far. ``stats`` (if given) receives the timings.
         """
         self._check_request(req)
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = len(req.tokens)
         seq = req.sequence
-        backend = self.backend
-        backend.reset_peak_memory()
-        stats = GenerationStats(prompt_tokens=len(req.tokens))
-        eos = self.tokenizer.eos_ids
-        detok = self.tokenizer.detokenizer()
-        stops = [s for s in req.stop if s]
-        hold = max((len(s) for s in stops), default=1) - 1
-        pending = ""
+        self.backend.reset_peak_memory()
         t0 = time.perf_counter()
-        ctx = backend.new_context()
+        ctx = self.backend.new_context()
         sampler = Sampler(req.sampler, ctx)
         logits, stats.prefilled_tokens = self.prefill(ctx, seq, list(req.tokens))
-        use_history = req.sampler.uses_history
-        history = ctx.from_numpy(np.asarray(req.tokens[-req.sampler.repeat_last_n:], np.int32)[None]) \
-            if use_history else None
+        last_n = req.sampler.repeat_last_n  # > 0: that many tokens; otherwise the whole history (llama.cpp: -1)
+        history = (ctx.from_numpy(np.asarray(req.tokens[-last_n:] if last_n > 0 else req.tokens, np.int32)[None])
+                   if req.sampler.uses_history else None)
         tok = sampler.sample(logits, history)
         ctx.evaluate_async(tok)
         pos = len(req.tokens)
         generated = 0
         t_first = None
-        reason = "length"
+        stats.stop_reason = "length"
         try:
             while True:
                 more = generated + 1 < req.max_tokens and pos < self.context_length
                 nxt = None
                 if more:
-                    if use_history:
-                        history = ctx.concatenate([history, tok.reshape(1, 1)], axis=1)[:, -req.sampler.repeat_last_n:]
+                    if history is not None:
+                        history = ctx.concatenate([history, tok.reshape(1, 1)], axis=1)
+                        if last_n > 0:
+                            history = history[:, -last_n:]
                     try:
                         step = self.model.forward(ctx, Batch(tok, [pos], [seq], [0]), self.cache)
                         nxt = sampler.sample(step, history)
@@ -206,45 +204,66 @@ class Runner:
                 if t_first is None:
                     t_first = time.perf_counter()
                     stats.ttft_s = t_first - t0
-                if t in eos:
-                    reason = "eos"
-                    break
-                pending += detok.add(t)
-                cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
-                if cut >= 0:
-                    pending = pending[:cut]
-                    reason = "stop"
-                    break
-                emit = len(pending) - hold
-                if emit > 0:
-                    yield pending[:emit]
-                    pending = pending[emit:]
+                self._finish(stats, generated, t_first)
+                yield t
                 if not more:
-                    break
+                    return
                 tok = nxt
         except GeneratorExit:
-            reason = "interrupted"
-            self._finish(stats, generated, t_first, reason)
+            self._finish(stats, generated, t_first)
             raise
-        pending += detok.flush() if reason != "stop" else ""
-        if reason != "stop":
-            cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                pending, reason = pending[:cut], "stop"
+
+    def stream(self, req: Request) -> Iterator["str | GenerationStats"]:
+        """Generate for one request: yields text chunks (never half a UTF-8 character, never part of a stop
+        string), then one :class:`GenerationStats`. Stops at an end-of-sequence id, a stop string, ``max_tokens``
+        or a full context. Closing the generator early stops generation; the cache then holds exactly the tokens
+        read so far."""
+        stats = GenerationStats()
+        tokens = self.generate_tokens(req, stats)
+        eos = self.tokenizer.eos_ids
+        detok = self.tokenizer.detokenizer()
+        stops = [s for s in req.stop if s]
+        hold = max((len(s) for s in stops), default=1) - 1  # text that could still become a stop string
+
+        def stop_at(text: str) -> int:
+            return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+
+        pending = ""
+        try:
+            for t in tokens:
+                if t in eos:
+                    stats.stop_reason = "eos"
+                    break
+                pending += detok.add(t)
+                cut = stop_at(pending)
+                if cut >= 0:
+                    pending, stats.stop_reason = pending[:cut], "stop"
+                    break
+                if len(pending) > hold:
+                    yield pending[:len(pending) - hold]
+                    pending = pending[len(pending) - hold:]
+            else:
+                pending += detok.flush()
+                cut = stop_at(pending)
+                if cut >= 0:
+                    pending, stats.stop_reason = pending[:cut], "stop"
+        except GeneratorExit:
+            stats.stop_reason = "interrupted"
+            raise
+        finally:
+            tokens.close()
         if pending:
             yield pending
-        yield self._finish(stats, generated, t_first, reason)
+        yield stats
 
-    def _finish(self, stats: GenerationStats, generated: int, t_first: float | None, reason: str) -> GenerationStats:
+    def _finish(self, stats: GenerationStats, generated: int, t_first: float | None) -> None:
         now = time.perf_counter()
         stats.generated_tokens = generated
-        stats.stop_reason = reason
         if stats.ttft_s > 0:
             stats.prompt_tps = stats.prefilled_tokens / stats.ttft_s
         if t_first is not None and generated > 1 and now > t_first:
             stats.decode_tps = (generated - 1) / (now - t_first)
         stats.peak_memory_bytes = self.backend.peak_memory()
-        return stats
 
     # ---- several sequences in one batch ------------------------------------------------------------------------
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:

@@ -1,0 +1,169 @@
+"""The text models on the real GGUF weights: parity with mlx-lm (first-step logits and 64 greedy tokens, Gemma 3 past
+its 512-token window), batched decode, chat sessions that keep their cache, load memory, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlx_engine
+from mlx_engine.errors import InvalidRequestError, UnsupportedError
+from models.runner import Request
+from models.sampler import SamplerOptions
+from tests.reference import mlx_lm_greedy, mlx_lm_model
+
+
+def _long_text() -> str:
+    subjects = ["The river", "A merchant", "The old library", "Our committee", "The harbour", "A young engineer"]
+    verbs = ["described", "measured", "rebuilt", "questioned", "recorded", "painted"]
+    objects = ["the northern bridge", "seventeen lanterns", "a ledger of grain prices", "the winter storms",
+               "the copper mines", "an unfinished map"]
+    rng = np.random.default_rng(3)
+    sentences = [f"In year {1600 + i}, {rng.choice(subjects).lower()} {rng.choice(verbs)} {rng.choice(objects)}"
+                 f" near the {['east', 'west', 'south', 'north'][i % 4]} gate." for i in range(70)]
+    return " ".join(sentences) + " Summarise the events above in one sentence:"
+
+
+PROMPTS = {
+    "smollm2": ["What is the capital of France?", "Write a Python function that reverses a string.", _long_text()],
+    "gemma3": ["The capital of France is", "def fibonacci(n):\n", _long_text()],
+}
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def pair(request):
+    path = request.getfixturevalue(f"{request.param}_gguf")
+    ours = mlx_engine.load(str(path), progress=False)
+    ref = mlx_lm_model(path)
+    yield request.param, ours, ref
+    ours.close()
+
+
+def _prompt_tokens(model, prompt: str) -> list[int]:
+    return model.prompt_tokens(prompt)  # chat template for the instruct model, raw text for the base model
+
+
+def _greedy(model, tokens: list[int], n: int, sequence: int = 0) -> list[int]:
+    model.runner.reset(sequence)
+    gen = model.runner.generate_tokens(Request(tokens, SamplerOptions(), n, (), sequence))
+    return list(gen)
+
+
+def test_parity_with_mlx_lm(pair, record_property):
+    name, ours, ref = pair
+    lengths = []
+    for prompt in PROMPTS[name]:
+        tokens = _prompt_tokens(ours, prompt)
+        lengths.append(len(tokens))
+        ref_first, ref_tokens = mlx_lm_greedy(ref, tokens, 64)
+        ours.runner.reset(0)
+        with ours.backend.new_context() as ctx:
+            logits, _ = ours.runner.prefill(ctx, 0, tokens)
+            first = logits.numpy()[0]
+        err = np.abs(first - ref_first).max() / np.abs(ref_first).max()
+        record_property(f"rel_logit_error_{len(tokens)}", float(err))
+        assert err <= 1e-3, f"{name}: first-step logits differ by {err:.2e} of the largest logit"
+        assert _greedy(ours, tokens, 64) == ref_tokens, f"{name}: greedy tokens differ for a {len(tokens)}-token prompt"
+    if name == "gemma3":
+        assert max(lengths) > 600  # past the 512-token sliding window
+
+
+def test_prefill_chunks_do_not_change_the_result(pair):
+    """Chunked prefill (chunks smaller than the prompt, and than Gemma's window) gives the same logits."""
+    name, ours, _ = pair
+    tokens = _prompt_tokens(ours, PROMPTS[name][2])
+    runner = ours.runner
+    whole = _greedy(ours, tokens, 8)
+    saved = runner.prefill_chunk
+    runner.prefill_chunk = 100
+    try:
+        assert _greedy(ours, tokens, 8) == whole
+    finally:
+        runner.prefill_chunk = saved
+
+
+def test_two_prompts_in_one_batch_match_each_alone(pair):
+    name, ours, _ = pair
+    a, b = (_prompt_tokens(ours, p) for p in PROMPTS[name][:2])
+    alone = [_greedy(ours, a, 24, sequence=0), _greedy(ours, b, 24, sequence=1)]
+    ours.runner.reset()
+    batched = ours.runner.generate_batch([Request(a, SamplerOptions(), 24, (), 0), Request(b, SamplerOptions(), 24, (), 1)])
+    eos = ours.tokenizer.eos_ids
+    for one, both in zip(alone, batched):
+        # the batch stops a sequence at its end-of-sequence token; alone runs on to 24 tokens
+        cut = next((i + 1 for i, t in enumerate(one) if t in eos), len(one))
+        assert both == one[:cut]
+
+
+def test_load_peak_memory_is_within_115_percent_of_weights(pair, record_property):
+    name, ours, _ = pair
+    ratio = ours.load_peak_bytes / ours.weights_bytes
+    record_property("load_peak_over_weights", round(ratio, 4))
+    print(f"{name}: weights {ours.weights_bytes / 2**20:.1f} MiB, peak during load "
+          f"{ours.load_peak_bytes / 2**20:.1f} MiB ({ratio:.3f}x)")
+    assert ratio <= 1.15
+
+
+def _session_questions(n: int) -> list[str]:
+    topics = ["rivers", "mountains", "bread", "clocks", "bridges", "owls", "glass", "trains", "maps", "bees"]
+    return [f"Tell me one short fact about {topics[i % len(topics)]}, and mention the number {i + 2}."
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("turns", [10])
+def test_chat_session_keeps_its_cache_and_matches_a_fresh_run(pair, turns, record_property):
+    name, ours, _ = pair
+    options = dict(max_tokens=40 if name == "gemma3" else 32)
+    session = ours.chat_session(system=None, **options)
+    prefilled, ttft, answers, contexts = [], [], [], []
+    for q in _session_questions(turns):
+        pieces = list(session.send(q))
+        stats = pieces[-1]
+        answers.append("".join(p for p in pieces if isinstance(p, str)))
+        contexts.append([dict(m) for m in session.messages[:-1]])
+        prefilled.append(stats.prefilled_tokens)
+        ttft.append(stats.ttft_s)
+    conversation_tokens = len(ours.runner.cached_tokens(session.sequence))
+    record_property("ttft_ms", [round(t * 1000, 1) for t in ttft])
+    record_property("prefilled_tokens", prefilled)
+    print(f"{name}: {conversation_tokens} tokens in the conversation; prefilled per turn {prefilled}; "
+          f"time to first token per turn (ms) {[round(t * 1000) for t in ttft]}")
+    if name == "gemma3":
+        assert conversation_tokens > 600  # the sliding layers have dropped the conversation's start
+    # Turn N prefills only its new message (and the end of the previous answer), not the conversation.
+    assert prefilled[-1] <= 1.5 * prefilled[0]
+    assert sum(prefilled) < conversation_tokens
+    # The same conversation replayed from scratch gives the same answers.
+    for k, (context, answer) in enumerate(zip(contexts, answers)):
+        ours.runner.reset(0)
+        assert ours.chat(context, **options) == answer, f"{name}: turn {k + 1} differs from a fresh run"
+
+
+def test_bad_input_gets_clear_errors(pair):
+    name, ours, _ = pair
+    with pytest.raises(InvalidRequestError, match="empty"):
+        ours.generate("")
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        ours.generate("hi", temperature=-1)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        ours.generate("hi", top_p=1.5)
+    with pytest.raises(InvalidRequestError, match="unknown option"):
+        ours.generate("hi", temprature=0.5)
+    too_long = "word " * (ours.context_length + 10)
+    with pytest.raises(InvalidRequestError, match="context"):
+        ours.generate(too_long)
+
+
+def test_unknown_architecture_names_the_supported_ones(tmp_path):
+    import gguf
+
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedError, match=r"mamba.*gemma3.*llama.*qwen3"):
+        mlx_engine.load(str(path), progress=False)
