@@ -167,3 +167,26 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
     w.close()
     with pytest.raises(UnsupportedError, match=r"mamba.*gemma3.*llama.*qwen3"):
         mlx_engine.load(str(path), progress=False)
+
+
+def test_stream_stop_strings_limits_and_seeds(pair):
+    name, ours, _ = pair
+    prompt = PROMPTS[name][0]
+    pieces = list(ours.stream(prompt, max_tokens=12))
+    stats = pieces[-1]
+    text = "".join(pieces[:-1])
+    assert all(isinstance(p, str) for p in pieces[:-1]) and not isinstance(stats, str)
+    assert stats.generated_tokens <= 12 and stats.prompt_tokens == len(ours.prompt_tokens(prompt))
+    assert stats.stop_reason in ("eos", "length") and stats.ttft_s > 0 and stats.peak_memory_bytes > 0
+    assert (stats.stop_reason == "length") == (stats.generated_tokens == 12)
+    assert ours.generate(prompt, max_tokens=12) == text
+    # a stop string cuts the text before it and ends generation
+    word = text.split()[1] if len(text.split()) > 1 else text.strip()[:3]
+    cut = list(ours.stream(prompt, max_tokens=12, stop=[word]))
+    assert cut[-1].stop_reason == "stop"
+    assert "".join(cut[:-1]) == text[:text.index(word)]
+    # sampling: the same seed gives the same text, another seed (almost surely) another one
+    a = ours.generate(prompt, temperature=1.0, seed=11, max_tokens=24)
+    b = ours.generate(prompt, temperature=1.0, seed=11, max_tokens=24)
+    c = [ours.generate(prompt, temperature=1.0, seed=s, max_tokens=24) for s in (12, 13, 14)]
+    assert a == b and any(x != a for x in c)
