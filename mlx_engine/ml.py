@@ -354,6 +354,7 @@ class Context(abc.ABC):
         (query ``i`` sees keys ``0..S-L+i``), or ``None``. Returns ``[B, Hq, L, Dh]``.
         """
 
+    @abc.abstractmethod
     def quantize(self, x: Tensor, group_size: int = 64, bits: int = 8) -> tuple[Tensor, Tensor, Tensor]:
         """Affine quantization along the last axis (as ``mx.quantize``): ``x ~ scales * q + biases`` per group of
         ``group_size`` consecutive elements, ``q`` in ``[0, 2**bits)``.
@@ -365,15 +366,13 @@ class Context(abc.ABC):
 
         Returns:
             ``(packed, scales, biases)``: packed UINT32 ``[..., D * bits / 32]`` (lowest bits first), scales and biases
-            ``[..., D / group_size]`` in ``x.dtype``. Used by quantized KV caches. Backends without it raise
-            ``NotImplementedError``.
+            ``[..., D / group_size]`` in ``x.dtype``. Used by quantized KV caches.
         """
-        raise NotImplementedError(f"{type(self).__name__} has no quantize")
 
+    @abc.abstractmethod
     def dequantize(self, packed: Tensor, scales: Tensor, biases: Tensor, group_size: int = 64,
                    bits: int = 8) -> Tensor:
         """The inverse of :meth:`quantize`: ``[..., D]`` in the dtype of ``scales``."""
-        raise NotImplementedError(f"{type(self).__name__} has no dequantize")
 
     @abc.abstractmethod
     def categorical(self, logits: Tensor, seed_key: Any) -> Tensor:
