@@ -171,6 +171,11 @@ class MLXTensor(Tensor):
     def dequantize(self):
         return self
 
+    def quantize_weight(self, group_size=64, bits=8):
+        w, s, b = mx.quantize(self.a, group_size=group_size, bits=bits)
+        mx.eval(w, s, b)
+        return MLXQuantizedTensor(w, s, b, group_size, bits)
+
     # neural-network operations
     def softmax(self, axis=-1):
         return MLXTensor(mx.softmax(self.a, axis=axis, precise=True))
