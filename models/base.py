@@ -264,11 +264,14 @@ class DecoderModel(abc.ABC):
             h = h * self.config.embed_scale
         return h.reshape(1, h.shape[-2], h.shape[-1])
 
-    def forward(self, ctx: Context, batch: Batch, cache: "Cache", hidden_only: bool = False) -> Tensor:
+    def forward(self, ctx: Context, batch: Batch, cache: "Cache", hidden_only: bool = False,
+                output_layer: int | None = None) -> Tensor:
         """Run the batch through the model, storing its keys and values in ``cache``.
 
         Returns logits ``[K, vocab]`` (float, the compute dtype) for the batch's ``outputs``, or with
-        ``hidden_only`` the final-normed hidden states ``[1, N, D]`` of every token.
+        ``hidden_only`` the final-normed hidden states ``[1, N, D]`` of every token. With ``output_layer = k``: the
+        hidden states ``[1, N, D]`` of every token after layer ``k`` (0-based; ``-1``: the embeddings), not normed,
+        and the layers after ``k`` do not run (transformers' ``hidden_states[k + 1]``; Z-Image's text encoder).
         Raises ``CacheFullError`` when the cache has no room (nothing is stored then).
         """
         c = self.config
@@ -279,6 +282,8 @@ class DecoderModel(abc.ABC):
         act = (lambda t: t.silu()) if c.activation == "silu" else (lambda t: t.gelu(approximate=True))
         eps = c.rms_norm_eps
         for i, lw in enumerate(self.layers):
+            if output_layer is not None and i > output_layer:
+                break
             cache.set_layer(i)
             x = h.rms_norm(lw["attn_norm"], eps)
             q = x.linear(lw["q"], lw["q_bias"]).reshape(1, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
@@ -303,6 +308,8 @@ class DecoderModel(abc.ABC):
                 x = h.rms_norm(lw["post_attn_norm"], eps)
             m = (act(x.linear(lw["gate"])) * x.linear(lw["up"])).linear(lw["down"])
             h = h + (m.rms_norm(lw["post_ffn_norm"], eps) if c.sandwich_norm else m)
+        if output_layer is not None:
+            return h
         if hidden_only:
             return h.rms_norm(self.w["model.norm.weight"], eps)
         out = batch.outputs

@@ -50,3 +50,11 @@ class Qwen3(DecoderModel):
             rope_scale=1.0 / float(scaling["factor"]) if kind == "linear" else 1.0, qk_norm=True,
             attention_bias=bool(config.get("attention_bias", False)),
         )
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, Tensor], config: DecoderConfig, source: str) -> dict[str, Tensor]:
+        """GGUF names as the default does; a bare transformers ``Qwen3Model`` (Z-Image's ``text_encoder/``) saves its
+        tensors without the ``model.`` prefix and has no ``lm_head``: the prefix is added."""
+        if source == "hf" and "embed_tokens.weight" in weights and "model.embed_tokens.weight" not in weights:
+            weights = {n if n.startswith(("model.", "lm_head.")) else "model." + n: t for n, t in weights.items()}
+        return super().sanitize(weights, config, source)

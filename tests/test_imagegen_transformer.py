@@ -102,6 +102,7 @@ def test_matches_diffusers(checkpoint, ours, case):
     assert all(o.shape == (16, 1, h, w) for o, (h, w) in zip(out, sizes))
     err = _rel_err(out, ref)
     assert err < 1e-4, f"max abs diff / max abs ref = {err:.2e}"
+    print(f"{case}: relative error {err:.2e}")
     # The output depends on t and on the caption (no part is an identity).
     assert np.abs(ref[0]).max() > 0.1
 
