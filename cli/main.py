@@ -361,5 +361,10 @@ def chat(model: str, no_history: bool, **kw) -> None:
     repl.run()
 
 
+from cli.image import image  # noqa: E402  (its own module; it imports nothing from this one)
+
+main.add_command(image)
+
+
 if __name__ == "__main__":
     main()

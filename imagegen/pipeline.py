@@ -51,7 +51,7 @@ from mlx_engine.errors import InvalidRequestError, ModelNotFoundError, Unsupport
 from mlx_engine.ml import Backend, Context, DType, Tensor
 
 __all__ = ["ZImagePipeline", "ImageGenerationStats", "ImageResult", "StepCallback", "PIPELINE_CLASSES",
-           "COMPONENTS", "DEFAULTS_FILE", "MAX_SIDE"]
+           "COMPONENTS", "DEFAULTS_FILE", "MAX_SIDE", "png_info", "read_png_parameters", "METADATA_KEYS"]
 
 #: ``_class_name`` values of ``model_index.json`` this pipeline loads.
 PIPELINE_CLASSES = ("ZImagePipeline", "ZImageImg2ImgPipeline")
@@ -663,3 +663,74 @@ class ZImagePipeline:
     def __repr__(self) -> str:
         return (f"ZImagePipeline({str(self.folder)!r}, size_multiple={self.size_multiple}, "
                 f"quantize={self.quantize})")
+
+
+# ---- PNG metadata -------------------------------------------------------------------------------------------------
+
+#: the PNG text keys written by :func:`png_info`, one per setting (plus ``mlx_engine``: all of them as JSON).
+METADATA_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height", "model", "strength",
+                 "init_image", "init_image_sha256", "quantize", "engine", "engine_version")
+_JSON_KEY = "mlx_engine"
+_INT_KEYS = ("seed", "steps", "width", "height", "quantize")
+_FLOAT_KEYS = ("guidance", "strength")
+
+
+def png_info(parameters: dict[str, Any]):
+    """A ``PIL.PngImagePlugin.PngInfo`` holding ``parameters`` (the keys of :data:`METADATA_KEYS` that are not None)
+    as international text chunks (UTF-8), one per key, and all of them as JSON under ``mlx_engine``; the engine's name
+    and version are added. Pass it to ``image.save(path, pnginfo=...)``."""
+    from PIL.PngImagePlugin import PngInfo
+
+    from mlx_engine import __version__
+
+    params = {k: v for k, v in parameters.items() if v is not None}
+    params.setdefault("engine", "mlx-engine")
+    params.setdefault("engine_version", __version__)
+    info = PngInfo()
+    for key in METADATA_KEYS:
+        if key in params:
+            info.add_itxt(key, str(params[key]))
+    info.add_itxt(_JSON_KEY, json.dumps(params, ensure_ascii=False, sort_keys=True))
+    return info
+
+
+def read_png_parameters(path: "str | os.PathLike[str]") -> dict[str, Any]:
+    """The generation parameters stored in a PNG by :func:`png_info` (typed: ints, floats, strings).
+
+    Raises:
+        InvalidRequestError: the file is missing, not an image, or holds no mlx-engine metadata.
+    """
+    try:
+        with Image.open(path) as im:
+            im.load()
+            text = dict(getattr(im, "text", {}) or {})
+    except FileNotFoundError:
+        raise InvalidRequestError(f"{path}: no such file") from None
+    except (OSError, Image.DecompressionBombError) as e:
+        raise InvalidRequestError(f"{path}: cannot read the image: {e}") from None
+    params: dict[str, Any] = {}
+    if _JSON_KEY in text:
+        try:
+            params = json.loads(text[_JSON_KEY])
+        except json.JSONDecodeError:
+            params = {}
+        if not isinstance(params, dict):
+            params = {}
+    if not params:
+        params = {k: text[k] for k in METADATA_KEYS if k in text}
+    if "prompt" not in params:
+        raise InvalidRequestError(f"{path}: no generation metadata in this image (it was not written by "
+                                  "mlx-engine image, or its text chunks were stripped)")
+    for k in _INT_KEYS:
+        if params.get(k) is not None:
+            try:
+                params[k] = int(params[k])
+            except (TypeError, ValueError):
+                raise InvalidRequestError(f"{path}: metadata {k}={params[k]!r} is not an integer") from None
+    for k in _FLOAT_KEYS:
+        if params.get(k) is not None:
+            try:
+                params[k] = float(params[k])
+            except (TypeError, ValueError):
+                raise InvalidRequestError(f"{path}: metadata {k}={params[k]!r} is not a number") from None
+    return params

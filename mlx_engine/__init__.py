@@ -6,7 +6,8 @@ lazily, so that importing ``mlx_engine.ml`` from a model never pulls ``models/``
 
 __version__ = "0.1.0"
 
-_API = ("load", "generate", "stream", "chat", "ChatSession", "Model", "GenerationStats")
+_API = ("load", "generate", "stream", "chat", "ChatSession", "Model", "GenerationStats", "generate_image",
+        "load_image_model")
 
 
 def __getattr__(name: str):

@@ -32,7 +32,8 @@ from models.runner import GenerationStats, Request, Runner
 from models.sampler import SamplerOptions
 from models.tokenizer import Tokenizer
 
-__all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "GenerationStats", "DEFAULT_MODEL"]
+__all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "GenerationStats", "DEFAULT_MODEL",
+           "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL"]
 
 _SAMPLER_KEYS = {f.name for f in fields(SamplerOptions)}
 _OTHER_KEYS = {"system", "raw", "max_tokens", "stop"}
@@ -283,3 +284,98 @@ def stream(model: "Model | str", prompt: str, **options: Any) -> Iterator["str |
 def chat(model: "Model | str", messages: list[dict[str, str]], **options: Any) -> str:
     """``load(model).chat(messages, **options)``."""
     return _as_model(model).chat(messages, **options)
+
+
+# ---------------------------------------------------------------------------------------------------------- images
+
+#: The image model used when none is given: None until the project ships its own small model (a diffusers folder
+#: path or, once the store knows image models, a catalog name).
+DEFAULT_IMAGE_MODEL: str | None = None
+
+
+def _image_model_path(model: "str | Path | None") -> Path:
+    from mlx_engine.errors import ModelNotFoundError
+
+    model = model if model is not None else DEFAULT_IMAGE_MODEL
+    if model is None:
+        raise ModelNotFoundError("no image model given: pass the path of a diffusers Z-Image folder (model_index.json, "
+                                 "transformer/, vae/, text_encoder/, tokenizer/, scheduler/) as model= (--model)")
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"{model}: no such image model; give the path of a diffusers Z-Image folder "
+                                 "(model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/)")
+    return path
+
+
+def load_image_model(model: "str | Path | None" = None, *, quantize: int | None = None, device: str | None = None,
+                     dtype: str | None = None, keep_text_encoder: bool = False):
+    """Load a text-to-image model: a diffusers Z-Image folder. Returns an :class:`imagegen.pipeline.ZImagePipeline`
+    (``.generate(prompt, ...)`` -> ``ImageResult`` with images, stats and the parameters that reproduce them).
+
+    Args:
+        quantize: quantize the diffusion transformer to 8 or 4 bits at load (None: as stored).
+        device, dtype: as :func:`load`. keep_text_encoder: keep the text encoder loaded between generations
+            (default: loaded per generation and freed before the denoising loop).
+
+    Raises:
+        ModelNotFoundError: no model given, or the path does not exist / is not a diffusers folder.
+        WeightsError: a missing component folder or a corrupt weights file (the message names it).
+        InvalidRequestError: ``quantize`` other than 4 or 8.
+    """
+    from imagegen.pipeline import ZImagePipeline
+
+    path = _image_model_path(model)
+
+    def make_backend(folder: Path) -> MLXBackend:
+        return MLXBackend(folder, device=device, dtype=dtype)
+
+    pipe = ZImagePipeline(path, make_backend, quantize=quantize, keep_text_encoder=keep_text_encoder)
+    pipe.name = str(model if model is not None else DEFAULT_IMAGE_MODEL)
+    return pipe
+
+
+def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, negative_prompt: str | None = None,
+                   width: int | None = None, height: int | None = None, steps: int | None = None,
+                   guidance: float | None = None, seed: int | None = None, image: Any = None,
+                   strength: float | None = None, callback: Any = None, quantize: int | None = None,
+                   device: str | None = None):
+    """Generate one image from a prompt (text-to-image), or from a prompt and an init image (image-to-image).
+
+    >>> img = mlx_engine.generate_image("a red circle on a blue background", model="path/to/z-image", seed=1)
+    >>> img.save("circle.png"); img.info["seed"]
+
+    Args:
+        model: a diffusers Z-Image folder, or a pipeline from :func:`load_image_model` (reused, not closed). A
+            folder is loaded for this call and freed after it.
+        negative_prompt: steered away from when ``guidance > 0``.
+        width, height: pixels, multiples of 16 (default: the model's; image-to-image: the init image's size).
+        steps: denoising steps (default: the model's, 9 for Z-Image-Turbo). guidance: diffusers' Z-Image
+            ``guidance_scale``: 0 (the default) is off; above 0, ``pos + guidance * (pos - neg)``.
+        seed: the noise seed; None draws one (``img.info["seed"]`` tells which).
+        image, strength: image-to-image: an init image (PIL image, path, uint8 array) and how much of the schedule
+            to run, in [0, 1] (default 0.6).
+        callback: ``callback(step, total, latents, elapsed_seconds)`` after each denoising step.
+        quantize: quantize the transformer to 8 or 4 bits (only when ``model`` is a folder).
+
+    Returns:
+        a ``PIL.Image.Image`` (RGB); ``info`` holds the parameters that reproduce it (``prompt``, ``seed``, ``steps``,
+        ``guidance``, ``width``, ``height``...) under ``info["parameters"]``, the seed also as ``info["seed"]``, and
+        the generation statistics (times, peak memory) as ``info["stats"]``.
+
+    Raises:
+        ModelNotFoundError, WeightsError: see :func:`load_image_model`. InvalidRequestError: an unsupported size
+        (the message lists the allowed ones), steps < 1, a strength outside [0, 1], an unreadable init image.
+    """
+    owned = not hasattr(model, "generate")
+    pipe = load_image_model(model, quantize=quantize, device=device) if owned else model
+    try:
+        result = pipe.generate(prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
+                               guidance=guidance, seed=seed, image=image, strength=strength, callback=callback)
+    finally:
+        if owned:
+            pipe.close()
+    out = result.images[0]
+    out.info["parameters"] = dict(result.parameters, model=str(getattr(pipe, "name", model)))
+    out.info["seed"] = result.stats.seed
+    out.info["stats"] = result.stats
+    return out

@@ -1,0 +1,231 @@
+"""The ``image`` command: text to image (and image to image) with a diffusers Z-Image folder.
+
+``mlx-engine image "a red circle on a blue background" --model path/to/z-image`` writes ``image-0001.png`` (the next
+free number in the current folder, so an existing file is never overwritten), with the prompt, negative prompt, seed
+(also when it was drawn at random), steps, guidance, size, model, strength and init image, and the engine version in
+the PNG's text chunks; ``--from-metadata FILE.png`` reads them back and makes the same image again (options given on
+the command line win over the file's). The image is written to a hidden temporary file in the target folder and moved
+into place at the end, so Ctrl-C (exit status 130) leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from mlx_engine.errors import InvalidRequestError
+from mlx_engine.store import format_bytes
+
+DEFAULT_STEM = "image"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def next_free_name(folder: Path, stem: str = DEFAULT_STEM) -> Path:
+    """``folder/stem-NNNN.png`` with NNNN one more than the highest number already there (0001 in an empty folder)."""
+    highest = 0
+    for f in folder.glob(f"{stem}-*.png"):
+        tail = f.name[len(stem) + 1:-4]
+        if tail.isdigit():
+            highest = max(highest, int(tail))
+    return folder / f"{stem}-{highest + 1:04d}.png"
+
+
+def _place_without_overwrite(tmp: Path, folder: Path) -> Path:
+    """Give the finished temporary file the next free default name without ever replacing a file: a hard link
+    fails when the name exists (another process may have taken it since we looked), and we try the next one."""
+    for _ in range(10000):
+        target = next_free_name(folder)
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            continue
+        except OSError:  # a file system without hard links: open the name exclusively, then move over it
+            try:
+                fd = os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                continue
+            os.close(fd)
+            os.replace(tmp, target)
+            return target
+        os.unlink(tmp)
+        return target
+    raise InvalidRequestError(f"{folder}: could not find a free file name for the image")
+
+
+def _model_label(model: str | None) -> str | None:
+    if model is None:
+        return None
+    p = Path(model).expanduser()
+    return str(p.resolve()) if p.exists() else model
+
+
+@click.command("image", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.argument("prompt", nargs=-1)
+@click.option("--model", "-m", default=None, help="The image model: a diffusers Z-Image folder.")
+@click.option("--negative-prompt", default=None, help="What guidance steers away from (with --guidance > 0).")
+@click.option("--width", type=int, default=None, help="Width in pixels, a multiple of 16 (default: the model's).")
+@click.option("--height", type=int, default=None, help="Height in pixels, a multiple of 16 (default: the model's).")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Denoising steps (default: the model's, 9).")
+@click.option("--guidance", type=click.FloatRange(min=0), default=None,
+              help="Guidance scale (diffusers' Z-Image guidance_scale; 0 = off, the default).")
+@click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None,
+              help="Noise seed (default: a random one, written into the PNG).")
+@click.option("--image", "init_image", default=None, metavar="FILE", help="Init image for image-to-image.")
+@click.option("--strength", type=click.FloatRange(0, 1), default=None,
+              help="Image-to-image: how much to change the init image, 0..1 (default 0.6).")
+@click.option("--output", "-o", default=None, metavar="FILE",
+              help="The PNG to write (replaced if it exists), or a folder for the default name. Default: "
+                   "image-NNNN.png in the current folder, never overwriting a file.")
+@click.option("--quantize", type=click.Choice(["4", "8"]), default=None,
+              help="Quantize the diffusion transformer to 4 or 8 bits at load.")
+@click.option("--from-metadata", "from_metadata", default=None, metavar="FILE.png",
+              help="Take the settings (prompt, seed, size, model...) from a PNG this command wrote.")
+@click.option("--device", type=click.Choice(["cpu", "gpu", "metal", "cuda"]), default=None,
+              help="Device (default: $MLX_ENGINE_DEVICE, else the GPU where MLX has one, else the CPU).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary; print only the file name.")
+def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | None, width: int | None,
+          height: int | None, steps: int | None, guidance: float | None, seed: int | None, init_image: str | None,
+          strength: float | None, output: str | None, quantize: str | None, from_metadata: str | None,
+          device: str | None, quiet: bool) -> None:
+    """Generate an image from PROMPT and write it as a PNG (its path is printed on stdout).
+
+    \b
+    Examples:
+      mlx-engine image "a red circle on a blue background" --model ./z-image --seed 1
+      mlx-engine image "a watercolour of the same scene" --model ./z-image --image photo.png --strength 0.6
+      mlx-engine image --from-metadata image-0001.png            # the same image again
+      mlx-engine image "a cat" -m ./z-image --guidance 3 --negative-prompt "blurry" -o cat.png
+    """
+    from imagegen.pipeline import png_info, read_png_parameters
+    from mlx_engine import api
+
+    settings: dict = {}
+    if from_metadata is not None:
+        settings = read_png_parameters(from_metadata)
+    given = {"model": model, "negative_prompt": negative_prompt, "width": width, "height": height,
+             "steps": steps, "guidance": guidance, "seed": seed, "strength": strength,
+             "quantize": int(quantize) if quantize else None}
+    if prompt:
+        given["prompt"] = " ".join(prompt)
+    if init_image is not None:
+        given["init_image"] = init_image
+        settings.pop("init_image_sha256", None)
+    for k, v in given.items():
+        if v is not None:
+            settings[k] = v
+    if "prompt" not in settings:
+        raise InvalidRequestError("no prompt: give it as an argument (or use --from-metadata FILE.png)")
+    if settings.get("init_image") is None:
+        settings.pop("strength", None)
+
+    init_path = None
+    if settings.get("init_image") is not None:
+        init_path = Path(settings["init_image"]).expanduser()
+        if not init_path.is_file():
+            raise InvalidRequestError(f"{settings['init_image']}: no such init image file")
+        want = settings.get("init_image_sha256")
+        digest = _sha256(init_path)
+        if want and want != digest:
+            click.echo(f"Warning: {init_path} differs from the init image the metadata describes "
+                       "(sha256 mismatch); the result will differ.", err=True)
+
+    # where the image goes (checked before the model is loaded)
+    explicit = None
+    if output is not None:
+        out = Path(output).expanduser()
+        if out.is_dir():
+            folder = out
+        else:
+            explicit = out if out.suffix else out.with_suffix(".png")
+            folder = explicit.parent
+    else:
+        folder = Path.cwd()
+    if not folder.is_dir():
+        raise InvalidRequestError(f"{folder}: no such folder for the output image")
+    if not os.access(folder, os.W_OK):
+        raise InvalidRequestError(f"{folder}: cannot write there")
+
+    model_name = settings.get("model")
+    if not quiet:
+        click.echo(f"Loading {model_name or 'the default image model'}...", err=True)
+    pipe = None
+    tmp_path: Path | None = None
+    bar = None
+    try:
+        pipe = api.load_image_model(model_name, quantize=settings.get("quantize"), device=device)
+        state = {"last": 0.0}
+
+        def on_step(step: int, total: int, latents, elapsed: float) -> None:
+            nonlocal bar
+            if quiet:
+                return
+            if bar is None:
+                from tqdm import tqdm
+
+                bar = tqdm(total=total, desc="denoising", unit="step", file=sys.stderr, leave=True,
+                           dynamic_ncols=True)
+            active, peak = pipe.memory()
+            bar.set_postfix_str(f"{elapsed - state['last']:.2f} s/step, memory {format_bytes(active)}, "
+                                f"peak {format_bytes(peak)}", refresh=False)
+            state["last"] = elapsed
+            bar.update(1)
+
+        result = pipe.generate(settings["prompt"], negative_prompt=settings.get("negative_prompt"),
+                               width=settings.get("width"), height=settings.get("height"),
+                               steps=settings.get("steps"), guidance=settings.get("guidance"),
+                               seed=settings.get("seed"), image=init_path, strength=settings.get("strength"),
+                               callback=on_step)
+        if bar is not None:
+            bar.close()
+            bar = None
+        p = result.parameters
+        meta = {
+            "prompt": p["prompt"], "negative_prompt": settings.get("negative_prompt"), "seed": p["seed"],
+            "steps": p["steps"], "guidance": p["guidance"], "width": p["width"], "height": p["height"],
+            "model": _model_label(model_name), "strength": p["strength"],
+            "init_image": str(init_path.resolve()) if init_path is not None else None,
+            "init_image_sha256": _sha256(init_path) if init_path is not None else None,
+            "quantize": settings.get("quantize"),
+        }
+        fd, name = tempfile.mkstemp(prefix=".image-", suffix=".png.part", dir=folder)
+        os.close(fd)
+        tmp_path = Path(name)
+        result.images[0].save(tmp_path, format="PNG", pnginfo=png_info(meta))
+        if explicit is not None:
+            os.replace(tmp_path, explicit)
+            target = explicit
+        else:
+            target = _place_without_overwrite(tmp_path, folder)
+        tmp_path = None
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+            bar = None
+        click.echo("Cancelled; no image written.", err=True)
+        sys.exit(130)
+    finally:
+        if bar is not None:
+            bar.close()
+        if tmp_path is not None:
+            try:
+                tmp_path.unlink()
+            except OSError:
+                pass
+        if pipe is not None:
+            pipe.close()
+    s = result.stats
+    if not quiet:
+        click.echo(f"seed {s.seed}, {s.summary()}", err=True)
+    click.echo(str(target))
