@@ -152,11 +152,12 @@ def timestep_features(t: np.ndarray, dim: int = FREQUENCY_EMBEDDING_SIZE, max_pe
 class _Layout:
     """Host-side bookkeeping of one call: token counts, position ids, masks and RoPE tables per stage.
 
-    Built from the shapes only (latent sizes and caption lengths), so a denoising loop reuses it every step.
+    Built from the shapes only (latent sizes and caption lengths), so a denoising loop reuses it every step. The
+    device copies of the tables belong to one Context (:meth:`bind`): a context may free what it made when it closes.
     """
 
-    def __init__(self, model: "ZImageTransformer", ctx: Context, sizes: list[tuple[int, int, int]],
-                 cap_lens: list[int], p: int, pf: int):
+    def __init__(self, model: "ZImageTransformer", sizes: list[tuple[int, int, int]], cap_lens: list[int], p: int,
+                 pf: int):
         c = model.config
         self.sizes = sizes
         self.cap_lens = cap_lens
@@ -185,18 +186,30 @@ class _Layout:
                     raise ValueError(f"Z-Image: RoPE position {int(pos[:, a].max())} on axis {a} is beyond the "
                                      f"model's axes_lens[{a}] = {lim} (caption or image too long)")
         uni_pos = [np.concatenate([xp, cp]) for xp, cp in zip(x_pos, cap_pos)]
-        self.x = model._stage(ctx, x_pos)
-        self.cap = model._stage(ctx, cap_pos)
-        self.uni = model._stage(ctx, uni_pos)
+        self._host = [model._stage(x_pos), model._stage(cap_pos), model._stage(uni_pos)]
+        self._ctx: Context | None = None
+        self.x = self.cap = self.uni = None  # type: ignore[assignment]
+
+    def bind(self, ctx: Context, dtype: DType) -> "_Layout":
+        """Make the device tables in ``ctx`` (once per context)."""
+        if self._ctx is not ctx:
+            self.x, self.cap, self.uni = (st.on_device(ctx, dtype) for st in self._host)
+            self._ctx = ctx
+        return self
 
 
 class _Stage:
-    """One batched attention stage: per-item lengths, the key mask ``[B, 1, 1, L]`` (or None) and the RoPE tables
-    ``cos, sin [B, L, 1, head_dim/2]`` (float32; zero in the batch-padding rows, as diffusers pads them)."""
+    """One batched attention stage: per-item lengths, the key mask ``[B, 1, 1, L]`` (or None; in the compute dtype)
+    and the RoPE tables ``cos, sin [B, L, 1, head_dim/2]`` (float32; zero in the batch-padding rows, as diffusers
+    pads them). Made on the host (NumPy arrays), then copied to a context with :meth:`on_device`."""
 
-    def __init__(self, lens: list[int], mask: Tensor | None, cos: Tensor, sin: Tensor):
+    def __init__(self, lens: list[int], mask, cos, sin):
         self.lens, self.mask, self.cos, self.sin = lens, mask, cos, sin
         self.max_len = max(lens)
+
+    def on_device(self, ctx: Context, dtype: DType) -> "_Stage":
+        mask = None if self.mask is None else ctx.from_numpy(self.mask, dtype)
+        return _Stage(self.lens, mask, ctx.from_numpy(self.cos), ctx.from_numpy(self.sin))
 
 
 class ZImageTransformer:
@@ -304,7 +317,7 @@ class ZImageTransformer:
         return b
 
     # ---- host-side layout --------------------------------------------------------------------------------------
-    def _stage(self, ctx: Context, positions: list[np.ndarray]) -> _Stage:
+    def _stage(self, positions: list[np.ndarray]) -> _Stage:
         """Mask and RoPE tables for a batch of items with position ids ``positions[i] [L_i, 3]``."""
         lens = [len(p) for p in positions]
         lmax, b = max(lens), len(lens)
@@ -320,22 +333,21 @@ class ZImageTransformer:
         sin[~valid] = 0.0
         mask = None
         if any(n != lmax for n in lens):
-            m = np.where(valid, 0.0, -np.inf).astype(np.float32)[:, None, None, :]
-            mask = ctx.from_numpy(m, self.dtype)
-        return _Stage(lens, mask, ctx.from_numpy(cos[:, :, None, :]), ctx.from_numpy(sin[:, :, None, :]))
+            mask = np.where(valid, 0.0, -np.inf).astype(np.float32)[:, None, None, :]
+        return _Stage(lens, mask, cos[:, :, None, :], sin[:, :, None, :])
 
     def _layout(self, ctx: Context, sizes: list[tuple[int, int, int]], cap_lens: list[int], p: int,
                 pf: int) -> _Layout:
         key = (tuple(sizes), tuple(cap_lens), p, pf)
         lay = self._layouts.get(key)
         if lay is None:
-            lay = _Layout(self, ctx, sizes, cap_lens, p, pf)
+            lay = _Layout(self, sizes, cap_lens, p, pf)
             self._layouts[key] = lay
             while len(self._layouts) > 4:
                 self._layouts.popitem(last=False)
         else:
             self._layouts.move_to_end(key)
-        return lay
+        return lay.bind(ctx, self.dtype)
 
     # ---- forward -----------------------------------------------------------------------------------------------
     def __call__(self, ctx: Context, x: Sequence[Tensor], t: "Tensor | np.ndarray | Sequence[float] | float",
