@@ -254,12 +254,12 @@ class Tensor(abc.ABC):
     def dequantize(self) -> "Tensor":
         """A quantized tensor as a dense one in its ``dtype``; a dense tensor is returned as it is."""
 
+    @abc.abstractmethod
     def quantize_weight(self, group_size: int = 64, bits: int = 8) -> "Tensor":
         """This float weight ``[rows, cols]`` as an affine-quantized weight (``is_quantized``; :meth:`linear` then
         runs a quantized matmul), per group of ``group_size`` consecutive elements of a row (32, 64 or 128), ``bits``
         4 or 8 (see :meth:`Context.quantize`). ``cols`` must be a multiple of ``group_size``. Used to quantize a
-        diffusion transformer at load. Raises ``NotImplementedError`` on a backend without quantized weights."""
-        raise NotImplementedError(f"{type(self).__name__} has no quantized weights")
+        diffusion transformer at load."""
 
     # ---- neural-network operations -----------------------------------------------------------------------------
     @abc.abstractmethod
