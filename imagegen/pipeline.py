@@ -169,6 +169,7 @@ class ZImagePipeline:
         min_side, max_side: the accepted range of width and height in pixels.
         defaults: the default settings (width, height, steps, guidance, strength, negative_prompt).
         tile_above_pixels: the VAE decodes in tiles when ``width * height`` is larger (default 1024 * 1024).
+        vae_tile, vae_tile_overlap: the tiles' side and overlap in latent pixels (64 and 16, diffusers' for FLUX).
 
     Raises:
         ModelNotFoundError: ``folder`` does not exist or is not a diffusers folder (no ``model_index.json``).
@@ -212,6 +213,7 @@ class ZImagePipeline:
         # caption positions run 1 .. padded length, the image frame sits one past them: keep it in the RoPE table
         self.max_sequence_length = max(SEQ_MULTIPLE, min(512, (int(axes_lens[0]) - 2) // SEQ_MULTIPLE * SEQ_MULTIPLE))
         self.tile_above_pixels = 1024 * 1024
+        self.vae_tile, self.vae_tile_overlap = 64, 16  # latent pixels (512-pixel tiles, 128-pixel blends)
         self.defaults = self._read_defaults()
 
         try:
@@ -542,8 +544,7 @@ class ZImagePipeline:
             first = retrieve_img2img_start(steps, strength)
             if steps - first < 1:
                 raise InvalidRequestError(
-                    f"strength {strength} with {steps} steps leaves no denoising step (steps * strength must be at "
-                    "least 1); raise the strength or the steps")
+                    f"strength {strength} with {steps} steps leaves no denoising step; give a strength above 0")
         timesteps = self.scheduler.timesteps
 
         backend = self.backend
@@ -575,7 +576,10 @@ class ZImagePipeline:
             else:
                 noise_t = ctx.random_normal(shape, DType.FLOAT32, ctx.random_key(seed))
             if init is not None:
-                latents = self._encode_init(ctx, init, batch, noise_t, first)
+                # diffusers samples the VAE posterior (retrieve_latents, sample_mode="sample"): so do we for a seeded
+                # generation (a key split from the seed's); given noise (parity tests) takes the posterior's mode
+                sample_key = None if noise is not None else ctx.split_key(ctx.random_key(seed))[1]
+                latents = self._encode_init(ctx, init, batch, noise_t, first, sample_key)
             else:
                 latents = noise_t
             ctx.evaluate(latents)
@@ -600,8 +604,7 @@ class ZImagePipeline:
                     caps = list(pos_embeds) + list(neg_embeds)
                 else:
                     caps = list(pos_embeds)
-                t_tensor = ctx.from_numpy(np.full((len(xs),), t_in, dtype=np.float32))
-                outs = self.transformer(ctx, xs, t_tensor, caps)
+                outs = self.transformer(ctx, xs, np.full((len(xs),), t_in, dtype=np.float32), caps)
                 preds = []
                 for b in range(batch):
                     pos = outs[b].astype(DType.FLOAT32)
@@ -631,7 +634,8 @@ class ZImagePipeline:
             tiled = (width * height > self.tile_above_pixels) if vae_tiling is None else bool(vae_tiling)
             z = latents.transpose(0, 2, 3, 1)
             z = z / float(self.vae.scaling_factor) + float(self.vae.shift_factor)
-            decoded = self.vae.decode_tiled(ctx, z) if tiled else self.vae.decode(ctx, z)
+            decoded = (self.vae.decode_tiled(ctx, z, tile=self.vae_tile, overlap=self.vae_tile_overlap) if tiled
+                       else self.vae.decode(ctx, z))
             pixels = decoded.numpy().astype(np.float32)
             stats.decode_seconds = time.perf_counter() - t0
             stats.tiled_decode = tiled
@@ -645,15 +649,17 @@ class ZImagePipeline:
 
     __call__ = generate
 
-    def _encode_init(self, ctx: Context, init: np.ndarray, batch: int, noise: Tensor, first: int) -> Tensor:
+    def _encode_init(self, ctx: Context, init: np.ndarray, batch: int, noise: Tensor, first: int,
+                     sample_key: Any = None) -> Tensor:
         """Image-to-image start latents (diffusers ``ZImageImg2ImgPipeline.prepare_latents``):
         ``(encode(image) - shift_factor) * scaling_factor`` in ``[B, C, h, w]``, noised to ``sigmas[first]``.
 
-        The VAE's posterior mean is used where diffusers samples the posterior (``latent_dist.sample``); the FLUX
-        VAE's posterior standard deviation is small, and the mean keeps the result a function of the seed alone."""
+        ``sample_key``: draw from the VAE posterior with it (as diffusers' ``latent_dist.sample``), or None for its
+        mode (the mean, ``sample_mode="argmax"``)."""
         img = ctx.from_numpy(init, DType.FLOAT32)
         dtype = self.backend.compute_dtype
-        mean = self.vae.encode(ctx, img if dtype == DType.FLOAT32 else img.astype(dtype)).astype(DType.FLOAT32)
+        x = img if dtype == DType.FLOAT32 else img.astype(dtype)
+        mean = self.vae.encode(ctx, x, sample_key=sample_key).astype(DType.FLOAT32)
         lat = (mean - float(self.vae.shift_factor)) * float(self.vae.scaling_factor)
         lat = lat.transpose(0, 3, 1, 2)
         if batch > 1:
