@@ -151,15 +151,16 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
             explicit = out if out.suffix else out.with_suffix(".png")
             folder = explicit.parent
     else:
-        folder = Path.cwd()
+        folder = Path(".")
     if not folder.is_dir():
         raise InvalidRequestError(f"{folder}: no such folder for the output image")
     if not os.access(folder, os.W_OK):
         raise InvalidRequestError(f"{folder}: cannot write there")
 
     model_name = settings.get("model")
-    if not quiet:
-        click.echo(f"Loading {model_name or 'the default image model'}...", err=True)
+    label = model_name or api.DEFAULT_IMAGE_MODEL
+    if not quiet and label is not None:
+        click.echo(f"Loading {label}...", err=True)
     pipe = None
     tmp_path: Path | None = None
     bar = None

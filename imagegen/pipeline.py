@@ -373,8 +373,10 @@ class ZImagePipeline:
             InvalidRequestError: not integers, not multiples of :attr:`size_multiple`, or outside
                 ``min_side .. max_width / max_height``; the message says which sizes are allowed.
         """
+        upper = (f"{self.max_width}" if self.max_width == self.max_height
+                 else f"{self.max_width} (width) / {self.max_height} (height)")
         allowed = (f"width and height must be multiples of {self.size_multiple} between {self.min_side} and "
-                   f"{self.max_width} (width) / {self.max_height} (height) pixels")
+                   f"{upper} pixels")
         out = []
         for name, v, hi in (("width", width, self.max_width), ("height", height, self.max_height)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
