@@ -400,7 +400,7 @@ class AutoencoderKL:
         Args:
             ctx: the context to compute in.
             images: ``[B, H, W, in_channels]`` in ``[-1, 1]``, channels last, ``H`` and ``W`` multiples of
-                :attr:`downscale` (other sizes are cropped by the strided convolutions, as in diffusers).
+                :attr:`downscale` (other sizes round down at each stride-2 downsampling, as in diffusers).
             sample_key: None for the distribution's mode (its mean, ``retrieve_latents(sample_mode="argmax")``), or a
                 random key (``ctx.random_key``) to draw ``mean + exp(logvar / 2) * eps`` with ``logvar`` clipped to
                 ``[-30, 20]`` (the diffusers img2img pipelines sample).
