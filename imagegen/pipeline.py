@@ -302,9 +302,11 @@ class ZImagePipeline:
         backend = self._backend("vae")
         self._backends.append(backend)
         try:
-            return AutoencoderKL.from_backend(backend)
+            vae = AutoencoderKL.from_backend(backend)
         except KeyError as e:
             raise WeightsError(f"{self.folder / 'vae'}: missing tensor {e}") from None
+        backend.close()  # the VAE holds its own (channels-last) copies of the weights; drop the originals
+        return vae
 
     def _load_text_encoder(self):
         from imagegen.text_encoder import TextEncoder
