@@ -128,6 +128,8 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
     if "prompt" not in settings:
         raise InvalidRequestError("no prompt: give it as an argument (or use --from-metadata FILE.png)")
     if settings.get("init_image") is None:
+        if strength is not None:
+            raise InvalidRequestError("--strength applies to image to image: give an init image with --image FILE")
         settings.pop("strength", None)
 
     init_path = None

@@ -505,7 +505,8 @@ class ZImagePipeline:
                 raise InvalidRequestError(f"strength must be in [0, 1], got {strength}")
             init, width, height = self._preprocess_image(image, width, height)
         else:
-            strength = None
+            if strength is not None:
+                raise InvalidRequestError("strength applies to image-to-image: give an init image (image=...)")
             width = d["width"] if width is None else width
             height = d["height"] if height is None else height
         width, height = self.check_size(width, height)

@@ -123,7 +123,8 @@ def test_output_folder_and_explicit_file(folder, workdir):
     (["--steps", 0], "Invalid value for '--steps'"),
     (["--strength", 0.5, "--image", "missing.png"], "missing.png: no such init image file"),
     (["-o", "no/such/folder/x.png"], "no such folder"),
-], ids=["width", "height", "steps", "init-image", "output-folder"])
+    (["--strength", 0.5], "--strength applies to image to image"),
+], ids=["width", "height", "steps", "init-image", "output-folder", "strength-without-image"])
 def test_request_errors(folder, workdir, args, message):
     r = invoke("image", PROMPT, "--model", folder, *args)
     assert r.exit_code != 0 and message in r.output

@@ -241,6 +241,8 @@ def test_invalid_requests(pipe):
         pipe.generate(PROMPT, width=32, height=32, steps=1, guidance=-1)
     with pytest.raises(InvalidRequestError, match="strength"):
         pipe.generate(PROMPT, image=np.zeros((32, 32, 3), np.uint8), strength=1.5, steps=2)
+    with pytest.raises(InvalidRequestError, match="init image"):
+        pipe.generate(PROMPT, width=32, height=32, steps=2, strength=0.5)
     with pytest.raises(InvalidRequestError, match="no denoising step"):
         pipe.generate(PROMPT, image=np.zeros((32, 32, 3), np.uint8), strength=0.0, steps=4)
     r = pipe.generate(PROMPT, image=np.zeros((32, 32, 3), np.uint8), strength=0.1, steps=4, seed=1)
