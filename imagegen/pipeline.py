@@ -486,12 +486,15 @@ class ZImagePipeline:
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise InvalidRequestError(f"the prompt must be a string (or a list of strings), got {prompt!r}")
         batch = len(prompts)
-        steps = int(d["steps"] if steps is None else steps)
-        if steps < 1:
-            raise InvalidRequestError(f"steps must be at least 1, got {steps}")
-        guidance = float(d["guidance"] if guidance is None else guidance)
-        if not math.isfinite(guidance) or guidance < 0:
-            raise InvalidRequestError(f"guidance must be a number >= 0 (0 turns it off), got {guidance}")
+        steps = d["steps"] if steps is None else steps
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+            raise InvalidRequestError(f"steps must be an integer of at least 1, got {steps!r}")
+        steps = int(steps)
+        guidance = d["guidance"] if guidance is None else guidance
+        if (isinstance(guidance, bool) or not isinstance(guidance, (int, float, np.number))
+                or not math.isfinite(guidance) or guidance < 0):
+            raise InvalidRequestError(f"guidance must be a number >= 0 (0 turns it off), got {guidance!r}")
+        guidance = float(guidance)
         if negative_prompt is None:
             negative_prompt = d.get("negative_prompt")
         max_len = self.max_sequence_length if max_sequence_length is None else int(max_sequence_length)
@@ -500,9 +503,11 @@ class ZImagePipeline:
 
         init = None
         if image is not None:
-            strength = float(d["strength"] if strength is None else strength)
-            if not 0.0 <= strength <= 1.0:
-                raise InvalidRequestError(f"strength must be in [0, 1], got {strength}")
+            strength = d["strength"] if strength is None else strength
+            if (isinstance(strength, bool) or not isinstance(strength, (int, float, np.number))
+                    or not 0.0 <= strength <= 1.0):
+                raise InvalidRequestError(f"strength must be a number in [0, 1], got {strength!r}")
+            strength = float(strength)
             init, width, height = self._preprocess_image(image, width, height)
         else:
             if strength is not None:
@@ -532,9 +537,9 @@ class ZImagePipeline:
         elif seed is None:
             seed = secrets.randbelow(2 ** 32)
         else:
+            if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 64:
+                raise InvalidRequestError(f"seed must be an integer in 0 .. 2**64 - 1, got {seed!r}")
             seed = int(seed)
-            if not 0 <= seed < 2 ** 64:
-                raise InvalidRequestError(f"seed must be in 0 .. 2**64 - 1, got {seed}")
 
         # timesteps (before any heavy work, so a bad strength fails fast)
         image_seq_len = (lh // 2) * (lw // 2)

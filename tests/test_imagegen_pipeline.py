@@ -237,8 +237,14 @@ def test_sizes(pipe):
 def test_invalid_requests(pipe):
     with pytest.raises(InvalidRequestError, match="steps"):
         pipe.generate(PROMPT, width=32, height=32, steps=0)
+    with pytest.raises(InvalidRequestError, match="steps"):
+        pipe.generate(PROMPT, width=32, height=32, steps="4")
+    with pytest.raises(InvalidRequestError, match="seed"):
+        pipe.generate(PROMPT, width=32, height=32, steps=1, seed=-1)
     with pytest.raises(InvalidRequestError, match="guidance"):
         pipe.generate(PROMPT, width=32, height=32, steps=1, guidance=-1)
+    with pytest.raises(InvalidRequestError, match="guidance"):
+        pipe.generate(PROMPT, width=32, height=32, steps=1, guidance=float("nan"))
     with pytest.raises(InvalidRequestError, match="strength"):
         pipe.generate(PROMPT, image=np.zeros((32, 32, 3), np.uint8), strength=1.5, steps=2)
     with pytest.raises(InvalidRequestError, match="init image"):
