@@ -150,6 +150,14 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
+def _store_component(entry: Any) -> str | None:
+    """``"NAME"`` for a ``model_index.json`` entry ``["mlx_engine", "store:NAME"]`` (a component this engine takes
+    from its model store instead of the folder), else None."""
+    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str) and entry[1].startswith("store:"):
+        return entry[1][len("store:"):]
+    return None
+
+
 class ZImagePipeline:
     """A Z-Image diffusers folder, loaded for generation.
 
@@ -162,6 +170,10 @@ class ZImagePipeline:
         quantize: quantize the transformer's linear weights to 8 or 4 bits at load (None: keep them as they are).
         keep_text_encoder: keep the text encoder loaded between generations (faster repeated prompts, more memory).
             Default: load it for each generation and free it before the denoising loop.
+        resolve_model: ``resolve_model(name) -> path`` of a store model: used when ``model_index.json`` names the
+            text encoder (and tokenizer) as ``["mlx_engine", "store:NAME"]`` (the project's own small models share
+            a text model from the store instead of shipping one); the path (a GGUF file) goes to ``make_backend``
+            and the tokenizer comes from its metadata.
 
     Attributes:
         transformer, vae, scheduler: the loaded components. vae_scale_factor: pixels per latent (8 for the FLUX VAE).
@@ -180,7 +192,8 @@ class ZImagePipeline:
     """
 
     def __init__(self, folder: "str | os.PathLike[str]", make_backend: Callable[[Path], Backend], *,
-                 quantize: int | None = None, keep_text_encoder: bool = False):
+                 quantize: int | None = None, keep_text_encoder: bool = False,
+                 resolve_model: Callable[[str], Path] | None = None):
         from imagegen.scheduler import FlowMatchEulerScheduler
 
         if quantize not in (None, 4, 8):
@@ -190,8 +203,17 @@ class ZImagePipeline:
         self.quantize = quantize
         self.keep_text_encoder = keep_text_encoder
         self.model_index = self._read_model_index()
-        configs = {name: self._component_config(name) for name in ("transformer", "vae", "text_encoder")}
-        self._check_tokenizer()
+        self._resolve_model = resolve_model
+        #: the store model that is the text encoder and tokenizer (``model_index.json``: ``["mlx_engine",
+        #: "store:NAME"]``), or None when the folder holds ``text_encoder/`` and ``tokenizer/``
+        self.text_model = _store_component(self.model_index.get("text_encoder"))
+        configs = {name: self._component_config(name) for name in ("transformer", "vae")}
+        if self.text_model is None:
+            configs["text_encoder"] = self._component_config("text_encoder")
+            self._check_tokenizer()
+        elif resolve_model is None:
+            raise UnsupportedError(f"{self.folder}: the text encoder is the store model {self.text_model!r}; "
+                                   "load this folder with mlx_engine.load_image_model (which resolves it)")
         self.scheduler = FlowMatchEulerScheduler.from_folder(self.folder / "scheduler")
         self.transformer_config = configs["transformer"]
         self.vae_config = configs["vae"]
@@ -314,8 +336,16 @@ class ZImagePipeline:
 
         if self._text_encoder is not None:
             return self._text_encoder
-        tokenizer = Tokenizer.from_folder(self._component_folder("tokenizer"))
-        backend = self._backend("text_encoder")
+        if self.text_model is not None:  # a store model (a GGUF file): its tokenizer is in its metadata
+            backend = self._make_backend(self._resolve_model(self.text_model))
+            try:
+                tokenizer = Tokenizer.from_gguf(backend.metadata)
+            except BaseException:
+                backend.close()
+                raise
+        else:
+            tokenizer = Tokenizer.from_folder(self._component_folder("tokenizer"))
+            backend = self._backend("text_encoder")
         try:
             self._text_encoder = TextEncoder.from_backend(backend, tokenizer)
         except KeyError as e:

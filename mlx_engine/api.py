@@ -288,15 +288,19 @@ def chat(model: "Model | str", messages: list[dict[str, str]], **options: Any) -
 
 # ---------------------------------------------------------------------------------------------------------- images
 
-#: The image model used when none is given: None until the project ships its own small model (a diffusers folder
-#: path or, once the store knows image models, a catalog name).
-DEFAULT_IMAGE_MODEL: str | None = None
+#: The image model used when none is given: the project's own small model shipped in the package (a catalog name of
+#: ``mlx_engine.store.IMAGE_CATALOG``).
+DEFAULT_IMAGE_MODEL: str | None = "shapes:64"
 
 
 def _image_model_path(model: "str | Path | None") -> Path:
     from mlx_engine.errors import ModelNotFoundError
+    from mlx_engine.store import image_model_path
 
     model = model if model is not None else DEFAULT_IMAGE_MODEL
+    packaged = image_model_path(model) if isinstance(model, str) else None
+    if packaged is not None:
+        return packaged
     if model is None:
         raise ModelNotFoundError("no image model given: pass the path of a diffusers Z-Image folder (model_index.json, "
                                  "transformer/, vae/, text_encoder/, tokenizer/, scheduler/) as model= (--model)")
@@ -329,7 +333,13 @@ def load_image_model(model: "str | Path | None" = None, *, quantize: int | None 
     def make_backend(folder: Path) -> MLXBackend:
         return MLXBackend(folder, device=device, dtype=dtype)
 
-    pipe = ZImagePipeline(path, make_backend, quantize=quantize, keep_text_encoder=keep_text_encoder)
+    def resolve_model(name: str) -> Path:  # a text encoder the folder takes from the store (pulled when missing)
+        from mlx_engine.store import Store
+
+        return Store().resolve(name, pull=True).path
+
+    pipe = ZImagePipeline(path, make_backend, quantize=quantize, keep_text_encoder=keep_text_encoder,
+                          resolve_model=resolve_model)
     pipe.name = str(model if model is not None else DEFAULT_IMAGE_MODEL)
     return pipe
 

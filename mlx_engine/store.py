@@ -171,6 +171,18 @@ CATALOG: dict[str, CatalogEntry] = {
 
 DEFAULT_MODEL = "smollm2:135m"
 
+#: image models that ship inside the package, by catalog name: diffusers-style folders under ``mlx_engine/assets/``
+#: (their text encoder is a store model named in ``model_index.json``; see ``imagegen.pipeline``). ``shapes:64`` is
+#: the project's own small Z-Image model, trained by ``training.train_image`` on ``imagegen.shapes_data``.
+IMAGE_CATALOG: dict[str, str] = {"shapes:64": "shapes-64"}
+DEFAULT_IMAGE_MODEL = "shapes:64"
+
+
+def image_model_path(name: str) -> Path | None:
+    """The folder of a packaged image model (``shapes:64``), or None when ``name`` is not one."""
+    folder = IMAGE_CATALOG.get(str(name).strip().lower())
+    return None if folder is None else Path(__file__).resolve().parent / "assets" / folder
+
 
 # ------------------------------------------------------------------------------------------------------- data types
 
