@@ -358,3 +358,26 @@ def test_duplicate_tensor_across_shards(tmp_path: Path):
 def test_missing_path(tmp_path: Path):
     expect_error(tmp_path / "absent.safetensors", "no such file")
     expect_error(tmp_path / "absent" / "model.safetensors.index.json", "no such file")
+
+
+def test_sharded_folder_laid_out_as_the_hub_cache_loads(tmp_path):
+    """The hub cache links each shard of a snapshot to a blob in another folder; such folders must load."""
+    import json as _json
+
+    from safetensors.numpy import save_file as _save
+
+    from mlx_engine.weights import open_weights as _open
+
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.float32)}
+    _save({"a": arrays["a"]}, str(blobs / "blob1"))
+    _save({"b": arrays["b"]}, str(blobs / "blob2"))
+    (snap / "model-00001-of-00002.safetensors").symlink_to(blobs / "blob1")
+    (snap / "model-00002-of-00002.safetensors").symlink_to(blobs / "blob2")
+    (snap / "model.safetensors.index.json").write_text(_json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with _open(snap) as wf:
+        for k, v in arrays.items():
+            np.testing.assert_array_equal(wf.load(k), v)

@@ -446,7 +446,6 @@ def _open_index(index_path: Path) -> SafetensorsFile:
     if not isinstance(meta, dict):
         raise WeightsError(f"{index_path}: \"metadata\" is not an object")
     files: list[Path] = []
-    root = folder.resolve()
     for name, fname in weight_map.items():
         if not isinstance(fname, str) or not fname:
             raise WeightsError(f"{index_path}: tensor {name!r} maps to {fname!r}, not a file name")
@@ -455,10 +454,9 @@ def _open_index(index_path: Path) -> SafetensorsFile:
             raise WeightsError(f"{index_path}: shard {fname!r} is outside the folder")
         full = folder / p
         if full not in files:
+            # Symbolic links are followed: Hugging Face's hub cache links every shard to a blob elsewhere.
             if not full.is_file():
                 raise WeightsError(f"{index_path}: missing shard {fname} (listed for tensor {name!r})")
-            if not full.resolve().is_relative_to(root):
-                raise WeightsError(f"{index_path}: shard {fname!r} is outside the folder")
             files.append(full)
     return SafetensorsFile(files, path=folder, config=_sibling_config(folder), index_metadata=meta,
                            index=weight_map)
