@@ -73,7 +73,7 @@ def _model_label(model: str | None) -> str | None:
 
 @click.command("image", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("prompt", nargs=-1)
-@click.option("--model", "-m", default=None, help="The image model: a diffusers Z-Image folder.")
+@click.option("--model", "-m", default=None, help="The image model: a diffusers Z-Image folder, or shapes:64 (the default).")
 @click.option("--negative-prompt", default=None, help="What guidance steers away from (with --guidance > 0).")
 @click.option("--width", type=int, default=None, help="Width in pixels, a multiple of 16 (default: the model's).")
 @click.option("--height", type=int, default=None, help="Height in pixels, a multiple of 16 (default: the model's).")
@@ -197,7 +197,7 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
         meta = {
             "prompt": p["prompt"], "negative_prompt": settings.get("negative_prompt"), "seed": p["seed"],
             "steps": p["steps"], "guidance": p["guidance"], "width": p["width"], "height": p["height"],
-            "model": _model_label(model_name), "strength": p["strength"],
+            "model": _model_label(model_name or api.DEFAULT_IMAGE_MODEL), "strength": p["strength"],
             "init_image": str(init_path.resolve()) if init_path is not None else None,
             "init_image_sha256": _sha256(init_path) if init_path is not None else None,
             "quantize": settings.get("quantize"),

@@ -56,7 +56,7 @@ VAE_CONFIG = {
     "_class_name": "AutoencoderKL", "_diffusers_version": "0.36.0", "in_channels": 3, "out_channels": 3,
     "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
     "block_out_channels": [8, 16, 32, 32], "layers_per_block": 1, "act_fn": "silu", "latent_channels": 16,
-    "norm_num_groups": 4, "sample_size": SIDE, "scaling_factor": 1.0, "shift_factor": 0.0,
+    "norm_num_groups": 1, "sample_size": SIDE, "scaling_factor": 1.0, "shift_factor": 0.0,
     "use_quant_conv": False, "use_post_quant_conv": False, "mid_block_add_attention": True, "force_upcast": True,
 }
 #: the tiny Z-Image transformer (cap_feat_dim: smollm2-135m's hidden size)
@@ -185,6 +185,8 @@ def init_params(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, "mx.
             fan_in = int(np.prod(shapes[wname][1:]))
             bound = 1.0 / math.sqrt(fan_in)
             a = rng.uniform(-bound, bound, shape).astype(np.float32)
+        if name == "encoder.conv_out.bias" and len(shape) == 1:
+            a[shape[0] // 2:] = -6.0  # the posterior's log-variance starts small: reconstructions learn from the start
         out[name] = mx.array(a)
     return out
 

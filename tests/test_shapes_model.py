@@ -1,0 +1,137 @@
+"""The project's own default image model ``shapes:64``: its data, its training code, and its prompt following."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from imagegen import shapes_data
+
+
+def test_shapes_data_is_deterministic_and_captions_are_exact():
+    a, b = shapes_data.sample(123), shapes_data.sample(123)
+    assert a == b
+    assert np.array_equal(shapes_data.draw(a), shapes_data.draw(b))
+    s = shapes_data.ShapeSample(0, "circle", "red", "blue", "small", "top left", (0.2, 0.2), False)
+    assert s.caption == "a small red circle in the top left on a blue background"
+    assert shapes_data.caption("circle", "red", "blue") == "a red circle on a blue background"
+    for seed in range(200):
+        x = shapes_data.sample(seed)
+        assert x.colour != x.background
+        img = shapes_data.draw(x)
+        assert img.shape == (64, 64, 3) and img.dtype == np.uint8
+    held = shapes_data.seeds(50, held_out=True)
+    assert not set(held) & set(shapes_data.seeds(500))
+
+
+def test_classifier_reads_the_drawn_images():
+    from training.evaluate import _accuracy, classify, eval_pairs
+
+    truth = eval_pairs(60)
+    acc = _accuracy([classify(shapes_data.draw(t)) for t in truth], truth)
+    assert acc == {"background": 1.0, "colour": 1.0, "position": 1.0}
+
+
+def test_parameter_layout_is_diffusers():
+    torch = pytest.importorskip("torch")
+    diffusers = pytest.importorskip("diffusers")
+    from training.train_image import DIT_CONFIG, VAE_CONFIG, dit_param_shapes, vae_param_shapes
+
+    kw = {k: v for k, v in VAE_CONFIG.items() if not k.startswith("_")}
+    sd = diffusers.AutoencoderKL(**kw).state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items()} == vae_param_shapes()
+    kw = {k: v for k, v in DIT_CONFIG.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        tr = diffusers.ZImageTransformer2DModel(**kw)
+    assert {k: tuple(v.shape) for k, v in tr.state_dict().items()} == dit_param_shapes()
+
+
+def test_short_training_runs_lower_the_loss(tmp_path):
+    from mlx_engine.mlx.runtime import mx
+    from training import train_image as T
+
+    # autoencoder: a handful of images, the same batch every step
+    params = T.init_params(T.vae_param_shapes(), 0)
+    vae, binder = T.build_vae(params)
+    x = mx.array(T._pixels(shapes_data.seeds(4)))
+    eps = mx.zeros((4, 8, 8, T.VAE_CONFIG["latent_channels"]))
+    _, losses = T.train("vae", tmp_path, params, T.vae_loss_fn(vae, binder, 1e-4), lambda step: (x, eps),
+                        steps=12, lr=3e-3, warmup=2, log=lambda *_: None)
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+
+    # transformer: flow matching on four latents with random caption features
+    params = T.init_params(T.dit_param_shapes(), 0)
+    tr, binder = T.build_transformer(params)
+    rng = np.random.default_rng(0)
+    z0 = mx.array(rng.standard_normal((4, 16, 8, 8)).astype(np.float32))
+    noise = mx.array(rng.standard_normal((4, 16, 8, 8)).astype(np.float32))
+    sigma = np.array([0.2, 0.4, 0.6, 0.8], np.float32)
+    caps = [mx.array(rng.standard_normal((7 + i, 576)).astype(np.float32)) for i in range(4)]
+    _, losses = T.train("dit", tmp_path, params, T.dit_loss_fn(tr, binder), lambda step: (z0, noise, sigma, caps),
+                        steps=15, lr=2e-3, warmup=2, log=lambda *_: None)
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+
+
+def test_training_resumes_from_its_checkpoint(tmp_path):
+    from mlx_engine.mlx.runtime import mx
+    from training import train_image as T
+
+    rng = np.random.default_rng(1)
+    data = [mx.array(rng.standard_normal((2, 16, 8, 8)).astype(np.float32)) for _ in range(2)]
+    caps = [mx.array(rng.standard_normal((5, 576)).astype(np.float32))] * 2
+
+    def batches(step):
+        r = np.random.default_rng([0, step])
+        return data[0], data[1], r.random(2).astype(np.float32), caps
+
+    def run(folder, steps):
+        params = T.init_params(T.dit_param_shapes(), 0)
+        tr, binder = T.build_transformer(params)
+        return T.train("dit", folder, params, T.dit_loss_fn(tr, binder), batches, steps=steps, lr=1e-3, warmup=1,
+                       log=lambda *_: None)
+
+    straight, _ = run(tmp_path / "a", 6)
+    run(tmp_path / "b", 3)
+    resumed, _ = run(tmp_path / "b", 6)
+    for k in straight:
+        assert np.allclose(np.array(straight[k]), np.array(resumed[k]), atol=1e-6), k
+
+
+def _packaged_model():
+    from mlx_engine.store import DEFAULT_IMAGE_MODEL, Store, image_model_path
+
+    folder = image_model_path(DEFAULT_IMAGE_MODEL)
+    if not (folder / "transformer").is_dir():
+        pytest.fail(f"the packaged image model is missing: {folder}")
+    if not Store().has("smollm2:135m"):
+        pytest.skip("smollm2:135m (the text encoder) is not in the store; `mlx-engine pull smollm2:135m`")
+    return folder
+
+
+def test_packaged_model_follows_prompts():
+    """The issue's bar: on >= 100 held-out (caption, seed) pairs, background >= 90%, shape colour >= 80%,
+    position >= 80%; the empty prompt near chance."""
+    _packaged_model()
+    from mlx_engine.api import load_image_model
+    from training.evaluate import evaluate
+
+    pipe = load_image_model(None, keep_text_encoder=True)
+    try:
+        report = evaluate(pipe, n=100, batch=50)
+    finally:
+        pipe.close()
+    print(report.summary())
+    acc, empty = report.accuracy, report.empty_prompt_accuracy
+    assert acc["background"] >= 0.9 and acc["colour"] >= 0.8 and acc["position"] >= 0.8, report.summary()
+    assert empty["background"] <= 0.35 and empty["colour"] <= 0.35 and empty["position"] <= 0.35, report.summary()
+
+
+def test_generate_image_default_model():
+    _packaged_model()
+    import mlx_engine
+    from training.evaluate import classify
+
+    img = mlx_engine.generate_image("a large red circle in the centre on a blue background", seed=3)
+    assert img.size == (64, 64)
+    got = classify(np.asarray(img))
+    assert got["background"] == "blue" and got["colour"] == "red", got
