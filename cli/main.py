@@ -365,6 +365,10 @@ from cli.image import image  # noqa: E402  (its own module; it imports nothing f
 
 main.add_command(image)
 
+from cli.bench import bench  # noqa: E402  (its own module; it imports the engine only when run)
+
+main.add_command(bench)
+
 
 if __name__ == "__main__":
     main()

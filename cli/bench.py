@@ -1,0 +1,41 @@
+"""``mlx-engine bench``: speed and memory of a model, optionally side by side with mlx-lm on the same weights."""
+
+from __future__ import annotations
+
+import click
+
+from mlx_engine.store import DEFAULT_MODEL
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.argument("model", default=DEFAULT_MODEL, required=False)
+@click.option("--compare", type=click.Choice(["mlx-lm"]), default=None,
+              help="Also run mlx-lm on the same float32 weights (dequantized from the same GGUF), alternating runs, "
+                   "and print ours/mlx-lm per figure.")
+@click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed repetitions of each figure after one warm-up run; medians are reported.")
+@click.option("--quick", is_flag=True, help="A smoke run with tiny sizes (seconds; the figures mean little).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def bench(model: str, compare: str | None, reps: int, quick: bool, as_json: bool) -> None:
+    """Benchmark MODEL: prompt tokens/s at 512 and 2048 tokens, decode tokens/s over 128 tokens, time to first
+    token, peak memory, the share of the memory bandwidth that decode reaches, decode at 128 vs 4096 tokens of
+    context, chat turn 1 vs turn 10 time to first token, and the gain from OpenBLAS.
+
+    With --json the object's "ratio" (when comparing) maps decode, prefill_512, prefill_2048, ttft and peak_memory
+    to ours divided by mlx-lm's: above 1 is better for the rates, below 1 for ttft and peak_memory.
+    Progress goes to stderr. A full run takes minutes: use a quiet machine, or more --reps.
+
+    \b
+    Examples:
+      mlx-engine bench smollm2:135m --compare mlx-lm
+      mlx-engine bench gemma3:270m --compare mlx-lm --reps 5 --json > gemma.json
+      mlx-engine bench --quick
+    """
+    from mlx_engine.bench import format_table, run_bench
+
+    def progress(msg: str) -> None:
+        click.echo(f"bench: {msg}", err=True)
+
+    result = run_bench(model, reps=1 if quick and reps == 3 else reps, compare=compare, quick=quick,
+                       progress=progress)
+    click.echo(result.to_json() if as_json else format_table(result))

@@ -1,0 +1,438 @@
+"""The benchmark behind ``mlx-engine bench``: this engine and (optionally) mlx-lm on the same weights, side by side.
+
+Figures (medians over ``reps`` repetitions after one warm-up run of each; the engines alternate run by run, and the
+order flips every repetition, so that a busy machine slows both alike):
+
+- ``prefill_512``, ``prefill_2048``: prompt tokens per second for a prompt of that many tokens on an empty cache,
+  i.e. prompt tokens over the time to the first token (as mlx-lm and ``GenerationStats`` count it);
+- ``decode``: generated tokens per second over ``decode_tokens`` (128) greedy tokens after a 128-token prompt,
+  counted from the first token to the last;
+- ``ttft``: seconds to the first token of that 128-token prompt;
+- ``peak_memory``: the device's peak bytes during the 2048-token and the decode runs, counting this engine's weights,
+  KV cache and intermediates (what the other engine holds is subtracted);
+- ``bandwidth_share``: decode tokens/s times the bytes a decode step must read (every weight used per token, the
+  output head included, plus the keys and values it attends to at the middle of the run), over the memory bandwidth
+  measured on the spot with a large copy (read + written bytes over its time, as STREAM counts a copy);
+- ``decode_ctx_short`` / ``decode_ctx_long``: this engine's decode tokens/s after 128 and 4096 tokens of context
+  (sliding-window layers keep the long one nearly flat);
+- ``chat_ttft_turn1`` / ``chat_ttft_turn10``: time to first token of turn 1 and turn 10 (the last turn: 3 in a quick
+  run) of one chat session, each turn prefilling only its new message;
+- ``openblas``: the time of a float32 matmul in a child process with ``MLX_ENGINE_OPENBLAS=0`` (the ``mlx[cpu]``
+  wheel's reference BLAS) over the same in a child with the default (OpenBLAS loaded first): the gain on Linux.
+
+``ratio`` maps each compared figure to ours divided by mlx-lm's: above 1 is better for rates, below 1 is better for
+``ttft`` and ``peak_memory``. Prompts are random token ids from a fixed seed; decoding is greedy and never stops
+early, in both engines.
+
+This module imports no ``mlx``: the engine is driven through :mod:`mlx_engine.api` and the ``ml`` interfaces, mlx-lm
+through :mod:`mlx_engine.mlx.mlx_lm_peer`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlx_engine.ml import DType
+
+COMPARED = ("decode", "prefill_512", "prefill_2048", "ttft", "peak_memory")
+LOWER_IS_BETTER = ("ttft", "peak_memory")
+
+
+@dataclass
+class BenchSizes:
+    """Token counts of each figure. The figure names keep the full-size counts (``prefill_512``...) also in a
+    ``quick`` run, whose real counts are these."""
+
+    prefill_short: int = 512
+    prefill_long: int = 2048
+    decode_prompt: int = 128
+    decode_tokens: int = 128
+    context_short: int = 128
+    context_long: int = 4096
+    context_tokens: int = 32
+    chat_turns: int = 10
+    chat_tokens: int = 24
+    copy_bytes: int = 256 * 2**20
+    matmul_n: int = 1024
+
+    @classmethod
+    def quick(cls) -> "BenchSizes":
+        """Tiny sizes for a smoke run (seconds, not minutes): the numbers are not meaningful."""
+        return cls(prefill_short=48, prefill_long=96, decode_prompt=16, decode_tokens=8, context_short=16,
+                   context_long=160, context_tokens=4, chat_turns=3, chat_tokens=4, copy_bytes=64 * 2**20,
+                   matmul_n=192)
+
+
+@dataclass
+class BenchResult:
+    """Everything one bench run measured (see the module docstring). Times in seconds, memory in bytes, rates in
+    tokens per second, bandwidth in bytes per second."""
+
+    model: str
+    device: str
+    dtype: str
+    machine: dict[str, Any]
+    sizes: dict[str, int]
+    reps: int
+    ours: dict[str, float] = field(default_factory=dict)
+    peer: dict[str, float] | None = None
+    peer_name: str | None = None
+    ratio: dict[str, float] | None = None
+    bandwidth: dict[str, float] = field(default_factory=dict)
+    openblas: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        if self.peer is None:
+            for k in ("peer", "peer_name", "ratio"):
+                d.pop(k)
+        return json.dumps(d, indent=2)
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    """``n`` token ids drawn from a fixed seed, away from the low ids where special tokens usually live."""
+    rng = np.random.default_rng(seed)
+    lo = min(1000, vocab // 4)
+    return rng.integers(lo, max(lo + 1, min(vocab, 32000)), n).tolist()
+
+
+# ---------------------------------------------------------------------------------------------- this engine's side
+
+
+class EngineSide:
+    """This engine, measured run by run. Every run gets a fresh runner (an empty KV cache), as mlx-lm gets a
+    fresh prompt cache."""
+
+    name = "mlx-engine"
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.backend = model.backend
+
+    def _runner(self, max_sequences: int = 1) -> Any:
+        from models.runner import Runner
+
+        m = self.model
+        return Runner(m.text_model, m.tokenizer, context_length=m.context_length, max_sequences=max_sequences)
+
+    def run(self, tokens: list[int], max_tokens: int) -> dict[str, float]:
+        """Same contract as :meth:`mlx_engine.mlx.mlx_lm_peer.MLXLMPeer.run`."""
+        from models.runner import Request
+
+        runner = self._runner()
+        others = self.backend.active_memory() - self.backend.weights_nbytes()
+        req = Request(list(tokens), max_tokens=max_tokens)
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        for _ in runner.generate_tokens(req):  # resets the peak first
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        peak = self.backend.peak_memory() - others
+        runner.cache.close()
+        return {"ttft_s": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else 0.0,
+                "peak_bytes": float(peak), "tokens": float(n)}
+
+    def decode_at_context(self, prompt: list[int], tokens: int, reps: int) -> float:
+        """Median decode tokens/s of ``tokens`` tokens after ``prompt``: the prompt is prefilled once, and every
+        repetition rewinds to its end (the runner reuses the cached prompt) and decodes again."""
+        from models.runner import GenerationStats, Request
+
+        runner = self._runner()
+        rates = []
+        for i in range(reps + 1):
+            stats = GenerationStats()
+            for _ in runner.generate_tokens(Request(list(prompt), max_tokens=tokens), stats):
+                pass
+            if i:  # the first run prefilled the prompt and warmed up
+                rates.append(stats.decode_tps)
+        runner.cache.close()
+        return _median(rates)
+
+    def chat_ttft(self, turns: int, max_tokens: int) -> list[float]:
+        """Time to first token of each turn of one chat session (greedy answers of at most ``max_tokens``)."""
+        from mlx_engine.api import ChatSession
+
+        seq = self.model.runner.max_sequences - 1
+        session = ChatSession(self.model, seq, "You are a helpful assistant. Answer in one short sentence.",
+                              {"max_tokens": max_tokens})
+        out = []
+        topics = ["rivers", "the moon", "bread", "bicycles", "volcanoes", "music", "glass", "bees", "trains",
+                  "paper", "salt", "clouds"]
+        try:
+            for i in range(turns):
+                for _ in session.send(f"Tell me one fact about {topics[i % len(topics)]}."):
+                    pass
+                out.append(session.last_stats.ttft_s)
+        finally:
+            session.clear()
+        return out
+
+    def bytes_per_token(self, context: int) -> int:
+        """Bytes a single-token decode step must read at ``context`` tokens of context: every weight a token uses
+        (the embedding table only as the tied output head; its one looked-up row is ignored) plus the keys and values
+        each layer attends to (a sliding-window layer sees at most ``window + 1`` of them)."""
+        tm = self.model.text_model
+        c = tm.config
+        seen: set[int] = set()
+        total = 0
+
+        def add(t: Any) -> None:
+            nonlocal total
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.nbytes
+
+        for lw in tm.layers:
+            for t in lw.values():
+                add(t)
+        add(tm.w.get("model.norm.weight"))
+        add(tm.head)
+        item = tm.dtype.itemsize
+        for i in range(c.num_layers):
+            visible = min(context, c.sliding_window + 1) if tm.is_sliding(i) and c.sliding_window else context
+            total += 2 * c.num_kv_heads * c.head_dim * visible * item
+        return total
+
+    def copy_bandwidth(self, nbytes: int, reps: int = 5) -> float:
+        """Memory bandwidth in bytes/s (read + written) of a copy of ``nbytes``, median of ``reps``. On the CPU the
+        copy is NumPy's (``memcpy`` between buffers already touched, so that no page fault is timed; MLX allocates
+        a fresh output per operation); on a GPU it is a copy through the backend."""
+        times = []
+        if getattr(self.backend, "device", "cpu") == "cpu":
+            src = np.ones(max(1, nbytes // 4), np.float32)
+            dst = np.zeros_like(src)
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                np.copyto(dst, src)
+                times.append(time.perf_counter() - t0)
+            return 2 * src.nbytes / _median(times[1:])
+        ctx = self.backend.new_context()
+        x = ctx.full((max(1, nbytes // 4),), 1.0, DType.FLOAT32)
+        ctx.evaluate(x)
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            y = x + 1.0
+            ctx.evaluate(y)
+            times.append(time.perf_counter() - t0)
+            del y
+        ctx.close()
+        return 2 * x.nbytes / _median(times[1:])
+
+
+# --------------------------------------------------------------------------------------------------- OpenBLAS probe
+
+
+def matmul_probe(n: int, reps: int = 3) -> dict[str, Any]:
+    """Median seconds of an ``n x n`` float32 matmul on the CPU through the MLX backend, and the BLAS in use. Run in
+    a child process by :func:`openblas_gain` (the BLAS is chosen when ``mlx`` is first imported)."""
+    from mlx_engine.mlx import MLXBackend, blas_description
+
+    backend = MLXBackend(None, device="cpu")
+    ctx = backend.new_context()
+    rng = np.random.default_rng(0)
+    a = ctx.from_numpy(rng.standard_normal((n, n), dtype=np.float32))
+    b = ctx.from_numpy(rng.standard_normal((n, n), dtype=np.float32))
+    ctx.evaluate(a, b)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        ctx.evaluate(a @ b)
+        times.append(time.perf_counter() - t0)
+    return {"seconds": _median(times[1:]), "blas": blas_description()}
+
+
+def _probe_child(n: int, openblas: bool) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["MLX_ENGINE_DEVICE"] = "cpu"
+    if openblas:
+        env.pop("MLX_ENGINE_OPENBLAS", None)
+    else:
+        env["MLX_ENGINE_OPENBLAS"] = "0"
+    code = f"import json; from mlx_engine.bench import matmul_probe; print(json.dumps(matmul_probe({int(n)})))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"the matmul probe failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def openblas_gain(n: int) -> dict[str, Any]:
+    """The matmul time with the reference BLAS over the time with the default (OpenBLAS on Linux), each measured in
+    its own child process. ``gain`` is that ratio (1.0 where nothing differs, e.g. on macOS)."""
+    default = _probe_child(n, True)
+    reference = _probe_child(n, False)
+    return {"matmul_n": n, "default_seconds": default["seconds"], "default_blas": default["blas"],
+            "reference_seconds": reference["seconds"], "reference_blas": reference["blas"],
+            "gain": reference["seconds"] / default["seconds"]}
+
+
+# ------------------------------------------------------------------------------------------------------- the bench
+
+
+def run_bench(model_name: str, *, reps: int = 3, compare: str | None = None, quick: bool = False,
+              progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure ``model_name`` (and mlx-lm on the same weights when ``compare == "mlx-lm"``).
+
+    Raises:
+        InvalidRequestError: an unknown ``compare`` peer, or ``reps < 1``.
+        ModelNotFoundError, WeightsError: as :func:`mlx_engine.api.load`.
+    """
+    from mlx_engine.api import load
+    from mlx_engine.errors import InvalidRequestError
+
+    if compare not in (None, "mlx-lm"):
+        raise InvalidRequestError(f"cannot compare with {compare!r}; the peer engine is 'mlx-lm'")
+    if reps < 1:
+        raise InvalidRequestError(f"reps must be at least 1, got {reps}")
+    say = progress or (lambda _msg: None)
+    sizes = BenchSizes.quick() if quick else BenchSizes()
+    t_start = time.perf_counter()
+
+    say(f"loading {model_name}")
+    model = load(model_name, progress=False,
+                 context_length=max(sizes.context_long, sizes.prefill_long) + sizes.decode_tokens + 64)
+    ours = EngineSide(model)
+    peer = None
+    if compare == "mlx-lm":
+        from mlx_engine.mlx.mlx_lm_peer import MLXLMPeer
+
+        say("loading mlx-lm on the same weights (dequantized by the gguf package, float32)")
+        peer = MLXLMPeer(model.path)
+    vocab = model.text_model.config.vocab_size
+    engines = [ours] + ([peer] if peer is not None else [])
+
+    # (figure, prompt length, tokens to generate)
+    runs = {
+        "prefill_512": (sizes.prefill_short, 1),
+        "prefill_2048": (sizes.prefill_long, 1),
+        "decode": (sizes.decode_prompt, sizes.decode_tokens),
+    }
+    prompts = {k: random_prompt(n, vocab, seed=i) for i, (k, (n, _)) in enumerate(runs.items())}
+    samples: dict[str, dict[str, list[dict[str, float]]]] = {e.name: {k: [] for k in runs} for e in engines}
+    for rep in range(reps + 1):  # rep 0 is the warm-up
+        say("warm-up" if rep == 0 else f"repetition {rep} of {reps}")
+        order = engines if rep % 2 == 0 else engines[::-1]
+        for key, (_, gen) in runs.items():
+            for e in order:
+                r = e.run(prompts[key], gen)
+                if rep:
+                    samples[e.name][key].append(r)
+
+    def figures(name: str) -> dict[str, float]:
+        s = samples[name]
+        return {
+            "prefill_512": _median([sizes.prefill_short / r["ttft_s"] for r in s["prefill_512"]]),
+            "prefill_2048": _median([sizes.prefill_long / r["ttft_s"] for r in s["prefill_2048"]]),
+            "decode": _median([r["decode_tps"] for r in s["decode"]]),
+            "ttft": _median([r["ttft_s"] for r in s["decode"]]),
+            "peak_memory": _median([max(a["peak_bytes"], b["peak_bytes"])
+                                    for a, b in zip(s["prefill_2048"], s["decode"])]),
+        }
+
+    say("measuring the memory bandwidth")
+    bw = ours.copy_bandwidth(sizes.copy_bytes)
+    bpt = ours.bytes_per_token(sizes.decode_prompt + sizes.decode_tokens // 2)
+    result_ours = figures(ours.name)
+    result_ours["weights_bytes"] = float(model.backend.weights_nbytes())
+    result_ours["bytes_per_token"] = float(bpt)
+    result_ours["bandwidth_share"] = result_ours["decode"] * bpt / bw
+
+    say(f"decode at {sizes.context_short} and {sizes.context_long} tokens of context")
+    result_ours["decode_ctx_short"] = ours.decode_at_context(random_prompt(sizes.context_short, vocab, 7),
+                                                             sizes.context_tokens, reps)
+    result_ours["decode_ctx_long"] = ours.decode_at_context(random_prompt(sizes.context_long, vocab, 8),
+                                                            sizes.context_tokens, reps)
+    result_ours["long_context_ratio"] = result_ours["decode_ctx_long"] / result_ours["decode_ctx_short"]
+
+    say(f"chat: {sizes.chat_turns} turns")
+    turns = [ours.chat_ttft(sizes.chat_turns, sizes.chat_tokens) for _ in range(reps)]
+    result_ours["chat_ttft_turn1"] = _median([t[0] for t in turns])
+    result_ours["chat_ttft_turn10"] = _median([t[-1] for t in turns])
+    result_ours["chat_turn_ratio"] = result_ours["chat_ttft_turn10"] / result_ours["chat_ttft_turn1"]
+
+    result = BenchResult(
+        model=model.name, device=model.backend_name, dtype=model.text_model.dtype.value,
+        machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                 "cpus": os.cpu_count() or 0},
+        sizes=asdict(sizes), reps=reps, ours=result_ours,
+        bandwidth={"copy_bytes_per_s": bw, "copy_bytes": float(sizes.copy_bytes)},
+    )
+    if peer is not None:
+        p = figures(peer.name)
+        p["weights_bytes"] = float(peer.weights_bytes)
+        p["bytes_per_token"] = float(bpt)
+        p["bandwidth_share"] = p["decode"] * bpt / bw
+        result.peer, result.peer_name = p, peer.name
+        result.ratio = {k: result_ours[k] / p[k] for k in COMPARED}
+
+    say("OpenBLAS gain (matmul in child processes)")
+    result.openblas = openblas_gain(sizes.matmul_n)
+    result.seconds = time.perf_counter() - t_start
+    model.close()
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------ the table
+
+
+def format_table(r: BenchResult) -> str:
+    """The result as a plain-text table (medians; the ratio column is ours / mlx-lm)."""
+    o, p = r.ours, r.peer
+    s = r.sizes
+    mib = 2**20
+    rows: list[tuple[str, ...]] = []
+    head = ("figure", "mlx-engine") + ((r.peer_name or "peer", "ratio") if p else ())
+    rows.append(head)
+
+    def row(label: str, key: str, fmt: Callable[[float], str], better: str) -> None:
+        cells = (f"{label} ({better})", fmt(o[key]))
+        if p is not None:
+            cells += (fmt(p[key]), f"{o[key] / p[key]:.2f}x")
+        rows.append(cells)
+
+    row(f"prompt tok/s, {s['prefill_short']} tokens", "prefill_512", lambda v: f"{v:.1f}", "higher is better")
+    row(f"prompt tok/s, {s['prefill_long']} tokens", "prefill_2048", lambda v: f"{v:.1f}", "higher is better")
+    row(f"decode tok/s, {s['decode_tokens']} tokens", "decode", lambda v: f"{v:.2f}", "higher is better")
+    row(f"time to first token, {s['decode_prompt']}-token prompt, ms", "ttft", lambda v: f"{v * 1000:.0f}",
+        "lower is better")
+    row("peak memory, MiB", "peak_memory", lambda v: f"{v / mib:.0f}", "lower is better")
+    row("decode share of memory bandwidth", "bandwidth_share", lambda v: f"{v * 100:.0f}%", "higher is better")
+    widths = [max(len(x[c]) for x in rows) for c in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths)))
+             for x in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    bw = r.bandwidth["copy_bytes_per_s"]
+    ob = r.openblas
+    lines += [
+        "",
+        f"bytes read per decode token: {o['bytes_per_token'] / mib:.0f} MiB; measured copy bandwidth "
+        f"{bw / 1e9:.1f} GB/s",
+        f"decode tok/s at {s['context_short']} / {s['context_long']} tokens of context: "
+        f"{o['decode_ctx_short']:.2f} / {o['decode_ctx_long']:.2f} (long/short {o['long_context_ratio']:.2f}x)",
+        f"chat time to first token, turn 1 / turn {s['chat_turns']}: {o['chat_ttft_turn1'] * 1000:.0f} ms / "
+        f"{o['chat_ttft_turn10'] * 1000:.0f} ms (ratio {o['chat_turn_ratio']:.2f}x)",
+        f"OpenBLAS gain, {ob['matmul_n']}x{ob['matmul_n']} float32 matmul: {ob['gain']:.1f}x "
+        f"({ob['reference_seconds'] * 1000:.1f} ms with {ob['reference_blas']}, {ob['default_seconds'] * 1000:.1f} ms "
+        f"with {ob['default_blas']})",
+        f"{r.model} on {r.device}, {r.dtype}; {r.machine['cpus']} CPUs, {r.machine['platform']}; medians of "
+        f"{r.reps} repetition(s) after a warm-up, engines alternating; {r.seconds:.0f} s in all",
+    ]
+    return "\n".join(lines)
