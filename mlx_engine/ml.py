@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -448,6 +448,17 @@ class Backend(abc.ABC):
     def cache_config(self) -> CacheConfig:
         """The KV cache layout this backend prefers."""
         return CacheConfig()
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A function that computes what ``fn`` computes, which the backend may trace once per input shape and dtype
+        and run as one fused graph (MLX: ``mx.compile``), with no per-operation Python cost.
+
+        ``fn`` takes Tensors (positional) and returns a Tensor or a tuple of Tensors. It must be a pure function of
+        its arguments: whatever else it reads (Python numbers, captured tensors) is frozen when it is first traced,
+        and it must not change a tensor in place. Calls with tensors of a new shape or dtype trace it again. The
+        default returns ``fn`` itself.
+        """
+        return fn
 
     # ---- memory controls (bytes) ---------------------------------------------------------------------------
     @abc.abstractmethod

@@ -141,6 +141,44 @@ def apply_rope(x: Tensor, positions: "int | Tensor", dims: int, base: float | No
     return y.transpose(2, 1, 0, 3)
 
 
+def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | None"], h: Tensor,
+                 positions: "int | Tensor", w: dict[str, Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
+    """One layer before attention: ``h [1, N, D]`` -> queries ``[1, H, N, Dh]``, keys and values
+    ``[1, H_kv, N, Dh]`` (input norm, projections, query/key norms, RoPE ``(base, scale, freqs)`` at ``positions``).
+    ``w`` holds the layer's weights by the names of :meth:`DecoderModel._layer_weights`."""
+    n = h.shape[1]
+    eps = c.rms_norm_eps
+    x = h.rms_norm(w["attn_norm"], eps)
+    q = x.linear(w["q"], w.get("q_bias")).reshape(1, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
+    k = x.linear(w["k"], w.get("k_bias")).reshape(1, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+    v = x.linear(w["v"], w.get("v_bias")).reshape(1, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+    if c.qk_norm:
+        q = q.rms_norm(w["q_norm"], eps)
+        k = k.rms_norm(w["k_norm"], eps)
+    base, scale, freqs = rope
+    q = apply_rope(q, positions, c.head_dim, base, scale, c.rope_traditional, freqs)
+    k = apply_rope(k, positions, c.head_dim, base, scale, c.rope_traditional, freqs)
+    return q, k, v
+
+
+def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None]) -> Tensor:
+    """One layer after attention: the attention output ``o [1, H, N, Dh]`` through the output projection, the
+    residual adds, the norms and the gated MLP; returns the new ``h [1, N, D]``."""
+    n = h.shape[1]
+    eps = c.rms_norm_eps
+    o = o.transpose(0, 2, 1, 3).reshape(1, n, c.num_heads * c.head_dim).linear(w["o"])
+    if c.sandwich_norm:
+        h = h + o.rms_norm(w["post_attn_norm"], eps)
+        x = h.rms_norm(w["pre_ffn_norm"], eps)
+    else:
+        h = h + o
+        x = h.rms_norm(w["post_attn_norm"], eps)
+    g = x.linear(w["gate"])
+    g = g.silu() if c.activation == "silu" else g.gelu(approximate=True)
+    m = (g * x.linear(w["up"])).linear(w["down"])
+    return h + (m.rms_norm(w["post_ffn_norm"], eps) if c.sandwich_norm else m)
+
+
 class DecoderModel(abc.ABC):
     """A decoder-only transformer (Llama, Qwen3, Gemma 3) running on the ``ml`` interfaces.
 
@@ -161,6 +199,8 @@ class DecoderModel(abc.ABC):
         self._rope_freqs = ctx.from_numpy(np.asarray(freqs, np.float32)) if freqs is not None else None
         self.head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
         self.layers = [self._layer_weights(i) for i in range(config.num_layers)]
+        self.compile_decode = True  # single-token steps through Backend.compile (False: op by op, for comparison)
+        self._compiled: dict[tuple, Any] = {}
 
     # ---- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -251,6 +291,37 @@ class DecoderModel(abc.ABC):
                           self.config.rope_traditional, freqs)
 
     # ---- forward -----------------------------------------------------------------------------------------------
+    def _rope(self, layer: int) -> tuple[float | None, float, "Tensor | None"]:
+        """``(base, scale, freqs)`` of the layer's RoPE."""
+        base, freqs = self._rope_args(layer)
+        return base, self._rope_scale(layer), freqs
+
+    _BLOCK_WEIGHTS = {
+        "in": ("attn_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"),
+        "out": ("o", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm", "gate", "up", "down"),
+    }
+
+    def _compiled_block(self, kind: str, layer: int) -> tuple[Any, tuple[str, ...]]:
+        """``(fn, names)``: :func:`attention_in` (``kind="in"``, called ``fn(h, positions, *weights)``) or
+        :func:`attention_out` (``"out"``, ``fn(h, o, *weights)``) through ``Backend.compile``, the layer's weights
+        ``names`` passed as arguments, so that alike layers share one trace. The traced functions hold the config
+        and the RoPE arguments, not the model (no reference cycle keeps a closed model's weights alive)."""
+        lw = self.layers[layer]
+        names = tuple(k for k in self._BLOCK_WEIGHTS[kind] if lw.get(k) is not None)
+        rope = self._rope(layer) if kind == "in" else None
+        key = (kind, names, rope[:2] if rope else None)
+        fn = self._compiled.get(key)
+        if fn is None:
+            c = self.config
+            if kind == "in":
+                def block(h: Tensor, positions: Tensor, *ws: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                    return attention_in(c, rope, h, positions, dict(zip(names, ws)))
+            else:
+                def block(h: Tensor, o: Tensor, *ws: Tensor) -> Tensor:
+                    return attention_out(c, h, o, dict(zip(names, ws)))
+            fn = self._compiled[key] = self.backend.compile(block)
+        return fn, names
+
     def embed(self, ctx: Context, batch: Batch) -> Tensor:
         """Hidden states ``[1, N, D]`` for the batch's tokens (or its given embeddings)."""
         if batch.embeddings is not None:
@@ -279,35 +350,28 @@ class DecoderModel(abc.ABC):
         positions = rope_positions(ctx, batch)
         h = self.embed(ctx, batch)
         n = h.shape[1]
-        act = (lambda t: t.silu()) if c.activation == "silu" else (lambda t: t.gelu(approximate=True))
         eps = c.rms_norm_eps
+        # One token: the per-layer math before and after attention runs as two compiled graphs (Backend.compile).
+        compiled = n == 1 and self.compile_decode and isinstance(positions, int)
+        if compiled:
+            positions = ctx.from_numpy(np.array([positions], np.int32))
         for i, lw in enumerate(self.layers):
             if output_layer is not None and i > output_layer:
                 break
             cache.set_layer(i)
-            x = h.rms_norm(lw["attn_norm"], eps)
-            q = x.linear(lw["q"], lw["q_bias"]).reshape(1, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
-            k = x.linear(lw["k"], lw["k_bias"]).reshape(1, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
-            v = x.linear(lw["v"], lw["v_bias"]).reshape(1, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
-            if c.qk_norm:
-                q = q.rms_norm(lw["q_norm"], eps)
-                k = k.rms_norm(lw["k_norm"], eps)
-            base, freqs = self._rope_args(i)
-            scale = self._rope_scale(i)
-            q = apply_rope(q, positions, c.head_dim, base, scale, c.rope_traditional, freqs)
-            k = apply_rope(k, positions, c.head_dim, base, scale, c.rope_traditional, freqs)
+            if compiled:
+                fn, names = self._compiled_block("in", i)
+                q, k, v = fn(h, positions, *[lw[name] for name in names])
+            else:
+                q, k, v = attention_in(c, self._rope(i), h, positions, lw)
             cache.put(ctx, k, v)
             keys, values, mask = cache.get(ctx)
             o = ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
-            o = o.transpose(0, 2, 1, 3).reshape(1, n, c.num_heads * c.head_dim).linear(lw["o"])
-            if c.sandwich_norm:
-                h = h + o.rms_norm(lw["post_attn_norm"], eps)
-                x = h.rms_norm(lw["pre_ffn_norm"], eps)
+            if compiled:
+                fn, names = self._compiled_block("out", i)
+                h = fn(h, o, *[lw[name] for name in names])
             else:
-                h = h + o
-                x = h.rms_norm(lw["post_attn_norm"], eps)
-            m = (act(x.linear(lw["gate"])) * x.linear(lw["up"])).linear(lw["down"])
-            h = h + (m.rms_norm(lw["post_ffn_norm"], eps) if c.sandwich_norm else m)
+                h = attention_out(c, h, o, lw)
         if output_layer is not None:
             return h
         if hidden_only:

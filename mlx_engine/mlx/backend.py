@@ -145,6 +145,37 @@ class MLXBackend(Backend):
     def new_context(self) -> MLXContext:
         return MLXContext()
 
+    def compile(self, fn):
+        """``mx.compile`` of ``fn`` on the arrays behind its Tensor arguments (a quantized weight travels as its
+        packed words, scales and biases). One trace per pattern of dense / quantized arguments, and per shape."""
+        traced: dict[tuple, Any] = {}
+        returns_tuple: dict[tuple, bool] = {}
+
+        def call(*tensors):
+            spec = tuple((t.group_size, t.bits) if isinstance(t, MLXQuantizedTensor) else None for t in tensors)
+            cfn = traced.get(spec)
+            if cfn is None:
+                def raw(*arrays):
+                    it = iter(arrays)
+                    args = [MLXTensor(next(it)) if s is None else
+                            MLXQuantizedTensor(next(it), next(it), next(it), s[0], s[1]) for s in spec]
+                    out = fn(*args)
+                    returns_tuple[spec] = isinstance(out, tuple)
+                    return tuple(o.a for o in out) if isinstance(out, tuple) else (out.a,)
+                cfn = traced[spec] = mx.compile(raw)
+            flat = []
+            for t in tensors:
+                if isinstance(t, MLXQuantizedTensor):
+                    flat += (t.w, t.scales, t.biases)
+                else:
+                    flat.append(t.a)
+            out = cfn(*flat)
+            if returns_tuple[spec]:
+                return tuple(MLXTensor(a) for a in out)
+            return MLXTensor(out[0])
+
+        return call
+
     def cache_config(self) -> CacheConfig:
         return CacheConfig(padding=1, mask_dtype=self._dtype, step=256)
 
