@@ -91,3 +91,30 @@ def test_backend_compile_defaults_to_the_function_itself(backend):
         return x
 
     assert Backend.compile(backend, f) is f
+
+
+# --------------------------------------------------------------------------------------- one-row linear as W @ x
+
+
+@pytest.mark.parametrize("block", [0, 1000, 64 * 37, 10**6])
+def test_one_row_linear_in_blocks_matches_numpy(backend, monkeypatch, block):
+    from mlx_engine.mlx import runtime
+
+    monkeypatch.setattr(runtime, "matvec_block", block)
+    ctx = backend.new_context()
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((37, 64), dtype=np.float32)
+    b = rng.standard_normal((37,), dtype=np.float32)
+    for shape in ((64,), (1, 64), (1, 1, 64), (3, 64)):  # one row in any layout; (3, 64) takes the general path
+        x = rng.standard_normal(shape, dtype=np.float32)
+        got = ctx.from_numpy(x).linear(ctx.from_numpy(w), ctx.from_numpy(b)).numpy()
+        want = x.astype(np.float64) @ w.T.astype(np.float64) + b
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() <= 1e-4
+
+
+def test_openblas_on_the_cpu_sets_the_matvec_block():
+    from mlx_engine.mlx import runtime
+
+    runtime.select_device("cpu")
+    assert runtime.matvec_block == (10**6 if runtime.blas_description().startswith("OpenBLAS") else 0)

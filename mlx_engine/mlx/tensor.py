@@ -9,6 +9,7 @@ import numpy as np
 
 from mlx_engine.errors import UnsupportedError
 from mlx_engine.ml import DType, Tensor
+from mlx_engine.mlx import runtime
 from mlx_engine.mlx.runtime import mx
 
 TO_MX = {
@@ -29,6 +30,24 @@ def _index(index):
     if isinstance(index, tuple):
         return tuple(raw(i) for i in index)
     return raw(index)
+
+
+def _matvec(w: "mx.array", x: "mx.array") -> "mx.array":
+    """``w [M, K] @ x [K, 1] -> [M, 1]``: one row's linear layer (a decode step), as ``W @ x`` rather than
+    ``x @ W^T``. On the CPU MLX hands both to BLAS sgemm; OpenBLAS packs the weight for ``x @ W^T`` but streams it for
+    ``W @ x`` in its small-matrix kernel (14.2 vs 8.4 GB/s measured on 120 576 x 1536 float32 weights). Weights over
+    ``runtime.matvec_block`` elements go in row blocks that stay in that kernel (a 49152 x 576 output head: 24 ms as
+    one product, 9 ms in blocks)."""
+    block = runtime.matvec_block
+    m, k = w.shape
+    if not block or m * k <= block:
+        return w @ x
+    n = -(-m * k // block)
+    rows = -(-m // n)
+    while rows * k > block:
+        n += 1
+        rows = -(-m // n)
+    return mx.concatenate([w[i:i + rows] @ x for i in range(0, m, rows)], axis=0)
 
 
 class MLXTensor(Tensor):
@@ -84,6 +103,9 @@ class MLXTensor(Tensor):
         if isinstance(weight, MLXQuantizedTensor):
             y = mx.quantized_matmul(self.a, weight.w, weight.scales, weight.biases, transpose=True,
                                     group_size=weight.group_size, bits=weight.bits)
+        elif self.a.size == self.a.shape[-1] and weight.a.ndim == 2:
+            a = self.a
+            y = _matvec(weight.a, a.reshape(a.shape[-1], 1)).reshape(*a.shape[:-1], weight.a.shape[0])
         else:
             y = self.a @ weight.a.T
         if bias is not None:
