@@ -354,9 +354,7 @@ class CausalCache(Cache):
             visible &= cp[None, :] >= np.asarray(start)[:, None]    # window / chunk start
         if visible.all():
             return None
-        mask = np.full(visible.shape, -np.inf, np.float32)
-        mask[visible] = 0.0
-        return ctx.from_numpy(mask, self._config.mask_dtype)
+        return ctx.attention_mask(visible, self._config.mask_dtype)
 
     def _sees_from(self, p):
         """The lowest position the token at ``p`` sees (int or array), ``None`` for a plain causal cache."""

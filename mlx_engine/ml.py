@@ -361,6 +361,19 @@ class Context(abc.ABC):
         (query ``i`` sees keys ``0..S-L+i``), or ``None``. Returns ``[B, Hq, L, Dh]``.
         """
 
+    def attention_mask(self, visible: np.ndarray, dtype: DType) -> Tensor:
+        """The additive mask for :meth:`scaled_dot_product_attention` from a host boolean matrix ``visible``
+        ``[L, S]`` (True where query ``i`` may see key ``j``): ``0`` where visible, ``-inf`` elsewhere, in ``dtype``.
+
+        Every query must see at least one key. A backend may also remember which keys each block of queries can see,
+        so that attention with this mask skips the blocks that are hidden whole (a causal prefill then computes about
+        half the scores, a sliding window far fewer); the result is the same. This default builds the mask with
+        NumPy.
+        """
+        mask = np.full(visible.shape, -np.inf, np.float32)
+        mask[visible] = 0.0
+        return self.from_numpy(mask, dtype)
+
     @abc.abstractmethod
     def quantize(self, x: Tensor, group_size: int = 64, bits: int = 8) -> tuple[Tensor, Tensor, Tensor]:
         """Affine quantization along the last axis (as ``mx.quantize``): ``x ~ scales * q + biases`` per group of

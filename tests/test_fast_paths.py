@@ -1,5 +1,7 @@
 """The speed paths give the answers of the plain ones: compiled single-token decode steps (``Backend.compile``)
-against op-by-op steps, and ``Backend.compile`` itself (tuples, quantized weights, the identity default)."""
+against op-by-op steps, attention that skips hidden key blocks (``Context.attention_mask``) against attention over
+the whole mask and a NumPy softmax, ``Backend.compile`` itself (tuples, quantized weights, the identity default),
+and one-row linear layers in OpenBLAS-sized blocks."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import numpy as np
 import pytest
 
 from mlx_engine.batch import Batch
-from mlx_engine.ml import Backend
+from mlx_engine.ml import Backend, DType
 from mlx_engine.mlx import MLXBackend, MLXQuantizedTensor
+from mlx_engine.mlx.backend import MLXMask
 from models.registry import load_text_model
 from tests.test_models_random import VOCAB, _make_folder
 
@@ -54,6 +57,79 @@ def test_compiled_decode_steps_match_op_by_op(kind, tmp_path):
     alive = weakref.ref(model)
     del model
     assert alive() is None
+
+
+# ------------------------------------------------------------------------------------ attention over visible blocks
+
+
+def _visible(pattern: str) -> np.ndarray:
+    if pattern == "causal":  # a first prefill chunk
+        n = s = 700
+        return np.tril(np.ones((n, s), bool))
+    if pattern == "causal_after_prefix":  # a second chunk: 600 queries after 300 cached keys
+        n, s = 600, 900
+        return np.arange(s)[None, :] <= 300 + np.arange(n)[:, None]
+    if pattern == "sliding_window":  # window 100: each query sees itself and the 100 before
+        n = s = 800
+        d = np.arange(n)[:, None] - np.arange(s)[None, :]
+        return (d >= 0) & (d <= 100)
+    if pattern == "two_sequences":  # interleaved tokens of two sequences in one batch
+        n = s = 600
+        seq, pos = np.arange(n) % 2, np.arange(n) // 2
+        return (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    if pattern == "small":  # too small to block
+        return np.tril(np.ones((40, 40), bool))
+    raise ValueError(pattern)
+
+
+def _additive(visible: np.ndarray) -> np.ndarray:
+    m = np.full(visible.shape, -np.inf, np.float32)
+    m[visible] = 0.0
+    return m
+
+
+def _softmax_attention(q, k, v, scale, mask):
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1).astype(np.float64), np.repeat(v, rep, axis=1).astype(np.float64)
+    s = q.astype(np.float64) @ k.swapaxes(-1, -2) * scale + mask
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("pattern", ["causal", "causal_after_prefix", "sliding_window", "two_sequences", "small"])
+def test_attention_that_skips_hidden_blocks_changes_nothing(backend, pattern):
+    ctx = backend.new_context()
+    visible = _visible(pattern)
+    n, s = visible.shape
+    mask = ctx.attention_mask(visible, DType.FLOAT32)
+    assert isinstance(mask, MLXMask)
+    np.testing.assert_array_equal(mask.numpy(), _additive(visible))
+    if pattern in ("causal", "causal_after_prefix", "sliding_window"):
+        assert mask.blocks is not None
+        assert sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1, _ in mask.blocks) < 0.8 * n * s
+    if pattern == "small":
+        assert mask.blocks is None
+    for q0, q1, k0, k1, full in mask.blocks or []:  # the blocks cover every visible key, and say so truly
+        assert not visible[q0:q1, :k0].any() and not visible[q0:q1, k1:].any()
+        assert full == bool(visible[q0:q1, k0:k1].all())
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, n, 32), dtype=np.float32)
+    k = rng.standard_normal((1, 2, s, 32), dtype=np.float32)
+    v = rng.standard_normal((1, 2, s, 32), dtype=np.float32)
+    args = [ctx.from_numpy(a) for a in (q, k, v)]
+    got = ctx.scaled_dot_product_attention(*args, 0.2, mask).numpy()
+    whole = ctx.scaled_dot_product_attention(*args, 0.2, ctx.from_numpy(_additive(visible))).numpy()
+    ref = _softmax_attention(q, k, v, 0.2, _additive(visible))
+    assert np.abs(got - whole).max() <= 1e-5
+    assert np.abs(got - ref).max() <= 1e-5
+
+
+def test_attention_mask_in_half_precision(backend):
+    ctx = backend.new_context()
+    visible = _visible("causal")
+    mask = ctx.attention_mask(visible, DType.FLOAT16)
+    assert mask.dtype == DType.FLOAT16
+    np.testing.assert_array_equal(mask.numpy(), _additive(visible))
 
 
 # ------------------------------------------------------------------------------------------------ Backend.compile

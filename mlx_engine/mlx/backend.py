@@ -14,6 +14,43 @@ from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
 from mlx_engine.weights import QuantizedArray, open_weights
 
 
+ATTENTION_BLOCK = 256
+"""Queries per block when attention skips hidden key blocks (see :meth:`MLXContext.attention_mask`)."""
+
+
+class MLXMask(MLXTensor):
+    """An additive attention mask ``[L, S]`` that also knows, per block of queries, the range of keys they can see.
+
+    ``blocks`` lists ``(q0, q1, k0, k1, all_visible)``: queries ``q0 .. q1-1`` see no key outside ``k0 .. k1-1``, and
+    with ``all_visible`` they see every key in it (no mask needed there). ``None`` when blocking would not pay.
+    """
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, a: "mx.array", blocks: "list[tuple[int, int, int, int, bool]] | None"):
+        super().__init__(a)
+        self.blocks = blocks
+
+
+def _attention_blocks(visible: np.ndarray, block: int) -> "list[tuple[int, int, int, int, bool]] | None":
+    """The key range of each block of ``block`` queries, or None when the blocks would skip too little."""
+    n, s = visible.shape
+    if n < 2 * block or s < 2 * block:
+        return None
+    blocks = []
+    cost = 0
+    for q0 in range(0, n, block):
+        q1 = min(n, q0 + block)
+        cols = visible[q0:q1].any(axis=0)
+        if not cols.any():
+            return None
+        k0 = int(np.argmax(cols))
+        k1 = s - int(np.argmax(cols[::-1]))
+        blocks.append((q0, q1, k0, k1, bool(visible[q0:q1, k0:k1].all())))
+        cost += (q1 - q0) * (k1 - k0)
+    return blocks if cost < 0.8 * n * s else None
+
+
 class MLXContext(Context):
     """Makes MLX tensors. MLX frees intermediates by reference counting, so closing has nothing to release."""
 
@@ -36,11 +73,28 @@ class MLXContext(Context):
     def stack(self, tensors, axis=0):
         return MLXTensor(mx.stack([t.a for t in tensors], axis=axis))
 
+    def attention_mask(self, visible, dtype):
+        visible = np.asarray(visible, dtype=np.bool_)
+        mask = mx.array(np.where(visible, np.float32(0.0), np.float32(-np.inf)))
+        if dtype != DType.FLOAT32:
+            mask = mask.astype(TO_MX[dtype])
+        return MLXMask(mask, _attention_blocks(visible, ATTENTION_BLOCK))
+
     def scaled_dot_product_attention(self, q, k, v, scale, mask=None):
         m = mask if isinstance(mask, str) or mask is None else mask.a
         if m is not None and not isinstance(m, str) and m.dtype != q.a.dtype:
             m = m.astype(q.a.dtype)
-        return MLXTensor(mx.fast.scaled_dot_product_attention(q.a, k.a, v.a, scale=scale, mask=m))
+        sdpa = mx.fast.scaled_dot_product_attention
+        blocks = mask.blocks if isinstance(mask, MLXMask) else None
+        if blocks is None or q.a.shape[2] != m.shape[-2] or k.a.shape[2] != m.shape[-1]:
+            return MLXTensor(sdpa(q.a, k.a, v.a, scale=scale, mask=m))
+        # Blocks of queries attend only to the keys they can see: hidden keys add exp(-inf) = 0 to the softmax, so
+        # leaving them out changes nothing but the work (and the size of the score matrix).
+        qa, ka, va = q.a, k.a, v.a
+        outs = [sdpa(qa[:, :, q0:q1], ka[:, :, k0:k1], va[:, :, k0:k1], scale=scale,
+                     mask=None if full else m[q0:q1, k0:k1])
+                for q0, q1, k0, k1, full in blocks]
+        return MLXTensor(mx.concatenate(outs, axis=2))
 
     def quantize(self, x, group_size=64, bits=8):
         w, s, b = mx.quantize(x.a, group_size=group_size, bits=bits)
