@@ -84,15 +84,15 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
         r = np.random.default_rng([0, step])
         return data[0], data[1], r.random(2).astype(np.float32), caps
 
-    def run(folder, steps):
+    def run(folder, stop_at=None):
         params = T.init_params(T.dit_param_shapes(), 0)
         tr, binder = T.build_transformer(params)
-        return T.train("dit", folder, params, T.dit_loss_fn(tr, binder), batches, steps=steps, lr=1e-3, warmup=1,
-                       log=lambda *_: None)
+        return T.train("dit", folder, params, T.dit_loss_fn(tr, binder), batches, steps=6, lr=1e-3, warmup=1,
+                       log=lambda *_: None, stop_at=stop_at)
 
-    straight, _ = run(tmp_path / "a", 6)
-    run(tmp_path / "b", 3)
-    resumed, _ = run(tmp_path / "b", 6)
+    straight, _ = run(tmp_path / "a")
+    run(tmp_path / "b", stop_at=3)  # an interrupted run
+    resumed, _ = run(tmp_path / "b")
     for k in straight:
         assert np.allclose(np.array(straight[k]), np.array(resumed[k]), atol=1e-6), k
 
@@ -103,7 +103,7 @@ def _packaged_model():
     folder = image_model_path(DEFAULT_IMAGE_MODEL)
     if not (folder / "transformer").is_dir():
         pytest.fail(f"the packaged image model is missing: {folder}")
-    if not Store().has("smollm2:135m"):
+    if not Store().is_present("smollm2:135m"):
         pytest.skip("smollm2:135m (the text encoder) is not in the store; `mlx-engine pull smollm2:135m`")
     return folder
 

@@ -39,7 +39,6 @@ import numpy as np
 
 from mlx_engine.mlx.runtime import mx  # loads OpenBLAS before mlx (see the runtime module)
 import mlx.optimizers as optim  # noqa: E402
-from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from imagegen import shapes_data  # noqa: E402
 from mlx_engine.mlx.backend import MLXBackend  # noqa: E402
@@ -174,7 +173,10 @@ def init_params(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, "mx.
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in sorted(shapes.items()):
-        if "adaLN_modulation" in name or name.startswith("all_final_layer") and ".linear." in name:
+        if ("adaLN_modulation" in name or name.startswith("all_final_layer") and ".linear." in name
+                or ".resnets." in name and ".conv2." in name or ".attentions.0.to_out." in name):
+            # (VAE: each resnet and attention starts as the identity: the skip-init of De & Smith 2020, which lets
+            # the colour of flat regions pass from the first layer to the last from the start)
             a = np.zeros(shape, np.float32)
         elif "pad_token" in name:
             a = rng.normal(0, 0.02, shape).astype(np.float32)
@@ -306,7 +308,11 @@ def dit_loss_fn(transformer, binder: Binder):
 # ---- the training loop ---------------------------------------------------------------------------------------------
 def _save_ckpt(out: Path, stage: str, params, opt, step: int, extra: dict) -> None:
     flat = {f"p.{k}": v for k, v in params.items()}
-    flat.update({f"o.{k}": v for k, v in tree_flatten(opt.state)})
+    for k, v in opt.state.items():  # parameter names hold dots: keep the optimizer state one level deep, "|"-joined
+        if isinstance(v, dict):
+            flat.update({f"o|{k}|{sk}": sv for sk, sv in v.items()})
+        else:
+            flat[f"s|{k}"] = v
     tmp = out / f"{stage}.ckpt.tmp.safetensors"
     mx.save_safetensors(str(tmp), flat)
     os.replace(tmp, out / f"{stage}.ckpt.safetensors")
@@ -319,17 +325,25 @@ def _load_ckpt(out: Path, stage: str, opt):
         return None, 0
     flat = mx.load(str(f))
     params = {k[2:]: v for k, v in flat.items() if k.startswith("p.")}
-    ostate = tree_unflatten([(k[2:], v) for k, v in flat.items() if k.startswith("o.")])
-    opt.state = ostate
+    state: dict = {}
+    for k, v in flat.items():
+        if k.startswith("o|"):
+            _, name, sk = k.split("|")
+            state.setdefault(name, {})[sk] = v
+        elif k.startswith("s|"):
+            state[k[2:]] = v
+    opt.state = state
     step = json.loads((out / f"{stage}.ckpt.json").read_text())["step"]
     return params, step
 
 
 def train(stage: str, out: Path, params, loss, make_batch, *, steps: int, lr: float, minutes: float | None = None,
-          log_every: int = 10, ckpt_every: int = 100, warmup: int = 50, log=print) -> tuple[dict, list[float]]:
+          log_every: int = 10, ckpt_every: int = 100, warmup: int = 50, log=print,
+          stop_at: int | None = None) -> tuple[dict, list[float]]:
     """AdamW (cosine decay after a linear warm-up) on ``loss(params, *make_batch(step))``. Resumes from the stage's
     checkpoint in ``out`` when there is one; stops after ``steps`` steps, or once ``minutes`` have passed (then the
-    checkpoint lets a later call go on). Returns the parameters and the losses of the steps run."""
+    checkpoint lets a later call go on; ``stop_at`` stops at that step the same way). Returns the parameters and the
+    losses of the steps run."""
     out.mkdir(parents=True, exist_ok=True)
     sched = optim.join_schedules([optim.linear_schedule(lr * 0.01, lr, warmup),
                                   optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.05)], [warmup])
@@ -363,6 +377,8 @@ def train(stage: str, out: Path, params, loss, make_batch, *, steps: int, lr: fl
                 window = []
             if step % ckpt_every == 0:
                 _save_ckpt(out, stage, params, opt, step, {"stage": stage})
+            if stop_at is not None and step >= stop_at:
+                break
             if minutes is not None and time.time() - t0 > minutes * 60:
                 log(f"[{stage}] time budget reached at step {step}")
                 break
@@ -586,7 +602,7 @@ def main(argv=None) -> None:
         vae_cfg = json.loads((vae_dir / "config.json").read_text())
         flat = mx.load(str(out / "dit.ckpt.safetensors"))
         dit_params = {k[2:]: v for k, v in flat.items() if k.startswith("p.")}
-        defaults = {"width": SIDE, "height": SIDE, "steps": 12, "guidance": 0.0}
+        defaults = {"width": SIDE, "height": SIDE, "steps": 16, "guidance": 0.0}
         export_folder(to, vae_params, vae_cfg, dit_params, defaults)
         print(f"exported to {to}")
 
