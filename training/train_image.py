@@ -173,10 +173,7 @@ def init_params(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, "mx.
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in sorted(shapes.items()):
-        if ("adaLN_modulation" in name or name.startswith("all_final_layer") and ".linear." in name
-                or ".resnets." in name and ".conv2." in name or ".attentions.0.to_out." in name):
-            # (VAE: each resnet and attention starts as the identity: the skip-init of De & Smith 2020, which lets
-            # the colour of flat regions pass from the first layer to the last from the start)
+        if "adaLN_modulation" in name or name.startswith("all_final_layer") and ".linear." in name:
             a = np.zeros(shape, np.float32)
         elif "pad_token" in name:
             a = rng.normal(0, 0.02, shape).astype(np.float32)
