@@ -79,6 +79,14 @@ def _visible(pattern: str) -> np.ndarray:
         return (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
     if pattern == "small":  # too small to block
         return np.tril(np.ones((40, 40), bool))
+    if pattern == "decode_wrapped_window":  # one query; a sliding window's ring wrapped: two runs of keys
+        row = np.zeros((1, 2815), bool)
+        row[0, :3] = row[0, 2304:] = True
+        return row
+    if pattern == "decode_causal_other_sequence":  # one query; another sequence's cells in between
+        row = np.ones((1, 900), bool)
+        row[0, 100:800] = False
+        return row
     raise ValueError(pattern)
 
 
@@ -96,7 +104,8 @@ def _softmax_attention(q, k, v, scale, mask):
     return (p / p.sum(-1, keepdims=True)) @ v
 
 
-@pytest.mark.parametrize("pattern", ["causal", "causal_after_prefix", "sliding_window", "two_sequences", "small"])
+@pytest.mark.parametrize("pattern", ["causal", "causal_after_prefix", "sliding_window", "two_sequences", "small",
+                                     "decode_wrapped_window", "decode_causal_other_sequence"])
 def test_attention_that_skips_hidden_blocks_changes_nothing(backend, pattern):
     ctx = backend.new_context()
     visible = _visible(pattern)
@@ -109,6 +118,12 @@ def test_attention_that_skips_hidden_blocks_changes_nothing(backend, pattern):
         assert sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1, _ in mask.blocks) < 0.8 * n * s
     if pattern == "small":
         assert mask.blocks is None
+    if pattern.startswith("decode"):
+        assert mask.blocks is None
+        assert mask.runs == {"decode_wrapped_window": [(0, 3), (2304, 2815)],
+                             "decode_causal_other_sequence": [(0, 100), (800, 900)]}[pattern]
+    else:
+        assert mask.runs is None
     for q0, q1, k0, k1, full in mask.blocks or []:  # the blocks cover every visible key, and say so truly
         assert not visible[q0:q1, :k0].any() and not visible[q0:q1, k1:].any()
         assert full == bool(visible[q0:q1, k0:k1].all())

@@ -19,17 +19,33 @@ ATTENTION_BLOCK = 256
 
 
 class MLXMask(MLXTensor):
-    """An additive attention mask ``[L, S]`` that also knows, per block of queries, the range of keys they can see.
+    """An additive attention mask ``[L, S]`` that also knows which keys its queries can see.
 
     ``blocks`` lists ``(q0, q1, k0, k1, all_visible)``: queries ``q0 .. q1-1`` see no key outside ``k0 .. k1-1``, and
-    with ``all_visible`` they see every key in it (no mask needed there). ``None`` when blocking would not pay.
+    with ``all_visible`` they see every key in it (no mask needed there). ``runs``, for one query (a decode step),
+    lists the ``(k0, k1)`` runs of keys it sees, all of them. Each is ``None`` when it would not pay.
     """
 
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "runs")
 
-    def __init__(self, a: "mx.array", blocks: "list[tuple[int, int, int, int, bool]] | None"):
+    def __init__(self, a: "mx.array", blocks: "list[tuple[int, int, int, int, bool]] | None",
+                 runs: "list[tuple[int, int]] | None" = None):
         super().__init__(a)
         self.blocks = blocks
+        self.runs = runs
+
+
+def _visible_runs(row: np.ndarray, most: int = 4) -> "list[tuple[int, int]] | None":
+    """The runs ``(k0, k1)`` of True in ``row``, when they are at most ``most`` and hold under 80% of it (a
+    sliding-window cache whose ring wrapped: the window's cells lie in two runs of a larger used range)."""
+    s = len(row)
+    count = int(np.count_nonzero(row))
+    if count == 0 or count >= 0.8 * s:
+        return None
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], row, [False])).astype(np.int8)))
+    if len(edges) > 2 * most:
+        return None
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
 def _attention_blocks(visible: np.ndarray, block: int) -> "list[tuple[int, int, int, int, bool]] | None":
@@ -78,13 +94,26 @@ class MLXContext(Context):
         mask = mx.array(np.where(visible, np.float32(0.0), np.float32(-np.inf)))
         if dtype != DType.FLOAT32:
             mask = mask.astype(TO_MX[dtype])
-        return MLXMask(mask, _attention_blocks(visible, ATTENTION_BLOCK))
+        runs = _visible_runs(visible[0]) if visible.shape[0] == 1 else None
+        return MLXMask(mask, _attention_blocks(visible, ATTENTION_BLOCK), runs)
 
     def scaled_dot_product_attention(self, q, k, v, scale, mask=None):
         m = mask if isinstance(mask, str) or mask is None else mask.a
         if m is not None and not isinstance(m, str) and m.dtype != q.a.dtype:
             m = m.astype(q.a.dtype)
         sdpa = mx.fast.scaled_dot_product_attention
+        runs = mask.runs if isinstance(mask, MLXMask) else None
+        if runs is not None and q.a.shape[2] == 1 and k.a.shape[2] == m.shape[-1]:
+            # One query that sees a few runs of keys: attend to those alone, unmasked (a wrapped sliding window sees
+            # about 512 of the 2815 cells of its ring).
+            ka, va = k.a, v.a
+            if len(runs) == 1:
+                (a, b), = runs
+                ka, va = ka[:, :, a:b], va[:, :, a:b]
+            else:
+                ka = mx.concatenate([ka[:, :, a:b] for a, b in runs], axis=2)
+                va = mx.concatenate([va[:, :, a:b] for a, b in runs], axis=2)
+            return MLXTensor(sdpa(q.a, ka, va, scale=scale))
         blocks = mask.blocks if isinstance(mask, MLXMask) else None
         if blocks is None or q.a.shape[2] != m.shape[-2] or k.a.shape[2] != m.shape[-1]:
             return MLXTensor(sdpa(q.a, k.a, v.a, scale=scale, mask=m))
