@@ -274,14 +274,18 @@ def _probe_child(n: int, openblas: bool) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def openblas_gain(n: int) -> dict[str, Any]:
+def openblas_gain(n: int, pairs: int = 3) -> dict[str, Any]:
     """The matmul time with the reference BLAS over the time with the default (OpenBLAS on Linux), each measured in
-    its own child process. ``gain`` is that ratio (1.0 where nothing differs, e.g. on macOS)."""
-    default = _probe_child(n, True)
-    reference = _probe_child(n, False)
-    return {"matmul_n": n, "default_seconds": default["seconds"], "default_blas": default["blas"],
-            "reference_seconds": reference["seconds"], "reference_blas": reference["blas"],
-            "gain": reference["seconds"] / default["seconds"]}
+    its own child process, ``pairs`` children of each kind alternating (medians). ``gain`` is that ratio (about 1
+    where nothing differs, e.g. on macOS)."""
+    default, reference = [], []
+    for _ in range(pairs):
+        default.append(_probe_child(n, True))
+        reference.append(_probe_child(n, False))
+    d = _median([r["seconds"] for r in default])
+    r = _median([r["seconds"] for r in reference])
+    return {"matmul_n": n, "default_seconds": d, "default_blas": default[0]["blas"], "reference_seconds": r,
+            "reference_blas": reference[0]["blas"], "gain": r / d}
 
 
 # ------------------------------------------------------------------------------------------------------- the bench
@@ -384,7 +388,7 @@ def run_bench(model_name: str, *, reps: int = 3, compare: str | None = None, qui
         result.ratio = {k: result_ours[k] / p[k] for k in COMPARED}
 
     say("OpenBLAS gain (matmul in child processes)")
-    result.openblas = openblas_gain(sizes.matmul_n)
+    result.openblas = openblas_gain(sizes.matmul_n, pairs=reps)
     result.seconds = time.perf_counter() - t_start
     model.close()
     return result
