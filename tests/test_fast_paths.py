@@ -5,6 +5,7 @@ and one-row linear layers in OpenBLAS-sized blocks."""
 
 from __future__ import annotations
 
+import json
 import weakref
 
 import numpy as np
@@ -209,3 +210,45 @@ def test_openblas_on_the_cpu_sets_the_matvec_block():
 
     runtime.select_device("cpu")
     assert runtime.matvec_block == (10**6 if runtime.blas_description().startswith("OpenBLAS") else 0)
+
+
+_DECODE_SCRIPT = """
+import json, sys
+import numpy as np
+from mlx_engine.mlx import MLXBackend
+from mlx_engine.mlx.backend import _compile_works
+from models.registry import load_text_model
+from tests.test_fast_paths import _decode
+backend = MLXBackend(sys.argv[1], dtype="float32")
+model = load_text_model(backend)
+steps = _decode(model, backend, list(range(3, 43)), 12)
+print(json.dumps({"compile_works": _compile_works(), "logits": steps.tolist()}))
+"""
+
+
+def test_compiled_decode_without_a_cxx_compiler(tmp_path):
+    """MLX fuses compiled CPU kernels with the system C++ compiler; without one the same steps run unfused."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder, _, _ = _make_folder(tmp_path, "gemma3")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name in ("g++", "c++", "gcc", "cc", "clang++", "clang"):
+        (fake / name).write_text("#!/bin/sh\nexit 1\n")
+        (fake / name).chmod(0o755)
+    (tmp_path / "tmp").mkdir()
+    repo = Path(__file__).resolve().parents[1]
+    out = {}
+    for kind, extra in (("normal", {}), ("no compiler", {"PATH": f"{fake}{os.pathsep}{os.environ['PATH']}",
+                                                         "TMPDIR": str(tmp_path / "tmp")})):
+        env = dict(os.environ, MLX_ENGINE_DEVICE="cpu", **extra)
+        r = subprocess.run([sys.executable, "-c", _DECODE_SCRIPT, str(folder)], cwd=repo, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[kind] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["normal"]["compile_works"] and out["no compiler"]["compile_works"]
+    fused, unfused = np.array(out["normal"]["logits"]), np.array(out["no compiler"]["logits"])
+    assert np.abs(fused - unfused).max() <= 1e-5 * np.abs(fused).max()

@@ -67,6 +67,21 @@ def _attention_blocks(visible: np.ndarray, block: int) -> "list[tuple[int, int, 
     return blocks if cost < 0.8 * n * s else None
 
 
+_COMPILE_WORKS: "bool | None" = None
+
+
+def _compile_works() -> bool:
+    """Whether ``mx.compile`` can build and run a fused kernel here (checked once per process)."""
+    global _COMPILE_WORKS
+    if _COMPILE_WORKS is None:
+        try:
+            probe = mx.compile(lambda x: mx.tanh(x * 0.5) * 2.0 + 1.0)
+            _COMPILE_WORKS = bool(np.allclose(np.array(probe(mx.zeros((4,)))), 1.0))
+        except Exception:  # noqa: BLE001 (any failure of the JIT: no compiler, no writable temp folder...)
+            _COMPILE_WORKS = False
+    return _COMPILE_WORKS
+
+
 class MLXContext(Context):
     """Makes MLX tensors. MLX frees intermediates by reference counting, so closing has nothing to release."""
 
@@ -230,7 +245,12 @@ class MLXBackend(Backend):
 
     def compile(self, fn):
         """``mx.compile`` of ``fn`` on the arrays behind its Tensor arguments (a quantized weight travels as its
-        packed words, scales and biases). One trace per pattern of dense / quantized arguments, and per shape."""
+        packed words, scales and biases). One trace per pattern of dense / quantized arguments, and per shape.
+
+        On the CPU, MLX builds fused kernels with the system C++ compiler (once per machine: they are kept in
+        ``$TMPDIR/mlx``); where that fails (no compiler), ``fn`` itself is returned and runs op by op."""
+        if not _compile_works():
+            return fn
         traced: dict[tuple, Any] = {}
         returns_tuple: dict[tuple, bool] = {}
 
