@@ -188,7 +188,10 @@ def test_ctrl_c_in_a_real_process(folder, tmp_path):
     out = tmp_path / "sigint"
     out.mkdir()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    code = ("import sys, time\n"
+    # A job started in the background by a non-interactive shell (as CI may be) inherits an ignored SIGINT;
+    # a user's terminal does not, so the child restores Python's handler first.
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "from imagegen.pipeline import ZImagePipeline\n"
             "real = ZImagePipeline.generate\n"
             "def slow(self, *a, callback=None, **kw):\n"
