@@ -148,3 +148,15 @@ class WeightFile(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def close_mapping(mm: Any, f: Any) -> None:
+    """Close a memory map and its file. Arrays already handed out stay valid: while they use the map, closing it
+    raises BufferError and it is unmapped when the last of them is freed."""
+    if mm is not None:
+        try:
+            mm.close()
+        except BufferError:
+            pass
+    if f is not None:
+        f.close()

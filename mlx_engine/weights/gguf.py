@@ -39,7 +39,7 @@ from gguf import quants as gguf_quants
 
 from mlx_engine.errors import InvalidRequestError, WeightsError
 from mlx_engine.weights import quant
-from mlx_engine.weights.base import Metadata, QuantizedArray, WeightFile
+from mlx_engine.weights.base import Metadata, QuantizedArray, WeightFile, close_mapping
 
 __all__ = ["GGUFFile", "GGUFTensorInfo", "LOSSLESS_TYPES", "open_gguf"]
 
@@ -519,14 +519,8 @@ class GGUFFile(WeightFile):
     def close(self) -> None:
         """Release the file handle and mapping. Arrays already returned stay valid (they keep the mapping alive)."""
         mm, self._mm = self._mm, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # views handed out still use it; it is unmapped when the last one is freed
         f, self._file = self._file, None
-        if f is not None:
-            f.close()
+        close_mapping(mm, f)
 
     def __repr__(self) -> str:
         n = len(self._names) if hasattr(self, "_names") else "?"

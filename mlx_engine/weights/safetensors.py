@@ -36,7 +36,7 @@ import numpy as np
 
 from mlx_engine.errors import InvalidRequestError, WeightsError
 from mlx_engine.weights import quant
-from mlx_engine.weights.base import Metadata, QuantizedArray, WeightFile
+from mlx_engine.weights.base import Metadata, QuantizedArray, WeightFile, close_mapping
 
 __all__ = ["DTYPES", "SafetensorsFile", "SafetensorsTensorInfo", "open_safetensors"]
 
@@ -209,14 +209,8 @@ class _Shard:
 
     def close(self) -> None:
         mm, self.mm = self.mm, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # arrays handed out still use it; it is unmapped when the last one is freed
         f, self._file = self._file, None
-        if f is not None:
-            f.close()
+        close_mapping(mm, f)
 
 
 class _DuplicateKey(Exception):
