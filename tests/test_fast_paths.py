@@ -140,6 +140,25 @@ def test_attention_that_skips_hidden_blocks_changes_nothing(backend, pattern):
     assert np.abs(got - ref).max() <= 1e-5
 
 
+@pytest.mark.parametrize("heads,kv_heads,keys", [(4, 2, 300), (4, 1, 1000), (9, 3, 257), (2, 2, 40)])
+def test_one_query_attention_in_streamed_blocks(backend, monkeypatch, heads, kv_heads, keys):
+    """A decode step's attention over many keys runs as row-blocked products (block limit made small here)."""
+    from mlx_engine.mlx import runtime
+    from mlx_engine.mlx.backend import _streams_one_query
+
+    monkeypatch.setattr(runtime, "matvec_block", 5000)
+    ctx = backend.new_context()
+    rng = np.random.default_rng(heads * keys)
+    q = rng.standard_normal((1, heads, 1, 32), dtype=np.float32)
+    k = rng.standard_normal((1, kv_heads, keys, 32), dtype=np.float32)
+    v = rng.standard_normal((1, kv_heads, keys, 32), dtype=np.float32)
+    assert _streams_one_query(ctx.from_numpy(q).a, ctx.from_numpy(k).a) == (keys * 32 * heads // kv_heads > 5000)
+    got = ctx.scaled_dot_product_attention(*(ctx.from_numpy(a) for a in (q, k, v)), 0.3, None).numpy()
+    ref = _softmax_attention(q, k, v, 0.3, np.zeros((1, keys), np.float32))
+    assert got.shape == (1, heads, 1, 32)
+    assert np.abs(got - ref).max() <= 1e-5
+
+
 def test_attention_mask_in_half_precision(backend):
     ctx = backend.new_context()
     visible = _visible("causal")

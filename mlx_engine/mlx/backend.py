@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.ml import Backend, CacheConfig, Context, DType
+from mlx_engine.mlx import runtime
 from mlx_engine.mlx.runtime import blas_description, mx, select_device
 from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
 from mlx_engine.weights import QuantizedArray, open_weights
@@ -67,6 +68,32 @@ def _attention_blocks(visible: np.ndarray, block: int) -> "list[tuple[int, int, 
     return blocks if cost < 0.8 * n * s else None
 
 
+def _one_query_attention(q: "mx.array", k: "mx.array", v: "mx.array", scale: float, block: int) -> "mx.array":
+    """Attention of one query per head (a decode step) over many keys, in products OpenBLAS streams.
+
+    ``q [1, H, 1, D]``, ``k, v [1, H_kv, S, D]``. MLX's CPU attention computes ``q @ k^T`` and ``p @ v``, which OpenBLAS
+    packs (its packed path: 2-6 GB/s here); this computes ``k @ q^T`` in row blocks of ``K``, and ``p @ v`` as a sum
+    over row blocks of ``V``, each product within ``block`` elements (``runtime.matvec_block``, OpenBLAS's small-matrix
+    kernel). Gemma 3's three global layers at 4096 keys: 11.2 -> 4.1 ms. Returns ``[1, H, 1, D]``.
+    """
+    _, h, _, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    rep = h // hkv
+    rows = max(1, block // (d * rep))
+    outs = []
+    for g in range(hkv):
+        qt = q[0, g * rep:(g + 1) * rep, 0, :].T.reshape(d, rep)  # a contiguous [D, rep] (reshape copies the view)
+        kg, vg = k[0, g], v[0, g]
+        scores = mx.concatenate([kg[i:i + rows] @ qt for i in range(0, s, rows)], axis=0)  # [S, rep]
+        p = mx.softmax(scores.T * scale, axis=-1, precise=True)  # [rep, S]
+        out = None
+        for i in range(0, s, rows):
+            part = p[:, i:i + rows] @ vg[i:i + rows]
+            out = part if out is None else out + part
+        outs.append(out)
+    return mx.concatenate(outs, axis=0).reshape(1, h, 1, d)
+
+
 _COMPILE_WORKS: "bool | None" = None
 
 
@@ -80,6 +107,16 @@ def _compile_works() -> bool:
         except Exception:  # noqa: BLE001 (any failure of the JIT: no compiler, no writable temp folder...)
             _COMPILE_WORKS = False
     return _COMPILE_WORKS
+
+
+def _streams_one_query(q: "mx.array", k: "mx.array") -> bool:
+    """Whether :func:`_one_query_attention` should run: one query per head, and products over the small-matrix
+    limit (below it MLX's own attention is as fast)."""
+    block = runtime.matvec_block
+    if not block or q.ndim != 4 or q.shape[0] != 1 or q.shape[2] != 1 or k.shape[0] != 1:
+        return False
+    rep = q.shape[1] // k.shape[1]
+    return k.shape[2] * q.shape[3] * rep > block
 
 
 class MLXContext(Context):
@@ -128,7 +165,9 @@ class MLXContext(Context):
             else:
                 ka = mx.concatenate([ka[:, :, a:b] for a, b in runs], axis=2)
                 va = mx.concatenate([va[:, :, a:b] for a, b in runs], axis=2)
-            return MLXTensor(sdpa(q.a, ka, va, scale=scale))
+            return self.scaled_dot_product_attention(q, MLXTensor(ka), MLXTensor(va), scale)
+        if m is None and _streams_one_query(q.a, k.a):
+            return MLXTensor(_one_query_attention(q.a, k.a, v.a, scale, runtime.matvec_block))
         blocks = mask.blocks if isinstance(mask, MLXMask) else None
         if blocks is None or q.a.shape[2] != m.shape[-2] or k.a.shape[2] != m.shape[-1]:
             return MLXTensor(sdpa(q.a, k.a, v.a, scale=scale, mask=m))
