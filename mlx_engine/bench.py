@@ -77,7 +77,8 @@ class BenchSizes:
 @dataclass
 class BenchResult:
     """Everything one bench run measured (see the module docstring). Times in seconds, memory in bytes, rates in
-    tokens per second, bandwidth in bytes per second."""
+    tokens per second, bandwidth in bytes per second. ``runs`` keeps every timed run behind the medians (per engine
+    and figure: ``ttft_s``, ``decode_tps``, ``peak_bytes``, ``tokens``)."""
 
     model: str
     device: str
@@ -91,6 +92,7 @@ class BenchResult:
     ratio: dict[str, float] | None = None
     bandwidth: dict[str, float] = field(default_factory=dict)
     openblas: dict[str, Any] = field(default_factory=dict)
+    runs: dict[str, dict[str, list[dict[str, float]]]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def to_json(self) -> str:
@@ -377,7 +379,7 @@ def run_bench(model_name: str, *, reps: int = 3, compare: str | None = None, qui
         machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                  "cpus": os.cpu_count() or 0},
         sizes=asdict(sizes), reps=reps, ours=result_ours,
-        bandwidth={"copy_bytes_per_s": bw, "copy_bytes": float(sizes.copy_bytes)},
+        bandwidth={"copy_bytes_per_s": bw, "copy_bytes": float(sizes.copy_bytes)}, runs=samples,
     )
     if peer is not None:
         p = figures(peer.name)

@@ -46,6 +46,11 @@ def test_quick_json_has_every_figure(quick_run):
     for k in ("gain", "default_seconds", "reference_seconds"):
         assert _positive(d["openblas"][k]), k
     assert _positive(d["bandwidth"]["copy_bytes_per_s"]) and _positive(d["seconds"])
+    for engine in ("mlx-engine", "mlx-lm"):  # the runs behind the medians
+        for figure in ("prefill_512", "prefill_2048", "decode"):
+            (run,) = d["runs"][engine][figure]
+            assert _positive(run["ttft_s"]) and _positive(run["peak_bytes"])
+        assert d["runs"][engine]["decode"][0]["tokens"] == d["sizes"]["decode_tokens"]
 
 
 def test_quick_json_figures_are_consistent(quick_run):
