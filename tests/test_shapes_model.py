@@ -54,7 +54,8 @@ def test_short_training_runs_lower_the_loss(tmp_path):
     params = T.init_params(T.vae_param_shapes(), 0)
     vae, binder = T.build_vae(params)
     x = mx.array(T._pixels(shapes_data.seeds(4)))
-    eps = mx.zeros((4, 8, 8, T.VAE_CONFIG["latent_channels"]))
+    lat = T.SIDE // T.VAE_SCALE
+    eps = mx.zeros((4, lat, lat, T.VAE_CONFIG["latent_channels"]))
     _, losses = T.train("vae", tmp_path, params, T.vae_loss_fn(vae, binder, 1e-4), lambda step: (x, eps),
                         steps=12, lr=3e-3, warmup=2, log=lambda *_: None)
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
@@ -63,8 +64,9 @@ def test_short_training_runs_lower_the_loss(tmp_path):
     params = T.init_params(T.dit_param_shapes(), 0)
     tr, binder = T.build_transformer(params)
     rng = np.random.default_rng(0)
-    z0 = mx.array(rng.standard_normal((4, 16, 8, 8)).astype(np.float32))
-    noise = mx.array(rng.standard_normal((4, 16, 8, 8)).astype(np.float32))
+    c = T.DIT_CONFIG["in_channels"]
+    z0 = mx.array(rng.standard_normal((4, c, 8, 8)).astype(np.float32))
+    noise = mx.array(rng.standard_normal((4, c, 8, 8)).astype(np.float32))
     sigma = np.array([0.2, 0.4, 0.6, 0.8], np.float32)
     caps = [mx.array(rng.standard_normal((7 + i, 576)).astype(np.float32)) for i in range(4)]
     _, losses = T.train("dit", tmp_path, params, T.dit_loss_fn(tr, binder), lambda step: (z0, noise, sigma, caps),
@@ -77,7 +79,8 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
     from training import train_image as T
 
     rng = np.random.default_rng(1)
-    data = [mx.array(rng.standard_normal((2, 16, 8, 8)).astype(np.float32)) for _ in range(2)]
+    c = T.DIT_CONFIG["in_channels"]
+    data = [mx.array(rng.standard_normal((2, c, 8, 8)).astype(np.float32)) for _ in range(2)]
     caps = [mx.array(rng.standard_normal((5, 576)).astype(np.float32))] * 2
 
     def batches(step):

@@ -44,20 +44,25 @@ from imagegen import shapes_data  # noqa: E402
 from mlx_engine.mlx.backend import MLXBackend  # noqa: E402
 from mlx_engine.mlx.tensor import MLXTensor  # noqa: E402
 
-__all__ = ["VAE_CONFIG", "DIT_CONFIG", "SCHEDULER_CONFIG", "vae_param_shapes", "dit_param_shapes", "init_params",
-           "Binder", "build_vae", "build_transformer", "vae_loss_fn", "dit_loss_fn", "train", "export_folder"]
+__all__ = ["VAE_CONFIG", "DIT_CONFIG", "SCHEDULER_CONFIG", "VAE_SCALE", "vae_param_shapes", "dit_param_shapes",
+           "init_params", "Binder", "build_vae", "build_transformer", "vae_loss_fn", "dit_loss_fn", "train",
+           "export_folder", "shape_masks", "vae_batches"]
 
 SIDE = 64
 TEXT_MODEL = "smollm2:135m"
 
-#: the tiny FLUX-style autoencoder: 4 blocks (8x downscale), 16 latent channels, no quant convs (as FLUX)
+#: the tiny FLUX-style autoencoder (16 latent channels and no quant convs, as FLUX): 3 blocks, so a 4x downscale to
+#: 16 x 16 latents. The real VAE's 8x downscale, at this width, did not learn the flat colours within the training
+#: budget (reconstruction stalled near the dataset mean); 4 latent channels learned backgrounds but not shape colours.
 VAE_CONFIG = {
     "_class_name": "AutoencoderKL", "_diffusers_version": "0.36.0", "in_channels": 3, "out_channels": 3,
-    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [8, 16, 32, 32], "layers_per_block": 1, "act_fn": "silu", "latent_channels": 16,
-    "norm_num_groups": 1, "sample_size": SIDE, "scaling_factor": 1.0, "shift_factor": 0.0,
+    "down_block_types": ["DownEncoderBlock2D"] * 3, "up_block_types": ["UpDecoderBlock2D"] * 3,
+    "block_out_channels": [16, 16, 32], "layers_per_block": 1, "act_fn": "silu", "latent_channels": 16,
+    "norm_num_groups": 8, "sample_size": SIDE, "scaling_factor": 1.0, "shift_factor": 0.0,
     "use_quant_conv": False, "use_post_quant_conv": False, "mid_block_add_attention": True, "force_upcast": True,
 }
+#: pixels per latent (diffusers: ``2 ** (len(block_out_channels) - 1)``)
+VAE_SCALE = 2 ** (len(VAE_CONFIG["block_out_channels"]) - 1)
 #: the tiny Z-Image transformer (cap_feat_dim: smollm2-135m's hidden size)
 DIT_CONFIG = {
     "_class_name": "ZImageTransformer2DModel", "_diffusers_version": "0.36.0", "all_patch_size": [2],
@@ -262,12 +267,13 @@ def build_transformer(params: dict[str, "mx.array"], config: dict = DIT_CONFIG):
 
 
 def vae_loss_fn(vae, binder: Binder, kl_weight: float):
-    """``loss(params, x, eps) -> (loss, (rec, kl))`` with ``x`` float32 ``[B, H, W, 3]`` in ``[-1, 1]`` and ``eps``
-    ``[B, H/8, W/8, C]`` standard normal (the posterior sample's noise)."""
+    """``loss(params, x, eps, w=None) -> (loss, (rec, kl))`` with ``x`` float32 ``[B, H, W, 3]`` in ``[-1, 1]``,
+    ``eps`` ``[B, H/s, W/s, C]`` standard normal (the posterior sample's noise) and ``w`` optional per-pixel weights
+    ``[B, H, W, 1]`` of the reconstruction terms (a weighted mean)."""
     ctx = MLXBackend(None).new_context()
     c = vae.latent_channels
 
-    def loss(params, x, eps):
+    def loss(params, x, eps, w=None):
         binder.bind(params)
         m = vae.encoder(ctx, MLXTensor(x))
         if vae.quant_conv is not None:
@@ -276,7 +282,8 @@ def vae_loss_fn(vae, binder: Binder, kl_weight: float):
         z = mean + mx.exp(0.5 * logvar) * eps
         rec = vae.decode(ctx, MLXTensor(z)).a
         err = rec - x
-        rec_loss = mx.mean(mx.abs(err)) + mx.mean(err * err)
+        per_pixel = mx.abs(err) + err * err
+        rec_loss = mx.mean(per_pixel) if w is None else mx.mean(per_pixel * w) / mx.mean(w)
         kl = 0.5 * mx.mean(mean * mean + mx.exp(logvar) - 1.0 - logvar)
         return rec_loss + kl_weight * kl, (rec_loss, kl)
 
@@ -391,15 +398,33 @@ def _pixels(seed_list) -> np.ndarray:
     return imgs.astype(np.float32) / 127.5 - 1.0
 
 
-def vae_batches(seed: int, batch: int, pool: int = 200_000):
-    """``make_batch(step) -> (x, eps)`` over training-split seeds (drawn from ``[0, pool)``)."""
-    c, lat = VAE_CONFIG["latent_channels"], SIDE // 8
+def shape_masks(seed_list) -> np.ndarray:
+    """float32 ``[N, SIDE, SIDE, 1]``: 1 where a drawing differs from its plain background (the shape and its
+    anti-aliased edge), else 0."""
+    out = []
+    for s in seed_list:
+        x = shapes_data.sample(int(s))
+        img = shapes_data.draw(x, SIDE).astype(np.int16)
+        bg = np.array(shapes_data.COLOURS[x.background], np.int16)
+        out.append((np.abs(img - bg).max(-1, keepdims=True) > 0).astype(np.float32))
+    return np.stack(out)
+
+
+def vae_batches(seed: int, batch: int, pool: int = 200_000, fg_weight: float = 0.0):
+    """``make_batch(step) -> (x, eps)`` over training-split seeds (drawn from ``[0, pool)``); with ``fg_weight`` > 0
+    ``(x, eps, w)``, ``w = 1 + fg_weight * shape_mask``: the shape is a few percent of the pixels, and without the
+    weight its colour is the last thing the autoencoder learns."""
+    c, lat = VAE_CONFIG["latent_channels"], SIDE // VAE_SCALE
 
     def make(step: int):
         rng = np.random.default_rng([seed, step])
         cand = rng.integers(0, pool, size=batch * 2)
         picked = [int(s) for s in cand if not shapes_data.is_held_out(int(s))][:batch]
-        return mx.array(_pixels(picked)), mx.array(rng.standard_normal((len(picked), lat, lat, c)).astype(np.float32))
+        x = mx.array(_pixels(picked))
+        eps = mx.array(rng.standard_normal((len(picked), lat, lat, c)).astype(np.float32))
+        if fg_weight <= 0:
+            return x, eps
+        return x, eps, mx.array(1.0 + fg_weight * shape_masks(picked))
 
     return make
 
@@ -548,6 +573,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fg-weight", type=float, default=0.0,
+                    help="vae: extra weight of the shape's pixels in the reconstruction loss")
     ap.add_argument("--images", type=int, default=12000, help="dit: training images (latents encoded once)")
     ap.add_argument("--caption-every", type=int, default=3, help="text/dit: train on one long caption in this many")
     a = ap.parse_args(argv)
@@ -559,7 +586,7 @@ def main(argv=None) -> None:
         params = init_params(vae_param_shapes(), a.seed)
         vae, binder = build_vae(params)
         loss = vae_loss_fn(vae, binder, kl_weight=1e-4)
-        params, _ = train("vae", out, params, loss, vae_batches(a.seed, a.batch or 16), steps=a.steps or 2000,
+        params, _ = train("vae", out, params, loss, vae_batches(a.seed, a.batch or 16, fg_weight=a.fg_weight), steps=a.steps or 2000,
                           lr=a.lr or 2e-3, minutes=a.minutes, ckpt_every=50)
         vae, _ = build_vae(params)
         shift, scale = latent_stats(vae)
