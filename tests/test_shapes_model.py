@@ -32,6 +32,23 @@ def test_classifier_reads_the_drawn_images():
     assert acc == {"background": 1.0, "colour": 1.0, "position": 1.0}
 
 
+def test_shape_masks_cover_the_shape():
+    from training import train_image as T
+
+    seeds = shapes_data.seeds(20)
+    px, lat = T.shape_masks(seeds), T.latent_masks(seeds)
+    k = T.SIDE // T.VAE_SCALE
+    assert px.shape == (20, T.SIDE, T.SIDE, 1) and lat.shape == (20, 1, k, k)
+    for i, s in enumerate(seeds):
+        x = shapes_data.sample(s)
+        cx, cy = (int(v * T.SIDE) for v in x.centre)
+        if x.shape != "triangle":  # the triangle's centre of the bounding box can fall outside a thin apex
+            assert px[i, cy, cx, 0] == 1 and lat[i, 0, cy // T.VAE_SCALE, cx // T.VAE_SCALE] == 1
+        assert px[i, 0, 0, 0] == 0 and lat[i, 0, 0, 0] == 0 or x.position == "top left"
+        r = shapes_data.SIZE_RADIUS[x.size]
+        assert 0.5 * r * r < px[i].mean() < 5 * r * r  # about the shape's area, a fraction of the picture
+
+
 def test_parameter_layout_is_diffusers():
     torch = pytest.importorskip("torch")
     diffusers = pytest.importorskip("diffusers")
@@ -56,7 +73,8 @@ def test_short_training_runs_lower_the_loss(tmp_path):
     x = mx.array(T._pixels(shapes_data.seeds(4)))
     lat = T.SIDE // T.VAE_SCALE
     eps = mx.zeros((4, lat, lat, T.VAE_CONFIG["latent_channels"]))
-    _, losses = T.train("vae", tmp_path, params, T.vae_loss_fn(vae, binder, 1e-4), lambda step: (x, eps),
+    w = mx.array(1.0 + 5.0 * T.shape_masks(shapes_data.seeds(4)))  # the shape-weighted loss, as --fg-weight 5
+    _, losses = T.train("vae", tmp_path, params, T.vae_loss_fn(vae, binder, 1e-4), lambda step: (x, eps, w),
                         steps=12, lr=3e-3, warmup=2, log=lambda *_: None)
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
 
@@ -69,7 +87,8 @@ def test_short_training_runs_lower_the_loss(tmp_path):
     noise = mx.array(rng.standard_normal((4, c, 8, 8)).astype(np.float32))
     sigma = np.array([0.2, 0.4, 0.6, 0.8], np.float32)
     caps = [mx.array(rng.standard_normal((7 + i, 576)).astype(np.float32)) for i in range(4)]
-    _, losses = T.train("dit", tmp_path, params, T.dit_loss_fn(tr, binder), lambda step: (z0, noise, sigma, caps),
+    w = mx.array(1.0 + 4.0 * (rng.random((4, 1, 8, 8)) < 0.1).astype(np.float32))
+    _, losses = T.train("dit", tmp_path, params, T.dit_loss_fn(tr, binder), lambda step: (z0, noise, sigma, caps, w),
                         steps=15, lr=2e-3, warmup=2, log=lambda *_: None)
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
 

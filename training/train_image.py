@@ -46,7 +46,7 @@ from mlx_engine.mlx.tensor import MLXTensor  # noqa: E402
 
 __all__ = ["VAE_CONFIG", "DIT_CONFIG", "SCHEDULER_CONFIG", "VAE_SCALE", "vae_param_shapes", "dit_param_shapes",
            "init_params", "Binder", "build_vae", "build_transformer", "vae_loss_fn", "dit_loss_fn", "train",
-           "export_folder", "shape_masks", "vae_batches"]
+           "export_folder", "shape_masks", "latent_masks", "vae_batches", "dit_batches"]
 
 SIDE = 64
 TEXT_MODEL = "smollm2:135m"
@@ -291,20 +291,22 @@ def vae_loss_fn(vae, binder: Binder, kl_weight: float):
 
 
 def dit_loss_fn(transformer, binder: Binder):
-    """``loss(params, z0, noise, sigma, caps) -> (loss, ())``: ``z0``, ``noise`` float32 ``[B, C, h, w]`` (scaled
-    latents), ``sigma`` NumPy float32 ``[B]`` in [0, 1], ``caps`` B arrays ``[L_i, cap_feat_dim]``."""
+    """``loss(params, z0, noise, sigma, caps, w=None) -> (loss, ())``: ``z0``, ``noise`` float32 ``[B, C, h, w]``
+    (scaled latents), ``sigma`` NumPy float32 ``[B]`` in [0, 1], ``caps`` B arrays ``[L_i, cap_feat_dim]``, ``w``
+    optional per-latent-pixel weights ``[B, 1, h, w]`` of the squared error (a weighted mean)."""
     ctx = MLXBackend(None).new_context()
 
-    def loss(params, z0, noise, sigma, caps):
+    def loss(params, z0, noise, sigma, caps, w=None):
         binder.bind(params)
-        b, ch, h, w = z0.shape
+        b, ch, h, w_ = z0.shape
         s = mx.array(sigma)[:, None, None, None]
         xt = (1.0 - s) * z0 + s * noise
-        xs = [MLXTensor(xt[i].reshape(ch, 1, h, w)) for i in range(b)]
+        xs = [MLXTensor(xt[i].reshape(ch, 1, h, w_)) for i in range(b)]
         outs = transformer(ctx, xs, (1.0 - sigma).astype(np.float32), [MLXTensor(c) for c in caps])
-        pred = mx.stack([o.a.reshape(ch, h, w) for o in outs])
+        pred = mx.stack([o.a.reshape(ch, h, w_) for o in outs])
         target = z0 - noise  # = -(velocity d x_s / d s): the Z-Image output convention
-        return mx.mean((pred - target) ** 2), ()
+        se = (pred - target) ** 2
+        return (mx.mean(se) if w is None else mx.mean(se * w) / mx.mean(w)), ()
 
     return loss
 
@@ -502,9 +504,19 @@ def encode_latents(vae, seed_list, chunk: int = 128) -> np.ndarray:
     return np.concatenate(out)
 
 
+def latent_masks(seed_list) -> np.ndarray:
+    """float32 ``[N, 1, SIDE / VAE_SCALE, SIDE / VAE_SCALE]``: 1 on the latent pixels that hold part of the shape
+    (:func:`shape_masks`, max-pooled over each ``VAE_SCALE`` square)."""
+    m = shape_masks(seed_list)[..., 0]
+    n, k = len(m), SIDE // VAE_SCALE
+    return m.reshape(n, k, VAE_SCALE, k, VAE_SCALE).max(axis=(2, 4))[:, None]
+
+
 def dit_batches(seed: int, batch: int, latents: np.ndarray, captions: list[str], feats: dict[str, np.ndarray],
-                caption_dropout: float = 0.1):
-    """``make_batch(step) -> (z0, noise, sigma, caps)``."""
+                caption_dropout: float = 0.1, masks: np.ndarray | None = None, fg_weight: float = 0.0):
+    """``make_batch(step) -> (z0, noise, sigma, caps)``; with ``masks`` (:func:`latent_masks` of the latents) and
+    ``fg_weight`` > 0 also ``w = 1 + fg_weight * mask``: the shape covers a few of the 256 latent pixels, and without
+    the weight the background (one colour over the whole picture) is nearly all of the loss."""
     n = len(latents)
     cache: dict[str, "mx.array"] = {}
 
@@ -517,13 +529,13 @@ def dit_batches(seed: int, batch: int, latents: np.ndarray, captions: list[str],
         rng = np.random.default_rng([seed, step])
         idx = rng.integers(0, n, size=batch)
         z0 = latents[idx]
-        flip = rng.random(batch) < 0  # placeholder for augmentation (none: positions are in the captions)
-        del flip
         noise = rng.standard_normal(z0.shape).astype(np.float32)
         sigma = rng.random(batch).astype(np.float32)
         drop = rng.random(batch) < caption_dropout
         caps = [feat("" if d else captions[i]) for i, d in zip(idx, drop)]
-        return mx.array(z0), mx.array(noise), sigma, caps
+        if masks is None or fg_weight <= 0:
+            return mx.array(z0), mx.array(noise), sigma, caps
+        return mx.array(z0), mx.array(noise), sigma, caps, mx.array(1.0 + fg_weight * masks[idx])
 
     return make
 
@@ -570,11 +582,13 @@ def main(argv=None) -> None:
     ap.add_argument("--to", type=Path, help="export: the diffusers folder to write")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--minutes", type=float, default=None, help="stop after this long (resume later)")
+    ap.add_argument("--stop-at", type=int, default=None,
+                    help="stop at this step (resume later with the same --steps: the schedule is unchanged)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fg-weight", type=float, default=0.0,
-                    help="vae: extra weight of the shape's pixels in the reconstruction loss")
+                    help="vae, dit: extra weight of the shape's (latent) pixels in the loss")
     ap.add_argument("--images", type=int, default=12000, help="dit: training images (latents encoded once)")
     ap.add_argument("--caption-every", type=int, default=3, help="text/dit: train on one long caption in this many")
     a = ap.parse_args(argv)
@@ -586,8 +600,8 @@ def main(argv=None) -> None:
         params = init_params(vae_param_shapes(), a.seed)
         vae, binder = build_vae(params)
         loss = vae_loss_fn(vae, binder, kl_weight=1e-4)
-        params, _ = train("vae", out, params, loss, vae_batches(a.seed, a.batch or 16, fg_weight=a.fg_weight), steps=a.steps or 2000,
-                          lr=a.lr or 2e-3, minutes=a.minutes, ckpt_every=50)
+        params, _ = train("vae", out, params, loss, vae_batches(a.seed, a.batch or 16, fg_weight=a.fg_weight),
+                          steps=a.steps or 2000, lr=a.lr or 2e-3, minutes=a.minutes, ckpt_every=50, stop_at=a.stop_at)
         vae, _ = build_vae(params)
         shift, scale = latent_stats(vae)
         cfg = dict(VAE_CONFIG, shift_factor=shift, scaling_factor=scale)
@@ -613,10 +627,12 @@ def main(argv=None) -> None:
         data = np.load(out / "captions.npz")
         names = [str(x) for x in data["names"]]
         feats = {n: data[f"c{i}"] for i, n in enumerate(names)}
+        masks = latent_masks(train_seeds) if a.fg_weight > 0 else None
         params = init_params(dit_param_shapes(), a.seed)
         tr, binder = build_transformer(params)
-        train("dit", out, params, dit_loss_fn(tr, binder), dit_batches(a.seed, a.batch or 32, lat, caps, feats),
-              steps=a.steps or 6000, lr=a.lr or 1e-3, minutes=a.minutes, ckpt_every=100, log_every=20)
+        batches = dit_batches(a.seed, a.batch or 32, lat, caps, feats, masks=masks, fg_weight=a.fg_weight)
+        train("dit", out, params, dit_loss_fn(tr, binder), batches, steps=a.steps or 6000, lr=a.lr or 1e-3,
+              minutes=a.minutes, ckpt_every=100, log_every=20, stop_at=a.stop_at)
     else:
         to = a.to or out / "export"
         vae_dir = out / "vae_export"
