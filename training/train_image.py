@@ -589,6 +589,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fg-weight", type=float, default=0.0,
                     help="vae, dit: extra weight of the shape's (latent) pixels in the loss")
+    ap.add_argument("--guidance", type=float, default=0.0,
+                    help="export: the model's default guidance scale (CFG against the empty prompt; 0 is off)")
     ap.add_argument("--images", type=int, default=12000, help="dit: training images (latents encoded once)")
     ap.add_argument("--caption-every", type=int, default=3, help="text/dit: train on one long caption in this many")
     a = ap.parse_args(argv)
@@ -642,7 +644,7 @@ def main(argv=None) -> None:
         vae_cfg = json.loads((vae_dir / "config.json").read_text())
         flat = mx.load(str(out / "dit.ckpt.safetensors"))
         dit_params = {k[2:]: v for k, v in flat.items() if k.startswith("p.")}
-        defaults = {"width": SIDE, "height": SIDE, "steps": 16, "guidance": 0.0}
+        defaults = {"width": SIDE, "height": SIDE, "steps": 16, "guidance": a.guidance}
         export_folder(to, vae_params, vae_cfg, dit_params, defaults)
         print(f"exported to {to}")
 
