@@ -160,8 +160,9 @@ class Runner:
         caller decides about end-of-sequence ids and stop strings by closing the generator).
 
         Decode is pipelined: step ``n + 1`` is dispatched to the device before token ``n`` is read back, so the
-        host's work overlaps the device's. Every token yielded has been fed to the model, so the cache then holds
-        the prompt and exactly the tokens read so far. ``stats`` (if given) receives the timings.
+        host's work overlaps the device's (the first token goes out before step 2 is dispatched, not after). Every
+        token yielded has been fed to the model (its step is built, if not yet run), so the cache then holds the
+        prompt and exactly the tokens read so far. ``stats`` (if given) receives the timings.
         """
         self._check_request(req)
         stats = stats if stats is not None else GenerationStats()
@@ -193,7 +194,8 @@ class Runner:
                     try:
                         step = self.model.forward(ctx, Batch(tok, [pos], [seq], [0]), self.cache)
                         nxt = sampler.sample(step, history)
-                        ctx.evaluate_async(nxt)
+                        if generated:
+                            ctx.evaluate_async(nxt)
                     except CacheFullError:
                         more = False
                 t = int(tok.item())
@@ -208,6 +210,10 @@ class Runner:
                 yield t
                 if not more:
                     return
+                if generated == 1:
+                    # The second step is dispatched once the first token is out: on MLX's CPU backend dispatching
+                    # blocks until the step has nearly run, which would hold the first token back by a whole step.
+                    ctx.evaluate_async(nxt)
                 tok = nxt
         except GeneratorExit:
             self._finish(stats, generated, t_first)
