@@ -266,6 +266,11 @@ def build_transformer(params: dict[str, "mx.array"], config: dict = DIT_CONFIG):
     return tr, Binder(b, tr)
 
 
+def _weighted_mean(x: "mx.array", w: "mx.array | None") -> "mx.array":
+    """``mean(x)``, or with weights ``w`` (broadcast against ``x``) ``mean(x * w) / mean(w)``."""
+    return mx.mean(x) if w is None else mx.mean(x * w) / mx.mean(w)
+
+
 def vae_loss_fn(vae, binder: Binder, kl_weight: float):
     """``loss(params, x, eps, w=None) -> (loss, (rec, kl))`` with ``x`` float32 ``[B, H, W, 3]`` in ``[-1, 1]``,
     ``eps`` ``[B, H/s, W/s, C]`` standard normal (the posterior sample's noise) and ``w`` optional per-pixel weights
@@ -282,8 +287,7 @@ def vae_loss_fn(vae, binder: Binder, kl_weight: float):
         z = mean + mx.exp(0.5 * logvar) * eps
         rec = vae.decode(ctx, MLXTensor(z)).a
         err = rec - x
-        per_pixel = mx.abs(err) + err * err
-        rec_loss = mx.mean(per_pixel) if w is None else mx.mean(per_pixel * w) / mx.mean(w)
+        rec_loss = _weighted_mean(mx.abs(err) + err * err, w)
         kl = 0.5 * mx.mean(mean * mean + mx.exp(logvar) - 1.0 - logvar)
         return rec_loss + kl_weight * kl, (rec_loss, kl)
 
@@ -298,15 +302,14 @@ def dit_loss_fn(transformer, binder: Binder):
 
     def loss(params, z0, noise, sigma, caps, w=None):
         binder.bind(params)
-        b, ch, h, w_ = z0.shape
+        b, ch, height, width = z0.shape
         s = mx.array(sigma)[:, None, None, None]
         xt = (1.0 - s) * z0 + s * noise
-        xs = [MLXTensor(xt[i].reshape(ch, 1, h, w_)) for i in range(b)]
+        xs = [MLXTensor(xt[i].reshape(ch, 1, height, width)) for i in range(b)]
         outs = transformer(ctx, xs, (1.0 - sigma).astype(np.float32), [MLXTensor(c) for c in caps])
-        pred = mx.stack([o.a.reshape(ch, h, w_) for o in outs])
+        pred = mx.stack([o.a.reshape(ch, height, width) for o in outs])
         target = z0 - noise  # = -(velocity d x_s / d s): the Z-Image output convention
-        se = (pred - target) ** 2
-        return (mx.mean(se) if w is None else mx.mean(se * w) / mx.mean(w)), ()
+        return _weighted_mean((pred - target) ** 2, w), ()
 
     return loss
 
@@ -395,21 +398,22 @@ def train(stage: str, out: Path, params, loss, make_batch, *, steps: int, lr: fl
 
 
 # ---- data ------------------------------------------------------------------------------------------------------------
+def _unit(images: np.ndarray) -> np.ndarray:
+    """uint8 pixels to float32 in ``[-1, 1]`` (the autoencoder's input range)."""
+    return images.astype(np.float32) / 127.5 - 1.0
+
+
 def _pixels(seed_list) -> np.ndarray:
-    imgs, _ = shapes_data.batch(seed_list, SIDE)
-    return imgs.astype(np.float32) / 127.5 - 1.0
+    return _unit(shapes_data.batch(seed_list, SIDE)[0])
 
 
-def shape_masks(seed_list) -> np.ndarray:
+def shape_masks(seed_list, images: np.ndarray | None = None) -> np.ndarray:
     """float32 ``[N, SIDE, SIDE, 1]``: 1 where a drawing differs from its plain background (the shape and its
-    anti-aliased edge), else 0."""
-    out = []
-    for s in seed_list:
-        x = shapes_data.sample(int(s))
-        img = shapes_data.draw(x, SIDE).astype(np.int16)
-        bg = np.array(shapes_data.COLOURS[x.background], np.int16)
-        out.append((np.abs(img - bg).max(-1, keepdims=True) > 0).astype(np.float32))
-    return np.stack(out)
+    anti-aliased edge), else 0. ``images``: the seeds' uint8 drawings when already drawn."""
+    if images is None:
+        images, _ = shapes_data.batch(seed_list, SIDE)
+    bg = np.array([shapes_data.COLOURS[shapes_data.sample(int(s)).background] for s in seed_list], np.int16)
+    return (np.abs(images.astype(np.int16) - bg[:, None, None]).max(-1, keepdims=True) > 0).astype(np.float32)
 
 
 def vae_batches(seed: int, batch: int, pool: int = 200_000, fg_weight: float = 0.0):
@@ -422,11 +426,12 @@ def vae_batches(seed: int, batch: int, pool: int = 200_000, fg_weight: float = 0
         rng = np.random.default_rng([seed, step])
         cand = rng.integers(0, pool, size=batch * 2)
         picked = [int(s) for s in cand if not shapes_data.is_held_out(int(s))][:batch]
-        x = mx.array(_pixels(picked))
+        images, _ = shapes_data.batch(picked, SIDE)
+        x = mx.array(_unit(images))
         eps = mx.array(rng.standard_normal((len(picked), lat, lat, c)).astype(np.float32))
         if fg_weight <= 0:
             return x, eps
-        return x, eps, mx.array(1.0 + fg_weight * shape_masks(picked))
+        return x, eps, mx.array(1.0 + fg_weight * shape_masks(picked, images))
 
     return make
 
