@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from kvcache import CausalCache, SlidingWindowCache
+from mlx_engine.kvcache import CausalCache, SlidingWindowCache
 from mlx_engine.batch import Batch
 from mlx_engine.ml import DType
 from mlx_engine.mlx import MLXBackend

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import click
 
-from cli.main import StopOnInterrupt, _describe_model, stream_to
-from mlx_engine.errors import EngineError
+from mlx_engine.api import GenerationOptions
+from mlx_engine.cli.streaming import StopOnInterrupt, describe_model, stream_to
+from mlx_engine.errors import EngineError, InvalidOptionError
 
 HELP = """\
 Commands:
@@ -45,27 +46,10 @@ def _seed(v: str) -> int | None:
     return None if v.strip().lower() in ("none", "random", "off") else int(v)
 
 
-def _check(cast, ok, what):
-    def conv(v: str):
-        x = cast(v)
-        if x is not None and not ok(x):
-            raise ValueError(f"must be {what}")
-        return x
-
-    return conv
-
-
+#: how ``/set`` reads each value; :meth:`mlx_engine.GenerationOptions.parse` then checks it, as for every door
 PARAMETERS = {
-    "temperature": _check(float, lambda x: x >= 0, ">= 0"),
-    "top_k": _check(int, lambda x: x >= 0, ">= 0 (0 = off)"),
-    "top_p": _check(float, lambda x: 0 <= x <= 1, "between 0 and 1"),
-    "min_p": _check(float, lambda x: 0 <= x <= 1, "between 0 and 1"),
-    "repeat_penalty": _check(float, lambda x: x > 0, "> 0"),
-    "repeat_last_n": _check(int, lambda x: x >= 0, ">= 0"),
-    "presence_penalty": _check(float, lambda x: True, "a number"),
-    "frequency_penalty": _check(float, lambda x: True, "a number"),
-    "seed": _seed,
-    "max_tokens": _check(int, lambda x: x >= 1, ">= 1"),
+    "temperature": float, "top_k": int, "top_p": float, "min_p": float, "repeat_penalty": float,
+    "repeat_last_n": int, "presence_penalty": float, "frequency_penalty": float, "seed": _seed, "max_tokens": int,
 }
 ALIASES = {"num_predict": "max_tokens", "temp": "temperature"}
 
@@ -139,7 +123,7 @@ class ChatRepl:
 
     def run(self) -> None:
         if self.interactive:
-            self.echo(f"{_describe_model(self.model)}")
+            self.echo(f"{describe_model(self.model)}")
             if not self.model.has_chat_template:
                 self.echo(f"{self.model.name} is a base model without a chat template: it continues your text.")
             self.echo("Type /? for help, Ctrl-D or /bye to exit.")
@@ -270,6 +254,11 @@ class ChatRepl:
         except ValueError as e:
             self.echo(f"Error: {name}: invalid value {value!r} ({e})", err=True)
             return
+        try:
+            GenerationOptions.parse({**self.session.options, name: converted})
+        except InvalidOptionError as e:
+            self.echo(f"Error: {name}: invalid value {value!r} ({e.rule})", err=True)
+            return
         if converted is None:
             self.session.options.pop(name, None)
         else:
@@ -278,7 +267,7 @@ class ChatRepl:
 
     def _show(self) -> None:
         info = dict(getattr(self.model, "info", {}) or {})
-        self.echo(f"Model: {_describe_model(self.model)}")
+        self.echo(f"Model: {describe_model(self.model)}")
         for key in ("context_length", "license", "source", "path"):
             if info.get(key) is not None:
                 value = str(info[key]).strip().splitlines()[0] if key == "license" else info[key]

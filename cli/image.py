@@ -10,7 +10,6 @@ into place at the end, so Ctrl-C (exit status 130) leaves no partial file.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import tempfile
@@ -22,14 +21,6 @@ from mlx_engine.errors import InvalidRequestError
 from mlx_engine.store import format_bytes
 
 DEFAULT_STEM = "image"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def next_free_name(folder: Path, stem: str = DEFAULT_STEM) -> Path:
@@ -62,13 +53,6 @@ def _place_without_overwrite(tmp: Path, folder: Path) -> Path:
         os.unlink(tmp)
         return target
     raise InvalidRequestError(f"{folder}: could not find a free file name for the image")
-
-
-def _model_label(model: str | None) -> str | None:
-    if model is None:
-        return None
-    p = Path(model).expanduser()
-    return str(p.resolve()) if p.exists() else model
 
 
 @click.command("image", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -108,12 +92,11 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
       mlx-engine image --from-metadata image-0001.png            # the same image again
       mlx-engine image "a cat" -m ./z-image --guidance 3 --negative-prompt "blurry" -o cat.png
     """
-    from imagegen.pipeline import png_info, read_png_parameters
     from mlx_engine import api
 
     settings: dict = {}
     if from_metadata is not None:
-        settings = read_png_parameters(from_metadata)
+        settings = api.read_image_parameters(from_metadata)
     given = {"model": model, "negative_prompt": negative_prompt, "width": width, "height": height,
              "steps": steps, "guidance": guidance, "seed": seed, "strength": strength,
              "quantize": int(quantize) if quantize else None}
@@ -132,15 +115,12 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
             raise InvalidRequestError("--strength applies to image to image: give an init image with --image FILE")
         settings.pop("strength", None)
 
-    init_path = None
+    init = None
     if settings.get("init_image") is not None:
-        init_path = Path(settings["init_image"]).expanduser()
-        if not init_path.is_file():
-            raise InvalidRequestError(f"{settings['init_image']}: no such init image file")
+        init = api.open_init_image(settings["init_image"])  # read and hashed once
         want = settings.get("init_image_sha256")
-        digest = _sha256(init_path)
-        if want and want != digest:
-            click.echo(f"Warning: {init_path} differs from the init image the metadata describes "
+        if want and want != init.sha256:
+            click.echo(f"Warning: {init.path} differs from the init image the metadata describes "
                        "(sha256 mismatch); the result will differ.", err=True)
 
     # where the image goes (checked before the model is loaded)
@@ -185,27 +165,18 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
             state["last"] = elapsed
             bar.update(1)
 
-        result = pipe.generate(settings["prompt"], negative_prompt=settings.get("negative_prompt"),
-                               width=settings.get("width"), height=settings.get("height"),
-                               steps=settings.get("steps"), guidance=settings.get("guidance"),
-                               seed=settings.get("seed"), image=init_path, strength=settings.get("strength"),
-                               callback=on_step)
+        img = api.generate_image(settings["prompt"], model=pipe, negative_prompt=settings.get("negative_prompt"),
+                                 width=settings.get("width"), height=settings.get("height"),
+                                 steps=settings.get("steps"), guidance=settings.get("guidance"),
+                                 seed=settings.get("seed"), image=init, strength=settings.get("strength"),
+                                 callback=on_step)
         if bar is not None:
             bar.close()
             bar = None
-        p = result.parameters
-        meta = {
-            "prompt": p["prompt"], "negative_prompt": settings.get("negative_prompt"), "seed": p["seed"],
-            "steps": p["steps"], "guidance": p["guidance"], "width": p["width"], "height": p["height"],
-            "model": _model_label(model_name or api.DEFAULT_IMAGE_MODEL), "strength": p["strength"],
-            "init_image": str(init_path.resolve()) if init_path is not None else None,
-            "init_image_sha256": _sha256(init_path) if init_path is not None else None,
-            "quantize": settings.get("quantize"),
-        }
         fd, name = tempfile.mkstemp(prefix=".image-", suffix=".png.part", dir=folder)
         os.close(fd)
         tmp_path = Path(name)
-        result.images[0].save(tmp_path, format="PNG", pnginfo=png_info(meta))
+        api.save_image(img, tmp_path)
         if explicit is not None:
             os.replace(tmp_path, explicit)
             target = explicit
@@ -228,7 +199,7 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
                 pass
         if pipe is not None:
             pipe.close()
-    s = result.stats
+    s = img.info["stats"]
     if not quiet:
         click.echo(f"seed {s.seed}, {s.summary()}", err=True)
     click.echo(str(target))

@@ -1,4 +1,4 @@
-"""The ``mlx-engine`` command: ``pull``, ``list``, ``show``, ``rm``, ``run``, ``chat``.
+"""The ``mlx-engine`` command: ``pull``, ``list``, ``show``, ``rm``, ``run``, ``chat``, ``image`` and ``bench``.
 
 Every :class:`~mlx_engine.errors.EngineError` ends the command with ``Error: <message>`` on stderr and exit status 1,
 never a traceback. The Python API (:mod:`mlx_engine.api`) is imported only by the commands that generate, so the store
@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 
 import click
 
-from mlx_engine import __version__
+from mlx_engine.cli.bench import bench
+from mlx_engine.cli.image import image
+from mlx_engine.cli.streaming import StopOnInterrupt, describe_model, stream_to
 from mlx_engine.errors import EngineError, InvalidRequestError
-from mlx_engine.store import CATALOG, DEFAULT_MODEL, Store, format_bytes, format_count
+from mlx_engine.store import CATALOG, DEFAULT_MODEL, Store, format_bytes
+from mlx_engine.version import __version__
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -225,66 +227,6 @@ def _load(model: str, kw: dict):
                     progress=True)
 
 
-def _describe_model(model) -> str:
-    info = getattr(model, "info", {}) or {}
-    bits = [info.get("architecture") or getattr(model, "architecture", None)]
-    params = info.get("parameters")
-    if isinstance(params, int):
-        bits.append(format_count(params))
-    elif params:
-        bits.append(str(params))
-    if info.get("quantization"):
-        bits.append(str(info["quantization"]))
-    desc = ", ".join(b for b in bits if b)
-    return f"{model.name} ({desc}) on {model.backend_name}"
-
-
-class StopOnInterrupt:
-    """While active, the first Ctrl-C only sets :attr:`hit` (checked between streamed chunks, so the generator is
-    closed at a clean point); a second Ctrl-C raises ``KeyboardInterrupt`` at once."""
-
-    def __init__(self) -> None:
-        self.hit = False
-        self._old = None
-
-    def _handler(self, signum, frame) -> None:
-        if self.hit:
-            raise KeyboardInterrupt
-        self.hit = True
-
-    def __enter__(self) -> "StopOnInterrupt":
-        self.hit = False
-        try:
-            self._old = signal.signal(signal.SIGINT, self._handler)
-        except ValueError:  # not the main thread: leave Ctrl-C as it is
-            self._old = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
-
-def stream_to(out, generator, stop: StopOnInterrupt):
-    """Write the text chunks of ``generator`` to ``out`` as they come; returns ``(stats or None, text, interrupted)``.
-    The generator is closed when Ctrl-C is pressed (or on any error), which keeps a chat's partial answer."""
-    stats = None
-    text = []
-    try:
-        for item in generator:
-            if isinstance(item, str):
-                out.write(item)
-                out.flush()
-                text.append(item)
-            else:
-                stats = item
-            if stop.hit:
-                break
-    finally:
-        generator.close()
-    return stats, "".join(text), stop.hit
-
-
 @main.command(context_settings={"ignore_unknown_options": False})
 @click.argument("args", nargs=-1, metavar="[MODEL] [PROMPT]...")
 @_sampling_options
@@ -323,7 +265,7 @@ def run(args: tuple[str, ...], raw: bool, **kw) -> None:
     if kw.get("system") is not None:
         options["system"] = kw["system"]
     if kw["verbose"]:
-        click.echo(_describe_model(model) + (" (raw completion)" if use_raw else ""), err=True)
+        click.echo(describe_model(model) + (" (raw completion)" if use_raw else ""), err=True)
     out = sys.stdout
     with StopOnInterrupt() as stop:
         stats, text, interrupted = stream_to(out, model.stream(prompt, raw=use_raw, **options), stop)
@@ -351,7 +293,7 @@ def chat(model: str, no_history: bool, **kw) -> None:
     \b
     Example: mlx-engine chat smollm2:135m --temperature 0.7
     """
-    from cli.chat import ChatRepl
+    from mlx_engine.cli.chat import ChatRepl
 
     store = Store()
     loaded = _load(model, kw)
@@ -361,12 +303,7 @@ def chat(model: str, no_history: bool, **kw) -> None:
     repl.run()
 
 
-from cli.image import image  # noqa: E402  (its own module; it imports nothing from this one)
-
 main.add_command(image)
-
-from cli.bench import bench  # noqa: E402  (its own module; it imports the engine only when run)
-
 main.add_command(bench)
 
 

@@ -6,13 +6,13 @@
 - :class:`EncoderCache`: cross-attention keys and values of an encoder output.
 - :class:`WrapperCache`: one of the above per layer type.
 
-See :mod:`kvcache.base` for the interface and its semantics.
+See :mod:`mlx_engine.kvcache.base` for the interface and its semantics.
 """
 
-from kvcache.base import Cache, LayerShape, ShiftFn
-from kvcache.causal import CausalCache, ChunkedAttentionCache, SlidingWindowCache, SlidingWindowMemoryCache
-from kvcache.encoder import EncoderCache
-from kvcache.wrapper import WrapperCache
+from mlx_engine.kvcache.base import Cache, LayerShape, ShiftFn
+from mlx_engine.kvcache.causal import CausalCache, ChunkedAttentionCache, SlidingWindowCache, SlidingWindowMemoryCache
+from mlx_engine.kvcache.encoder import EncoderCache
+from mlx_engine.kvcache.wrapper import WrapperCache
 
 __all__ = ["Cache", "CausalCache", "ChunkedAttentionCache", "EncoderCache", "LayerShape", "ShiftFn",
            "SlidingWindowCache", "SlidingWindowMemoryCache", "WrapperCache"]

@@ -36,7 +36,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvcache.base import Cache, LayerShape, ShiftFn
+from mlx_engine.kvcache.base import Cache, LayerShape, ShiftFn
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError, CacheFullError
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, Tensor
@@ -75,7 +75,7 @@ class CausalCache(Cache):
     """A causal KV cache: each token sees the earlier positions of its own sequence (and itself).
 
     Args:
-        shift_fn: re-rotates keys when :meth:`remove` renumbers positions (see :data:`kvcache.base.ShiftFn`); without
+        shift_fn: re-rotates keys when :meth:`remove` renumbers positions (see :data:`mlx_engine.kvcache.base.ShiftFn`); without
             it such a ``remove`` raises ``CacheError``.
         kv_bits: store keys and values quantized to this many bits (4 or 8; MLX also allows 2, 3, 5, 6), or ``None``
             for the init dtype.

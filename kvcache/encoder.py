@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvcache.base import Cache
+from mlx_engine.kvcache.base import Cache
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, Tensor

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Optional, Union
 
-from kvcache.base import Cache, LayerShape
+from mlx_engine.kvcache.base import Cache, LayerShape
 from mlx_engine.batch import Batch
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, Tensor
 

@@ -4,9 +4,10 @@ The public API (``mlx_engine.load``, ``mlx_engine.generate``, ...) lives in :mod
 lazily, so that importing ``mlx_engine.ml`` from a model never pulls ``models/`` back in.
 """
 
-__version__ = "0.1.0"
+from mlx_engine.version import __version__
 
-_API = ("load", "generate", "stream", "chat", "ChatSession", "Model", "GenerationStats", "generate_image",
+_API = ("load", "generate", "stream", "chat", "ChatSession", "Model", "GenerationStats", "GenerationOptions",
+        "generate_image", "save_image", "read_image_parameters", "open_init_image",
         "load_image_model")
 
 

@@ -20,39 +20,21 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.mlx import MLXBackend
-from mlx_engine.store import DEFAULT_MODEL, Store
-from models.registry import load_text_model
-from models.runner import GenerationStats, Request, Runner
-from models.sampler import SamplerOptions
-from models.tokenizer import Tokenizer
+from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
+from mlx_engine.models.registry import load_text_checkpoint
+from mlx_engine.models.runner import GenerationStats, Runner
+from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
 
-__all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "GenerationStats", "DEFAULT_MODEL",
-           "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL"]
+__all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "GenerationStats", "GenerationOptions",
+           "OPTION_NAMES", "DEFAULT_MODEL", "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL",
+           "open_init_image", "read_image_parameters", "save_image"]
 
-_SAMPLER_KEYS = {f.name for f in fields(SamplerOptions)}
-_OTHER_KEYS = {"system", "raw", "max_tokens", "stop"}
 DEFAULT_CONTEXT = 8192  # cap on the cache's capacity unless the caller asks for more
-
-
-def _split_options(options: dict[str, Any]) -> tuple[SamplerOptions, dict[str, Any]]:
-    unknown = set(options) - _SAMPLER_KEYS - _OTHER_KEYS
-    if unknown:
-        raise InvalidRequestError(f"unknown option(s) {', '.join(sorted(unknown))}; valid options: "
-                                  f"{', '.join(sorted(_SAMPLER_KEYS | _OTHER_KEYS))}")
-    sampler = SamplerOptions(**{k: v for k, v in options.items() if k in _SAMPLER_KEYS and v is not None})
-    sampler.validate()
-    rest = {k: options.get(k) for k in _OTHER_KEYS}
-    if rest["max_tokens"] is None:
-        rest["max_tokens"] = 256
-    stop = rest["stop"]
-    rest["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
-    return sampler, rest
 
 
 class Model:
@@ -70,12 +52,10 @@ class Model:
                  device: str | None = None, dtype: str | None = None, context_length: int | None = None,
                  kv_bits: int | None = None, requantize: int | None = None, max_sequences: int = 4):
         t0 = time.perf_counter()
-        self.backend = MLXBackend(path, device=device, dtype=dtype, requantize=requantize)
-        self.text_model = load_text_model(self.backend)
+        text = load_text_checkpoint(path, lambda p: MLXBackend(p, device=device, dtype=dtype, requantize=requantize))
+        self.backend, self.text_model, self.tokenizer = text.backend, text.model, text.tokenizer
         self.load_peak_bytes = self.backend.peak_memory()
         self.weights_bytes = self.backend.weights_nbytes()
-        self.tokenizer = (Tokenizer.from_gguf(self.backend.metadata) if path.is_file()
-                          else Tokenizer.from_folder(path))
         config = self.text_model.config
         ctx_len = context_length or min(config.context_length, DEFAULT_CONTEXT)
         if ctx_len < 2:
@@ -142,9 +122,9 @@ class Model:
     # ---- generation --------------------------------------------------------------------------------------------
     def stream(self, prompt: str, **options: Any) -> Iterator["str | GenerationStats"]:
         """Text chunks as they are generated, then one :class:`GenerationStats`."""
-        sampler, rest = _split_options(options)
-        tokens = self.prompt_tokens(prompt, system=rest["system"], raw=rest["raw"])
-        return self.runner.stream(Request(tokens, sampler, rest["max_tokens"], rest["stop"], 0))
+        opts = GenerationOptions.parse(options)
+        tokens = self.prompt_tokens(prompt, system=opts.system, raw=opts.raw)
+        return self.runner.stream(opts.request(tokens))
 
     def generate(self, prompt: str, **options: Any) -> str:
         """The whole completion of ``prompt`` as one string."""
@@ -152,16 +132,15 @@ class Model:
 
     def chat(self, messages: list[dict[str, str]], **options: Any) -> str:
         """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``)."""
-        sampler, rest = _split_options(options)
+        opts = GenerationOptions.parse(options)
         if not messages:
             raise InvalidRequestError("the conversation is empty; give at least one user message")
         tokens = self._encode_text(self.render(list(messages)))
-        return "".join(p for p in self.runner.stream(Request(tokens, sampler, rest["max_tokens"], rest["stop"], 0))
-                       if isinstance(p, str))
+        return "".join(p for p in self.runner.stream(opts.request(tokens)) if isinstance(p, str))
 
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
         """A conversation that keeps its KV cache between turns."""
-        _split_options(options)
+        GenerationOptions.parse(options)
         seq = self._free_sequences.pop(0) if self._free_sequences else 0
         return ChatSession(self, seq, system, options)
 
@@ -217,9 +196,8 @@ class ChatSession:
         opts = {**self.options, **options}
         opts.pop("system", None)
         opts.pop("raw", None)
-        sampler, rest = _split_options(opts)
         tokens = self.model._encode_text(self.model.render(self.messages))
-        req = Request(tokens, sampler, rest["max_tokens"], rest["stop"], self.sequence)
+        req = GenerationOptions.parse(opts).request(tokens, self.sequence)
         return self._record(self.model.runner.stream(req))
 
     def _record(self, pieces: Iterator["str | GenerationStats"]) -> Iterator["str | GenerationStats"]:
@@ -288,11 +266,6 @@ def chat(model: "Model | str", messages: list[dict[str, str]], **options: Any) -
 
 # ---------------------------------------------------------------------------------------------------------- images
 
-#: The image model used when none is given: the project's own small model shipped in the package (a catalog name of
-#: ``mlx_engine.store.IMAGE_CATALOG``).
-DEFAULT_IMAGE_MODEL: str | None = "shapes:64"
-
-
 def _image_model_path(model: "str | Path | None") -> Path:
     from mlx_engine.errors import ModelNotFoundError
     from mlx_engine.store import image_model_path
@@ -311,10 +284,19 @@ def _image_model_path(model: "str | Path | None") -> Path:
     return path
 
 
+def _image_model_label(model: "str | Path | None") -> str:
+    """What an image's metadata records as its model: the catalog name, or the folder's absolute path."""
+    model = model if model is not None else DEFAULT_IMAGE_MODEL
+    p = Path(model).expanduser()
+    return str(p.resolve()) if p.exists() else str(model)
+
+
 def load_image_model(model: "str | Path | None" = None, *, quantize: int | None = None, device: str | None = None,
                      dtype: str | None = None, keep_text_encoder: bool = False):
-    """Load a text-to-image model: a diffusers Z-Image folder. Returns an :class:`imagegen.pipeline.ZImagePipeline`
-    (``.generate(prompt, ...)`` -> ``ImageResult`` with images, stats and the parameters that reproduce them).
+    """Load a text-to-image model: a diffusers folder whose ``model_index.json`` names a pipeline this engine runs
+    (:mod:`mlx_engine.imagegen.registry`; Z-Image today), or a packaged model (``shapes:64``, the default). Returns
+    the pipeline (``.generate(prompt, ...)`` -> ``ImageResult`` with images, stats and the parameters that reproduce
+    them; ``.memory()``, ``.close()``).
 
     Args:
         quantize: quantize the diffusion transformer to 8 or 4 bits at load (None: as stored).
@@ -323,10 +305,11 @@ def load_image_model(model: "str | Path | None" = None, *, quantize: int | None 
 
     Raises:
         ModelNotFoundError: no model given, or the path does not exist / is not a diffusers folder.
+        UnsupportedError: a pipeline class this engine does not run.
         WeightsError: a missing component folder or a corrupt weights file (the message names it).
         InvalidRequestError: ``quantize`` other than 4 or 8.
     """
-    from imagegen.pipeline import ZImagePipeline
+    from mlx_engine.imagegen.registry import load_pipeline
 
     path = _image_model_path(model)
 
@@ -334,14 +317,24 @@ def load_image_model(model: "str | Path | None" = None, *, quantize: int | None 
         return MLXBackend(folder, device=device, dtype=dtype)
 
     def resolve_model(name: str) -> Path:  # a text encoder the folder takes from the store (pulled when missing)
-        from mlx_engine.store import Store
-
         return Store().resolve(name, pull=True).path
 
-    pipe = ZImagePipeline(path, make_backend, quantize=quantize, keep_text_encoder=keep_text_encoder,
-                          resolve_model=resolve_model)
-    pipe.name = str(model if model is not None else DEFAULT_IMAGE_MODEL)
+    pipe = load_pipeline(path, make_backend, quantize=quantize, keep_text_encoder=keep_text_encoder,
+                         resolve_model=resolve_model)
+    pipe.name = _image_model_label(model)
     return pipe
+
+
+def open_init_image(path: "str | Path"):
+    """An init image file read once: ``.path``, ``.sha256`` (of its bytes), ``.image`` (PIL). Pass it as
+    ``generate_image(..., image=...)`` to have its path and hash recorded in the image's metadata.
+
+    Raises:
+        InvalidRequestError: no such file, or not an image.
+    """
+    from mlx_engine.imagegen.metadata import InitImageFile
+
+    return InitImageFile.open(path)
 
 
 def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, negative_prompt: str | None = None,
@@ -349,43 +342,77 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
                    guidance: float | None = None, seed: int | None = None, image: Any = None,
                    strength: float | None = None, callback: Any = None, quantize: int | None = None,
                    device: str | None = None):
-    """Generate one image from a prompt (text-to-image), or from a prompt and an init image (image-to-image).
+    """Generate one image from a prompt (text-to-image), or from a prompt and an init image (image-to-image): the
+    one front door for images, which ``mlx-engine image`` uses too.
 
-    >>> img = mlx_engine.generate_image("a red circle on a blue background", model="path/to/z-image", seed=1)
-    >>> img.save("circle.png"); img.info["seed"]
+    >>> img = mlx_engine.generate_image("a red circle on a blue background", seed=1)
+    >>> mlx_engine.save_image(img, "circle.png"); img.info["seed"]
 
     Args:
-        model: a diffusers Z-Image folder, or a pipeline from :func:`load_image_model` (reused, not closed). A
-            folder is loaded for this call and freed after it.
+        model: a catalog image model (``shapes:64``, the default), a diffusers folder, or a pipeline from
+            :func:`load_image_model` (reused, not closed). A name or folder is loaded for this call and freed after.
         negative_prompt: steered away from when ``guidance > 0``.
-        width, height: pixels, multiples of 16 (default: the model's; image-to-image: the init image's size).
-        steps: denoising steps (default: the model's, 9 for Z-Image-Turbo). guidance: diffusers' Z-Image
-            ``guidance_scale``: 0 (the default) is off; above 0, ``pos + guidance * (pos - neg)``.
+        width, height: pixels, multiples of the model's ``size_multiple`` (default: the model's; image-to-image: the
+            init image's size).
+        steps: denoising steps (default: the model's). guidance: diffusers' Z-Image ``guidance_scale``: 0 is off;
+            above 0, ``pos + guidance * (pos - neg)`` (default: the model's).
         seed: the noise seed; None draws one (``img.info["seed"]`` tells which).
-        image, strength: image-to-image: an init image (PIL image, path, uint8 array) and how much of the schedule
-            to run, in [0, 1] (default 0.6).
+        image, strength: image-to-image: an init image (PIL image, path, uint8 array, or :func:`open_init_image`'s
+            result) and how much of the schedule to run, in [0, 1] (default 0.6).
         callback: ``callback(step, total, latents, elapsed_seconds)`` after each denoising step.
-        quantize: quantize the transformer to 8 or 4 bits (only when ``model`` is a folder).
+        quantize: quantize the transformer to 8 or 4 bits (only when ``model`` is a name or folder).
 
     Returns:
-        a ``PIL.Image.Image`` (RGB); ``info`` holds the parameters that reproduce it (``prompt``, ``seed``, ``steps``,
-        ``guidance``, ``width``, ``height``...) under ``info["parameters"]``, the seed also as ``info["seed"]``, and
-        the generation statistics (times, peak memory) as ``info["stats"]``.
+        a ``PIL.Image.Image`` (RGB); ``info["parameters"]`` holds the metadata that reproduces it (``prompt``,
+        ``seed``, ``steps``, ``guidance``, ``width``, ``height``, ``model``, ``strength``, ``init_image`` and its
+        ``init_image_sha256``, ``quantize``), the seed also as ``info["seed"]``, and the generation statistics
+        (times, peak memory) as ``info["stats"]``.
 
     Raises:
         ModelNotFoundError, WeightsError: see :func:`load_image_model`. InvalidRequestError: an unsupported size
         (the message lists the allowed ones), steps < 1, a strength outside [0, 1], an unreadable init image.
     """
+    from mlx_engine.imagegen.metadata import InitImageFile, image_parameters
+
+    init = open_init_image(image) if isinstance(image, (str, Path)) else image
     owned = not hasattr(model, "generate")
     pipe = load_image_model(model, quantize=quantize, device=device) if owned else model
     try:
         result = pipe.generate(prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
-                               guidance=guidance, seed=seed, image=image, strength=strength, callback=callback)
+                               guidance=guidance, seed=seed,
+                               image=init.image if isinstance(init, InitImageFile) else init, strength=strength,
+                               callback=callback)
     finally:
         if owned:
             pipe.close()
     out = result.images[0]
-    out.info["parameters"] = dict(result.parameters, model=str(getattr(pipe, "name", model)))
+    out.info["parameters"] = image_parameters(
+        result.parameters, model=str(getattr(pipe, "name", model)), negative_prompt=negative_prompt,
+        init=init if isinstance(init, InitImageFile) else None, quantize=getattr(pipe, "quantize", None))
     out.info["seed"] = result.stats.seed
     out.info["stats"] = result.stats
     return out
+
+
+def save_image(image, path: "str | Path") -> None:
+    """Write a PNG with its generation metadata (``image.info["parameters"]``, as :func:`generate_image` sets it) in
+    its text chunks, so that ``mlx-engine image --from-metadata`` can make it again.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    from mlx_engine.imagegen.metadata import png_info
+
+    params = image.info.get("parameters")
+    image.save(path, format="PNG", pnginfo=png_info(params) if params else None)
+
+
+def read_image_parameters(path: "str | Path") -> dict[str, Any]:
+    """The generation metadata stored in a PNG by :func:`save_image` (or ``mlx-engine image``), typed.
+
+    Raises:
+        InvalidRequestError: the file is missing, not an image, or holds no mlx-engine metadata.
+    """
+    from mlx_engine.imagegen.metadata import read_png_parameters
+
+    return read_png_parameters(path)

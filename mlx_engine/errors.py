@@ -30,5 +30,18 @@ class InvalidRequestError(EngineError, ValueError):
     """A request with an invalid argument (empty prompt, negative temperature, prompt longer than the context...)."""
 
 
+class InvalidOptionError(InvalidRequestError):
+    """One generation option with an invalid value: ``option`` (its name), ``value``, ``rule`` (what it must be,
+    e.g. ``must be >= 0``) and ``hint`` (what its special values do, or "")."""
+
+    def __init__(self, option: str, value: object, rule: str, hint: str = ""):
+        self.option, self.value, self.rule, self.hint = option, value, rule, hint
+        super().__init__(f"invalid option {option}={value!r}: it {rule}" + (f" ({hint})" if hint else ""))
+
+
 class ModelNotFoundError(EngineError):
     """A model name or path that does not resolve to a model."""
+
+
+class PullError(EngineError):
+    """A pull that failed (download error, wrong size or sha256, interrupted). Nothing of it is left in the store."""

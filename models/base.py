@@ -21,7 +21,7 @@ from mlx_engine.errors import UnsupportedError, WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
 
 if TYPE_CHECKING:
-    from kvcache import Cache
+    from mlx_engine.kvcache import Cache
 
 
 @dataclass
@@ -258,7 +258,7 @@ class DecoderModel(abc.ABC):
 
     def make_cache(self, kv_bits: int | None = None) -> "Cache":
         """The cache for this model: causal, or a wrapper of sliding-window and causal caches per layer type."""
-        from kvcache import CausalCache, SlidingWindowMemoryCache, WrapperCache
+        from mlx_engine.kvcache import CausalCache, SlidingWindowMemoryCache, WrapperCache
 
         if not any(self.is_sliding(i) for i in range(self.config.num_layers)):
             return CausalCache(shift_fn=self.shift, kv_bits=kv_bits)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.ml import Tensor
-from models.base import (DecoderConfig, DecoderModel, check_rope_scaling, hf_names_from_gguf, hf_rope_parameters,
+from mlx_engine.models.base import (DecoderConfig, DecoderModel, check_rope_scaling, hf_names_from_gguf, hf_rope_parameters,
                          metadata_getter, vocab_size_of)
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",

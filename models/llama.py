@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.ml import Tensor
-from models.base import (DecoderConfig, DecoderModel, check_rope_scaling, hf_rope_parameters, llama3_rope_freqs,
+from mlx_engine.models.base import (DecoderConfig, DecoderModel, check_rope_scaling, hf_rope_parameters, llama3_rope_freqs,
                          metadata_getter, vocab_size_of)
 
 

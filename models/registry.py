@@ -1,13 +1,19 @@
-"""Which architecture class reads which checkpoint."""
+"""Which architecture class reads which checkpoint, and the one loader of text checkpoints (model and tokenizer),
+used by :func:`mlx_engine.load` and by the image pipelines' text encoders alike."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
 from mlx_engine.errors import UnsupportedError
 from mlx_engine.ml import Backend
-from models.base import DecoderModel
-from models.gemma3 import Gemma3
-from models.llama import Llama
-from models.qwen3 import Qwen3
+from mlx_engine.models.base import DecoderModel
+from mlx_engine.models.gemma3 import Gemma3
+from mlx_engine.models.llama import Llama
+from mlx_engine.models.qwen3 import Qwen3
+from mlx_engine.models.tokenizer import Tokenizer
 
 # Names as GGUF's general.architecture and Hugging Face's model_type spell them.
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
@@ -41,3 +47,44 @@ def load_text_model(backend: Backend) -> DecoderModel:
         raise UnsupportedError(f"unknown model architecture {arch!r}; supported: "
                                f"{', '.join(sorted(set(ARCHITECTURES)))}")
     return cls.from_backend(backend, source)
+
+
+@dataclass
+class TextCheckpoint:
+    """A loaded text checkpoint: its ``backend`` (weights, metadata, memory controls), the architecture's ``model``,
+    and its ``tokenizer``. :meth:`close` drops the weights."""
+
+    backend: Backend
+    model: DecoderModel
+    tokenizer: Tokenizer
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
+                         tokenizer_folder: Path | None = None) -> TextCheckpoint:
+    """Load a text model and its tokenizer from a GGUF file or a Hugging Face folder.
+
+    A GGUF file holds its tokenizer in its metadata (``tokenizer.ggml.*``, the chat template); a folder's tokenizer
+    is read from ``tokenizer_folder`` when given (a diffusers pipeline keeps it beside the text encoder), else from
+    the folder itself. The backend is closed again when anything fails.
+
+    Args:
+        path: the ``.gguf`` file (an ollama blob has no extension) or the model folder.
+        make_backend: ``make_backend(path) -> Backend`` (the API passes ``MLXBackend`` with its device and dtype).
+
+    Raises:
+        WeightsError: a corrupt or incomplete checkpoint or tokenizer. UnsupportedError: an architecture we do not
+        run. KeyError: a tensor the architecture needs is missing (callers name their folder in the message).
+    """
+    path = Path(path)
+    backend = make_backend(path)
+    try:
+        model = load_text_model(backend)
+        tokenizer = (Tokenizer.from_gguf(backend.metadata) if path.is_file()
+                     else Tokenizer.from_folder(tokenizer_folder if tokenizer_folder is not None else path))
+    except BaseException:
+        backend.close()
+        raise
+    return TextCheckpoint(backend, model, tokenizer)

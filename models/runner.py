@@ -16,9 +16,9 @@ import numpy as np
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheFullError, InvalidRequestError
 from mlx_engine.ml import DType, Tensor
-from models.base import DecoderModel
-from models.sampler import Sampler, SamplerOptions
-from models.tokenizer import Tokenizer
+from mlx_engine.models.base import DecoderModel
+from mlx_engine.models.sampler import Sampler, SamplerOptions
+from mlx_engine.models.tokenizer import Tokenizer
 
 
 @dataclass

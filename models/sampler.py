@@ -29,7 +29,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_engine.errors import InvalidRequestError
+from mlx_engine.errors import InvalidOptionError
 from mlx_engine.ml import Context, DType, Tensor
 
 __all__ = ["SamplerOptions", "Sampler", "apply_penalties"]
@@ -79,32 +79,32 @@ class SamplerOptions:
         Raises:
             InvalidRequestError: naming the first invalid field, its value and the accepted range.
         """
-        def bad(name: str, rule: str) -> InvalidRequestError:
-            return InvalidRequestError(f"invalid sampling option {name}={getattr(self, name)!r}: {rule}")
+        def bad(name: str, rule: str, hint: str = "") -> InvalidOptionError:
+            return InvalidOptionError(name, getattr(self, name), rule, hint)
 
         t = self.temperature
         if not _is_number(t) or not math.isfinite(t) or t < 0:
-            raise bad("temperature", "it must be a finite number >= 0 (0 is greedy)")
+            raise bad("temperature", "must be >= 0", "a finite number; 0 is greedy")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "it must be an integer >= 0 (0 turns it off)")
+            raise bad("top_k", "must be an integer >= 0", "0 turns it off")
         p = self.top_p
         if not _is_number(p) or not math.isfinite(p) or not 0 < p <= 1:
-            raise bad("top_p", "it must be in (0, 1] (1 turns it off)")
+            raise bad("top_p", "must be in (0, 1]", "1 turns it off")
         m = self.min_p
         if not _is_number(m) or not math.isfinite(m) or not 0 <= m <= 1:
-            raise bad("min_p", "it must be in [0, 1] (0 turns it off)")
+            raise bad("min_p", "must be in [0, 1]", "0 turns it off")
         r = self.repeat_penalty
         if not _is_number(r) or not math.isfinite(r) or r <= 0:
-            raise bad("repeat_penalty", "it must be a finite number > 0 (1 turns it off)")
+            raise bad("repeat_penalty", "must be > 0", "a finite number; 1 turns it off")
         if not _is_int(self.repeat_last_n) or self.repeat_last_n < -1:
-            raise bad("repeat_last_n", "it must be an integer >= -1 (0 turns the repeat penalty off, -1 uses all "
-                                       "the history)")
+            raise bad("repeat_last_n", "must be an integer >= -1",
+                      "0 turns the repeat penalty off, -1 uses all the history")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not math.isfinite(v):
-                raise bad(name, "it must be a finite number (0 turns it off)")
+                raise bad(name, "must be a finite number", "0 turns it off")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
-            raise bad("seed", "it must be an integer in [0, 2**64) or None")
+            raise bad("seed", "must be an integer in [0, 2**64) or None")
         return self
 
     @property

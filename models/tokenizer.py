@@ -38,7 +38,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
-from models.chat_template import default_template, render_chat_template
+from mlx_engine.models.chat_template import default_template, render_chat_template
 
 __all__ = ["Tokenizer", "Detokenizer", "bytes_to_unicode"]
 
@@ -660,7 +660,7 @@ class Tokenizer:
                             **kwargs: Any) -> str:
         """Render ``messages`` (``{"role": ..., "content": ...}`` dicts) with the model's template, or, for a model
         without one, with its architecture's standard turn format (Gemma's, Llama 3's, else ChatML; see
-        :func:`models.chat_template.default_template`). Extra keyword arguments (``tools``, ``documents``,
+        :func:`mlx_engine.models.chat_template.default_template`). Extra keyword arguments (``tools``, ``documents``,
         ``enable_thinking``...) reach the template. Returns the prompt text (BOS included when the template writes it:
         encode it with ``add_bos=None``, which does not double it).
 

@@ -9,7 +9,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from cli.main import main
+from mlx_engine.cli.main import main
 from mlx_engine.bench import COMPARED, BenchResult, format_table
 
 FIGURES = ("prefill_512", "prefill_2048", "decode", "ttft", "peak_memory", "weights_bytes", "bytes_per_token",

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import cli.main as cli_main
-from cli.chat import ChatRepl
-from cli.main import main
+import mlx_engine.cli.main as cli_main
+from mlx_engine.cli.chat import ChatRepl
+from mlx_engine.cli.main import main
 from mlx_engine.errors import InvalidRequestError
 from tests.conftest import link_model
 from tests.test_store import write_ollama_model

@@ -22,8 +22,8 @@ pytest.importorskip("torch")
 from PIL import Image  # noqa: E402
 
 import mlx_engine  # noqa: E402
-from cli.main import main  # noqa: E402
-from imagegen.pipeline import read_png_parameters  # noqa: E402
+from mlx_engine.cli.main import main  # noqa: E402
+from mlx_engine.imagegen.metadata import read_png_parameters  # noqa: E402
 from tests.zimage_small import build_folder, copy_folder  # noqa: E402
 
 PROMPT = "a red circle on a blue background"
@@ -165,7 +165,7 @@ def test_model_errors(folder, workdir, tmp_path, monkeypatch):
 
 def test_ctrl_c_leaves_no_file(folder, workdir, monkeypatch):
     """A KeyboardInterrupt in the middle of the denoising loop: exit 130, no image, no temporary file."""
-    from imagegen.pipeline import ZImagePipeline
+    from mlx_engine.imagegen.zimage import ZImagePipeline
 
     real = ZImagePipeline.generate
 
@@ -192,7 +192,7 @@ def test_ctrl_c_in_a_real_process(folder, tmp_path):
     # a user's terminal does not, so the child restores Python's handler first.
     code = ("import signal, sys, time\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-            "from imagegen.pipeline import ZImagePipeline\n"
+            "from mlx_engine.imagegen.zimage import ZImagePipeline\n"
             "real = ZImagePipeline.generate\n"
             "def slow(self, *a, callback=None, **kw):\n"
             "    def cb(*x):\n"
@@ -201,7 +201,7 @@ def test_ctrl_c_in_a_real_process(folder, tmp_path):
             "        time.sleep(30)\n"
             "    return real(self, *a, callback=cb, **kw)\n"
             "ZImagePipeline.generate = slow\n"
-            "from cli.main import main\n"
+            "from mlx_engine.cli.main import main\n"
             "sys.argv = ['mlx-engine', 'image', sys.argv[1], '--model', sys.argv[2], '--steps', '3']\n"
             "main()\n")
     repo = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from mlx_engine.batch import Batch
 from mlx_engine.ml import Backend, DType
 from mlx_engine.mlx import MLXBackend, MLXQuantizedTensor
 from mlx_engine.mlx.backend import MLXMask
-from models.registry import load_text_model
+from mlx_engine.models.registry import load_text_model
 from tests.test_models_random import VOCAB, _make_folder
 
 
@@ -236,7 +236,7 @@ import json, sys
 import numpy as np
 from mlx_engine.mlx import MLXBackend
 from mlx_engine.mlx.backend import _compile_works
-from models.registry import load_text_model
+from mlx_engine.models.registry import load_text_model
 from tests.test_fast_paths import _decode
 backend = MLXBackend(sys.argv[1], dtype="float32")
 model = load_text_model(backend)

@@ -16,7 +16,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("torch")
 
 import mlx_engine  # noqa: E402
-from imagegen.pipeline import ZImagePipeline, png_info, read_png_parameters  # noqa: E402
+from mlx_engine.imagegen.metadata import png_info, read_png_parameters  # noqa: E402
+from mlx_engine.imagegen.zimage import ZImagePipeline  # noqa: E402
 from mlx_engine import api  # noqa: E402
 from mlx_engine.errors import InvalidRequestError, ModelNotFoundError, UnsupportedError, WeightsError  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402

@@ -18,7 +18,7 @@ diffusers = pytest.importorskip("diffusers")
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 from diffusers.pipelines.z_image import pipeline_z_image, pipeline_z_image_img2img  # noqa: E402
 
-from imagegen.scheduler import (  # noqa: E402
+from mlx_engine.imagegen.scheduler import (  # noqa: E402
     FlowMatchEulerScheduler,
     _beta_ppf,
     calculate_shift,

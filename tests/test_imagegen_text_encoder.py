@@ -1,4 +1,4 @@
-"""Parity of ``imagegen.text_encoder.TextEncoder`` with diffusers' ``ZImagePipeline._encode_prompt`` on a small random
+"""Parity of ``mlx_engine.imagegen.text_encoder.TextEncoder`` with diffusers' ``ZImagePipeline._encode_prompt`` on a small random
 transformers Qwen3 (a bare ``Qwen3Model``, as diffusers saves Z-Image's text encoder, and a ``Qwen3ForCausalLM``)
 and a small byte-level BPE tokenizer with a Qwen3-style chat template (float32, CPU)."""
 
@@ -16,10 +16,10 @@ from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config  # noqa: E402
 
-from imagegen.text_encoder import TextEncoder  # noqa: E402
+from mlx_engine.imagegen.text_encoder import TextEncoder  # noqa: E402
 from mlx_engine.errors import InvalidRequestError  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402
-from models.tokenizer import Tokenizer  # noqa: E402
+from mlx_engine.models.tokenizer import Tokenizer  # noqa: E402
 
 # The parts of Qwen3's template that _encode_prompt exercises: ChatML turns, and an empty think block after the
 # generation prompt only when enable_thinking is false (the pipeline passes true).

@@ -1,4 +1,4 @@
-"""Parity of ``imagegen.transformer.ZImageTransformer`` with diffusers' ``ZImageTransformer2DModel`` on a small random
+"""Parity of ``mlx_engine.imagegen.transformer.ZImageTransformer`` with diffusers' ``ZImageTransformer2DModel`` on a small random
 configuration saved with ``save_pretrained`` (float32, CPU).
 
 Every parameter is randomised (norm weights around 1, pad tokens, adaLN layers), so that no part is an identity.
@@ -17,7 +17,7 @@ diffusers = pytest.importorskip("diffusers")
 
 from diffusers import ZImageTransformer2DModel  # noqa: E402
 
-from imagegen.transformer import ZImageTransformer  # noqa: E402
+from mlx_engine.imagegen.transformer import ZImageTransformer  # noqa: E402
 from mlx_engine.ml import DType  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402
 

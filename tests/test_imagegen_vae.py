@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-from imagegen.vae import AutoencoderKL  # noqa: E402
+from mlx_engine.imagegen.vae import AutoencoderKL  # noqa: E402
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError  # noqa: E402
 from mlx_engine.ml import DType  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402

@@ -14,7 +14,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from kvcache import (CausalCache, ChunkedAttentionCache, EncoderCache, SlidingWindowCache, SlidingWindowMemoryCache,
+from mlx_engine.kvcache import (CausalCache, ChunkedAttentionCache, EncoderCache, SlidingWindowCache, SlidingWindowMemoryCache,
                      WrapperCache)
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError, CacheFullError

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcache import (CausalCache, ChunkedAttentionCache, SlidingWindowCache, SlidingWindowMemoryCache,
+from mlx_engine.kvcache import (CausalCache, ChunkedAttentionCache, SlidingWindowCache, SlidingWindowMemoryCache,
                      WrapperCache)
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheFullError

@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 from mlx_engine.batch import Batch
 from mlx_engine.mlx import MLXBackend
 from mlx_engine.mlx.runtime import mx
-from models.registry import load_text_model
+from mlx_engine.models.registry import load_text_model
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 256, 64, 4, 4, 2, 16, 128
 

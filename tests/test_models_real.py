@@ -8,8 +8,8 @@ import pytest
 
 import mlx_engine
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
-from models.runner import Request
-from models.sampler import SamplerOptions
+from mlx_engine.models.runner import Request
+from mlx_engine.models.sampler import SamplerOptions
 from tests.reference import mlx_lm_greedy, mlx_lm_model
 
 
@@ -195,7 +195,7 @@ def test_stream_stop_strings_limits_and_seeds(pair):
 def test_8bit_kv_cache_on_a_real_model(smollm2_gguf, record_property):
     """8-bit affine KV storage (group 64) stays close to the float cache: measured 1.6% of the largest logit on this
     prompt; the bound is 3%. It gives the same greedy answer."""
-    from models.runner import logits_for
+    from mlx_engine.models.runner import logits_for
 
     base = mlx_engine.load(str(smollm2_gguf), progress=False)
     quant = mlx_engine.load(str(smollm2_gguf), progress=False, kv_bits=8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from imagegen import shapes_data
+from mlx_engine.imagegen import shapes_data
 
 
 def test_shapes_data_is_deterministic_and_captions_are_exact():
@@ -170,7 +170,7 @@ def test_readme_image_command_draws_the_prompt(tmp_path, monkeypatch):
     from click.testing import CliRunner
     from PIL import Image
 
-    from cli.main import main
+    from mlx_engine.cli.main import main
     from training.evaluate import classify
 
     monkeypatch.chdir(tmp_path)
@@ -179,5 +179,29 @@ def test_readme_image_command_draws_the_prompt(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     out = tmp_path / r.stdout.strip().splitlines()[-1]
     with Image.open(out) as im:
+        got = classify(np.asarray(im.convert("RGB")))
+    assert got["background"] == "blue" and got["colour"] == "red", got
+
+
+def test_readme_python_image_example(tmp_path, monkeypatch, capsys):
+    """The README's Python image example runs as written: the saved PNG carries its metadata, the callback sees
+    every step."""
+    _packaged_model()
+    import re
+    from pathlib import Path
+
+    from PIL import Image
+
+    from training.evaluate import classify
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "generate_image" in b)
+    monkeypatch.chdir(tmp_path)
+    exec(compile("import mlx_engine\n" + block, "README.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split(" ", 1) == ["1", "a red circle on a blue background"]
+    assert out[1:17] == [f"{i} / 16" for i in range(1, 17)] and "peak memory" in out[17]
+    with Image.open(tmp_path / "circle.png") as im:
+        assert im.text["seed"] == "1" and im.text["model"] == "shapes:64"
         got = classify(np.asarray(im.convert("RGB")))
     assert got["background"] == "blue" and got["colour"] == "red", got

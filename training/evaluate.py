@@ -2,7 +2,7 @@
 
     python -m training.evaluate --n 120 --steps 8            # prints accuracies, with captions and with ""
 
-For ``n`` held-out (caption, seed) pairs (seeds of the held-out split of :mod:`imagegen.shapes_data`, long captions:
+For ``n`` held-out (caption, seed) pairs (seeds of the held-out split of :mod:`mlx_engine.imagegen.shapes_data`, long captions:
 shape, colours, size and position all named), the model draws the caption; each image is classified with pixel
 measurements:
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from imagegen import shapes_data
+from mlx_engine.imagegen import shapes_data
 
 __all__ = ["classify", "evaluate", "eval_pairs", "EvalReport", "BG_DISTANCE"]
 

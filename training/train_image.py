@@ -5,8 +5,8 @@
     python -m training.train_image dit --out runs/shapes --minutes 25
     python -m training.train_image export --out runs/shapes --to mlx_engine/assets/shapes-64
 
-The forward passes are the project's inference classes: :class:`imagegen.vae.AutoencoderKL` and
-:class:`imagegen.transformer.ZImageTransformer` are built once from a backend holding ``MLXTensor``\\ s, and the loss
+The forward passes are the project's inference classes: :class:`mlx_engine.imagegen.vae.AutoencoderKL` and
+:class:`mlx_engine.imagegen.transformer.ZImageTransformer` are built once from a backend holding ``MLXTensor``\\ s, and the loss
 function puts the traced parameter arrays into those very tensors (:class:`Binder`) before running the model, so
 ``mx.value_and_grad`` differentiates the inference code itself. Parameters are kept under their diffusers names and
 layouts (PyTorch convolutions ``[O, I, kH, kW]``), so the export is the parameter dict as it is.
@@ -40,7 +40,7 @@ import numpy as np
 from mlx_engine.mlx.runtime import mx  # loads OpenBLAS before mlx (see the runtime module)
 import mlx.optimizers as optim  # noqa: E402
 
-from imagegen import shapes_data  # noqa: E402
+from mlx_engine.imagegen import shapes_data  # noqa: E402
 from mlx_engine.mlx.backend import MLXBackend  # noqa: E402
 from mlx_engine.mlx.tensor import MLXTensor  # noqa: E402
 
@@ -250,7 +250,7 @@ def _find(obj, cls_name: str, seen=None) -> list:
 
 def build_vae(params: dict[str, "mx.array"], config: dict = VAE_CONFIG):
     """``(AutoencoderKL, Binder)`` on these parameters (diffusers names and layout)."""
-    from imagegen.vae import AutoencoderKL
+    from mlx_engine.imagegen.vae import AutoencoderKL
 
     b = _backend(config, params)
     vae = AutoencoderKL.from_backend(b)
@@ -259,7 +259,7 @@ def build_vae(params: dict[str, "mx.array"], config: dict = VAE_CONFIG):
 
 def build_transformer(params: dict[str, "mx.array"], config: dict = DIT_CONFIG):
     """``(ZImageTransformer, Binder)`` on these parameters."""
-    from imagegen.transformer import ZImageTransformer
+    from mlx_engine.imagegen.transformer import ZImageTransformer
 
     b = _backend(config, params)
     tr = ZImageTransformer.from_backend(b)
@@ -438,14 +438,12 @@ def vae_batches(seed: int, batch: int, pool: int = 200_000, fg_weight: float = 0
 
 def text_encoder():
     """The project's TextEncoder over the store's ``smollm2:135m`` (pulled when missing)."""
-    from imagegen.text_encoder import TextEncoder
+    from mlx_engine.imagegen.text_encoder import TextEncoder
+    from mlx_engine.models.registry import load_text_checkpoint
     from mlx_engine.store import Store
-    from models.registry import load_text_model
-    from models.tokenizer import Tokenizer
 
-    path = Store().resolve(TEXT_MODEL, pull=True).path
-    backend = MLXBackend(path)
-    return TextEncoder(load_text_model(backend), Tokenizer.from_gguf(backend.metadata), backend)
+    text = load_text_checkpoint(Store().resolve(TEXT_MODEL, pull=True).path, MLXBackend)
+    return TextEncoder(text.model, text.tokenizer, text.backend)
 
 
 def caption_in_subset(cap: str, every: int) -> bool:
@@ -491,7 +489,7 @@ def encode_captions(captions: list[str], chunk: int = 64, log=print) -> dict[str
 
 def load_vae_export(folder: Path):
     """The exported autoencoder as the pipeline loads it."""
-    from imagegen.vae import AutoencoderKL
+    from mlx_engine.imagegen.vae import AutoencoderKL
 
     return AutoencoderKL.from_backend(MLXBackend(folder, dtype="float32"))
 

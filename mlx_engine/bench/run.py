@@ -25,7 +25,7 @@ order flips every repetition, so that a busy machine slows both alike):
 early, in both engines.
 
 This module imports no ``mlx``: the engine is driven through :mod:`mlx_engine.api` and the ``ml`` interfaces, mlx-lm
-through :mod:`mlx_engine.mlx.mlx_lm_peer`.
+through :mod:`mlx_engine.bench.mlx_lm_peer`.
 """
 
 from __future__ import annotations
@@ -128,14 +128,14 @@ class EngineSide:
         self.backend = model.backend
 
     def _runner(self, max_sequences: int = 1) -> Any:
-        from models.runner import Runner
+        from mlx_engine.models.runner import Runner
 
         m = self.model
         return Runner(m.text_model, m.tokenizer, context_length=m.context_length, max_sequences=max_sequences)
 
     def run(self, tokens: list[int], max_tokens: int) -> dict[str, float]:
-        """Same contract as :meth:`mlx_engine.mlx.mlx_lm_peer.MLXLMPeer.run`."""
-        from models.runner import Request
+        """Same contract as :meth:`mlx_engine.bench.mlx_lm_peer.MLXLMPeer.run`."""
+        from mlx_engine.models.runner import Request
 
         runner = self._runner()
         others = self.backend.active_memory() - self.backend.weights_nbytes()
@@ -156,7 +156,7 @@ class EngineSide:
     def decode_at_context(self, prompt: list[int], tokens: int, reps: int) -> float:
         """Median decode tokens/s of ``tokens`` tokens after ``prompt``: the prompt is prefilled once, and every
         repetition rewinds to its end (the runner reuses the cached prompt) and decodes again."""
-        from models.runner import GenerationStats, Request
+        from mlx_engine.models.runner import GenerationStats, Request
 
         runner = self._runner()
         rates = []
@@ -318,7 +318,7 @@ def run_bench(model_name: str, *, reps: int = 3, compare: str | None = None, qui
     ours = EngineSide(model)
     peer = None
     if compare == "mlx-lm":
-        from mlx_engine.mlx.mlx_lm_peer import MLXLMPeer
+        from mlx_engine.bench.mlx_lm_peer import MLXLMPeer
 
         say("loading mlx-lm on the same weights (dequantized by the gguf package, float32)")
         peer = MLXLMPeer(model.path)

@@ -2,8 +2,8 @@
 dequantizes from the same GGUF file (float32), independent of our weight readers and models.
 
 Used by the parity tests (reference logits and greedy tokens) and by ``mlx-engine bench --compare mlx-lm`` (the
-same measurements as for this engine, run through mlx-lm's own ``generate_step``). It lives under
-``mlx_engine/mlx/`` because it drives ``mlx`` and ``mlx_lm`` directly.
+same measurements as for this engine, run through mlx-lm's own ``generate_step``). It lives in the bench,
+above the API, because it drives ``mlx`` and ``mlx_lm`` directly (the one module besides the MLX backend allowed to).
 """
 
 from __future__ import annotations

@@ -1,0 +1,9 @@
+"""The benchmark behind ``mlx-engine bench`` (:mod:`mlx_engine.bench.run`) and its peer engines
+(:mod:`mlx_engine.bench.mlx_lm_peer`). It sits above the API and the runner, which it drives; nothing below it
+imports it, and ``mlx_lm`` is imported only here and by the tests."""
+
+from mlx_engine.bench.run import (COMPARED, LOWER_IS_BETTER, BenchResult, BenchSizes, format_table, matmul_probe,
+                                  openblas_gain, run_bench)
+
+__all__ = ["COMPARED", "LOWER_IS_BETTER", "BenchResult", "BenchSizes", "format_table", "matmul_probe",
+           "openblas_gain", "run_bench"]

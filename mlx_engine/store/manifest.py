@@ -1,0 +1,173 @@
+"""The store's layout on disk, its manifests, and the atomic writes and locks that keep it consistent.
+
+Layout (other parts of the engine rely on it)::
+
+    <root>/                       $MLX_ENGINE_HOME, else <user cache dir>/mlx-engine
+        models/<safe name>/       one folder per model; ':' and '/' in the name become '-'
+            <model file(s)>       a .gguf file, or a Hugging Face folder's files
+            manifest.json         written last, atomically: name, source, files (name, size, sha256), license...
+        chat_history              the ``chat`` command's line-editing history
+
+A model is present only if its ``manifest.json`` exists and every file it lists has the recorded size. Files are
+written to a temporary name in the model's folder, flushed to disk and renamed into place (``os.replace``), and the
+manifest comes last, so an interrupted pull never leaves a file that later looks valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_engine.store.catalog import CATALOG, CatalogEntry
+
+MANIFEST = "manifest.json"
+MANIFEST_SCHEMA = 1
+GGUF_MAGIC = b"GGUF"
+FILE_MODE = 0o644  # mkstemp makes 0o600; store files are ordinary readable files
+
+
+@dataclass
+class ResolvedModel:
+    """Where a model argument led.
+
+    Attributes:
+        path: a ``.gguf`` file (an ollama blob has no extension) or a Hugging Face folder.
+        name: the canonical name (catalog name, ``hf:org/repo``, ollama name, or the path given).
+        source: ``catalog``, ``file``, ``folder``, ``hf`` or ``ollama``.
+        entry: the catalog entry, for catalog models.
+        license: the license's name or text, when known.
+    """
+
+    path: Path
+    name: str
+    source: str
+    entry: CatalogEntry | None = None
+    license: str | None = None
+
+
+def default_root() -> Path:
+    """``$MLX_ENGINE_HOME``, else ``~/Library/Caches/mlx-engine`` on macOS, else ``$XDG_CACHE_HOME/mlx-engine`` or
+    ``~/.cache/mlx-engine``."""
+    env = os.environ.get("MLX_ENGINE_HOME")
+    if env:
+        return Path(env).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "mlx-engine"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg and os.path.isabs(os.path.expanduser(xdg)) else Path.home() / ".cache"
+    return base / "mlx-engine"
+
+
+def safe_name(name: str) -> str:
+    """The folder name of a model: ``smollm2:135m`` -> ``smollm2-135m``, ``hf:org/repo`` -> ``hf-org-repo``."""
+    return name.replace(":", "-").replace("/", "-")
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a readable file that starts with the GGUF magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder, fsync and ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        os.chmod(tmp, FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created if needed), so two processes never pull one model at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no cross-process lock
+            yield
+            return
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The manifest of ``folder`` if the model there is complete (every listed file has its size), else None."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or "name" not in manifest or not isinstance(manifest.get("files"), list):
+        return None
+    for f in manifest["files"]:
+        try:
+            p = folder / f["name"]
+            if p.stat().st_size != int(f["size"]):
+                return None
+        except (OSError, KeyError, TypeError, ValueError):
+            return None
+    return manifest
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    """Write ``folder/manifest.json`` atomically (the last step of a pull), stamped with the schema and the time."""
+    manifest = {"schema": MANIFEST_SCHEMA, **manifest,
+                "pulled_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    atomic_write_bytes(folder / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
+
+
+def discard_manifest(folder: Path) -> None:
+    """Remove ``folder``'s manifest first, so nothing in it looks valid while it is rewritten or deleted."""
+    with contextlib.suppress(FileNotFoundError):
+        (folder / MANIFEST).unlink()
+
+
+def resolved_from_manifest(folder: Path, m: dict) -> ResolvedModel:
+    """The :class:`ResolvedModel` a manifest describes."""
+    model_file = m.get("model_file")
+    path = folder / model_file if model_file else folder
+    return ResolvedModel(path=path, name=m["name"], source=m.get("source", "catalog"),
+                         entry=CATALOG.get(m["name"]) if m.get("source") == "catalog" else None,
+                         license=m.get("license"))
+
+
+def size_on_disk(path: Path) -> int:
+    """Bytes of a file, or of a folder's files (hidden work files left out)."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for p in path.rglob("*"):
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts):
+            total += p.stat().st_size
+    return total

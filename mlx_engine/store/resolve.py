@@ -1,0 +1,120 @@
+"""Model names: what a model argument means, and whether a command-line word names a model at all.
+
+A model argument resolves, in this order: ``hf:org/repo`` (the store, else downloaded), an existing path (a GGUF
+file, a Hugging Face folder with ``config.json``, a store folder, or a folder holding one ``.gguf``), a catalog name
+(pulled on first use), a name already in the store, and a model pulled with ollama.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mlx_engine.errors import EngineError, ModelNotFoundError
+from mlx_engine.store.catalog import CATALOG, DEFAULT_MODEL, canonical_name, catalog_hint
+from mlx_engine.store.info import folder_license
+from mlx_engine.store.manifest import ResolvedModel, is_gguf, read_manifest, resolved_from_manifest
+from mlx_engine.store.ollama import ollama_models_dir, resolve_ollama
+
+if TYPE_CHECKING:
+    from mlx_engine.store.store import Store
+
+
+def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = True) -> ResolvedModel:
+    """See :meth:`mlx_engine.store.Store.resolve`."""
+    if not isinstance(model, str) or not model.strip():
+        raise ModelNotFoundError(f"no model given; try {DEFAULT_MODEL!r}. {catalog_hint()}")
+    model = model.strip()
+
+    if model.startswith("hf:"):
+        found = store.find(model)
+        if found is not None:
+            return found
+        if not pull:
+            raise ModelNotFoundError(f"model {model!r} is not in the store ({store.models_dir}); "
+                                     f"pull it with: mlx-engine pull {model}")
+        return store.pull(model, progress=progress)
+
+    path = Path(model).expanduser()
+    if path.exists():
+        return resolve_path(path)
+
+    name = canonical_name(model)
+    if name in CATALOG:
+        found = store.find(name)
+        if found is not None:
+            return found
+        if not pull:
+            raise ModelNotFoundError(f"model {name!r} is not in the store ({store.models_dir}); "
+                                     f"pull it with: mlx-engine pull {name}")
+        return store.pull(name, progress=progress)
+
+    found = store.find(model)
+    if found is not None:
+        return found
+
+    ollama = resolve_ollama(model)
+    if ollama is not None:
+        return ollama
+
+    looks_like_path = os.sep in model or model.endswith(".gguf") or model.startswith((".", "~"))
+    what = f"no such file or folder: {model}" if looks_like_path else f"unknown model {model!r}"
+    raise ModelNotFoundError(
+        f"{what}. A model is a catalog name, a GGUF file, a Hugging Face folder, hf:org/repo, or a model "
+        f"pulled with ollama (looked in {ollama_models_dir()}). {catalog_hint()}")
+
+
+def resolve_path(path: Path) -> ResolvedModel:
+    """A path given as a model: a GGUF file, a Hugging Face folder, a store folder, or a folder with one GGUF.
+
+    Raises:
+        ModelNotFoundError: not a GGUF file, or a folder with none (or several) of them; the message says what to
+            give instead.
+    """
+    path = path.resolve()
+    if path.is_file():
+        if not is_gguf(path):
+            raise ModelNotFoundError(f"{path} is not a GGUF file (it does not start with the GGUF magic); "
+                                     f"give a .gguf file or a Hugging Face folder with config.json")
+        return ResolvedModel(path=path, name=str(path), source="file", license=None)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ResolvedModel(path=path, name=str(path), source="folder", license=folder_license(path))
+        manifest = read_manifest(path)
+        if manifest is not None:
+            return resolved_from_manifest(path, manifest)
+        ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        if len(ggufs) == 1:
+            return ResolvedModel(path=ggufs[0], name=str(ggufs[0]), source="file")
+        if len(ggufs) > 1:
+            raise ModelNotFoundError(f"{path} holds several GGUF files ({', '.join(p.name for p in ggufs)}); "
+                                     f"give one of them")
+        raise ModelNotFoundError(f"{path} is a folder without config.json or a .gguf file; give a GGUF file or "
+                                 f"a Hugging Face model folder")
+    raise ModelNotFoundError(f"{path} is neither a file nor a folder")
+
+
+def looks_like_model(store: "Store", arg: str) -> bool:
+    """See :meth:`mlx_engine.store.Store.looks_like_model`."""
+    if not arg or not arg.strip():
+        return False
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        return True
+    if path.is_file():
+        return path.suffix == ".gguf" or is_gguf(path)
+    if any(c.isspace() for c in arg):
+        return False
+    if arg.startswith("hf:") or canonical_name(arg) in CATALOG:
+        return True
+    if re.fullmatch(r"[\w.\-]+(/[\w.\-]+)*:[\w.\-]+", arg):
+        return True
+    if arg.endswith(".gguf"):
+        return True
+    try:
+        resolve(store, arg, pull=False, progress=False)
+    except EngineError:
+        return False
+    return True

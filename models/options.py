@@ -1,0 +1,73 @@
+"""Generation options in one shape, from the command line to the runner, validated in one place.
+
+The CLI collects its flags into a dict, the Python API takes keywords, the chat's ``/set`` changes one value; all
+three become a :class:`GenerationOptions` through :meth:`GenerationOptions.parse`, the only validator, and the runner's
+:class:`~mlx_engine.models.runner.Request` is made from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from mlx_engine.errors import InvalidOptionError, InvalidRequestError
+from mlx_engine.models.runner import Request
+from mlx_engine.models.sampler import SamplerOptions
+
+SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerOptions))
+#: every option name :meth:`GenerationOptions.parse` takes
+OPTION_NAMES = (*SAMPLER_FIELDS, "max_tokens", "stop", "system", "raw")
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What a caller sets for one generation.
+
+    Attributes:
+        sampler: how tokens are picked (:class:`~mlx_engine.models.sampler.SamplerOptions`, validated).
+        max_tokens: the most tokens to generate (>= 1, default 256).
+        stop: stop strings; generation ends before the first one.
+        system: a system prompt (for one-shot prompts), or None.
+        raw: True for plain completion without the chat template; None lets the model decide (base models are raw).
+    """
+
+    sampler: SamplerOptions = field(default_factory=SamplerOptions)
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = ()
+    system: str | None = None
+    raw: bool | None = None
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> "GenerationOptions":
+        """Options from a mapping of names (:data:`OPTION_NAMES`) to values; None means the default.
+
+        Raises:
+            InvalidRequestError: an unknown name (the message lists the valid ones). InvalidOptionError (an
+                InvalidRequestError): an invalid value; it names the option, the value and the accepted range.
+        """
+        unknown = set(options) - set(OPTION_NAMES)
+        if unknown:
+            raise InvalidRequestError(f"unknown option(s) {', '.join(sorted(unknown))}; valid options: "
+                                      f"{', '.join(sorted(OPTION_NAMES))}")
+        given = {k: v for k, v in options.items() if v is not None}
+        sampler = SamplerOptions(**{k: v for k, v in given.items() if k in SAMPLER_FIELDS}).validate()
+        max_tokens = given.get("max_tokens", DEFAULT_MAX_TOKENS)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidOptionError("max_tokens", max_tokens, "must be an integer >= 1")
+        stop = given.get("stop", ())
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+            raise InvalidOptionError("stop", options.get("stop"), "must be a string or a list of strings")
+        system = given.get("system")
+        if system is not None and not isinstance(system, str):
+            raise InvalidOptionError("system", system, "must be a string")
+        raw = given.get("raw")
+        if raw is not None and not isinstance(raw, bool):
+            raise InvalidOptionError("raw", raw, "must be true or false")
+        return cls(sampler, max_tokens, tuple(stop), system, raw)
+
+    def request(self, tokens: Sequence[int], sequence: int = 0) -> Request:
+        """The runner's request for ``tokens`` on cache sequence ``sequence``."""
+        return Request(list(tokens), self.sampler, self.max_tokens, list(self.stop), sequence)
