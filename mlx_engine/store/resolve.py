@@ -29,13 +29,7 @@ def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = T
     model = model.strip()
 
     if model.startswith("hf:"):
-        found = store.find(model)
-        if found is not None:
-            return found
-        if not pull:
-            raise ModelNotFoundError(f"model {model!r} is not in the store ({store.models_dir}); "
-                                     f"pull it with: mlx-engine pull {model}")
-        return store.pull(model, progress=progress)
+        return _stored_or_pulled(store, model, pull=pull, progress=progress)
 
     path = Path(model).expanduser()
     if path.exists():
@@ -43,13 +37,7 @@ def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = T
 
     name = canonical_name(model)
     if name in CATALOG:
-        found = store.find(name)
-        if found is not None:
-            return found
-        if not pull:
-            raise ModelNotFoundError(f"model {name!r} is not in the store ({store.models_dir}); "
-                                     f"pull it with: mlx-engine pull {name}")
-        return store.pull(name, progress=progress)
+        return _stored_or_pulled(store, name, pull=pull, progress=progress)
 
     found = store.find(model)
     if found is not None:
@@ -64,6 +52,17 @@ def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = T
     raise ModelNotFoundError(
         f"{what}. A model is a catalog name, a GGUF file, a Hugging Face folder, hf:org/repo, or a model "
         f"pulled with ollama (looked in {ollama_models_dir()}). {catalog_hint()}")
+
+
+def _stored_or_pulled(store: "Store", name: str, *, pull: bool, progress: bool) -> ResolvedModel:
+    """A catalog or ``hf:`` model from the store, pulled first when ``pull`` allows it."""
+    found = store.find(name)
+    if found is not None:
+        return found
+    if not pull:
+        raise ModelNotFoundError(f"model {name!r} is not in the store ({store.models_dir}); "
+                                 f"pull it with: mlx-engine pull {name}")
+    return store.pull(name, progress=progress)
 
 
 def resolve_path(path: Path) -> ResolvedModel:
