@@ -226,14 +226,9 @@ def load_init_image(image: Any) -> Image.Image:
         InvalidRequestError: a missing or unreadable file, an array of another shape, or another type.
     """
     if isinstance(image, (str, os.PathLike)):
-        try:
-            with Image.open(image) as im:
-                im.load()
-                image = im.copy()
-        except FileNotFoundError:
-            raise InvalidRequestError(f"{image}: no such init image file") from None
-        except (OSError, Image.DecompressionBombError) as e:
-            raise InvalidRequestError(f"{image}: cannot read the init image: {e}") from None
+        from mlx_engine.imagegen.metadata import InitImageFile
+
+        image = InitImageFile.open(image).image
     elif isinstance(image, np.ndarray):
         a = image
         if a.ndim == 2:
