@@ -139,20 +139,73 @@ class Runner:
         return n
 
     # ---- prefill -----------------------------------------------------------------------------------------------
+    def prefill_chunks(self, ctx, seq: int, tokens: Sequence[int]) -> tuple[int, Iterator[Tensor]]:
+        """Prefill ``tokens`` of sequence ``seq`` one chunk at a time, reusing the cached prefix.
+
+        Returns ``(reused, chunks)``: how many leading tokens came from the cache, and an iterator that runs one
+        chunk of at most ``prefill_chunk`` tokens per ``next()`` (evaluated, so that the graph and the memory of
+        intermediates stay bounded to one chunk) and yields that chunk's last-token logits ``[1, vocab]``; the last
+        one yielded is the prompt's. A scheduler interleaves decode steps of other sequences between chunks.
+        Raises ``CacheFullError`` (from ``next()``) when the cache has no room.
+        """
+        start = self._reuse(seq, tokens)
+
+        def chunks() -> Iterator[Tensor]:
+            for begin in range(start, len(tokens), self.prefill_chunk):
+                chunk = np.asarray(tokens[begin:begin + self.prefill_chunk], np.int32)
+                logits = self.model.forward(ctx, Batch.single(chunk, begin, seq), self.cache)
+                ctx.evaluate(logits)
+                self._cached.setdefault(seq, []).extend(int(t) for t in chunk)
+                yield logits
+        return start, chunks()
+
     def prefill(self, ctx, seq: int, tokens: Sequence[int]) -> tuple[Tensor, int]:
         """Run ``tokens`` of sequence ``seq`` through the model in chunks, reusing the cached prefix.
 
         Returns the logits ``[1, vocab]`` of the last token and how many tokens were run.
         Raises ``CacheFullError`` when the cache has no room.
         """
-        start = self._reuse(seq, tokens)
+        start, chunks = self.prefill_chunks(ctx, seq, tokens)
         logits = None
-        for begin in range(start, len(tokens), self.prefill_chunk):
-            chunk = np.asarray(tokens[begin:begin + self.prefill_chunk], np.int32)
-            logits = self.model.forward(ctx, Batch.single(chunk, begin, seq), self.cache)
-            ctx.evaluate(logits)  # bound the graph (and the memory of intermediates) to one chunk
-            self._cached.setdefault(seq, []).extend(int(t) for t in chunk)
+        for logits in chunks:
+            pass
         return logits, len(tokens) - start
+
+    # ---- several sequences, one token each (continuous batching) ----------------------------------------------
+    def decode(self, ctx, tokens: Sequence[int], positions: Sequence[int], sequences: Sequence[int]) -> Tensor:
+        """One decode step over several sequences in one forward pass: ``tokens[i]`` at ``positions[i]`` of
+        ``sequences[i]`` (each sequence at most once). Returns logits ``[K, vocab]`` in that order (lazy), and
+        records the tokens as cached. Raises ``CacheFullError`` with the cache unchanged when it has no room."""
+        k = len(tokens)
+        logits = self.model.forward(ctx, Batch(np.asarray(tokens, np.int32), positions, sequences, np.arange(k)),
+                                     self.cache)
+        for t, s in zip(tokens, sequences):
+            self._cached.setdefault(int(s), []).append(int(t))
+        return logits
+
+    def share_prefix(self, src: int, dst: int, tokens: Sequence[int]) -> int:
+        """Make ``dst`` (emptied first) share the cells of the longest common prefix of ``src``'s cached tokens and
+        ``tokens`` (at most ``len(tokens) - 1``: one token must run to give logits), through the cache's
+        ``copy_prefix``. Returns the number of shared tokens; 0 when the cache could not resume ``dst`` there (a
+        sliding window that has moved past the prefix), in which case ``dst`` is left empty."""
+        self.reset(dst)
+        n = min(_common_prefix(self._cached.get(src, []), tokens), len(tokens) - 1)
+        if n <= 0:
+            return 0
+        self.cache.copy_prefix(src, dst, n)
+        if not self.cache.can_resume(dst, n):
+            self.cache.remove(dst, 0, None)
+            return 0
+        self._cached[dst] = list(tokens[:n])
+        return n
+
+    def common_prefix(self, seq: int, tokens: Sequence[int]) -> int:
+        """Length of the common prefix of ``seq``'s cached tokens and ``tokens``."""
+        return _common_prefix(self._cached.get(seq, []), tokens)
+
+    def cells_in_use(self) -> int:
+        """Cells of the KV cache owned by at least one sequence (summed over the caches of a wrapper)."""
+        return sum(c.cells_in_use() for c in getattr(self.cache, "caches", [self.cache]))
 
     # ---- one request ------------------------------------------------------------------------------------------
     def generate_tokens(self, req: Request, stats: GenerationStats | None = None) -> Iterator[int]:
@@ -226,40 +279,25 @@ class Runner:
         read so far."""
         stats = GenerationStats()
         tokens = self.generate_tokens(req, stats)
-        eos = self.tokenizer.eos_ids
-        detok = self.tokenizer.detokenizer()
-        stops = [s for s in req.stop if s]
-        hold = max((len(s) for s in stops), default=1) - 1  # text that could still become a stop string
-
-        def stop_at(text: str) -> int:
-            return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-
-        pending = ""
+        text = TextAssembler(self.tokenizer, req.stop)
         try:
             for t in tokens:
-                if t in eos:
-                    stats.stop_reason = "eos"
+                piece = text.add(t)
+                if piece:
+                    yield piece
+                if text.stop_reason:
                     break
-                pending += detok.add(t)
-                cut = stop_at(pending)
-                if cut >= 0:
-                    pending, stats.stop_reason = pending[:cut], "stop"
-                    break
-                if len(pending) > hold:
-                    yield pending[:len(pending) - hold]
-                    pending = pending[len(pending) - hold:]
             else:
-                pending += detok.flush()
-                cut = stop_at(pending)
-                if cut >= 0:
-                    pending, stats.stop_reason = pending[:cut], "stop"
+                piece = text.flush()
+                if piece:
+                    yield piece
         except GeneratorExit:
             stats.stop_reason = "interrupted"
             raise
         finally:
             tokens.close()
-        if pending:
-            yield pending
+        if text.stop_reason:
+            stats.stop_reason = text.stop_reason
         yield stats
 
     def _finish(self, stats: GenerationStats, generated: int, t_first: float | None) -> None:
@@ -296,20 +334,66 @@ class Runner:
             active = [i for i in active if pos[i] < self.context_length]
             if not active:
                 break
-            batch = Batch(np.array([tokens[i] for i in active], np.int32), [pos[i] for i in active],
-                          [requests[i].sequence for i in active], list(range(len(active))))
-            logits = self.model.forward(ctx, batch, self.cache)
+            logits = self.decode(ctx, [tokens[i] for i in active], [pos[i] for i in active],
+                                 [requests[i].sequence for i in active])
             sampled = [samplers[i].sample(logits[j:j + 1], None) for j, i in enumerate(active)]
             ctx.evaluate(*sampled)
             still = []
             for j, i in enumerate(active):
-                self._cached[requests[i].sequence].append(tokens[i])
                 pos[i] += 1
                 tokens[i] = int(sampled[j].item())
                 out[i].append(tokens[i])
                 if tokens[i] not in eos and len(out[i]) < requests[i].max_tokens:
                     still.append(i)
             active = still
+        return out
+
+
+class TextAssembler:
+    """Token ids in, text out, for one request: stops at an end-of-sequence id or a stop string, and never gives
+    half a UTF-8 character or a piece of text that could still become a stop string.
+
+    ``add(token)`` returns the text that is safe to show now (maybe ``""``); once :attr:`stop_reason` is set
+    (``eos`` or ``stop``) the request is over and later tokens are ignored. ``flush()`` returns what was held back
+    when generation ends for another reason (``max_tokens``, a full context).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
+        self._eos = tokenizer.eos_ids
+        self._detok = tokenizer.detokenizer()
+        self._stops = [s for s in stop if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1  # text that could still become a stop string
+        self._pending = ""
+        self.stop_reason = ""
+
+    def _stop_at(self, text: str) -> int:
+        return min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+
+    def add(self, token: int) -> str:
+        if self.stop_reason:
+            return ""
+        if token in self._eos:
+            self.stop_reason = "eos"
+            return self._take(len(self._pending))
+        self._pending += self._detok.add(token)
+        cut = self._stop_at(self._pending)
+        if cut >= 0:
+            self.stop_reason = "stop"
+            return self._take(cut, drop_rest=True)
+        return self._take(max(0, len(self._pending) - self._hold))
+
+    def flush(self) -> str:
+        if self.stop_reason:
+            return ""
+        self._pending += self._detok.flush()
+        cut = self._stop_at(self._pending)
+        if cut >= 0:
+            self.stop_reason = "stop"
+            return self._take(cut, drop_rest=True)
+        return self._take(len(self._pending))
+
+    def _take(self, n: int, drop_rest: bool = False) -> str:
+        out, self._pending = self._pending[:n], ("" if drop_rest else self._pending[n:])
         return out
 
 
