@@ -1,4 +1,5 @@
-"""The ``mlx-engine`` command: ``pull``, ``list``, ``show``, ``rm``, ``run``, ``chat``, ``image`` and ``bench``.
+"""The ``mlx-engine`` command: ``pull``, ``list``, ``show``, ``rm``, ``run``, ``chat``, ``image``, ``serve`` and
+``bench``.
 
 Every :class:`~mlx_engine.errors.EngineError` ends the command with ``Error: <message>`` on stderr and exit status 1,
 never a traceback. The Python API (:mod:`mlx_engine.api`) is imported only by the commands that generate, so the store
@@ -15,6 +16,7 @@ import click
 
 from mlx_engine.cli.bench import bench
 from mlx_engine.cli.image import image
+from mlx_engine.cli.serve import serve
 from mlx_engine.cli.streaming import StopOnInterrupt, describe_model, stream_to
 from mlx_engine.errors import EngineError, InvalidRequestError
 from mlx_engine.store import CATALOG, DEFAULT_MODEL, Store, format_bytes
@@ -305,6 +307,7 @@ def chat(model: str, no_history: bool, **kw) -> None:
 
 main.add_command(image)
 main.add_command(bench)
+main.add_command(serve)
 
 
 if __name__ == "__main__":

@@ -32,13 +32,17 @@ from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
 
 __all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "GenerationStats", "GenerationOptions",
            "OPTION_NAMES", "DEFAULT_MODEL", "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL",
-           "open_init_image", "read_image_parameters", "save_image"]
+           "open_init_image", "read_image_parameters", "save_image", "memory_in_use"]
 
 DEFAULT_CONTEXT = 8192  # cap on the cache's capacity unless the caller asks for more
 
 
 class Model:
     """A loaded text model: weights on the device, tokenizer, and a runner with its KV cache.
+
+    Args (beyond :func:`load`'s): max_sequences: sequences the KV cache holds at once; prefill_chunk: the most
+    tokens of one forward pass; reserve: allocate the KV cache's worst case at load (a model that cannot fit fails
+    here, not mid-request).
 
     Attributes:
         name: the name it was loaded by. architecture: ``llama``, ``gemma3`` or ``qwen3``.
@@ -50,7 +54,8 @@ class Model:
 
     def __init__(self, name: str, path: Path, *, source: str = "file", license: str | None = None,
                  device: str | None = None, dtype: str | None = None, context_length: int | None = None,
-                 kv_bits: int | None = None, requantize: int | None = None, max_sequences: int = 4):
+                 kv_bits: int | None = None, requantize: int | None = None, max_sequences: int = 4,
+                 prefill_chunk: int = 2048, reserve: bool = False):
         t0 = time.perf_counter()
         text = load_text_checkpoint(path, lambda p: MLXBackend(p, device=device, dtype=dtype, requantize=requantize))
         self.backend, self.text_model, self.tokenizer = text.backend, text.model, text.tokenizer
@@ -62,7 +67,7 @@ class Model:
             raise InvalidRequestError(f"context_length must be at least 2, got {ctx_len}")
         self.context_length = ctx_len
         self.runner = Runner(self.text_model, self.tokenizer, context_length=ctx_len, max_sequences=max_sequences,
-                             kv_bits=kv_bits)
+                             prefill_chunk=prefill_chunk, kv_bits=kv_bits, reserve=reserve)
         self.load_seconds = time.perf_counter() - t0
         self.name = name
         self.path = path
@@ -119,6 +124,20 @@ class Model:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self._encode_text(self.render(messages))
 
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation with the chat template applied and the assistant's turn opened.
+
+        Raises:
+            InvalidRequestError: an empty conversation or a malformed message.
+        """
+        if not messages:
+            raise InvalidRequestError("the conversation is empty; give at least one user message")
+        return self._encode_text(self.render(list(messages)))
+
+    def text_tokens(self, text: str) -> list[int]:
+        """Token ids of raw text (no chat template; BOS added as the model wants)."""
+        return self._encode_text(text)
+
     # ---- generation --------------------------------------------------------------------------------------------
     def stream(self, prompt: str, **options: Any) -> Iterator["str | GenerationStats"]:
         """Text chunks as they are generated, then one :class:`GenerationStats`."""
@@ -133,9 +152,7 @@ class Model:
     def chat(self, messages: list[dict[str, str]], **options: Any) -> str:
         """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``)."""
         opts = GenerationOptions.parse(options)
-        if not messages:
-            raise InvalidRequestError("the conversation is empty; give at least one user message")
-        tokens = self._encode_text(self.render(list(messages)))
+        tokens = self.chat_tokens(messages)
         return "".join(p for p in self.runner.stream(opts.request(tokens)) if isinstance(p, str))
 
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
@@ -243,6 +260,11 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     resolved = Store().resolve(model, pull=pull, progress=progress)
     return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,
                  dtype=dtype, context_length=context_length, kv_bits=kv_bits, requantize=requantize)
+
+
+def memory_in_use() -> int:
+    """Bytes of device memory the process holds now (MLX's active memory)."""
+    return MLXBackend().active_memory()
 
 
 def _as_model(model: "Model | str") -> Model:

@@ -45,3 +45,15 @@ class ModelNotFoundError(EngineError):
 
 class PullError(EngineError):
     """A pull that failed (download error, wrong size or sha256, interrupted). Nothing of it is left in the store."""
+
+
+class ServerBusyError(EngineError):
+    """Every sequence slot is busy and the request queue is full; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class MemoryBudgetError(EngineError):
+    """A model (or a request) needs more memory than the budget has free. The message gives both numbers."""

@@ -199,6 +199,10 @@ class Runner:
         self._cached[dst] = list(tokens[:n])
         return n
 
+    def cached_length(self, seq: int) -> int:
+        """How many tokens the cache holds for ``seq``."""
+        return len(self._cached.get(seq, ()))
+
     def common_prefix(self, seq: int, tokens: Sequence[int]) -> int:
         """Length of the common prefix of ``seq``'s cached tokens and ``tokens``."""
         return _common_prefix(self._cached.get(seq, []), tokens)

@@ -1,0 +1,63 @@
+"""``mlx-engine serve``: the OpenAI- and ollama-compatible HTTP server."""
+
+from __future__ import annotations
+
+import click
+
+from mlx_engine.errors import InvalidRequestError
+
+
+def _size(value: str | None) -> int | None:
+    from mlx_engine.server.pool import parse_bytes
+
+    return None if value is None else parse_bytes(value)
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Anything but loopback needs --api-key.")
+@click.option("--port", default=11435, show_default=True, type=int, help="TCP port (ollama uses 11434).")
+@click.option("--model", "models", multiple=True, metavar="MODEL",
+              help="Load this model at start (repeatable; text or image). Others load on first request.")
+@click.option("--max-sequences", default=4, show_default=True, type=int,
+              help="Requests decoded together per text model; more wait in a queue.")
+@click.option("--context-length", default=4096, show_default=True, type=int,
+              help="Tokens per sequence (prompt + answer). The KV cache for max-sequences of them is reserved at "
+                   "load.")
+@click.option("--keep-alive", default="5m", show_default=True,
+              help="Unload a model after it has been idle this long (ollama's semantics: 0 unloads at once, a "
+                   "negative value never).")
+@click.option("--memory-budget", default=None, metavar="SIZE",
+              help="Memory all loaded models may use together, e.g. 12GiB (default: 3/4 of the machine's memory).")
+@click.option("--api-key", default=None, envvar="MLX_ENGINE_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every request.")
+@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Quantize the KV cache.")
+@click.option("--max-queue", default=64, show_default=True, type=int,
+              help="Requests that may wait for a sequence; beyond that HTTP 429.")
+@click.option("--prefill-chunk", default=512, show_default=True, type=int,
+              help="Most prompt tokens per forward pass: running answers stall by at most one chunk.")
+def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, context_length: int, keep_alive: str,
+          memory_budget: str | None, api_key: str | None, kv_bits: str | None, max_queue: int,
+          prefill_chunk: int) -> None:
+    """Serve text and image models over HTTP: the OpenAI API (/v1/...) and the ollama API (/api/...).
+
+    \b
+    Example: mlx-engine serve --model smollm2:135m
+             curl http://127.0.0.1:11435/v1/chat/completions -H 'Content-Type: application/json' \\
+                  -d '{"model": "smollm2:135m", "messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    from mlx_engine.server import ServerConfig
+    from mlx_engine.server import serve as run_server
+    from mlx_engine.server.pool import parse_keep_alive
+
+    try:
+        keep = parse_keep_alive(keep_alive, "--keep-alive")
+    except InvalidRequestError as e:
+        raise click.BadParameter(str(e), param_hint="--keep-alive") from None
+    config = ServerConfig(host=host, port=port, models=list(models), max_sequences=max_sequences,
+                          context_length=context_length, keep_alive=keep, memory_budget=_size(memory_budget),
+                          api_key=api_key, kv_bits=int(kv_bits) if kv_bits else None, max_queue=max_queue,
+                          prefill_chunk=prefill_chunk)
+    config.check()
+    click.echo(f"mlx-engine serving on http://{host}:{port} (OpenAI: /v1, ollama: /api); Ctrl-C stops", err=True)
+    run_server(config)

@@ -1,0 +1,200 @@
+"""The server: one ASGI app (Starlette on uvicorn) with the OpenAI and ollama routes over one device thread.
+
+Starlette, not FastAPI: the two APIs answer errors in different shapes and stream in different framings (server-sent
+events, NDJSON), so each route reads its JSON body itself under a size limit and validates it with pydantic; FastAPI's
+automatic validation would have to be overridden route by route, and Starlette is the layer FastAPI is built on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from mlx_engine.errors import InvalidRequestError
+from mlx_engine.server import ollama_api, openai_api
+from mlx_engine.server.http import DEFAULT_MAX_BODY, HTTPProblem, ServerState
+from mlx_engine.server.pool import ModelPool
+from mlx_engine.server.worker import DeviceWorker
+
+log = logging.getLogger("mlx_engine.server")
+
+API_KEY_ENV = "MLX_ENGINE_API_KEY"
+
+
+@dataclass
+class ServerConfig:
+    """What ``mlx-engine serve`` takes (see its ``--help``). Sizes in bytes, times in seconds."""
+
+    host: str = "127.0.0.1"
+    port: int = 11435
+    models: list[str] = field(default_factory=list)
+    max_sequences: int = 4
+    context_length: int | None = 4096
+    keep_alive: float = 300.0
+    memory_budget: int | None = None
+    api_key: str | None = None
+    kv_bits: int | None = None
+    prefill_chunk: int = 512
+    max_queue: int = 64
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    shutdown_timeout: float = 5.0
+
+    def check(self) -> None:
+        """Raises InvalidRequestError for a value the server cannot run with."""
+        for name in ("max_sequences", "prefill_chunk", "max_queue", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.context_length is not None and self.context_length < 2:
+            raise InvalidRequestError("--context-length must be at least 2")
+        if not 0 <= self.port <= 65535:
+            raise InvalidRequestError(f"--port must be in 0..65535, not {self.port}")
+        if not is_loopback(self.host) and not self.api_key:
+            raise InvalidRequestError(
+                f"binding {self.host} exposes the server beyond this machine: set an API key with --api-key or "
+                f"${API_KEY_ENV} (clients then send 'Authorization: Bearer KEY')")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _AccessLogAndAuth:
+    """Pure ASGI middleware: the API key check, and one log line per request (method, path, status, model, tokens,
+    time), written when the response (a stream included) has ended."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = {"code": 0}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        path = scope.get("path", "")
+        try:
+            if self.api_key and path not in ("/", "/health") and not self._authorized(scope):
+                message = "missing or wrong API key: send 'Authorization: Bearer KEY'"
+                body = {"error": message} if path.startswith("/api/") else {
+                    "error": {"message": message, "type": "authentication_error", "param": None, "code": 401}}
+                await JSONResponse(body, status_code=401)(scope, receive, send_wrapper)
+            else:
+                await self.app(scope, receive, send_wrapper)
+        finally:
+            note = scope.get("state", {}).get("log", "")
+            log.info("%s %s %s %s %.0f ms", scope.get("method"), path, status["code"] or "-", note,
+                     (time.perf_counter() - t0) * 1000)
+
+    def _authorized(self, scope) -> bool:
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                got = v.decode("latin-1")
+                return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), self.api_key)
+        return False
+
+
+def create_app(config: ServerConfig):
+    """The ASGI app. The device thread starts with the app's lifespan and the ``config.models`` load then."""
+    worker = DeviceWorker()
+    pool = ModelPool(worker, context_length=config.context_length, max_sequences=config.max_sequences,
+                     kv_bits=config.kv_bits, prefill_chunk=config.prefill_chunk, memory_budget=config.memory_budget,
+                     keep_alive=config.keep_alive, max_queue=config.max_queue)
+    state = ServerState(worker, pool, max_body_bytes=config.max_body_bytes)
+
+    async def expire_loop():
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await pool.expire()
+            except Exception:  # noqa: BLE001 -- keep expiring later models
+                log.exception("unloading an idle model failed")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        for name in config.models:
+            if pool.image_path(name) is not None:
+                await pool.image(name, float("inf"))
+            else:
+                resolved = await asyncio.to_thread(pool.store.resolve, name, pull=True, progress=False)
+                await pool.text(resolved.name, float("inf"))
+        expiry = asyncio.ensure_future(expire_loop())
+        try:
+            yield
+        finally:
+            expiry.cancel()
+            worker.stop(timeout=config.shutdown_timeout)
+
+    async def root(request: Request) -> Response:
+        return PlainTextResponse("mlx-engine is running")
+
+    async def status(request: Request) -> Response:
+        models = {}
+        for name, m in list(pool.models.items()):
+            models[name] = {"kind": m.kind, "bytes": m.nbytes, "in_flight": m.in_flight,
+                            **(m.scheduler.load() if m.scheduler else {})}
+        return JSONResponse({"memory_budget": pool.memory_budget, "models": models})
+
+    async def not_found(request: Request, exc) -> Response:
+        code = getattr(exc, "status_code", 404)
+        message = f"{request.method} {request.url.path}: " + ("no such endpoint" if code == 404 else
+                                                               "method not allowed" if code == 405 else str(exc))
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": message}, status_code=code)
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": code}}, status_code=code)
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.error("internal error", exc_info=exc)
+        body = f"internal server error ({type(exc).__name__}); the server log has the details"
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": body}, status_code=500)
+        return JSONResponse({"error": {"message": body, "type": "server_error", "param": None, "code": 500}},
+                            status_code=500)
+
+    routes = [Route("/", root, methods=["GET", "HEAD"]), Route("/health", root, methods=["GET"]),
+              Route("/status", status, methods=["GET"]),
+              *openai_api.routes(state), *ollama_api.routes(state)]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={404: not_found, 405: not_found, HTTPProblem: not_found,
+                                        Exception: internal})
+    wrapped = _AccessLogAndAuth(app, config.api_key)
+    wrapped.server = state  # for tests and embedding: the pool and the device thread
+    return wrapped
+
+
+def serve(config: ServerConfig) -> None:
+    """Run the server until SIGINT or SIGTERM: uvicorn stops accepting, gives running requests
+    ``config.shutdown_timeout`` seconds, then cancels them (their cells are freed) and the device thread stops."""
+    import uvicorn
+
+    config.check()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    app = create_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on")
+
+
+def api_key_from_env() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None

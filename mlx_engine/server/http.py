@@ -1,0 +1,183 @@
+"""What both HTTP APIs share: the server's state, bounded JSON bodies, request validation, errors mapped to status
+codes, and text generation as an async stream of events from the device thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic
+from starlette.requests import Request
+
+from mlx_engine.errors import (EngineError, InvalidRequestError, MemoryBudgetError, ModelNotFoundError,
+                               ServerBusyError, UnsupportedError)
+from mlx_engine.models.options import GenerationOptions
+from mlx_engine.server.pool import Loaded, ModelPool
+from mlx_engine.server.scheduler import JobStats, TextJob
+from mlx_engine.server.worker import DeviceWorker
+
+log = logging.getLogger("mlx_engine.server")
+
+DEFAULT_MAX_BODY = 32 * 2**20
+
+
+@dataclass
+class ServerState:
+    """What every route needs: the device thread, the models, and limits."""
+
+    worker: DeviceWorker
+    pool: ModelPool
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    started_at: float = field(default_factory=time.time)
+
+
+class HTTPProblem(Exception):
+    """An error to answer with ``status``; each API renders it in its own form."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
+
+
+def problem_from(exc: BaseException) -> HTTPProblem:
+    """The status code and message for an exception raised while serving a request. Anything that is not an engine
+    error is an internal error: logged with its traceback, answered with a 500 that carries no traceback."""
+    if isinstance(exc, HTTPProblem):
+        return exc
+    if isinstance(exc, ServerBusyError):
+        return HTTPProblem(429, str(exc), kind="rate_limit_error",
+                           headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+    if isinstance(exc, MemoryBudgetError):
+        return HTTPProblem(503, str(exc), kind="server_error")
+    if isinstance(exc, ModelNotFoundError):
+        return HTTPProblem(404, str(exc), kind="not_found_error", param="model")
+    if isinstance(exc, (InvalidRequestError, UnsupportedError)):
+        return HTTPProblem(400, str(exc), param=getattr(exc, "option", None))
+    if isinstance(exc, EngineError):
+        log.error("request failed: %s", exc)
+        return HTTPProblem(500, str(exc), kind="server_error")
+    log.error("internal error", exc_info=exc)
+    return HTTPProblem(500, f"internal server error ({type(exc).__name__}); the server log has the details",
+                       kind="server_error")
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object, read at most ``limit`` bytes. Raises :class:`HTTPProblem` (413, 400)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise HTTPProblem(413, f"the request body is larger than the server's limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HTTPProblem(413, f"the request body is larger than the server's limit of {limit} bytes")
+    if not body:
+        raise HTTPProblem(400, "the request has no body; send a JSON object")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise HTTPProblem(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise HTTPProblem(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def validate(schema: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:
+    """``schema`` filled from ``data``; a 400 that names every wrong field otherwise."""
+    try:
+        return schema.model_validate(data)
+    except pydantic.ValidationError as e:
+        parts = []
+        for err in e.errors()[:8]:
+            where = ".".join(str(x) for x in err["loc"]) or "body"
+            parts.append(f"{where}: {err['msg']}")
+        first = e.errors()[0]["loc"] if e.errors() else ()
+        raise HTTPProblem(400, "invalid request: " + "; ".join(parts),
+                          param=str(first[0]) if first else None) from None
+    except RecursionError:
+        raise HTTPProblem(400, "invalid request: nested too deeply") from None
+
+
+def generation_options(given: dict[str, Any], *, default_max_tokens: int) -> GenerationOptions:
+    """The engine's options from an API's fields (None = not given). Raises InvalidRequestError."""
+    opts = {k: v for k, v in given.items() if v is not None}
+    opts.setdefault("max_tokens", default_max_tokens)
+    return GenerationOptions.parse(opts)
+
+
+async def watch_disconnect(request: Request) -> None:
+    """Returns when the client goes away (for requests whose answer is not streamed)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_done_or_disconnect(request: Request, work: Any) -> Any:
+    """Await ``work`` (a coroutine); if the client disconnects first, cancel it and raise ``asyncio.CancelledError``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise asyncio.CancelledError("client disconnected")
+    finally:
+        watcher.cancel()
+
+
+async def text_events(state: ServerState, loaded: Loaded, tokens: list[int],
+                      options: GenerationOptions) -> AsyncIterator[tuple[str, Any]]:
+    """Submit a text request and yield its events: ``("text", str)`` pieces, then ``("done", JobStats)``.
+
+    Raises the request's error (an engine error: 4xx; anything else: 500). Closing the iterator early (the client
+    went away) cancels the request, which frees its cells within one step.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    job = TextJob(tokens, options, lambda kind, value: loop.call_soon_threadsafe(queue.put_nowait, (kind, value)))
+    loaded.in_flight += 1
+    try:
+        loaded.scheduler.submit(job)
+        state.worker.wake()
+        while True:
+            kind, value = await queue.get()
+            if kind == "error":
+                raise value
+            yield kind, value
+            if kind == "done":
+                return
+    finally:
+        if not job.stats.finish_reason:
+            job.cancel()
+            state.worker.wake()
+        loaded.in_flight -= 1
+        loaded.last_used = time.time()
+
+
+async def generate_text(state: ServerState, loaded: Loaded, tokens: list[int],
+                        options: GenerationOptions) -> tuple[str, JobStats]:
+    """The whole answer of a text request and its statistics."""
+    pieces: list[str] = []
+    stats = JobStats()
+    async for kind, value in text_events(state, loaded, tokens, options):
+        if kind == "text":
+            pieces.append(value)
+        else:
+            stats = value
+    return "".join(pieces), stats
+
+
+def remaining_context(loaded: Loaded, tokens: list[int]) -> int:
+    """Tokens left in the context after the prompt (at least 1, so the prompt check gives the clear error)."""
+    return max(1, loaded.obj.context_length - len(tokens))

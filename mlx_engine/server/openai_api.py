@@ -1,0 +1,329 @@
+"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+``/v1/images/generations``. Errors in OpenAI's ``{"error": {"message", "type", "param", "code"}}`` form.
+
+Field semantics follow OpenAI's API reference. Differences, stated rather than hidden: sampling is greedy unless
+``temperature`` is given (the engine's default); a chat answer may run to the end of the context unless
+``max_tokens`` / ``max_completion_tokens`` is given (as OpenAI); ``/v1/completions`` defaults to 16 tokens (as OpenAI);
+``n`` must be 1 for text; what the engine cannot do yet (``response_format`` other than text, ``tools``,
+``logprobs``, image inputs) is refused with a 400, never ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlx_engine import api
+from mlx_engine.server.http import (HTTPProblem, ServerState, generate_text, generation_options, problem_from,
+                                    read_json, remaining_context, text_events, until_done_or_disconnect, validate)
+from mlx_engine.server.scheduler import JobStats
+from mlx_engine.store import IMAGE_CATALOG
+
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ContentPart(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: int = 1
+    logprobs: Optional[Union[bool, int]] = None
+
+    def options(self, default_max_tokens: int, max_tokens: Optional[int] = None):
+        if self.n != 1:
+            raise HTTPProblem(400, "n must be 1: this server returns one choice per request", param="n")
+        if self.logprobs:
+            raise HTTPProblem(400, "logprobs are not supported by this server yet", param="logprobs")
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise HTTPProblem(400, "stop takes at most 4 sequences", param="stop")
+        return generation_options({
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "max_tokens": max_tokens or self.max_tokens, "stop": self.stop, "seed": self.seed,
+            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+            "repeat_penalty": self.repetition_penalty}, default_max_tokens=default_max_tokens)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int]]
+    echo: bool = False
+    suffix: Optional[str] = None
+
+
+class ImageRequest(_Strict):
+    prompt: str = Field(min_length=1)
+    model: str = "shapes:64"
+    n: int = Field(1, ge=1, le=8)
+    size: Optional[str] = None
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)
+    steps: Optional[int] = Field(None, ge=1, le=1000)
+    guidance: Optional[float] = Field(None, ge=0, le=100)
+    negative_prompt: Optional[str] = None
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    p = problem_from(exc)
+    return JSONResponse({"error": {"message": p.message, "type": p.kind, "param": p.param, "code": p.status}},
+                        status_code=p.status, headers=p.headers)
+
+
+def _message_text(m: ChatMessage) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    texts = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise HTTPProblem(400, f"message content of type {part.type!r} is not supported: this server's models "
+                                   "take text only", param="messages")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+    out = []
+    for m in req.messages:
+        if m.role == "tool":
+            raise HTTPProblem(400, "tool messages are not supported by this server yet", param="messages")
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": _message_text(m)})
+    return out
+
+
+def _usage(stats: JobStats) -> dict[str, Any]:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _note(request: Request, model: str, stats: JobStats | None = None) -> None:
+    request.scope.setdefault("state", {})["log"] = (
+        f"model={model}" + (f" prompt={stats.prompt_tokens} cached={stats.cached_tokens} "
+                            f"completion={stats.completion_tokens}" if stats else ""))
+
+
+def routes(state: ServerState) -> list[Route]:
+    async def chat_completions(request: Request) -> Response:
+        try:
+            req = validate(ChatRequest, await read_json(request, state.max_body_bytes))
+            if req.response_format and req.response_format.get("type", "text") != "text":
+                raise HTTPProblem(400, f"response_format {req.response_format.get('type')!r} is not supported by "
+                                       "this server yet", param="response_format")
+            if req.tools:
+                raise HTTPProblem(400, "tools are not supported by this server yet", param="tools")
+            messages = _chat_messages(req)
+            loaded = await state.pool.text(req.model)
+            tokens = await asyncio.to_thread(loaded.obj.chat_tokens, messages)
+            options = req.options(remaining_context(loaded, tokens), req.max_completion_tokens)
+        except Exception as e:  # noqa: BLE001 -- every failure gets the API's own error form
+            return error_response(e)
+        return await _answer(request, loaded, tokens, options, req, chat=True)
+
+    async def completions(request: Request) -> Response:
+        try:
+            req = validate(CompletionRequest, await read_json(request, state.max_body_bytes))
+            if req.echo or req.suffix:
+                raise HTTPProblem(400, "echo and suffix are not supported by this server", param="echo")
+            loaded = await state.pool.text(req.model)
+            prompt = req.prompt
+            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                if len(prompt) != 1:
+                    raise HTTPProblem(400, "give one prompt per request", param="prompt")
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise HTTPProblem(400, "the prompt is empty", param="prompt")
+                tokens = await asyncio.to_thread(loaded.obj.text_tokens, prompt)
+            else:
+                vocab = loaded.obj.tokenizer.vocab_size
+                if not prompt or not all(0 <= t < vocab for t in prompt):
+                    raise HTTPProblem(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+                tokens = list(prompt)
+            options = req.options(16)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return await _answer(request, loaded, tokens, options, req, chat=False)
+
+    async def _answer(request, loaded, tokens, options, req, *, chat: bool) -> Response:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+
+        def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            body = {"content": text} if text is not None else {}
+            key = "delta" if delta else "message"
+            if not delta:
+                body = {"role": "assistant", "content": text or ""}
+            return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
+
+        if not req.stream:
+            try:
+                text, stats = await until_done_or_disconnect(request, generate_text(state, loaded, tokens, options))
+            except asyncio.CancelledError:
+                return Response(status_code=499)
+            except Exception as e:  # noqa: BLE001
+                return error_response(e)
+            _note(request, loaded.name, stats)
+            return JSONResponse({"id": rid, "object": kind, "created": created, "model": loaded.name,
+                                 "choices": [choice(text, _FINISH[stats.finish_reason], False)],
+                                 "usage": _usage(stats)})
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunk_kind = kind + ".chunk" if chat else kind
+
+        async def events():
+            head = {"id": rid, "object": chunk_kind, "created": created, "model": loaded.name}
+            if chat:
+                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+            try:
+                async for what, value in text_events(state, loaded, tokens, options):
+                    if what == "text":
+                        yield _sse({**head, "choices": [choice(value, None, True)]})
+                    else:
+                        _note(request, loaded.name, value)
+                        yield _sse({**head, "choices": [choice(None if chat else "",
+                                                               _FINISH[value.finish_reason], True)]})
+                        if include_usage:
+                            yield _sse({**head, "choices": [], "usage": _usage(value)})
+            except Exception as e:  # noqa: BLE001 -- the status is sent; the error goes in the stream
+                p = problem_from(e)
+                yield _sse({"error": {"message": p.message, "type": p.kind, "param": p.param, "code": p.status}})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def list_models(request: Request) -> Response:
+        try:
+            infos = await asyncio.to_thread(state.pool.store.list)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        names = [i.name for i in infos] + [n for n in IMAGE_CATALOG if n not in {i.name for i in infos}]
+        names += [n for n in state.pool.models if n not in names]
+        created = int(state.started_at)
+        return JSONResponse({"object": "list", "data": [
+            {"id": n, "object": "model", "created": created, "owned_by": "mlx-engine"} for n in names]})
+
+    async def images(request: Request) -> Response:
+        try:
+            req = validate(ImageRequest, await read_json(request, state.max_body_bytes))
+            if req.response_format != "b64_json":
+                raise HTTPProblem(400, "only response_format \"b64_json\" is supported (this server keeps no image "
+                                       "files to link to)", param="response_format")
+            width = height = None
+            if req.size and req.size != "auto":
+                mo = re.fullmatch(r"(\d{1,5})x(\d{1,5})", req.size)
+                if not mo:
+                    raise HTTPProblem(400, f"size must be WIDTHxHEIGHT (for example 64x64), not {req.size!r}",
+                                      param="size")
+                width, height = int(mo.group(1)), int(mo.group(2))
+            loaded = await state.pool.image(req.model)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        job = _ImageJob()
+        try:
+            data = await until_done_or_disconnect(request, _images(state, loaded, req, width, height, job))
+        except asyncio.CancelledError:
+            job.cancelled = True
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        _note(request, loaded.name)
+        return JSONResponse({"created": int(time.time()), "data": data})
+
+    return [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/images/generations", images, methods=["POST"])]
+
+
+class _ImageJob:
+    cancelled = False
+
+
+class ImageCancelled(Exception):
+    """The client went away while its image was being denoised."""
+
+
+async def _images(state: ServerState, loaded, req: ImageRequest, width, height, job: _ImageJob) -> list[dict]:
+    seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
+    out = []
+    loaded.in_flight += 1
+    try:
+        for i in range(req.n):
+            def make(seed=seed + i) -> tuple[bytes, dict]:
+                def step(*_):  # after each denoising step: text requests get a step too
+                    if job.cancelled:
+                        raise ImageCancelled()
+                    state.worker.step_text()
+                img = api.generate_image(req.prompt, model=loaded.obj, negative_prompt=req.negative_prompt,
+                                         width=width, height=height, steps=req.steps, guidance=req.guidance,
+                                         seed=seed, callback=step)
+                buf = io.BytesIO()
+                api.save_image(img, buf)
+                return buf.getvalue(), img.info["parameters"]
+            png, params = await state.worker.run(make)
+            out.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": req.prompt,
+                        "seed": params.get("seed"), "steps": params.get("steps"), "guidance": params.get("guidance"),
+                        "width": params.get("width"), "height": params.get("height")})
+    except ImageCancelled:
+        raise asyncio.CancelledError() from None
+    finally:
+        loaded.in_flight -= 1
+        loaded.last_used = time.time()
+    return out

@@ -1,0 +1,233 @@
+"""The models a server holds: loaded on first request, under one memory budget, unloaded after ``keep_alive``.
+
+Memory is accounted when a model loads: a text model's KV cache is reserved at load for ``max_sequences`` full
+contexts, so that what it will use is known then; the bytes counted are the growth of the device's active memory
+across the load. When a model does not fit, idle models are unloaded (least recently used first); when it still does
+not fit it is refused with :class:`MemoryBudgetError` (HTTP 503) giving what it needs and what is free, never a crash
+in the middle of a request.
+
+``keep_alive`` follows ollama: a duration (``"5m"``, ``"30s"``, ``"1h"``, or a number of seconds); 0 unloads the model
+as soon as its requests are done; a negative value keeps it loaded until the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlx_engine import api
+from mlx_engine.errors import InvalidRequestError, MemoryBudgetError, ModelNotFoundError
+from mlx_engine.server.scheduler import TextScheduler
+from mlx_engine.server.worker import DeviceWorker
+from mlx_engine.store import Store, image_model_path
+from mlx_engine.store.format import format_bytes
+
+log = logging.getLogger("mlx_engine.server")
+
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_keep_alive(value: Any, option: str = "keep_alive") -> float:
+    """Seconds from an ollama ``keep_alive``: a number of seconds or a duration string (``"5m"``, ``"1h30m"`` is
+    not accepted; ``"90m"`` is). Negative means forever (returned as ``inf``).
+
+    Raises:
+        InvalidRequestError: anything else.
+    """
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"{option} must be a duration such as \"5m\" or a number of seconds, not {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (mo := _DURATION.match(value)):
+        seconds = float(mo.group(1)) * _UNIT[mo.group(2)]
+    else:
+        raise InvalidRequestError(f"{option} must be a duration such as \"5m\", \"30s\" or \"1h\", or a number of "
+                                  f"seconds, not {value!r}")
+    if seconds != seconds:
+        raise InvalidRequestError(f"{option} must be a number, not NaN")
+    return float("inf") if seconds < 0 else seconds
+
+
+def parse_bytes(value: str) -> int:
+    """``"12GiB"``, ``"800MB"``, ``"1.5G"`` or a plain number of bytes. Raises ``InvalidRequestError``."""
+    mo = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*", str(value), re.I)
+    if not mo:
+        raise InvalidRequestError(f"not a size: {value!r}; give for example 12GiB, 800MB or a number of bytes")
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[mo.group(2).upper()]
+    return int(float(mo.group(1)) * scale)
+
+
+def default_memory_budget() -> int:
+    """Three quarters of the machine's physical memory."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+@dataclass
+class Loaded:
+    """One loaded model. ``kind`` is ``text`` (``obj`` an :class:`mlx_engine.api.Model`, with its scheduler) or
+    ``image`` (``obj`` an image pipeline)."""
+
+    name: str
+    kind: str
+    obj: Any
+    nbytes: int
+    keep_alive: float
+    scheduler: TextScheduler | None = None
+    path: str = ""
+    loaded_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    in_flight: int = 0  # requests being served (images; text requests are counted by the scheduler too)
+
+    @property
+    def expires_at(self) -> float:
+        return self.last_used + self.keep_alive
+
+    def idle(self) -> bool:
+        return self.in_flight == 0 and (self.scheduler is None or not self.scheduler.busy())
+
+
+class ModelPool:
+    """Loads, finds and unloads models for the server; every device action runs on the :class:`DeviceWorker`."""
+
+    def __init__(self, worker: DeviceWorker, *, context_length: int | None = None, max_sequences: int = 4,
+                 kv_bits: int | None = None, prefill_chunk: int = 512, memory_budget: int | None = None,
+                 keep_alive: float = 300.0, max_queue: int = 64, store: Store | None = None):
+        self.worker = worker
+        self.context_length = context_length
+        self.max_sequences = max_sequences
+        self.kv_bits = kv_bits
+        self.prefill_chunk = prefill_chunk
+        self.memory_budget = memory_budget or default_memory_budget()
+        self.keep_alive = keep_alive
+        self.max_queue = max_queue
+        self.store = store or Store()
+        self.models: dict[str, Loaded] = {}
+        self._load_lock = asyncio.Lock()
+
+    # ---- names ---------------------------------------------------------------------------------------------------
+    def resolve_text(self, name: str):
+        """The store's :class:`ResolvedModel` for a text model name (never pulls). Raises ModelNotFoundError."""
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidRequestError("no model given: set \"model\" to a model name (GET /v1/models lists them)")
+        try:
+            return self.store.resolve(name, pull=False, progress=False)
+        except ModelNotFoundError as e:
+            raise ModelNotFoundError(f"{e} Pull it first (POST /api/pull or `mlx-engine pull {name}`).") from None
+
+    def image_path(self, name: str | None) -> Path | None:
+        """The folder of an image model name (a packaged one, or a diffusers folder), or None if not an image model."""
+        if name is None:
+            return None
+        packaged = image_model_path(name)
+        if packaged is not None:
+            return packaged
+        p = Path(name).expanduser()
+        return p if (p / "model_index.json").is_file() else None
+
+    # ---- loading -------------------------------------------------------------------------------------------------
+    async def text(self, name: str, keep_alive: float | None = None) -> Loaded:
+        """The loaded text model for ``name``, loading it on first use."""
+        resolved = await asyncio.to_thread(self.resolve_text, name)
+        return await self._get(resolved.name, "text", resolved, keep_alive)
+
+    async def image(self, name: str, keep_alive: float | None = None) -> Loaded:
+        """The loaded image model for ``name`` (``shapes:64`` or a diffusers folder), loading it on first use."""
+        path = self.image_path(name)
+        if path is None:
+            raise ModelNotFoundError(f"{name}: no such image model; use shapes:64 or the path of a diffusers "
+                                     "Z-Image folder on the server")
+        return await self._get(name, "image", path, keep_alive)
+
+    async def _get(self, key: str, kind: str, what: Any, keep_alive: float | None) -> Loaded:
+        async with self._load_lock:
+            m = self.models.get(key)
+            if m is None:
+                m = await self.worker.run(lambda: self._load(key, kind, what))
+                self.models[key] = m
+                log.info("loaded %s (%s, %s)", key, kind, format_bytes(m.nbytes))
+            elif m.kind != kind:
+                raise InvalidRequestError(f"{key} is a{'n' if m.kind == 'image' else ''} {m.kind} model; use it "
+                                          f"with the {m.kind} endpoints")
+        if keep_alive is not None:
+            m.keep_alive = keep_alive
+        m.last_used = time.time()
+        return m
+
+    def _used(self) -> int:
+        return sum(m.nbytes for m in self.models.values())
+
+    def _load(self, key: str, kind: str, what: Any) -> Loaded:
+        """Device thread: load, measure, and make room under the budget (or refuse)."""
+        before = api.memory_in_use()
+        if kind == "text":
+            obj = api.Model(what.name, what.path, source=what.source, license=what.license,
+                            context_length=self.context_length, kv_bits=self.kv_bits,
+                            max_sequences=self.max_sequences, prefill_chunk=self.prefill_chunk, reserve=True)
+            path = str(what.path)
+        else:
+            obj = api.load_image_model(key)
+            path = str(what)
+        need = max(0, api.memory_in_use() - before)
+        try:
+            self._make_room(key, need)
+        except MemoryBudgetError:
+            obj.close()
+            raise
+        m = Loaded(key, kind, obj, need, self.keep_alive, path=path)
+        if kind == "text":
+            m.scheduler = TextScheduler(obj.runner, max_queue=self.max_queue)
+            self.worker.add_scheduler(m.scheduler)
+        return m
+
+    def _make_room(self, key: str, need: int) -> None:
+        free = self.memory_budget - self._used()
+        for m in sorted((m for m in self.models.values() if m.idle()), key=lambda m: m.last_used):
+            if need <= free:
+                break
+            log.info("unloading %s to make room for %s", m.name, key)
+            self._unload_now(m)
+            free = self.memory_budget - self._used()
+        if need > free:
+            raise MemoryBudgetError(
+                f"{key} needs {format_bytes(need)} but only {format_bytes(max(free, 0))} of the "
+                f"{format_bytes(self.memory_budget)} memory budget is free (models in use: "
+                f"{', '.join(self.models) or 'none'}); retry when they are idle, unload one (keep_alive 0), or start "
+                "the server with a larger --memory-budget or a smaller --context-length / --max-sequences")
+
+    def _unload_now(self, m: Loaded) -> None:
+        """Device thread."""
+        if m.scheduler is not None:
+            self.worker.remove_scheduler(m.scheduler)
+            m.scheduler.close()
+        m.obj.close()
+        self.models.pop(m.name, None)
+
+    async def unload(self, key: str) -> bool:
+        """Unload a model now (its running requests are cancelled). Whether it was loaded."""
+        m = self.models.get(key)
+        if m is None:
+            return False
+        await self.worker.run(lambda: self._unload_now(m))
+        log.info("unloaded %s", key)
+        return True
+
+    async def expire(self) -> None:
+        """Unload idle models whose keep_alive has passed."""
+        now = time.time()
+        for m in list(self.models.values()):
+            if m.idle() and now >= m.expires_at:
+                await self.unload(m.name)
+
+    async def close(self) -> None:
+        for key in list(self.models):
+            await self.unload(key)

@@ -1,0 +1,318 @@
+"""Continuous batching for one text model, with a prefix cache across requests.
+
+The model's KV cache is one pool of cells shared by ``max_sequences`` sequence slots (ollama's ``kvcache.Causal``
+design). Each call of :meth:`TextScheduler.step`, on the device thread:
+
+1. drops cancelled requests (their cells are freed at once);
+2. admits queued requests while a slot is free. A request whose prompt starts with tokens some slot already holds
+   reuses them: a finished conversation's slot is taken over and trimmed to the common prefix; a running request's
+   prefix is shared through the cache's ``copy_prefix`` (cells are shared, not copied), for every cache kind,
+   sliding-window layers included (when the window has already moved past the prefix, ``can_resume`` says so and
+   the prompt is prefilled in full). A free slot is an empty one, else the least recently used finished one;
+3. runs one prefill chunk (``prefill_chunk`` tokens) of the oldest admitted request, so that running decodes stall by
+   at most one chunk;
+4. runs one decode step for every decoding request together: one token per sequence in one forward pass, each
+   request sampled with its own options and random key.
+
+A finished request's slot keeps its tokens for reuse until the slot is needed (least recently used first): the cache
+was reserved at load for ``max_sequences`` full contexts, and that reserved pool is the prefix cache's byte budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlx_engine.errors import EngineError, InvalidRequestError, ServerBusyError
+from mlx_engine.ml import DType
+from mlx_engine.models.options import GenerationOptions
+from mlx_engine.models.runner import Runner, TextAssembler
+from mlx_engine.models.sampler import Sampler
+
+log = logging.getLogger("mlx_engine.server")
+
+Emit = Callable[[str, Any], None]
+"""``emit(kind, value)``: ``("text", str)`` for each piece, then ``("done", JobStats)`` or ``("error", exception)``.
+Called on the device thread; it must only hand the event over (for example ``loop.call_soon_threadsafe``)."""
+
+
+@dataclass
+class JobStats:
+    """What one request cost. Times in seconds (from submission), token counts.
+
+    ``finish_reason``: ``stop`` (an end-of-sequence token or a stop string), ``length`` (``max_tokens`` or the full
+    context) or ``cancelled``. ``cached_tokens``: prompt tokens served from the prefix cache (not prefilled).
+    """
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = ""
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+
+
+class TextJob:
+    """One text request: prompt tokens and options in, events out through ``emit``.
+
+    ``cancel()`` may be called from any thread; the request stops within one step and frees its cells.
+    """
+
+    def __init__(self, tokens: Sequence[int], options: GenerationOptions, emit: Emit):
+        self.tokens = [int(t) for t in tokens]
+        self.options = options
+        self.emit = emit
+        self.cancelled = False
+        self.stats = JobStats(prompt_tokens=len(self.tokens))
+        self.t_submit = time.perf_counter()
+        self.t_start = self.t_first = 0.0
+        self.seq = -1
+        self.generated = 0
+        self.next_token = -1
+        self.chunks_left = 0
+        self.chunks: Any = None
+        self.sampler: Sampler | None = None
+        self.text: TextAssembler | None = None
+        self.history: list[int] | None = None
+        self.ctx: Any = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def pos(self) -> int:
+        """The position the next fed token takes (= tokens the cache holds for this request)."""
+        return len(self.tokens) + self.generated - 1
+
+    def history_tensor(self, ctx):
+        if self.history is None:
+            return None
+        n = self.options.sampler.repeat_last_n
+        h = self.history[-n:] if n > 0 else self.history
+        return ctx.from_numpy(np.asarray(h, np.int32)[None])
+
+
+class _Slot:
+    __slots__ = ("seq", "job", "last_used")
+
+    def __init__(self, seq: int):
+        self.seq, self.job, self.last_used = seq, None, 0.0
+
+
+class TextScheduler:
+    """Schedules text requests of one model (see the module docstring).
+
+    Args:
+        runner: the model's runner (its cache holds ``runner.max_sequences`` slots).
+        max_queue: requests that may wait for a slot; beyond that :meth:`submit` raises ``ServerBusyError``.
+    """
+
+    def __init__(self, runner: Runner, *, max_queue: int = 64):
+        self.runner = runner
+        self.backend = runner.backend
+        self.max_queue = max_queue
+        self._slots = [_Slot(s) for s in range(runner.max_sequences)]
+        self._pending: deque[TextJob] = deque()
+        self._lock = threading.Lock()
+        self._prefilling: list[TextJob] = []
+        self._decoding: list[TextJob] = []
+
+    # ---- any thread ---------------------------------------------------------------------------------------------
+    def submit(self, job: TextJob) -> None:
+        """Queue a request. Raises ``InvalidRequestError`` (a prompt that does not fit the context) or
+        ``ServerBusyError`` (the queue is full)."""
+        if not job.tokens:
+            raise InvalidRequestError("the prompt is empty; give at least one token of text")
+        if len(job.tokens) >= self.runner.context_length:
+            raise InvalidRequestError(
+                f"the prompt has {len(job.tokens)} tokens but the context holds {self.runner.context_length}; "
+                "shorten the prompt or start the server with a larger --context-length")
+        with self._lock:
+            if len(self._pending) >= self.max_queue:
+                raise ServerBusyError(f"all {len(self._slots)} sequences are busy and {len(self._pending)} requests "
+                                      "are queued; retry shortly", retry_after=1.0)
+            self._pending.append(job)
+
+    def load(self) -> dict[str, int]:
+        """Running, prefilling and queued requests, and the cache's cells in use (for status and tests)."""
+        with self._lock:
+            queued = len(self._pending)
+        return {"decoding": len(self._decoding), "prefilling": len(self._prefilling), "queued": queued,
+                "cells_in_use": self.runner.cells_in_use(), "slots": len(self._slots)}
+
+    def busy(self) -> bool:
+        return bool(self._pending or self._prefilling or self._decoding)
+
+    # ---- device thread ------------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduling step (see the module docstring). Returns whether work remains."""
+        self._drop_cancelled()
+        self._admit()
+        if self._prefilling:
+            self._prefill_one()
+        if self._decoding:
+            self._decode()
+        return self.busy()
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            gone = [j for j in self._pending if j.cancelled]
+            for j in gone:
+                self._pending.remove(j)
+        for j in gone:
+            j.stats.finish_reason = "cancelled"
+            j.emit("done", j.stats)
+        for j in [j for j in self._prefilling + self._decoding if j.cancelled]:
+            self._finish(j, "cancelled")
+
+    def _admit(self) -> None:
+        while True:
+            free = [s for s in self._slots if s.job is None]
+            with self._lock:
+                if not free or not self._pending:
+                    return
+                job = self._pending.popleft()
+            try:
+                self._start(job, free)
+            except EngineError as e:
+                self._fail(job, e)
+
+    def _start(self, job: TextJob, free: list[_Slot]) -> None:
+        runner, tokens = self.runner, job.tokens
+        best, n = None, 0
+        for s in self._slots:
+            k = min(runner.common_prefix(s.seq, tokens), len(tokens) - 1)
+            if k > n:
+                best, n = s, k
+        if best is not None and best.job is None:
+            dst = best  # a finished conversation continues: trimmed to the common prefix by prefill_chunks
+        else:
+            # an empty slot first, else the least recently used finished one
+            dst = min(free, key=lambda s: (runner.cached_length(s.seq) > 0, s.last_used))
+            if best is not None:
+                runner.share_prefix(best.seq, dst.seq, tokens)
+        dst.job, job.seq = job, dst.seq
+        ctx = self.backend.new_context()
+        job.sampler = Sampler(job.options.sampler, ctx)
+        job.text = TextAssembler(runner.tokenizer, job.options.stop)
+        job.history = list(tokens) if job.options.sampler.uses_history else None
+        reused, job.chunks = runner.prefill_chunks(ctx, dst.seq, tokens)
+        job.ctx = ctx
+        job.chunks_left = -(-(len(tokens) - reused) // runner.prefill_chunk)
+        job.stats.cached_tokens = reused
+        job.t_start = time.perf_counter()
+        job.stats.queued_s = job.t_start - job.t_submit
+        self._prefilling.append(job)
+
+    def _prefill_one(self) -> None:
+        job = self._prefilling[0]
+        try:
+            logits = next(job.chunks)
+            job.chunks_left -= 1
+            if job.chunks_left > 0:
+                return
+            tok = job.sampler.sample(logits, job.history_tensor(job.ctx))
+            job.ctx.evaluate(tok)
+            t = int(tok.item())
+        except EngineError as e:
+            self._fail(job, e)
+            return
+        except Exception as e:  # noqa: BLE001 -- one request's failure must not stop the others
+            log.exception("prefill failed")
+            self._fail(job, e)
+            return
+        self._prefilling.pop(0)
+        job.t_first = time.perf_counter()
+        job.stats.prefill_s = job.t_first - job.t_start
+        job.stats.ttft_s = job.t_first - job.t_submit
+        self._accept(job, t)
+
+    def _decode(self) -> None:
+        jobs = list(self._decoding)
+        ctx = self.backend.new_context()
+        try:
+            logits = self.runner.decode(ctx, [j.next_token for j in jobs], [j.pos for j in jobs],
+                                        [j.seq for j in jobs])
+            for j in jobs:
+                if j.history is not None:
+                    j.history.append(j.next_token)
+            if all(j.sampler.options.greedy and j.history is None for j in jobs):
+                sampled = logits.astype(DType.FLOAT32).argmax(axis=-1).astype(DType.INT32)
+                ctx.evaluate(sampled)
+                toks = [int(t) for t in sampled.numpy()]
+            else:
+                rows = [j.sampler.sample(logits[i:i + 1], j.history_tensor(ctx)) for i, j in enumerate(jobs)]
+                ctx.evaluate(*rows)
+                toks = [int(r.item()) for r in rows]
+        except Exception as e:  # noqa: BLE001 -- fail this batch's requests, keep serving
+            if not isinstance(e, EngineError):
+                log.exception("decode step failed")
+            for j in jobs:
+                self._fail(j, e)
+            return
+        for j, t in zip(jobs, toks):
+            self._accept(j, t)
+
+    def _accept(self, job: TextJob, token: int) -> None:
+        """A sampled token: emit its text, then finish the request or queue the token for the next step."""
+        job.generated += 1
+        piece = job.text.add(token)
+        if piece:
+            job.emit("text", piece)
+        if job.text.stop_reason:
+            self._finish(job, "stop")
+            return
+        if job.generated >= job.options.max_tokens or job.pos >= self.runner.context_length:
+            piece = job.text.flush()
+            if piece:
+                job.emit("text", piece)
+            self._finish(job, "stop" if job.text.stop_reason else "length")
+            return
+        job.next_token = token
+        if job not in self._decoding:
+            self._decoding.append(job)
+
+    def _release(self, job: TextJob, *, drop_cells: bool) -> None:
+        for q in (self._prefilling, self._decoding):
+            if job in q:
+                q.remove(job)
+        if job.chunks is not None:
+            job.chunks.close()
+        if job.seq >= 0:
+            slot = self._slots[job.seq]
+            slot.job, slot.last_used = None, time.perf_counter()
+            if drop_cells:
+                self.runner.reset(job.seq)
+
+    def _finish(self, job: TextJob, reason: str) -> None:
+        self._release(job, drop_cells=reason == "cancelled")
+        now = time.perf_counter()
+        st = job.stats
+        st.finish_reason, st.completion_tokens = reason, job.generated
+        st.decode_s = now - job.t_first if job.t_first else 0.0
+        st.total_s = now - job.t_submit
+        job.emit("done", st)
+
+    def _fail(self, job: TextJob, error: Exception) -> None:
+        self._release(job, drop_cells=True)  # the cache may hold a partial chunk: start this slot afresh
+        job.emit("error", error)
+
+    def close(self) -> None:
+        """Cancel everything (the server is stopping or the model unloads)."""
+        with self._lock:
+            pending, self._pending = list(self._pending), deque()
+        for j in pending:
+            j.stats.finish_reason = "cancelled"
+            j.emit("done", j.stats)
+        for j in self._prefilling + self._decoding:
+            self._finish(j, "cancelled")
