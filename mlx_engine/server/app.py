@@ -26,6 +26,7 @@ from mlx_engine.server import ollama_api, openai_api
 from mlx_engine.server.http import DEFAULT_MAX_BODY, HTTPProblem, ServerState
 from mlx_engine.server.pool import ModelPool
 from mlx_engine.server.worker import DeviceWorker
+from mlx_engine.store import Store
 
 log = logging.getLogger("mlx_engine.server")
 
@@ -49,6 +50,7 @@ class ServerConfig:
     max_queue: int = 64
     max_body_bytes: int = DEFAULT_MAX_BODY
     shutdown_timeout: float = 5.0
+    store_root: str | None = None  # the model store (default: $MLX_ENGINE_HOME or the cache folder)
 
     def check(self) -> None:
         """Raises InvalidRequestError for a value the server cannot run with."""
@@ -119,7 +121,7 @@ def create_app(config: ServerConfig):
     worker = DeviceWorker()
     pool = ModelPool(worker, context_length=config.context_length, max_sequences=config.max_sequences,
                      kv_bits=config.kv_bits, prefill_chunk=config.prefill_chunk, memory_budget=config.memory_budget,
-                     keep_alive=config.keep_alive, max_queue=config.max_queue)
+                     keep_alive=config.keep_alive, max_queue=config.max_queue, store=Store(config.store_root))
     state = ServerState(worker, pool, max_body_bytes=config.max_body_bytes)
 
     async def expire_loop():

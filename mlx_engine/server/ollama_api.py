@@ -24,11 +24,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlx_engine.errors import InvalidRequestError, ModelNotFoundError
+from mlx_engine.errors import ModelNotFoundError
 from mlx_engine.server.http import (HTTPProblem, ServerState, generate_text, generation_options, problem_from,
                                     read_json, remaining_context, text_events, until_done_or_disconnect, validate)
 from mlx_engine.server.pool import Loaded, parse_keep_alive
 from mlx_engine.server.scheduler import JobStats
+from mlx_engine.store import CATALOG
+from mlx_engine.store.catalog import canonical_name, catalog_hint
 from mlx_engine.version import __version__
 
 log = logging.getLogger("mlx_engine.server")
@@ -297,6 +299,8 @@ def routes(state: ServerState) -> list[Route]:
         try:
             req = validate(NameRequest, await read_json(request, state.max_body_bytes))
             name = req.key()
+            if not name.startswith("hf:") and canonical_name(name) not in CATALOG:
+                raise ModelNotFoundError(f"{name!r} is not in the catalog. {catalog_hint()}")
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         task = asyncio.ensure_future(asyncio.to_thread(pool.store.pull, name, progress=False))
@@ -326,6 +330,7 @@ def routes(state: ServerState) -> list[Route]:
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def delete(request: Request) -> Response:
+        name = ""
         try:
             req = validate(NameRequest, await read_json(request, state.max_body_bytes))
             name = req.key()
@@ -346,5 +351,3 @@ def routes(state: ServerState) -> list[Route]:
             Route("/api/ps", ps, methods=["GET"]), Route("/api/pull", pull, methods=["POST"]),
             Route("/api/delete", delete, methods=["DELETE"]), Route("/api/version", version, methods=["GET"])]
 
-
-__all__ = ["routes", "error_response", "InvalidRequestError"]

@@ -138,7 +138,8 @@ class TextScheduler:
                 f"the prompt has {len(job.tokens)} tokens but the context holds {self.runner.context_length}; "
                 "shorten the prompt or start the server with a larger --context-length")
         with self._lock:
-            if len(self._pending) >= self.max_queue:
+            free = sum(1 for s in self._slots if s.job is None)  # requests about to be admitted do not queue
+            if len(self._pending) >= self.max_queue + free:
                 raise ServerBusyError(f"all {len(self._slots)} sequences are busy and {len(self._pending)} requests "
                                       "are queued; retry shortly", retry_after=1.0)
             self._pending.append(job)
