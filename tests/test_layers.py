@@ -54,7 +54,7 @@ def test_the_wheel_installs_only_mlx_engine(wheel):
     assert tops == {"mlx_engine", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, tops
     for f in ("mlx_engine/kvcache/causal.py", "mlx_engine/models/llama.py", "mlx_engine/imagegen/zimage.py",
               "mlx_engine/cli/main.py", "mlx_engine/store/catalog.py", "mlx_engine/bench/mlx_lm_peer.py",
-              "mlx_engine/assets/shapes-64/model_index.json"):
+              "mlx_engine/server/app.py", "mlx_engine/assets/shapes-64/model_index.json"):
         assert f in names, f
     assert not any(n.startswith(("mlx_engine/training", "mlx_engine/tests", "mlx_engine/benchmarks")) for n in names)
     with zipfile.ZipFile(wheel) as z:
@@ -81,6 +81,8 @@ def test_the_layer_contracts_hold(installed):
     ("models/base.py", "import mlx.core", "Only the MLX backend"),          # mlx outside the backend
     ("api.py", "import mlx_lm", "mlx_lm only in the bench"),
     ("cli/image.py", "from mlx_engine.imagegen import zimage", "The CLI goes through the API"),
+    ("server/app.py", "from mlx_engine import bench", "Layers"),         # server and bench are independent rooms
+    ("server/worker.py", "import mlx.core", "Only the MLX backend"),
 ])
 def test_the_contracts_catch_a_bad_import(installed, tmp_path, file, line, contract):
     site = tmp_path / "site"

@@ -8,7 +8,11 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -284,3 +288,37 @@ def test_ollama_load_unload_pull_delete(server):
     with pytest.raises(ollama.ResponseError) as e:
         client.delete("gemma3:270m")
     assert e.value.status_code == 404
+
+
+def test_sigterm_during_streaming_ends_within_bounded_time(store_root):
+    port = free_port()
+    env = dict(os.environ, MLX_ENGINE_HOME=str(store_root), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-c", "from mlx_engine.cli.main import main; main()", "serve",
+                             "--port", str(port), "--model", "smollm2:135m", "--context-length", "1024"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        prompt = ", ".join(str(i) for i in range(100, 120)) + ","
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "model": "smollm2:135m", "prompt": prompt, "max_tokens": 900, "stream": True}) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 10:
+                    t0 = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert took < 20, took
+    assert "Traceback" not in err and "Traceback" not in out, err
+    assert "POST /v1/completions" in err  # the per-request log line, written when the stream ended
+    assert lines[0].startswith("data: ")

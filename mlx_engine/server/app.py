@@ -194,8 +194,19 @@ def serve(config: ServerConfig) -> None:
     config.check()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on")
+    worker = app.server.worker
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Running requests end now, each with its final chunk, so that every stream closes cleanly and the
+            # graceful shutdown does not wait for answers nobody will read.
+            if not self.should_exit:
+                log.info("stopping: cancelling running requests")
+                worker.call(worker.cancel_all)
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on")).run()
 
 
 def api_key_from_env() -> str | None:

@@ -57,6 +57,11 @@ class DeviceWorker:
         if scheduler in self._schedulers:
             self._schedulers.remove(scheduler)
 
+    def cancel_all(self) -> None:
+        """End every queued and running text request (each gets its final event). Device thread only."""
+        for s in list(self._schedulers):
+            s.close()
+
     def step_text(self) -> bool:
         """One step of every text model; whether any has work left. Device thread only."""
         busy = False
@@ -86,8 +91,7 @@ class DeviceWorker:
             if not self.step_text() and self._calls.empty():
                 self._wake.wait(0.5)
                 self._wake.clear()
-        for s in list(self._schedulers):
-            s.close()
+        self.cancel_all()
         self._run_calls()
 
     def stop(self, timeout: float = 5.0) -> None:
