@@ -417,6 +417,16 @@ class Tokenizer:
         self._pieces: dict[tuple[int, bool], bytes] = {}
 
     # ---- construction ------------------------------------------------------------------------------------------
+    def save_hf(self, folder: "str | Path") -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, ``add_bos_token``, the chat
+        template) so that transformers' ``AutoTokenizer`` reads the same vocabulary (used to run peers such as
+        ``mlx_lm.server`` on a GGUF file's tokenizer)."""
+        folder = Path(folder)
+        self._hf.save(str(folder / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos,
+                  "chat_template": self._chat_template, **self._special_tokens}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any], architecture: str | None = None) -> "Tokenizer":
         """From GGUF metadata (``tokenizer.ggml.*`` keys; values as Python or NumPy values).

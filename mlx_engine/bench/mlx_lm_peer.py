@@ -59,8 +59,10 @@ def dequantized_tensors(path: "str | Path") -> tuple[Any, dict[str, np.ndarray]]
     return reader, out
 
 
-def mlx_lm_model(path: "str | Path") -> Any:
+def mlx_lm_model(path: "str | Path", folder: "str | Path | None" = None) -> Any:
     """mlx-lm's model class for a Llama or Gemma 3 GGUF file, loaded with float32 weights dequantized by ``gguf``.
+    With ``folder``, also write it there as an mlx-lm model folder (``config.json``, ``model.safetensors``; the
+    tokenizer is the caller's to add), which ``mlx_lm.server --model`` serves.
 
     Raises ``ValueError`` for another architecture.
     """
@@ -111,6 +113,16 @@ def mlx_lm_model(path: "str | Path") -> Any:
         weights = model.sanitize(weights)
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
+    if folder is not None:
+        import dataclasses
+        import json
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(folder / "model.safetensors"), weights)
+        config = {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
+        config.setdefault("max_position_embeddings", int(g("context_length")))
+        (folder / "config.json").write_text(json.dumps(config, indent=1))
     return model
 
 
