@@ -144,6 +144,28 @@ def test_ollama_chat_generate_tags_show_ps(server, reference):
     assert "smollm2:135m" in running and running["smollm2:135m"].size > 0
 
 
+def test_text_is_answered_while_an_image_is_denoised(server, reference):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    finished = {}
+
+    def image():
+        client.images.generate(model="shapes:64", prompt="a green square", size="64x64",
+                               extra_body={"seed": 1, "steps": 400})
+        finished["image"] = time.monotonic()
+    t = threading.Thread(target=image)
+    t.start()
+    for _ in range(300):
+        if server.status()["models"].get("shapes:64", {}).get("in_flight"):
+            break
+        time.sleep(0.05)
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    r = client.chat.completions.create(model="smollm2:135m", messages=messages, max_tokens=8)
+    finished["text"] = time.monotonic()
+    t.join()
+    assert finished["text"] < finished["image"]
+    assert r.choices[0].message.content == chat_alone(reference, messages, 8)
+
+
 def test_eight_concurrent_http_requests_match_alone(server, reference):
     questions = ["What is 2 + 2?", "Name a fruit.", "Who wrote Hamlet?", "What colour is the sky?",
                  "Say hi in French.", "What is ice?", "Name a planet.", "Count to three."]
@@ -276,8 +298,14 @@ def test_memory_budget_and_api_key(store_root):
 
 def test_ollama_load_unload_pull_delete(server):
     client = ollama.Client(host=server.url)
-    assert client.generate(model="gemma3:270m", prompt="").done_reason == "load"
+    assert client.generate(model="gemma3:270m", prompt="", keep_alive="1s").done_reason == "load"
     assert "gemma3:270m" in {m.model for m in client.ps().models}
+    for _ in range(100):  # keep_alive: unloaded once idle that long
+        if "gemma3:270m" not in {m.model for m in client.ps().models}:
+            break
+        time.sleep(0.1)
+    assert "gemma3:270m" not in {m.model for m in client.ps().models}
+    assert client.generate(model="gemma3:270m", prompt="").done_reason == "load"
     assert client.generate(model="gemma3:270m", prompt="", keep_alive=0).done_reason == "unload"
     assert "gemma3:270m" not in {m.model for m in client.ps().models}
     statuses = [p.status for p in client.pull("gemma3:270m", stream=True)]
@@ -322,3 +350,33 @@ def test_sigterm_during_streaming_ends_within_bounded_time(store_root):
     assert "Traceback" not in err and "Traceback" not in out, err
     assert "POST /v1/completions" in err  # the per-request log line, written when the stream ended
     assert lines[0].startswith("data: ")
+
+
+def _readme_server_blocks():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### `serve`", 1)[1].split("\n### ", 1)[0]
+    return re.findall(r"```(sh|python)\n(.*?)```", section, re.S)
+
+
+def test_readme_server_examples_run_as_written(server, capsys):
+    """The README's curl commands and client snippet, pointed at this test's port."""
+    port = server.url.rsplit(":", 1)[1]
+    blocks = _readme_server_blocks()
+    python = [b for kind, b in blocks if kind == "python"]
+    curls = [b for kind, b in blocks if kind == "sh" and "curl" in b]
+    assert len(python) == 1 and len(curls) == 1
+    exec(compile(python[0].replace("11435", port), "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "Hello" in out
+    commands = curls[0].replace("11435", port).replace("\\\n", " ").strip().splitlines()
+    assert len(commands) == 3
+    for command in commands:
+        r = subprocess.run(["bash", "-c", command + " --fail --silent --show-error"], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, (command, r.stderr)
+        text = r.stdout.strip()
+        last = json.loads(text.splitlines()[-1])  # ollama streams NDJSON: the last line is the summary
+        assert last.get("choices") or last.get("done") or last.get("data"), text[:300]
