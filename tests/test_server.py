@@ -217,6 +217,9 @@ def _hostile_requests():
         {**good, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {**good, "tools": [{"type": "function"}]}, {**good, "logprobs": True}, {**good, "stream_options": 3},
     ]
+    openai_variants += [{**good, field: value} for field in (
+        "temperature", "top_p", "max_tokens", "seed", "n", "frequency_penalty", "presence_penalty", "top_k", "min_p")
+        for value in ({}, [1], "x")]
     gen = {"model": "smollm2:135m", "prompt": "hi"}
     ollama_variants = [
         {}, {"model": 3}, {**gen, "prompt": 5}, {**gen, "options": "hot"}, {**gen, "options": {"temperature": "hot"}},
@@ -263,7 +266,7 @@ def _hostile_requests():
 
 def test_hostile_requests_get_4xx_and_the_server_keeps_serving(server, reference):
     requests = _hostile_requests()
-    assert len(requests) >= 150
+    assert len(requests) >= 200
     with httpx.Client(base_url=server.url, timeout=60) as c:
         for method, path, body in requests:
             r = c.request(method, path, content=body, headers={"Content-Type": "application/json"})
@@ -380,3 +383,19 @@ def test_readme_server_examples_run_as_written(server, capsys):
         text = r.stdout.strip()
         last = json.loads(text.splitlines()[-1])  # ollama streams NDJSON: the last line is the summary
         assert last.get("choices") or last.get("done") or last.get("data"), text[:300]
+
+
+def test_engine_errors_map_to_status_codes():
+    from mlx_engine.errors import (InvalidOptionError, MemoryBudgetError, ModelNotFoundError, ServerBusyError,
+                                   WeightsError)
+    from mlx_engine.server.http import problem_from
+
+    busy = problem_from(ServerBusyError("full", retry_after=2.4))
+    assert (busy.status, busy.headers["Retry-After"]) == (429, "2")
+    assert problem_from(MemoryBudgetError("x")).status == 503
+    assert problem_from(ModelNotFoundError("x")).status == 404
+    bad = problem_from(InvalidOptionError("temperature", -1, "must be >= 0"))
+    assert (bad.status, bad.param) == (400, "temperature")
+    assert problem_from(WeightsError("corrupt")).status == 500
+    internal = problem_from(ZeroDivisionError("boom"))
+    assert internal.status == 500 and "boom" not in internal.message and "ZeroDivisionError" in internal.message

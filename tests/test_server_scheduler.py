@@ -72,7 +72,7 @@ def smollm2(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_gguf):
-    return mlx_engine.load(str(gemma3_gguf), context_length=1024)
+    return mlx_engine.Model("gemma3:270m", gemma3_gguf, context_length=1024, max_sequences=8, prefill_chunk=256)
 
 
 def _chat(model, q):
@@ -142,19 +142,30 @@ def test_prefix_cache_gives_the_tokens_of_a_fresh_prefill(smollm2, running):
     assert cb.stats.prompt_tokens == len(b)
 
 
-def test_gemma3_prefix_reuse_past_the_sliding_window(gemma3):
+@pytest.mark.parametrize("running", [False, True], ids=["finished-conversation", "running-sequence"])
+def test_gemma3_prefix_reuse_past_the_sliding_window(gemma3, running):
     text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(90))
     a = gemma3.text_tokens(text + " The first item is")
     assert len(a) > 600  # past Gemma 3's 512-token window
     b = gemma3.text_tokens(text + " The last item is")
     want = alone(gemma3, b, 12)
     sched = TextScheduler(gemma3.runner)
-    _, ca = submit(sched, a, 12)
-    run_until(sched, lambda: ca.done)
+    _, ca = submit(sched, a, 40 if running else 12)
+    run_until(sched, lambda: len(ca.text) >= 2 if running else ca.done)
     _, cb = submit(sched, b, 12)
-    run_until(sched, lambda: cb.done)
+    run_until(sched, lambda: cb.done and ca.done)
     assert cb.answer == want
     assert cb.stats.cached_tokens > 500
+    gemma3.runner.reset()
+
+
+def test_gemma3_eight_concurrent_requests_give_what_each_gives_alone(gemma3):
+    prompts = [gemma3.text_tokens(f"Question {i}: {q}\nAnswer:") for i, q in enumerate(QUESTIONS)]
+    want = [alone(gemma3, p, 10) for p in prompts]
+    sched = TextScheduler(gemma3.runner)
+    got = [submit(sched, p, 10)[1] for p in prompts]
+    run_until(sched, lambda: all(c.done for c in got))
+    assert [c.answer for c in got] == want and len(set(want)) > 4
     gemma3.runner.reset()
 
 

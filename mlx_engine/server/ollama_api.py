@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from mlx_engine.errors import ModelNotFoundError
 from mlx_engine.server.http import (HTTPProblem, ServerState, generate_text, generation_options, problem_from,
-                                    read_json, remaining_context, text_events, until_done_or_disconnect, validate)
+                                    read_json, text_events, until_done_or_disconnect, validate)
 from mlx_engine.server.pool import Loaded, parse_keep_alive
 from mlx_engine.server.scheduler import JobStats
 from mlx_engine.store import CATALOG
