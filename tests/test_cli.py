@@ -102,9 +102,13 @@ def test_list_show_rm(home, smollm2_gguf, gemma3_gguf):
 def test_pull_present_and_unknown(home_with_smollm2):
     r = invoke("pull", "smollm2:135m")
     assert r.exit_code == 0 and r.output.startswith("smollm2:135m is already in the store: ")
-    r = invoke("pull", "llama3:8b")
+    r = invoke("pull", "Not-A-Model")
     assert r.exit_code == 1
-    assert r.output.startswith("Error: 'llama3:8b' is not in the catalog. Catalog: smollm2:135m, gemma3:270m")
+    assert r.output.startswith("Error: 'Not-A-Model' is neither in the catalog nor a name of ollama's registry")
+    assert "Catalog: smollm2:135m, gemma3:270m" in r.output
+    r = invoke("pull", "llama3:8b")  # not in the catalog: ollama's registry, here a closed loopback port
+    assert r.exit_code == 1 and "pulling llama3:8b from ollama's registry (http://127.0.0.1:9)" in r.output
+    assert "Error: cannot reach the ollama registry" in r.output
 
 
 def test_show_unknown_is_an_error(home):

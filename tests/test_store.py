@@ -16,7 +16,7 @@ import pytest
 
 from mlx_engine import store as store_mod
 from mlx_engine.store import wheels as store_wheels
-from mlx_engine.errors import EngineError, ModelNotFoundError
+from mlx_engine.errors import EngineError, ModelNotFoundError, PullError
 from mlx_engine.store import CATALOG, DEFAULT_MODEL, PullError, Store, default_root, safe_name
 from tests.conftest import link_model
 
@@ -136,7 +136,9 @@ def test_resolve_unknown_lists_the_catalog(home):
         Store().resolve("./missing.gguf")
     with pytest.raises(ModelNotFoundError, match="no model given"):
         Store().resolve("  ")
-    with pytest.raises(ModelNotFoundError, match="is not in the catalog"):
+    with pytest.raises(ModelNotFoundError, match="neither in the catalog nor a name of ollama's registry"):
+        Store().pull("Not A Model")
+    with pytest.raises(PullError, match="cannot reach the ollama registry"):  # conftest: a closed loopback port
         Store().pull("llama3:8b")
 
 

@@ -14,9 +14,11 @@ from mlx_engine.store.format import format_bytes, format_count
 from mlx_engine.store.info import ModelInfo
 from mlx_engine.store.manifest import ResolvedModel, default_root, safe_name
 from mlx_engine.store.ollama import ollama_models_dir
+from mlx_engine.store.registry import parse_registry_name
 from mlx_engine.store.store import Store
 
 __all__ = [
+    "parse_registry_name",
     "CATALOG", "DEFAULT_IMAGE_MODEL", "DEFAULT_MODEL", "IMAGE_CATALOG", "CatalogEntry", "ModelInfo", "PullError",
     "ResolvedModel", "Store", "WheelMember", "canonical_name", "default_root", "format_bytes", "format_count",
     "image_model_path", "ollama_models_dir", "safe_name",

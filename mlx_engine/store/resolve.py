@@ -7,15 +7,17 @@ file, a Hugging Face folder with ``config.json``, a store folder, or a folder ho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlx_engine.errors import EngineError, ModelNotFoundError
+from mlx_engine.errors import EngineError, ModelNotFoundError, PullError
 from mlx_engine.store.catalog import CATALOG, DEFAULT_MODEL, canonical_name, catalog_hint
 from mlx_engine.store.info import folder_license
 from mlx_engine.store.manifest import ResolvedModel, is_gguf, read_manifest, resolved_from_manifest
+from mlx_engine.store.registry import parse_registry_name
 from mlx_engine.store.ollama import ollama_models_dir, resolve_ollama
 
 if TYPE_CHECKING:
@@ -39,7 +41,11 @@ def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = T
     if name in CATALOG:
         return _stored_or_pulled(store, name, pull=pull, progress=progress)
 
+    ref = parse_registry_name(model)
     found = store.find(model)
+    if found is None and ref is not None:  # llama3.2 -> llama3.2:latest, pulled from ollama's registry
+        found = store.find(ref.name)
+        found = found if found is not None and found.source == "ollama-registry" else None
     if found is not None:
         return found
 
@@ -47,11 +53,38 @@ def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = T
     if ollama is not None:
         return ollama
 
+    registry_note = ""
+    if ref is not None and pull:
+        try:
+            return store.pull(model, progress=progress)  # ollama's registry
+        except ModelNotFoundError:
+            registry_note = " nor in ollama's registry"
+        except PullError as e:
+            registry_note = f" (ollama's registry could not be asked: {e})"
+
     looks_like_path = os.sep in model or model.endswith(".gguf") or model.startswith((".", "~"))
     what = f"no such file or folder: {model}" if looks_like_path else f"unknown model {model!r}"
+    close = close_names(store, model)
     raise ModelNotFoundError(
-        f"{what}. A model is a catalog name, a GGUF file, a Hugging Face folder, hf:org/repo, or a model "
-        f"pulled with ollama (looked in {ollama_models_dir()}). {catalog_hint()}")
+        f"{what}: not in the catalog, the store or ollama's store ({ollama_models_dir()}){registry_note}. "
+        + (f"Close names: {', '.join(close)}. " if close else "")
+        + f"A model is a catalog name, a GGUF file, a Hugging Face folder, hf:org/repo, or an ollama name. "
+        f"{catalog_hint()}")
+
+
+def close_names(store: "Store", name: str) -> list[str]:
+    """Known model names close to ``name``: the catalog's, the store's and ollama's local ones."""
+    import difflib
+
+    names = set(CATALOG)
+    with contextlib.suppress(OSError, EngineError):
+        names |= {i.name for i in store.list()}
+    with contextlib.suppress(OSError, EngineError):
+        names |= {n for n, _ in store.ollama_models()}
+    low = name.lower()
+    found = [n for n in sorted(names) if low and (low in n.lower() or n.lower().split(":")[0] in low)]
+    found += [n for n in difflib.get_close_matches(low, sorted(names), n=5, cutoff=0.6) if n not in found]
+    return found[:5]
 
 
 def _stored_or_pulled(store: "Store", name: str, *, pull: bool, progress: bool) -> ResolvedModel:

