@@ -205,3 +205,28 @@ def test_readme_python_image_example(tmp_path, monkeypatch, capsys):
         assert im.text["seed"] == "1" and im.text["model"] == "shapes:64"
         got = classify(np.asarray(im.convert("RGB")))
     assert got["background"] == "blue" and got["colour"] == "red", got
+
+
+def test_readme_image_commands_run_as_written(tmp_path):
+    """The README's first block of image commands (the default model), run by the installed command."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+
+    _packaged_model()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### `image PROMPT`", 1)[1]
+    block = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    exe = str(Path(sys.executable).parent / "mlx-engine")
+    for line in block.strip().splitlines():
+        command = line.split("  #", 1)[0].strip()
+        assert command.startswith("mlx-engine ")
+        r = subprocess.run(["bash", "-c", exe + command[len("mlx-engine"):]], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, (command, r.stderr)
+    with Image.open(tmp_path / "square.png") as a, Image.open(tmp_path / "again.png") as b:
+        assert np.array_equal(np.asarray(a), np.asarray(b)) and a.size == (64, 64)
+    assert (tmp_path / "image-0001.png").is_file()
