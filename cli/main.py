@@ -33,6 +33,9 @@ class EngineGroup(click.Group):
             return super().invoke(ctx)
         except EngineError as e:
             raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt:  # Ctrl-C outside an answer (while a model loads, say): the shell's 130, quietly
+            click.echo("", err=True)
+            ctx.exit(130)
         except BrokenPipeError:  # `mlx-engine run ... | head`: the reader left; stop quietly
             try:
                 devnull = os.open(os.devnull, os.O_WRONLY)
@@ -201,7 +204,7 @@ def _sampling_options(f):
                      help="Penalty for repeated tokens (1 = none)."),
         click.option("--seed", type=int, default=None, help="Random seed, for reproducible sampling."),
         click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None,
-                     help="Most tokens to generate."),
+                     help="Most tokens to generate.  [default: 256]"),
         click.option("--stop", multiple=True, help="Stop at this string (repeatable)."),
         click.option("--device", type=click.Choice(["cpu", "gpu", "metal", "cuda"]), default=None,
                      help="Device (default: $MLX_ENGINE_DEVICE, else the GPU where MLX has one, else the CPU)."),

@@ -123,7 +123,8 @@ class Runner:
         if len(req.tokens) >= self.context_length:
             raise InvalidRequestError(
                 f"the prompt has {len(req.tokens)} tokens but the context holds {self.context_length}; "
-                f"shorten the prompt or load the model with a larger context_length")
+                f"shorten the prompt or load the model with a larger context length (--context-length, "
+                f"context_length=)")
         if req.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {req.max_tokens}")
 

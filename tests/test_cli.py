@@ -470,3 +470,13 @@ def test_run_unknown_model_is_a_clean_error(home):
     assert r.returncode == 1
     assert r.stderr.startswith("Error: unknown model 'nosuch:1b'") and "Traceback" not in r.stderr
     assert "smollm2:135m" in r.stderr
+
+
+def test_ctrl_c_while_the_model_loads_exits_130_quietly(monkeypatch, home_with_smollm2):
+    def interrupted_load(model, kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "_load", interrupted_load)
+    r = invoke("run", "smollm2:135m", "hi")
+    assert r.exit_code == 130 and "Aborted" not in r.output and "Traceback" not in r.output
+    assert "[default: 256]" in invoke("run", "--help").output
