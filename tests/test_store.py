@@ -346,6 +346,7 @@ def test_hf_offline_gives_a_clear_error_and_leaves_nothing(home, monkeypatch):
     msg = str(e.value)
     assert "could not download 'some-org/some-model' from Hugging Face" in msg
     assert Store().list() == []
+    assert not Store().model_dir("hf:some-org/some-model").exists()  # not even an empty folder
     with pytest.raises(ModelNotFoundError):
         Store().resolve("hf:some-org/some-model", pull=False)
 

@@ -197,7 +197,11 @@ class Store:
                 return found
             folder.mkdir(parents=True, exist_ok=True)
             discard_manifest(folder)
-            model_file, files, architecture = hub.download(ref, folder)
+            try:
+                model_file, files, architecture = hub.download(ref, folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)  # a failed pull leaves no folder behind
+                raise
             write_manifest(folder, {
                 "name": model, "source": "hf", "origin": ref.origin, "model_file": model_file, "files": files,
                 "size": sum(f["size"] for f in files), "sha256": None, "license": folder_license(folder),
