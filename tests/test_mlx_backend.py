@@ -186,6 +186,10 @@ def test_unavailable_gpu_is_a_clear_error():
 
     if mx.metal.is_available():
         pytest.skip("a GPU is present")  # the error case only exists without an accelerator
-    with pytest.raises(EngineError, match="MLX_ENGINE_DEVICE=cpu"):
+    with pytest.raises(EngineError, match=r"use --device cpu"):  # the user typed the flag: the flag is the fix
         select_device("gpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLX_ENGINE_DEVICE", "gpu")
+        with pytest.raises(EngineError, match="use MLX_ENGINE_DEVICE=cpu"):
+            select_device(None)
     select_device("cpu")

@@ -66,16 +66,17 @@ def select_device(requested: str | None = None) -> str:
     requested device is not available.
     """
     want = (requested or os.environ.get("MLX_ENGINE_DEVICE") or "auto").lower()
+    fix = "--device cpu (device='cpu')" if requested else "MLX_ENGINE_DEVICE=cpu"  # what the user set
     metal = mx.metal.is_available()
     cuda = _cuda_available()
     if want == "auto":
         want = "metal" if metal else "cuda" if cuda else "cpu"
     if want == "gpu":
         if not (metal or cuda):
-            raise EngineError("device 'gpu' requested but MLX sees neither Metal nor CUDA; use MLX_ENGINE_DEVICE=cpu")
+            raise EngineError(f"device 'gpu' requested but MLX sees neither Metal nor CUDA; use {fix}")
         want = "metal" if metal else "cuda"
     if want == "metal" and not metal or want == "cuda" and not cuda:
-        raise EngineError(f"device {want!r} requested but it is not available here; use MLX_ENGINE_DEVICE=cpu")
+        raise EngineError(f"device {want!r} requested but it is not available here; use {fix}")
     if want not in ("metal", "cuda", "cpu"):
         raise EngineError(f"unknown device {want!r}; use cpu, gpu, metal or cuda")
     mx.set_default_device(mx.cpu if want == "cpu" else mx.gpu)
