@@ -31,6 +31,7 @@ from mlx_engine.store.format import format_bytes
 log = logging.getLogger("mlx_engine.server")
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_GRACE_S = 2.0
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
@@ -208,7 +209,7 @@ class ModelPool:
         """Device thread."""
         if m.scheduler is not None:
             self.worker.remove_scheduler(m.scheduler)
-            m.scheduler.close()
+            m.scheduler.close(unloaded=True)
         m.obj.close()
         self.models.pop(m.name, None)
 
@@ -225,7 +226,8 @@ class ModelPool:
         """Unload idle models whose keep_alive has passed."""
         now = time.time()
         for m in list(self.models.values()):
-            if m.idle() and now >= m.expires_at:
+            # the grace covers a request between finding its model and submitting to it (templating, tokenizing)
+            if m.idle() and now >= max(m.expires_at, m.last_used + _GRACE_S):
                 await self.unload(m.name)
 
     async def close(self) -> None:

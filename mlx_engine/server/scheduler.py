@@ -126,6 +126,7 @@ class TextScheduler:
         self._lock = threading.Lock()
         self._prefilling: list[TextJob] = []
         self._decoding: list[TextJob] = []
+        self._unloaded = False
 
     # ---- any thread ---------------------------------------------------------------------------------------------
     def submit(self, job: TextJob) -> None:
@@ -138,6 +139,9 @@ class TextScheduler:
                 f"the prompt has {len(job.tokens)} tokens but the context holds {self.runner.context_length}; "
                 "shorten the prompt or start the server with a larger --context-length")
         with self._lock:
+            if self._unloaded:
+                raise ServerBusyError("the model was unloaded while this request was being prepared; retry",
+                                      retry_after=1.0)
             free = sum(1 for s in self._slots if s.job is None)  # requests about to be admitted do not queue
             if len(self._pending) >= self.max_queue + free:
                 raise ServerBusyError(f"all {len(self._slots)} sequences are busy and {len(self._pending)} requests "
@@ -308,9 +312,10 @@ class TextScheduler:
         self._release(job, drop_cells=True)  # the cache may hold a partial chunk: start this slot afresh
         job.emit("error", error)
 
-    def close(self) -> None:
-        """Cancel everything (the server is stopping or the model unloads)."""
+    def close(self, unloaded: bool = False) -> None:
+        """Cancel everything (the server is stopping, or with ``unloaded`` the model is gone: later submits fail)."""
         with self._lock:
+            self._unloaded = self._unloaded or unloaded
             pending, self._pending = list(self._pending), deque()
         for j in pending:
             j.stats.finish_reason = "cancelled"
