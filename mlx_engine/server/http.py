@@ -14,6 +14,7 @@ from typing import Any
 
 import pydantic
 from starlette.requests import Request
+from starlette.responses import Response
 
 from mlx_engine.errors import (EngineError, InvalidRequestError, MemoryBudgetError, ModelNotFoundError,
                                ServerBusyError, UnsupportedError)
@@ -176,6 +177,18 @@ async def generate_text(state: ServerState, loaded: Loaded, tokens: list[int],
         else:
             stats = value
     return "".join(pieces), stats
+
+
+async def whole_answer(request: Request, state: ServerState, loaded: Loaded, tokens: list[int],
+                       options: GenerationOptions, error_response: Any) -> "tuple[str, JobStats] | Response":
+    """A request answered in one piece: ``(text, stats)``, or the response to send instead: 499 when the client left
+    (the request is cancelled), the API's own error form (``error_response(exc)``) when it failed."""
+    try:
+        return await until_done_or_disconnect(request, generate_text(state, loaded, tokens, options))
+    except asyncio.CancelledError:
+        return Response(status_code=499)
+    except Exception as e:  # noqa: BLE001 -- each API renders the error in its own form
+        return error_response(e)
 
 
 def remaining_context(loaded: Loaded, tokens: list[int]) -> int:

@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlx_engine.errors import ModelNotFoundError
-from mlx_engine.server.http import (HTTPProblem, ServerState, generate_text, generation_options, problem_from,
-                                    read_json, text_events, until_done_or_disconnect, validate)
+from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, problem_from, read_json,
+                                    text_events, validate, whole_answer)
 from mlx_engine.server.pool import Loaded, parse_keep_alive
 from mlx_engine.server.scheduler import JobStats
 from mlx_engine.store import CATALOG
@@ -159,10 +159,9 @@ def routes(state: ServerState) -> list[Route]:
 
     async def _load(req: _Common) -> tuple[Loaded, float]:
         keep = parse_keep_alive(req.keep_alive) if req.keep_alive is not None else None
-        t0 = time.perf_counter()
-        was = pool.resolve_text(req.model).name in pool.models
+        t0 = time.time()
         loaded = await pool.text(req.model, keep)
-        return loaded, 0.0 if was else time.perf_counter() - t0
+        return loaded, time.time() - t0 if loaded.loaded_at >= t0 else 0.0  # load time only if it loaded now
 
     async def _load_only(req: _Common, request: Request, body: dict[str, Any]) -> Response:
         """An empty prompt: load the model, or with keep_alive 0 unload it (ollama's semantics)."""
@@ -186,12 +185,10 @@ def routes(state: ServerState) -> list[Route]:
                     **_timings(stats, load_s)}
 
         if not req.stream:
-            try:
-                text, stats = await until_done_or_disconnect(request, generate_text(state, loaded, tokens, options))
-            except asyncio.CancelledError:
-                return Response(status_code=499)
-            except Exception as e:  # noqa: BLE001
-                return error_response(e)
+            answer = await whole_answer(request, state, loaded, tokens, options, error_response)
+            if isinstance(answer, Response):
+                return answer
+            text, stats = answer
             request.scope.setdefault("state", {})["log"] = f"model={loaded.name} completion={stats.completion_tokens}"
             return JSONResponse(final(stats, text))
 

@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlx_engine import api
-from mlx_engine.server.http import (HTTPProblem, ServerState, generate_text, generation_options, problem_from,
-                                    read_json, remaining_context, text_events, until_done_or_disconnect, validate)
+from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, problem_from, read_json,
+                                    remaining_context, text_events, until_done_or_disconnect, validate, whole_answer)
 from mlx_engine.server.scheduler import JobStats
 from mlx_engine.store import IMAGE_CATALOG
 
@@ -204,19 +204,17 @@ def routes(state: ServerState) -> list[Route]:
         def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
             if not chat:
                 return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            body = {"content": text} if text is not None else {}
-            key = "delta" if delta else "message"
-            if not delta:
-                body = {"role": "assistant", "content": text or ""}
-            return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
+            if delta:
+                return {"index": 0, "delta": {"content": text} if text is not None else {}, "logprobs": None,
+                        "finish_reason": finish}
+            return {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
+                    "finish_reason": finish}
 
         if not req.stream:
-            try:
-                text, stats = await until_done_or_disconnect(request, generate_text(state, loaded, tokens, options))
-            except asyncio.CancelledError:
-                return Response(status_code=499)
-            except Exception as e:  # noqa: BLE001
-                return error_response(e)
+            answer = await whole_answer(request, state, loaded, tokens, options, error_response)
+            if isinstance(answer, Response):
+                return answer
+            text, stats = answer
             _note(request, loaded.name, stats)
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": loaded.name,
                                  "choices": [choice(text, _FINISH[stats.finish_reason], False)],

