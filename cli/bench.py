@@ -1,4 +1,5 @@
-"""``mlx-engine bench``: speed and memory of a model, optionally side by side with mlx-lm on the same weights."""
+"""``mlx-engine bench``: speed, memory and perplexity of a model, optionally side by side with llama.cpp and mlx-lm on
+the same file."""
 
 from __future__ import annotations
 
@@ -9,26 +10,28 @@ from mlx_engine.store import DEFAULT_MODEL
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("model", default=DEFAULT_MODEL, required=False)
-@click.option("--compare", type=click.Choice(["mlx-lm"]), default=None,
-              help="Also run mlx-lm on the same float32 weights (dequantized from the same GGUF), alternating runs, "
-                   "and print ours/mlx-lm per figure.")
+@click.option("--compare", type=click.Choice(["llama.cpp", "mlx-lm"]), multiple=True,
+              help="Also run this peer on the same file, alternating runs, and print ours/peer per figure (repeat "
+                   "for both): llama.cpp on the GGUF as shipped (pip install 'mlx-engine[bench]'), mlx-lm on the same "
+                   "weights dequantized to float32.")
 @click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed repetitions of each figure after one warm-up run; medians are reported.")
 @click.option("--quick", is_flag=True, help="A smoke run with tiny sizes (seconds; the figures mean little).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def bench(model: str, compare: str | None, reps: int, quick: bool, as_json: bool) -> None:
+def bench(model: str, compare: tuple[str, ...], reps: int, quick: bool, as_json: bool) -> None:
     """Benchmark MODEL: prompt tokens/s at 512 and 2048 tokens, decode tokens/s over 128 tokens, time to first
-    token, peak memory, the share of the memory bandwidth that decode reaches, decode at 128 vs 4096 tokens of
-    context, chat turn 1 vs turn 10 time to first token, and the gain from OpenBLAS.
+    token, peak memory, the weights held over the file's tensor bytes, perplexity of a fixed text, the share of the
+    read-bandwidth limit that the file's bytes set for decode, decode at 128 vs 4096 tokens of context, chat turn 1
+    vs turn 10 time to first token, and the gain from OpenBLAS.
 
-    With --json the object's "ratio" (when comparing) maps decode, prefill_512, prefill_2048, ttft and peak_memory
-    to ours divided by mlx-lm's: above 1 is better for the rates, below 1 for ttft and peak_memory.
+    With --json the object's "ratios" maps each peer to decode, prefill_512, prefill_2048, ttft, peak_memory and
+    perplexity, ours divided by the peer's: above 1 is better for the rates, below 1 for the others.
     Progress goes to stderr. A full run takes minutes: use a quiet machine, or more --reps.
 
     \b
     Examples:
-      mlx-engine bench smollm2:135m --compare mlx-lm
-      mlx-engine bench gemma3:270m --compare mlx-lm --reps 5 --json > gemma.json
+      mlx-engine bench smollm2:135m --compare llama.cpp --compare mlx-lm
+      mlx-engine bench gemma3:270m --compare llama.cpp --reps 5 --json > gemma.json
       mlx-engine bench --quick
     """
     from mlx_engine.bench import format_table, run_bench

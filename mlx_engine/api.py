@@ -18,6 +18,7 @@ Options accepted by ``generate``, ``stream``, ``chat`` and ``ChatSession.send`` 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,6 +138,17 @@ class Model:
     def text_tokens(self, text: str) -> list[int]:
         """Token ids of raw text (no chat template; BOS added as the model wants)."""
         return self._encode_text(text)
+
+    def perplexity(self, text: str) -> float:
+        """Perplexity of raw ``text`` (``exp`` of the mean negative log-likelihood per token of every token after
+        the first, natural log), in one window of at most ``context_length`` tokens; uses sequence 0.
+
+        Raises:
+            InvalidRequestError: fewer than 2 tokens, or more than the context holds.
+        """
+        with self.text_model.backend.new_context() as ctx:
+            nll, _ = self.runner.perplexity(ctx, self.text_tokens(text))
+        return math.exp(nll)
 
     # ---- generation --------------------------------------------------------------------------------------------
     def stream(self, prompt: str, **options: Any) -> Iterator["str | GenerationStats"]:

@@ -172,6 +172,30 @@ class Runner:
             pass
         return logits, len(tokens) - start
 
+    def perplexity(self, ctx, tokens: Sequence[int], seq: int = 0, chunk: int = 128) -> tuple[float, int]:
+        """Mean negative log-likelihood (natural log, per token) of ``tokens[1:]`` given their prefixes, in one
+        window (the sequence is reset first), and how many tokens were scored. ``exp`` of it is the perplexity, the
+        figure ``llama-perplexity`` prints (which scores the second half of each window; the bench compares like
+        with like). Runs ``chunk`` tokens per forward pass so that the logits held stay ``[chunk, vocab]``.
+        Raises ``InvalidRequestError`` for fewer than 2 tokens or more than the context; ``CacheFullError``."""
+        if len(tokens) < 2:
+            raise InvalidRequestError("perplexity needs at least 2 tokens")
+        if len(tokens) > self.context_length:
+            raise InvalidRequestError(f"{len(tokens)} tokens do not fit the context of {self.context_length}")
+        self.reset(seq)
+        nll = 0.0
+        for begin in range(0, len(tokens) - 1, chunk):
+            ids = np.asarray(tokens[begin:begin + chunk], np.int32)
+            batch = Batch(ids, np.arange(begin, begin + len(ids)), np.full(len(ids), seq), np.arange(len(ids)))
+            logits = self.model.forward(ctx, batch, self.cache).astype(DType.FLOAT32).numpy().astype(np.float64)
+            self._cached.setdefault(seq, []).extend(int(t) for t in ids)
+            targets = np.asarray(tokens[begin + 1:begin + 1 + len(ids)], np.int64)
+            logits = logits[:len(targets)]
+            top = logits.max(axis=-1)
+            log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
+            nll += float((log_z - logits[np.arange(len(targets)), targets]).sum())
+        return nll / (len(tokens) - 1), len(tokens) - 1
+
     # ---- several sequences, one token each (continuous batching) ----------------------------------------------
     def decode(self, ctx, tokens: Sequence[int], positions: Sequence[int], sequences: Sequence[int]) -> Tensor:
         """One decode step over several sequences in one forward pass: ``tokens[i]`` at ``positions[i]`` of

@@ -1,5 +1,5 @@
-"""``mlx-engine bench``: a quick run against mlx-lm on smollm2 gives one JSON object with every figure, positive and
-consistent with each other (no speed is asserted: speed is shown by the benchmark, not by tests)."""
+"""``mlx-engine bench``: a quick run against llama.cpp and mlx-lm on smollm2 gives one JSON object with every figure,
+positive and consistent with each other (no speed is asserted: speed is shown by the benchmark, not by tests)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from mlx_engine.cli.main import main
 from mlx_engine.bench import COMPARED, BenchResult, format_table
 
 FIGURES = ("prefill_512", "prefill_2048", "decode", "ttft", "peak_memory", "weights_bytes", "bytes_per_token",
-           "bandwidth_share")
+           "bandwidth_share", "file_limit_share", "weights_over_file", "perplexity")
+PEER_NAMES = ("llama.cpp", "mlx-lm")
 OURS_ONLY = ("decode_ctx_short", "decode_ctx_long", "long_context_ratio", "chat_ttft_turn1", "chat_ttft_turn10",
              "chat_turn_ratio")
 
@@ -25,8 +26,8 @@ def quick_run(tmp_path_factory, smollm2_gguf):
     home = tmp_path_factory.mktemp("bench-home")
     link_model(smollm2_gguf.parent, home)
     env = {"MLX_ENGINE_HOME": str(home), "OLLAMA_MODELS": str(home / "no-ollama")}
-    r = CliRunner().invoke(main, ["bench", "smollm2:135m", "--quick", "--json", "--compare", "mlx-lm"], env=env,
-                           catch_exceptions=False)
+    r = CliRunner().invoke(main, ["bench", "smollm2:135m", "--quick", "--json", "--compare", "llama.cpp",
+                                  "--compare", "mlx-lm"], env=env, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
 
@@ -37,37 +38,53 @@ def _positive(v) -> bool:
 
 def test_quick_json_has_every_figure(quick_run):
     d = quick_run
-    assert d["model"] == "smollm2:135m" and d["dtype"] == "float32" and d["peer_name"] == "mlx-lm"
+    assert d["model"] == "smollm2:135m" and d["dtype"] == "float32" and tuple(d["peers"]) == PEER_NAMES
     assert d["reps"] == 1 and d["sizes"]["prefill_long"] < 512  # --quick sizes, one repetition
-    assert set(d["ratio"]) == set(COMPARED) == {"decode", "prefill_512", "prefill_2048", "ttft", "peak_memory"}
-    for side, keys in (("ours", FIGURES + OURS_ONLY), ("peer", FIGURES)):
+    assert set(COMPARED) == {"decode", "prefill_512", "prefill_2048", "ttft", "peak_memory", "perplexity"}
+    for name in PEER_NAMES:
+        assert set(d["ratios"][name]) == set(COMPARED)
+    for side, keys in [(d["ours"], FIGURES + OURS_ONLY)] + [(d["peers"][n], FIGURES) for n in PEER_NAMES]:
         for k in keys:
-            assert _positive(d[side][k]), (side, k, d[side].get(k))
+            assert _positive(side[k]), (k, side.get(k))
     for k in ("gain", "default_seconds", "reference_seconds"):
         assert _positive(d["openblas"][k]), k
-    assert _positive(d["bandwidth"]["copy_bytes_per_s"]) and _positive(d["seconds"])
-    for engine in ("mlx-engine", "mlx-lm"):  # the runs behind the medians
+    for k in ("copy_bytes_per_s", "read_bytes_per_s", "file_weight_bytes"):
+        assert _positive(d["bandwidth"][k]), k
+    assert _positive(d["seconds"])
+    for engine in ("mlx-engine",) + PEER_NAMES:  # the runs behind the medians
         for figure in ("prefill_512", "prefill_2048", "decode"):
             (run,) = d["runs"][engine][figure]
-            assert _positive(run["ttft_s"]) and _positive(run["peak_bytes"])
+            assert _positive(run["ttft_s"])
         assert d["runs"][engine]["decode"][0]["tokens"] == d["sizes"]["decode_tokens"]
 
 
-def test_quick_json_figures_are_consistent(quick_run):
+def test_quick_json_figures_are_consistent(quick_run, smollm2_gguf):
     d = quick_run
-    ours, peer, ratio = d["ours"], d["peer"], d["ratio"]
-    for k in COMPARED:
-        assert ratio[k] == pytest.approx(ours[k] / peer[k], rel=1e-9)
-    # both engines hold the same float32 weights (smollm2: 135M parameters); the peak counts them, and a decode
-    # step reads about all of them (the embedding table is the tied output head)
-    assert ours["weights_bytes"] == pytest.approx(peer["weights_bytes"], rel=0.01)
-    assert 134e6 * 4 <= ours["weights_bytes"] <= 136e6 * 4
-    for side in (ours, peer):
-        assert side["peak_memory"] >= side["weights_bytes"]
-        assert 0.95 * side["weights_bytes"] <= side["bytes_per_token"] <= 1.1 * side["weights_bytes"]
+    ours = d["ours"]
+    file_bytes = d["bandwidth"]["file_weight_bytes"]
+    assert 90e6 <= file_bytes <= smollm2_gguf.stat().st_size  # the Q4_1 file's tensors, without its header
+    for name in PEER_NAMES:
+        peer, ratio = d["peers"][name], d["ratios"][name]
+        for k in COMPARED:
+            assert ratio[k] == pytest.approx(ours[k] / peer[k], rel=1e-9)
+    # llama.cpp and this engine hold the file's quantized tensors (Q4_1 with float16 scales is the same 5 bits a
+    # weight); mlx-lm holds them as float32 (135M parameters)
+    assert ours["weights_over_file"] <= 1.1 and d["peers"]["llama.cpp"]["weights_over_file"] <= 1.1
+    assert 134e6 * 4 <= d["peers"]["mlx-lm"]["weights_bytes"] <= 136e6 * 4
+    for side in [ours] + list(d["peers"].values()):
+        assert side["weights_over_file"] == pytest.approx(side["weights_bytes"] / file_bytes, rel=1e-9)
+        assert side["file_limit_share"] == pytest.approx(
+            side["decode"] * file_bytes / d["bandwidth"]["read_bytes_per_s"], rel=1e-9)
         assert side["bandwidth_share"] == pytest.approx(
             side["decode"] * side["bytes_per_token"] / d["bandwidth"]["copy_bytes_per_s"], rel=1e-9)
-    assert ours["bytes_per_token"] == peer["bytes_per_token"]
+        assert side["perplexity"] < 1000  # an English text, an instruct model: far from uniform (49152)
+    # a decode step reads about every weight held (the embedding table is the tied output head)
+    assert 0.95 * ours["weights_bytes"] <= ours["bytes_per_token"] <= 1.1 * ours["weights_bytes"]
+    assert ours["peak_memory"] >= ours["weights_bytes"]
+    # perplexity: our float32 activations on the exact weights and mlx-lm's float32 model agree closely; llama.cpp
+    # (8-bit activations) is near
+    assert ours["perplexity"] == pytest.approx(d["peers"]["mlx-lm"]["perplexity"], rel=1e-3)
+    assert ours["perplexity"] == pytest.approx(d["peers"]["llama.cpp"]["perplexity"], rel=0.05)
     assert ours["long_context_ratio"] == pytest.approx(ours["decode_ctx_long"] / ours["decode_ctx_short"], rel=1e-9)
     assert ours["chat_turn_ratio"] == pytest.approx(ours["chat_ttft_turn10"] / ours["chat_ttft_turn1"], rel=1e-9)
     ob = d["openblas"]
@@ -79,12 +96,13 @@ def test_quick_json_figures_are_consistent(quick_run):
 def test_table_says_which_way_is_better(quick_run):
     table = format_table(BenchResult(**quick_run))
     lines = table.splitlines()
-    assert lines[0].split() == ["figure", "mlx-engine", "mlx-lm", "ratio"]
-    assert sum("lower is better" in ln for ln in lines) == 2  # time to first token, peak memory
-    assert sum("higher is better" in ln for ln in lines) == 4
-    assert "OpenBLAS gain" in table and "turn 1 / turn 3" in table
+    assert lines[0].split() == ["figure", "mlx-engine", "llama.cpp", "ratio", "vs", "llama.cpp", "mlx-lm", "ratio",
+                                "vs", "mlx-lm"]
+    assert sum("lower is better" in ln for ln in lines) == 4  # time to first token, peak memory, weights, perplexity
+    assert sum("higher is better" in ln for ln in lines) == 5
+    assert "OpenBLAS gain" in table and "turn 1 / turn 3" in table and "read bandwidth" in table
 
 
 def test_bench_rejects_an_unknown_peer():
-    r = CliRunner().invoke(main, ["bench", "smollm2:135m", "--compare", "llama.cpp"])
-    assert r.exit_code == 2 and "llama.cpp" in r.output
+    r = CliRunner().invoke(main, ["bench", "smollm2:135m", "--compare", "vllm"])
+    assert r.exit_code == 2 and "llama.cpp" in r.output and "mlx-lm" in r.output

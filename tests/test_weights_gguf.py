@@ -202,13 +202,25 @@ def test_metadata_matches_gguf_reader(meta_file: Path):
 # ------------------------------------------------------------------------------------------------------- tensors
 
 
-LOSSLESS = [(T.Q4_0, 4), (T.Q4_1, 4), (T.Q8_0, 8)]
+LOSSLESS = [(T.Q4_0, 4), (T.Q4_1, 4), (T.Q8_0, 8), (T.Q5_0, 5), (T.Q5_1, 5), (T.Q4_K, 4), (T.Q5_K, 5)]
+
+
+def k_quant_blocks(shape: tuple[int, ...], qtype: T, seed: int = 0) -> np.ndarray:
+    """Random Q4_K / Q5_K blocks (gguf cannot quantize them) with finite, small d and dmin."""
+    raw = random_blocks(shape, qtype, seed).copy()
+    b = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    rng = np.random.default_rng(seed + 1)
+    b[:, 0:4] = np.ascontiguousarray(rng.uniform(1e-3, 2e-2, (b.shape[0], 2)).astype(np.float16)).view(np.uint8)
+    return raw
 
 
 @pytest.mark.parametrize("qtype,bits", LOSSLESS, ids=lambda v: getattr(v, "name", str(v)))
-@pytest.mark.parametrize("shape", [(1, 32), (5, 64), (7, 96), (64, 320)])
+@pytest.mark.parametrize("shape", [(1, 256), (5, 512), (64, 768)])
 def test_lossless_types_roundtrip_exactly(tmp_path: Path, qtype: T, bits: int, shape):
-    x, blocks = quantized(shape, qtype, seed=shape[0])
+    if qtype in (T.Q4_K, T.Q5_K):
+        blocks = k_quant_blocks(shape, qtype, seed=shape[0])
+    else:
+        blocks = quantized(shape, qtype, seed=shape[0])[1]
     path = write_gguf(tmp_path / "q.gguf", {"w": (blocks, qtype)})
     with GGUFFile(path) as wf:
         assert wf.shape("w") == shape
@@ -217,12 +229,40 @@ def test_lossless_types_roundtrip_exactly(tmp_path: Path, qtype: T, bits: int, s
         assert isinstance(q, QuantizedArray)
         assert (q.bits, q.group_size, q.shape) == (bits, 32, shape)
         assert q.weight.dtype == np.uint32 and q.weight.shape == (shape[0], shape[1] * bits // 32)
-        assert q.scales.dtype == np.float32 and q.scales.shape == (shape[0], shape[1] // 32)
-        assert q.biases.dtype == np.float32 and q.biases.shape == q.scales.shape
-        ref = gq.dequantize(blocks, qtype)
-        # exact: d (an f16) times a 4- or 8-bit integer, plus the bias, is exact in float32
+        assert q.scales.shape == (shape[0], shape[1] // 32) and q.biases.shape == q.scales.shape
+        assert q.scales.dtype == q.biases.dtype
+        # the 32-element types have f16 d (and m) and a bias -8d, -16d or -128d: float16 holds them exactly; the
+        # K-quants' d * sc (an f16 times a 6-bit integer) in general needs float32
+        assert q.scales.dtype == (np.float32 if qtype in (T.Q4_K, T.Q5_K) else np.float16)
+        with np.errstate(all="ignore"):
+            ref = gq.dequantize(blocks, qtype)
+        # exact: a scale and a bias per 32 elements, each exact in float32, and scale * q exact too
         np.testing.assert_array_equal(q.dequantize(), ref)
         np.testing.assert_array_equal(wf.raw("w"), blocks)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_pack_matches_mlx(bits: int):
+    """pack / unpack are MLX's layout for every bit width (3, 5 and 6 are a bitstream across words)."""
+    import mlx.core as mx
+
+    w = mx.random.normal((6, 128), key=mx.random.key(bits))
+    packed, scales, biases = mx.quantize(w, group_size=32, bits=bits)
+    q = quant.unpack(np.array(packed), bits)
+    np.testing.assert_array_equal(quant.pack(q, bits), np.array(packed))
+    a = QuantizedArray(np.array(packed), np.array(scales), np.array(biases), 32, bits)
+    np.testing.assert_allclose(a.dequantize(), np.array(mx.dequantize(packed, scales, biases, group_size=32,
+                                                                      bits=bits)), rtol=0, atol=1e-6)
+
+
+def test_compact_scales_only_when_exact():
+    w = np.zeros((1, 1), np.uint32)
+    exact = quant.compact_scales(QuantizedArray(w, np.array([[0.5]], np.float32), np.array([[-4.0]], np.float32), 32, 8))
+    assert exact.scales.dtype == np.float16 and exact.biases.dtype == np.float16
+    inexact = QuantizedArray(w, np.array([[0.1]], np.float32), np.array([[-4.0]], np.float32), 32, 8)
+    assert quant.compact_scales(inexact) is inexact
+    overflow = QuantizedArray(w, np.array([[1.0]], np.float32), np.array([[-70000.0]], np.float32), 32, 8)
+    assert quant.compact_scales(overflow) is overflow
 
 
 def test_q4_nibble_layout_is_mlx_layout(tmp_path: Path):
@@ -339,15 +379,15 @@ def test_every_block_type_matches_gguf_dequantize(tmp_path: Path, qtype: T):
         np.testing.assert_array_equal(got, ref)
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.TQ2_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.TQ2_0, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_requantize(tmp_path: Path, qtype: T, bits: int):
     shape = (6, 512)
-    raw = quantized(shape, qtype)[1] if qtype not in (T.Q4_K,) else random_blocks(shape, qtype)
-    if qtype == T.Q4_K:  # keep scales finite and small
+    raw = quantized(shape, qtype)[1] if qtype not in (T.Q6_K,) else random_blocks(shape, qtype)
+    if qtype == T.Q6_K:  # keep the scale d finite and small (the last two bytes of a block)
         raw = raw.copy()
         b = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])
-        b[:, 0:4] = np.frombuffer(np.array([0.01, 0.002], np.float16).tobytes(), np.uint8)
+        b[:, -2:] = np.frombuffer(np.array([0.01], np.float16).tobytes(), np.uint8)
     path = write_gguf(tmp_path / "r.gguf", {"w": (raw, qtype), "v": (np.ones(4, np.float32), None)})
     with GGUFFile(path) as wf:
         f = wf.load("w")

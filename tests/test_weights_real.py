@@ -4,8 +4,8 @@
 - gemma3:270m (``gemma-3-270m-q4_k_m.gguf``): Q4_K, Q5_0, Q6_K, Q8_0 and F32 tensors, gemma3 architecture.
 
 Every tensor is compared element by element with ``gguf.quants.dequantize`` applied to the bytes that
-``gguf.GGUFReader`` (an independent parser) finds: exactly equal for every type (Q4_0/Q4_1/Q8_0 through our lossless
-MLX repacking; the others are decoded by the same gguf functions). The model files come from the ``smollm2_gguf`` and
+``gguf.GGUFReader`` (an independent parser) finds: exactly equal for every type (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K... through
+our lossless MLX repacking; the others are decoded by the same gguf functions). The model files come from the ``smollm2_gguf`` and
 ``gemma3_gguf`` fixtures (tests/conftest.py, through the model store).
 """
 
@@ -22,6 +22,7 @@ import pytest
 
 from mlx_engine.weights import GGUFFile, QuantizedArray, open_weights
 from mlx_engine.weights import quant
+from mlx_engine.weights.gguf import LOSSLESS_TYPES
 
 ROWS_PER_CHUNK = 8192
 
@@ -139,9 +140,9 @@ def test_every_tensor_matches_gguf_dequantize(model):
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             kind = t.tensor_type.name
             seen[kind] += 1
-            if kind in ("Q4_0", "Q4_1", "Q8_0") and len(shape) == 2:
+            if kind in LOSSLESS_TYPES and len(shape) == 2:
                 assert isinstance(a, QuantizedArray), t.name
-                assert (a.shape, a.group_size, a.bits) == (shape, 32, 8 if kind == "Q8_0" else 4)
+                assert (a.shape, a.group_size, a.bits) == (shape, 32, quant.REPACK_BITS[kind])
             else:
                 assert isinstance(a, np.ndarray) and a.shape == shape, t.name
                 assert a.dtype == (np.float16 if kind == "F16" else np.float32), t.name
@@ -166,16 +167,21 @@ def test_smollm2_packing_matches_mx_load(smollm2_gguf: Path):
                 continue
             base = name[: -len(".weight")]
             np.testing.assert_array_equal(a.weight, np.array(ref[name]), err_msg=name)
-            np.testing.assert_array_equal(a.scales, np.array(ref[base + ".scales"].astype(mx.float32)), err_msg=name)
-            np.testing.assert_array_equal(a.biases, np.array(ref[base + ".biases"].astype(mx.float32)), err_msg=name)
+            np.testing.assert_array_equal(a.scales.astype(np.float32), np.array(ref[base + ".scales"].astype(mx.float32)),
+                                          err_msg=name)
+            np.testing.assert_array_equal(a.biases.astype(np.float32), np.array(ref[base + ".biases"].astype(mx.float32)),
+                                          err_msg=name)
             n += 1
     assert n == 211  # 210 Q4_1 + the Q8_0 embedding
 
 
 def test_gemma3_requantize(gemma3_gguf: Path):
-    """K-quants and Q5_0 re-quantized to 4 or 8 bits equal mx.quantize-formula quantization of gguf's floats."""
+    """Q6_K (no exact affine form) re-quantized to 4 or 8 bits equals mx.quantize-formula quantization of gguf's
+    floats."""
     with GGUFFile(gemma3_gguf) as wf:
-        for name in ("blk.0.ffn_down.weight", "blk.0.attn_k.weight", "blk.3.ffn_up.weight"):
+        q6 = [n for n in wf.names() if wf.type_name(n) == "Q6_K"]
+        assert q6
+        for name in q6[:3]:
             f = wf.load(name)
             for bits in (4, 8):
                 q = wf.load(name, requantize=bits)
@@ -236,9 +242,11 @@ def test_mlx_backend_loads_real_models(which: str, keep_quantized: bool, request
         by_type = {t.name: t.tensor_type.name for t in reader.tensors}
         assert backend.tensor_types == by_type
         quantized = {n for n, t in backend.weights.items() if isinstance(t, MLXQuantizedTensor)}
-        lossless = {t.name for t in reader.tensors if t.tensor_type.name in ("Q4_0", "Q4_1", "Q8_0")
-                    and len(t.shape) == 2}
-        assert quantized == (lossless if keep_quantized else set())
+        lossless = {t.name for t in reader.tensors if t.tensor_type.name in LOSSLESS_TYPES and len(t.shape) == 2}
+        # quantized types with no exact affine form (Q6_K) are re-quantized to 8 bits where weights stay quantized
+        requantized = {t.name for t in reader.tensors if t.tensor_type.name not in LOSSLESS_TYPES | {"F32", "F16"}
+                       and len(t.shape) == 2}
+        assert quantized == (lossless | requantized if keep_quantized else set())
         for t in reader.tensors:
             w = backend.weights[t.name]
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))

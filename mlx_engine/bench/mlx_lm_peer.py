@@ -186,3 +186,19 @@ class MLXLMPeer:
         del cache
         return {"ttft_s": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else 0.0,
                 "peak_bytes": float(peak), "tokens": float(n)}
+
+    def perplexity(self, tokens: list[int], chunk: int = 128) -> float:
+        """``exp`` of the mean negative log-likelihood of ``tokens[1:]`` from mlx-lm's logits, ``chunk`` positions
+        per forward pass through one prompt cache (scored as :meth:`Runner.perplexity` scores ours)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        nll = 0.0
+        for begin in range(0, len(tokens) - 1, chunk):
+            ids = tokens[begin:begin + chunk]
+            logits = self.model(mx.array([ids]), cache=cache)[0].astype(mx.float32)
+            targets = mx.array(tokens[begin + 1:begin + 1 + len(ids)])
+            logits = logits[:targets.shape[0]]
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            nll += -mx.take_along_axis(lp, targets[:, None], axis=-1).sum().item()
+        return float(np.exp(nll / (len(tokens) - 1)))

@@ -1,4 +1,6 @@
-"""The benchmark behind ``mlx-engine bench``: this engine and (optionally) mlx-lm on the same weights, side by side.
+"""The benchmark behind ``mlx-engine bench``: this engine and (optionally) its peers on the same file, side by side:
+llama.cpp on the GGUF file as shipped (:mod:`mlx_engine.bench.llama_cpp_peer`) and mlx-lm on the same weights
+dequantized to float32 (:mod:`mlx_engine.bench.mlx_lm_peer`).
 
 Figures (medians over ``reps`` repetitions after one warm-up run of each; the engines alternate run by run, and the
 order flips every repetition, so that a busy machine slows both alike):
@@ -13,6 +15,12 @@ order flips every repetition, so that a busy machine slows both alike):
 - ``bandwidth_share``: decode tokens/s times the bytes a decode step must read (every weight used per token, the
   output head included, plus the keys and values it attends to at the middle of the run), over the memory bandwidth
   measured on the spot with a large copy (read + written bytes over its time, as STREAM counts a copy);
+- ``file_limit_share``: the figure a user compares: decode tokens/s times the bytes of the file's weight tensors,
+  over the read bandwidth measured on the spot (a sum over a large array); 1.0 is the limit the file's own bytes set,
+  whatever engine reads them;
+- ``weights_over_file``: the bytes of weights this engine holds over the file's tensor bytes;
+- ``perplexity``: of a fixed English text (the first ``perplexity_tokens`` tokens of ``PERPLEXITY_TEXT``), every
+  engine's own logits, scored the same way;
 - ``decode_ctx_short`` / ``decode_ctx_long``: this engine's decode tokens/s after 128 and 4096 tokens of context
   (sliding-window layers keep the long one nearly flat);
 - ``chat_ttft_turn1`` / ``chat_ttft_turn10``: time to first token of turn 1 and turn 10 (the last turn: 3 in a quick
@@ -20,12 +28,12 @@ order flips every repetition, so that a busy machine slows both alike):
 - ``openblas``: the time of a float32 matmul in a child process with ``MLX_ENGINE_OPENBLAS=0`` (the ``mlx[cpu]``
   wheel's reference BLAS) over the same in a child with the default (OpenBLAS loaded first): the gain on Linux.
 
-``ratio`` maps each compared figure to ours divided by mlx-lm's: above 1 is better for rates, below 1 is better for
-``ttft`` and ``peak_memory``. Prompts are random token ids from a fixed seed; decoding is greedy and never stops
+``ratios[peer]`` maps each compared figure to ours divided by that peer's: above 1 is better for rates, below 1 is
+better for ``ttft``, ``peak_memory`` and ``perplexity``. Prompts are random token ids from a fixed seed; decoding is greedy and never stops
 early, in both engines.
 
-This module imports no ``mlx``: the engine is driven through :mod:`mlx_engine.api` and the ``ml`` interfaces, mlx-lm
-through :mod:`mlx_engine.bench.mlx_lm_peer`.
+This module imports no ``mlx``: the engine is driven through :mod:`mlx_engine.api` and the ``ml`` interfaces, the
+peers through their own modules.
 """
 
 from __future__ import annotations
@@ -45,8 +53,30 @@ import numpy as np
 
 from mlx_engine.ml import DType
 
-COMPARED = ("decode", "prefill_512", "prefill_2048", "ttft", "peak_memory")
-LOWER_IS_BETTER = ("ttft", "peak_memory")
+COMPARED = ("decode", "prefill_512", "prefill_2048", "ttft", "peak_memory", "perplexity")
+LOWER_IS_BETTER = ("ttft", "peak_memory", "perplexity")
+PEERS = ("llama.cpp", "mlx-lm")
+
+#: The perplexity text: plain English prose, the same for every engine (public-domain: the opening of the US
+#: Declaration of Independence and of Lincoln's Gettysburg Address).
+PERPLEXITY_TEXT = (
+    "When in the Course of human events, it becomes necessary for one people to dissolve the political bands which "
+    "have connected them with another, and to assume among the powers of the earth, the separate and equal station "
+    "to which the Laws of Nature and of Nature's God entitle them, a decent respect to the opinions of mankind "
+    "requires that they should declare the causes which impel them to the separation. We hold these truths to be "
+    "self-evident, that all men are created equal, that they are endowed by their Creator with certain unalienable "
+    "Rights, that among these are Life, Liberty and the pursuit of Happiness. That to secure these rights, "
+    "Governments are instituted among Men, deriving their just powers from the consent of the governed. "
+    "Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived in "
+    "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great civil "
+    "war, testing whether that nation, or any nation so conceived and so dedicated, can long endure. We are met on "
+    "a great battle-field of that war. We have come to dedicate a portion of that field, as a final resting place "
+    "for those who here gave their lives that that nation might live. It is altogether fitting and proper that we "
+    "should do this. But, in a larger sense, we can not dedicate, we can not consecrate, we can not hallow this "
+    "ground. The brave men, living and dead, who struggled here, have consecrated it, far above our poor power to "
+    "add or detract. The world will little note, nor long remember what we say here, but it can never forget what "
+    "they did here."
+)
 
 
 @dataclass
@@ -65,13 +95,14 @@ class BenchSizes:
     chat_tokens: int = 24
     copy_bytes: int = 256 * 2**20
     matmul_n: int = 1024
+    perplexity_tokens: int = 512
 
     @classmethod
     def quick(cls) -> "BenchSizes":
         """Tiny sizes for a smoke run (seconds, not minutes): the numbers are not meaningful."""
         return cls(prefill_short=48, prefill_long=96, decode_prompt=16, decode_tokens=8, context_short=16,
                    context_long=160, context_tokens=4, chat_turns=3, chat_tokens=4, copy_bytes=64 * 2**20,
-                   matmul_n=192)
+                   matmul_n=192, perplexity_tokens=48)
 
 
 @dataclass
@@ -87,20 +118,15 @@ class BenchResult:
     sizes: dict[str, int]
     reps: int
     ours: dict[str, float] = field(default_factory=dict)
-    peer: dict[str, float] | None = None
-    peer_name: str | None = None
-    ratio: dict[str, float] | None = None
+    peers: dict[str, dict[str, float]] = field(default_factory=dict)
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
     bandwidth: dict[str, float] = field(default_factory=dict)
     openblas: dict[str, Any] = field(default_factory=dict)
     runs: dict[str, dict[str, list[dict[str, float]]]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def to_json(self) -> str:
-        d = asdict(self)
-        if self.peer is None:
-            for k in ("peer", "peer_name", "ratio"):
-                d.pop(k)
-        return json.dumps(d, indent=2)
+        return json.dumps(asdict(self), indent=2)
 
 
 def _median(values: list[float]) -> float:
@@ -152,6 +178,16 @@ class EngineSide:
         runner.cache.close()
         return {"ttft_s": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else 0.0,
                 "peak_bytes": float(peak), "tokens": float(n)}
+
+    def perplexity(self, tokens: list[int]) -> float:
+        """``exp`` of the mean negative log-likelihood of ``tokens[1:]`` (see :meth:`Runner.perplexity`)."""
+        import math
+
+        runner = self._runner()
+        with self.backend.new_context() as ctx:
+            nll, _ = runner.perplexity(ctx, tokens)
+        runner.cache.close()
+        return math.exp(nll)
 
     def decode_at_context(self, prompt: list[int], tokens: int, reps: int) -> float:
         """Median decode tokens/s of ``tokens`` tokens after ``prompt``: the prompt is prefilled once, and every
@@ -293,19 +329,60 @@ def openblas_gain(n: int, pairs: int = 3) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------------- the bench
 
 
-def run_bench(model_name: str, *, reps: int = 3, compare: str | None = None, quick: bool = False,
-              progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Measure ``model_name`` (and mlx-lm on the same weights when ``compare == "mlx-lm"``).
+def read_bandwidth(nbytes: int, reps: int = 5) -> float:
+    """Memory read bandwidth in bytes/s: a sum over ``nbytes`` of float32 already in memory (NumPy, one pass),
+    median of ``reps``. The limit a decode step that reads every weight once can reach."""
+    a = np.ones(max(1, nbytes // 4), np.float32)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        a.sum()
+        times.append(time.perf_counter() - t0)
+    return a.nbytes / _median(times[1:])
+
+
+def file_weight_bytes(path: Any) -> int:
+    """Bytes of the weight tensors in a model file (a GGUF file's tensor data; a folder's safetensors files)."""
+    from pathlib import Path
+
+    from mlx_engine.weights import GGUFFile
+
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        with GGUFFile(p) as wf:
+            return sum(wf.info(n).nbytes for n in wf.names())
+    files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files)
+
+
+def _load_peer(name: str, path: Any, n_ctx: int, say: Callable[[str], None]) -> Any:
+    if name == "mlx-lm":
+        from mlx_engine.bench.mlx_lm_peer import MLXLMPeer
+
+        say("loading mlx-lm on the same weights (dequantized by the gguf package, float32)")
+        return MLXLMPeer(path)
+    from mlx_engine.bench.llama_cpp_peer import LlamaCppPeer
+
+    say("loading llama.cpp on the same GGUF file")
+    return LlamaCppPeer(path, n_ctx)
+
+
+def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str, ...] | str | None" = None,
+              quick: bool = False, progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure ``model_name`` (and each peer in ``compare``: ``"llama.cpp"``, ``"mlx-lm"``) on the same file.
 
     Raises:
-        InvalidRequestError: an unknown ``compare`` peer, or ``reps < 1``.
+        InvalidRequestError: an unknown peer, llama.cpp on a file that is not GGUF, or ``reps < 1``.
+        EngineError: a peer that is not installed (the message says how to install it).
         ModelNotFoundError, WeightsError: as :func:`mlx_engine.api.load`.
     """
     from mlx_engine.api import load
-    from mlx_engine.errors import InvalidRequestError
+    from mlx_engine.errors import EngineError, InvalidRequestError
 
-    if compare not in (None, "mlx-lm"):
-        raise InvalidRequestError(f"cannot compare with {compare!r}; the peer engine is 'mlx-lm'")
+    names = [compare] if isinstance(compare, str) else list(dict.fromkeys(compare or ()))
+    for n in names:
+        if n not in PEERS:
+            raise InvalidRequestError(f"cannot compare with {n!r}; the peer engines are {', '.join(PEERS)}")
     if reps < 1:
         raise InvalidRequestError(f"reps must be at least 1, got {reps}")
     say = progress or (lambda _msg: None)
@@ -313,17 +390,19 @@ def run_bench(model_name: str, *, reps: int = 3, compare: str | None = None, qui
     t_start = time.perf_counter()
 
     say(f"loading {model_name}")
-    model = load(model_name, progress=False,
-                 context_length=max(sizes.context_long, sizes.prefill_long) + sizes.decode_tokens + 64)
+    n_ctx = max(sizes.context_long, sizes.prefill_long) + sizes.decode_tokens + 64
+    model = load(model_name, progress=False, context_length=n_ctx)
+    if "llama.cpp" in names and model.path.suffix != ".gguf":
+        raise InvalidRequestError(f"llama.cpp reads GGUF files; {model.name} is {model.path.name}")
     ours = EngineSide(model)
-    peer = None
-    if compare == "mlx-lm":
-        from mlx_engine.bench.mlx_lm_peer import MLXLMPeer
-
-        say("loading mlx-lm on the same weights (dequantized by the gguf package, float32)")
-        peer = MLXLMPeer(model.path)
+    peers = []
+    for n in names:
+        try:
+            peers.append(_load_peer(n, model.path, n_ctx, say))
+        except RuntimeError as e:
+            raise EngineError(str(e)) from None
     vocab = model.text_model.config.vocab_size
-    engines = [ours] + ([peer] if peer is not None else [])
+    engines = [ours] + peers
 
     # (figure, prompt length, tokens to generate)
     runs = {
@@ -355,11 +434,22 @@ def run_bench(model_name: str, *, reps: int = 3, compare: str | None = None, qui
 
     say("measuring the memory bandwidth")
     bw = ours.copy_bandwidth(sizes.copy_bytes)
+    read_bw = read_bandwidth(sizes.copy_bytes)
+    file_bytes = file_weight_bytes(model.path)
     bpt = ours.bytes_per_token(sizes.decode_prompt + sizes.decode_tokens // 2)
+
+    def add_shares(f: dict[str, float], weights_bytes: float) -> None:
+        f["weights_bytes"] = float(weights_bytes)
+        f["weights_over_file"] = weights_bytes / file_bytes
+        f["bytes_per_token"] = float(bpt)
+        f["bandwidth_share"] = f["decode"] * bpt / bw
+        f["file_limit_share"] = f["decode"] * file_bytes / read_bw
+
+    say("perplexity")
+    ppl_tokens = model.text_tokens(PERPLEXITY_TEXT)[:sizes.perplexity_tokens]
     result_ours = figures(ours.name)
-    result_ours["weights_bytes"] = float(model.backend.weights_nbytes())
-    result_ours["bytes_per_token"] = float(bpt)
-    result_ours["bandwidth_share"] = result_ours["decode"] * bpt / bw
+    add_shares(result_ours, model.backend.weights_nbytes())
+    result_ours["perplexity"] = ours.perplexity(ppl_tokens)
 
     say(f"decode at {sizes.context_short} and {sizes.context_long} tokens of context")
     result_ours["decode_ctx_short"] = ours.decode_at_context(random_prompt(sizes.context_short, vocab, 7),
@@ -379,19 +469,24 @@ def run_bench(model_name: str, *, reps: int = 3, compare: str | None = None, qui
         machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                  "cpus": os.cpu_count() or 0},
         sizes=asdict(sizes), reps=reps, ours=result_ours,
-        bandwidth={"copy_bytes_per_s": bw, "copy_bytes": float(sizes.copy_bytes)}, runs=samples,
+        bandwidth={"copy_bytes_per_s": bw, "read_bytes_per_s": read_bw, "copy_bytes": float(sizes.copy_bytes),
+                   "file_weight_bytes": float(file_bytes)},
+        runs=samples,
     )
-    if peer is not None:
+    for peer in peers:
         p = figures(peer.name)
-        p["weights_bytes"] = float(peer.weights_bytes)
-        p["bytes_per_token"] = float(bpt)
-        p["bandwidth_share"] = p["decode"] * bpt / bw
-        result.peer, result.peer_name = p, peer.name
-        result.ratio = {k: result_ours[k] / p[k] for k in COMPARED}
+        add_shares(p, peer.weights_bytes)
+        p["perplexity"] = peer.perplexity(ppl_tokens)
+        result.peers[peer.name] = p
+        result.ratios[peer.name] = {k: result_ours[k] / p[k] for k in COMPARED}
 
     say("OpenBLAS gain (matmul in child processes)")
     result.openblas = openblas_gain(sizes.matmul_n, pairs=reps)
     result.seconds = time.perf_counter() - t_start
+    for peer in peers:
+        close = getattr(peer, "close", None)
+        if close is not None:
+            close()
     model.close()
     return result
 
@@ -400,18 +495,20 @@ def run_bench(model_name: str, *, reps: int = 3, compare: str | None = None, qui
 
 
 def format_table(r: BenchResult) -> str:
-    """The result as a plain-text table (medians; the ratio column is ours / mlx-lm)."""
-    o, p = r.ours, r.peer
+    """The result as a plain-text table (medians; each ratio column is ours / that peer)."""
+    o = r.ours
     s = r.sizes
     mib = 2**20
     rows: list[tuple[str, ...]] = []
-    head = ("figure", "mlx-engine") + ((r.peer_name or "peer", "ratio") if p else ())
+    head: tuple[str, ...] = ("figure", "mlx-engine")
+    for name in r.peers:
+        head += (name, f"ratio vs {name}")
     rows.append(head)
 
-    def row(label: str, key: str, fmt: Callable[[float], str], better: str) -> None:
+    def row(label: str, key: str, fmt: Callable[[float], str], better: str, ratio: bool = True) -> None:
         cells = (f"{label} ({better})", fmt(o[key]))
-        if p is not None:
-            cells += (fmt(p[key]), f"{o[key] / p[key]:.2f}x")
+        for name, p in r.peers.items():
+            cells += (fmt(p[key]), f"{o[key] / p[key]:.2f}x" if ratio else "")
         rows.append(cells)
 
     row(f"prompt tok/s, {s['prefill_short']} tokens", "prefill_512", lambda v: f"{v:.1f}", "higher is better")
@@ -420,17 +517,25 @@ def format_table(r: BenchResult) -> str:
     row(f"time to first token, {s['decode_prompt']}-token prompt, ms", "ttft", lambda v: f"{v * 1000:.0f}",
         "lower is better")
     row("peak memory, MiB", "peak_memory", lambda v: f"{v / mib:.0f}", "lower is better")
-    row("decode share of memory bandwidth", "bandwidth_share", lambda v: f"{v * 100:.0f}%", "higher is better")
+    row("weights held / the file's tensor bytes", "weights_over_file", lambda v: f"{v:.2f}x", "lower is better",
+        ratio=False)
+    row(f"perplexity, {s['perplexity_tokens']} tokens of fixed text", "perplexity", lambda v: f"{v:.4f}",
+        "lower is better")
+    row("decode share of the file-bytes read limit", "file_limit_share", lambda v: f"{v * 100:.0f}%",
+        "higher is better", ratio=False)
+    row("decode share of copy bandwidth (bytes held)", "bandwidth_share", lambda v: f"{v * 100:.0f}%",
+        "higher is better", ratio=False)
     widths = [max(len(x[c]) for x in rows) for c in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths)))
              for x in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    bw = r.bandwidth["copy_bytes_per_s"]
+    bw = r.bandwidth
     ob = r.openblas
     lines += [
         "",
-        f"bytes read per decode token: {o['bytes_per_token'] / mib:.0f} MiB; measured copy bandwidth "
-        f"{bw / 1e9:.1f} GB/s",
+        f"the file's weight tensors: {bw['file_weight_bytes'] / mib:.0f} MiB; bytes this engine reads per decode "
+        f"token: {o['bytes_per_token'] / mib:.0f} MiB; read bandwidth {bw['read_bytes_per_s'] / 1e9:.1f} GB/s, copy "
+        f"bandwidth {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s (measured now)",
         f"decode tok/s at {s['context_short']} / {s['context_long']} tokens of context: "
         f"{o['decode_ctx_short']:.2f} / {o['decode_ctx_long']:.2f} (long/short {o['long_context_ratio']:.2f}x)",
         f"chat time to first token, turn 1 / turn {s['chat_turns']}: {o['chat_ttft_turn1'] * 1000:.0f} ms / "

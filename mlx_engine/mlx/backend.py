@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.ml import Backend, CacheConfig, Context, DType
-from mlx_engine.mlx import runtime
+from mlx_engine.mlx import cpu_kernels, runtime
 from mlx_engine.mlx.runtime import blas_description, mx, select_device
 from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
 from mlx_engine.weights import QuantizedArray, open_weights
@@ -214,11 +214,13 @@ class MLXBackend(Backend):
         device: ``cpu``, ``gpu``, ``metal``, ``cuda`` or None (automatic; see ``mlx_engine.mlx.runtime``).
         dtype: the compute dtype; float weights are cast to it. Default: float32 on CPU (MLX's CPU backend has no
             fast half-precision matmul), float16 on GPUs.
-        requantize: re-quantize tensors of quantized types that MLX cannot hold as they are (K-quants, Q5_0...)
-            to this many bits (4 or 8, group size 32) instead of keeping them dequantized.
-        quantized: keep quantized weights quantized (``mx.quantized_matmul``). Default: yes on GPUs; no on CPU, where
-            MLX's quantized matmul is far slower than a BLAS float32 matmul (measured here, 512x576 @ 576x1536:
-            396 ms quantized vs 9 ms float32; one token: 0.78 ms vs 0.26 ms), so weights are dequantized at load.
+        requantize: re-quantize tensors of quantized types that have no exact affine form (Q6_K, Q3_K, Q2_K, IQ*...)
+            to this many bits (4 or 8, group size 32); 0 keeps them dequantized (float). Default: 8 where weights stay
+            quantized (the closest MLX form: an 8-bit grid is 4x finer than Q6_K's own), else 0.
+        quantized: keep quantized weights quantized. Default: yes on GPUs (``mx.quantized_matmul``), and on the CPU
+            where our CPU kernels loaded (:mod:`mlx_engine.mlx.cpu_kernels`); without them, no on the CPU, where
+            MLX's own quantized matmul is far slower than a BLAS float32 matmul (512x576 @ 576x1536: 396 ms vs 9 ms;
+            one token: 0.78 ms vs 0.26 ms), so weights are dequantized at load.
 
     Raises:
         WeightsError: the file is missing, truncated or corrupt (the message names it).
@@ -227,12 +229,18 @@ class MLXBackend(Backend):
     def __init__(self, path: "str | Path | None" = None, *, device: str | None = None, dtype: "DType | str | None" = None,
                  requantize: int | None = None, quantized: bool | None = None):
         self._device = select_device(device)
-        self._keep_quantized = quantized if quantized is not None else self._device != "cpu"
+        if quantized is None:
+            quantized = self._device != "cpu" or cpu_kernels.qmatmul is not None
+        self._keep_quantized = quantized
+        if requantize is None:
+            requantize = 8 if quantized else 0
+        requantize = requantize or None
         self._dtype = DType.parse(dtype) if dtype else (DType.FLOAT32 if self._device == "cpu" else DType.FLOAT16)
         self._weights: dict[str, MLXTensor] = {}
         self._metadata: Mapping[str, Any] = {}
         self.path = Path(path) if path is not None else None
         if path is not None:
+            mx.reset_peak_memory()  # so that peak_memory() after the load is the load's own peak
             with open_weights(path) as wf:
                 self._metadata = wf.metadata
                 self.tensor_types = {n: wf.type_name(n) for n in wf.names()}
@@ -242,8 +250,10 @@ class MLXBackend(Backend):
     def _to_device(self, host: "np.ndarray | QuantizedArray") -> MLXTensor:
         dt = TO_MX[self._dtype]
         if isinstance(host, QuantizedArray) and self._keep_quantized:
-            t = MLXQuantizedTensor(mx.array(host.weight), mx.array(host.scales).astype(dt),
-                                   mx.array(host.biases).astype(dt), host.group_size, host.bits)
+            s, b = mx.array(host.scales), mx.array(host.biases)
+            if self._device != "cpu":  # mx.quantized_matmul wants them in the compute dtype
+                s, b = s.astype(dt), b.astype(dt)
+            t = MLXQuantizedTensor(mx.array(host.weight), s, b, host.group_size, host.bits, dtype=dt)
             mx.eval(t.w, t.scales, t.biases)
             return t
         if isinstance(host, QuantizedArray):
@@ -257,7 +267,7 @@ class MLXBackend(Backend):
     @property
     def name(self) -> str:
         if self._device == "cpu":
-            return f"mlx cpu ({blas_description()})"
+            return f"mlx cpu ({blas_description()}; quantized kernels: {cpu_kernels.status()})"
         return f"mlx {self._device}"
 
     @property
@@ -294,13 +304,14 @@ class MLXBackend(Backend):
         returns_tuple: dict[tuple, bool] = {}
 
         def call(*tensors):
-            spec = tuple((t.group_size, t.bits) if isinstance(t, MLXQuantizedTensor) else None for t in tensors)
+            spec = tuple((t.group_size, t.bits, t._dtype) if isinstance(t, MLXQuantizedTensor) else None
+                         for t in tensors)
             cfn = traced.get(spec)
             if cfn is None:
                 def raw(*arrays):
                     it = iter(arrays)
                     args = [MLXTensor(next(it)) if s is None else
-                            MLXQuantizedTensor(next(it), next(it), next(it), s[0], s[1]) for s in spec]
+                            MLXQuantizedTensor(next(it), next(it), next(it), *s) for s in spec]
                     out = fn(*args)
                     returns_tuple[spec] = isinstance(out, tuple)
                     return tuple(o.a for o in out) if isinstance(out, tuple) else (out.a,)

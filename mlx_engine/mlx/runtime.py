@@ -46,6 +46,9 @@ limit). On the CPU with OpenBLAS it is 10^6: OpenBLAS (0.3.x, x86-64 SkylakeX-cl
 2-core EPYC), and anything larger through the packed path (4-6.5 GB/s): a 1700 x 576 block runs at 11.8 GB/s,
 1792 x 576 at 4.2 GB/s. Set by :func:`select_device`."""
 
+on_cpu = False
+"""True when :func:`select_device` chose the CPU: quantized products then run through our CPU kernels."""
+
 import mlx.core as mx  # noqa: E402  (must come after the BLAS is loaded)
 
 
@@ -80,6 +83,7 @@ def select_device(requested: str | None = None) -> str:
     if want not in ("metal", "cuda", "cpu"):
         raise EngineError(f"unknown device {want!r}; use cpu, gpu, metal or cuda")
     mx.set_default_device(mx.cpu if want == "cpu" else mx.gpu)
-    global matvec_block
+    global matvec_block, on_cpu
     matvec_block = 1_000_000 if want == "cpu" and _blas.startswith("OpenBLAS") else 0
+    on_cpu = want == "cpu"
     return want

@@ -9,7 +9,7 @@ import numpy as np
 
 from mlx_engine.errors import UnsupportedError
 from mlx_engine.ml import DType, Tensor
-from mlx_engine.mlx import runtime
+from mlx_engine.mlx import cpu_kernels, runtime
 from mlx_engine.mlx.runtime import mx
 
 TO_MX = {
@@ -101,8 +101,11 @@ class MLXTensor(Tensor):
 
     def linear(self, weight, bias=None):
         if isinstance(weight, MLXQuantizedTensor):
-            y = mx.quantized_matmul(self.a, weight.w, weight.scales, weight.biases, transpose=True,
-                                    group_size=weight.group_size, bits=weight.bits)
+            if runtime.on_cpu and cpu_kernels.qmatmul is not None:
+                y = cpu_kernels.qmatmul(self.a, weight.w, weight.scales, weight.biases, weight.group_size, weight.bits)
+            else:
+                y = mx.quantized_matmul(self.a, weight.w, *weight.float_scales(), transpose=True,
+                                        group_size=weight.group_size, bits=weight.bits)
         elif self.a.size == self.a.shape[-1] and weight.a.ndim == 2:
             a = self.a
             y = _matvec(weight.a, a.reshape(a.shape[-1], 1)).reshape(*a.shape[:-1], weight.a.shape[0])
@@ -258,23 +261,33 @@ class MLXQuantizedTensor(MLXTensor):
     """An affine-quantized weight ``[rows, cols]`` (MLX's layout): ``w = scale * q + bias`` per group of
     ``group_size`` consecutive elements of a row, ``q`` packed into uint32 words, lowest bits first.
 
-    ``linear`` runs ``mx.quantized_matmul``; ``take(axis=0)`` gathers rows and dequantizes them; any other operation
-    works on the dequantized values.
+    ``linear`` runs our CPU kernel on the CPU (:mod:`mlx_engine.mlx.cpu_kernels`) and ``mx.quantized_matmul``
+    elsewhere; ``take(axis=0)`` gathers rows and dequantizes them; any other operation works on the dequantized
+    values. Scales and biases may be stored in a narrower dtype than ``dtype`` (float16 where that is exact); they
+    are widened to ``dtype`` before any arithmetic, so dequantized values are exact in ``dtype``.
     """
 
-    __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape")
+    __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape", "_dtype")
 
-    def __init__(self, w, scales, biases, group_size: int, bits: int):
+    def __init__(self, w, scales, biases, group_size: int, bits: int, dtype=None):
         self.w, self.scales, self.biases = w, scales, biases
         self.group_size, self.bits = group_size, bits
         self._shape = (w.shape[0], w.shape[1] * 32 // bits)
+        self._dtype = dtype if dtype is not None else scales.dtype
 
     def __repr__(self) -> str:
         return f"MLXQuantizedTensor(shape={self.shape}, bits={self.bits}, group_size={self.group_size})"
 
+    def float_scales(self, rows=None):
+        """Scales and biases (of ``rows``, an index, or all) in :attr:`dtype`."""
+        s, b = (self.scales, self.biases) if rows is None else (self.scales[rows], self.biases[rows])
+        if s.dtype != self._dtype:
+            s, b = s.astype(self._dtype), b.astype(self._dtype)
+        return s, b
+
     @property
     def a(self):
-        return mx.dequantize(self.w, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        return mx.dequantize(self.w, *self.float_scales(), group_size=self.group_size, bits=self.bits)
 
     @property
     def shape(self):
@@ -282,7 +295,7 @@ class MLXQuantizedTensor(MLXTensor):
 
     @property
     def dtype(self):
-        return FROM_MX[self.scales.dtype]
+        return FROM_MX[self._dtype]
 
     @property
     def is_quantized(self):
@@ -296,8 +309,7 @@ class MLXQuantizedTensor(MLXTensor):
         if axis != 0:
             return super().take(indices, axis)
         i = raw(indices)
-        return MLXTensor(mx.dequantize(self.w[i], self.scales[i], self.biases[i], group_size=self.group_size,
-                                       bits=self.bits))
+        return MLXTensor(mx.dequantize(self.w[i], *self.float_scales(i), group_size=self.group_size, bits=self.bits))
 
     def dequantize(self):
         return MLXTensor(self.a)

@@ -11,6 +11,22 @@ from typing import Any
 import numpy as np
 
 
+def unpack(weight: np.ndarray, bits: int) -> np.ndarray:
+    """The inverse of :func:`pack`: uint32 ``[rows, w]`` -> uint8 ``[rows, w * 32 / bits]``."""
+    rows = weight.shape[0]
+    if bits in (3, 5, 6):
+        b = np.ascontiguousarray(weight).astype("<u4").view(np.uint8).reshape(rows, -1, bits)
+        padded = np.zeros((rows, b.shape[1], 8), np.uint8)
+        padded[:, :, :bits] = b
+        v = padded.view("<u8").astype(np.uint64)
+        q = (v >> (np.arange(8, dtype=np.uint64) * np.uint64(bits))) & np.uint64((1 << bits) - 1)
+        return q.reshape(rows, -1).astype(np.uint8)
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
+    q = (weight[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
+    return q.reshape(rows, -1).astype(np.uint8)
+
+
 @dataclass
 class QuantizedArray:
     """An affine-quantized 2-D weight in MLX's layout: element ``j`` of row ``r`` is
@@ -18,14 +34,14 @@ class QuantizedArray:
     at bit ``bits * (j % (32 // bits))`` of word ``weight[r, j // (32 // bits)]``.
 
     This is MLX's affine layout (``mx.quantize`` / ``mx.dequantize`` / ``mx.quantized_matmul``), so the three arrays
-    upload as they are. GGUF Q4_0 (scale ``d``, bias ``-8d``), Q4_1 (``d``, ``m``) and Q8_0 (``q + 128``, ``d``,
-    ``-128d``) map onto it without loss; see :mod:`mlx_engine.weights.quant`.
+    upload as they are. GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K and Q5_K map onto it without loss; see
+    :mod:`mlx_engine.weights.quant`.
 
     Attributes:
         weight: uint32 ``[rows, cols * bits / 32]``.
-        scales, biases: float32 ``[rows, cols / group_size]``.
-        group_size: elements per scale (32 for GGUF Q4_0, Q4_1, Q8_0 and for re-quantized tensors).
-        bits: 4 or 8 (2 is also understood by :meth:`dequantize`).
+        scales, biases: float32 or float16 (both the same) ``[rows, cols / group_size]``.
+        group_size: elements per scale (32 for GGUF types and for re-quantized tensors).
+        bits: 2, 3, 4, 5, 6 or 8.
     """
 
     weight: np.ndarray
@@ -47,16 +63,14 @@ class QuantizedArray:
         """float32 ``[rows, cols]``: ``scale * q + bias`` evaluated in float32 (for GGUF Q4_0, Q4_1 and Q8_0 this
         equals ``gguf.quants.dequantize`` exactly). Works through ``rows_per_chunk`` rows at a time, so the only
         large allocation is the result."""
-        per_word = 32 // self.bits
-        shifts = (np.arange(per_word, dtype=np.uint32) * self.bits)
-        mask = np.uint32((1 << self.bits) - 1)
         rows, cols = self.shape
         out = np.empty((rows, cols), np.float32)
         for r0 in range(0, rows, rows_per_chunk):
             r1 = min(rows, r0 + rows_per_chunk)
-            q = ((self.weight[r0:r1, :, None] >> shifts) & mask).astype(np.float32)
-            g = q.reshape(r1 - r0, -1, self.group_size)
-            out[r0:r1] = (g * self.scales[r0:r1, :, None] + self.biases[r0:r1, :, None]).reshape(r1 - r0, cols)
+            g = unpack(self.weight[r0:r1], self.bits).astype(np.float32).reshape(r1 - r0, -1, self.group_size)
+            s = self.scales[r0:r1, :, None].astype(np.float32)
+            b = self.biases[r0:r1, :, None].astype(np.float32)
+            out[r0:r1] = (g * s + b).reshape(r1 - r0, cols)
         return out
 
 

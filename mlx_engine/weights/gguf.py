@@ -50,8 +50,7 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 8
 
 #: Types kept quantized without loss, as MLX affine group-32 arrays.
-LOSSLESS_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
-_LOSSLESS_BLOCKS = {"Q4_0": quant.Q4_0_BLOCK, "Q4_1": quant.Q4_1_BLOCK, "Q8_0": quant.Q8_0_BLOCK}
+LOSSLESS_TYPES = frozenset(quant.REPACK_BITS)
 
 # Types returned as they are stored (NumPy dtype, little-endian).
 _PLAIN_TYPES = {
@@ -250,9 +249,10 @@ class GGUFFile(WeightFile):
 
     :meth:`load` returns, by stored type:
 
-    - ``Q4_0``, ``Q4_1``, ``Q8_0`` 2-D tensors: a lossless :class:`QuantizedArray` (group size 32; 4, 4, 8 bits)
-      whose ``dequantize()`` equals ``gguf.quants.dequantize`` exactly. Other ranks: float32 (dequantized).
-    - other quantized types (``Q4_K``, ``Q5_0``, ``Q6_K``, ``IQ*``, ``TQ*``, ``MXFP4``...): float32 from
+    - ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K`` 2-D tensors: a lossless
+      :class:`QuantizedArray` (group size 32; 4, 4, 8, 5, 5, 4, 5 bits) whose ``dequantize()`` equals
+      ``gguf.quants.dequantize`` exactly. Other ranks: float32 (dequantized).
+    - other quantized types (``Q6_K``, ``Q3_K``, ``Q2_K``, ``IQ*``, ``TQ*``, ``MXFP4``...): float32 from
       ``gguf.quants.dequantize`` (``Q8_K`` by this package), or, with ``requantize=4`` or ``8`` and a 2-D shape whose
       last axis is a multiple of 32, a :class:`QuantizedArray` made by :func:`quant.quantize_affine` (MLX's formula).
     - ``F32`` float32, ``F16`` float16, ``BF16`` float32, ``F64`` float64, ``I8``/``I16``/``I32``/``I64`` as stored.
@@ -451,8 +451,8 @@ class GGUFFile(WeightFile):
 
         Args:
             name: the tensor's name.
-            requantize: None, 4 or 8: re-quantize tensors of quantized types other than Q4_0, Q4_1 and Q8_0 to this
-                many bits (MLX affine, group size 32) instead of returning float32. Ignored for other types.
+            requantize: None, 4 or 8: re-quantize 2-D tensors of quantized types not in :data:`LOSSLESS_TYPES` to
+                this many bits (MLX affine, group size 32) instead of returning float32. Ignored for other types.
 
         Returns:
             a NumPy array in the logical shape (NumPy order), or a :class:`QuantizedArray` ``[rows, cols]``.
@@ -481,7 +481,8 @@ class GGUFFile(WeightFile):
         rows = n_el // shape[-1] if shape and shape[-1] else 0
         cols = shape[-1] if shape else 1
         if t.type_name in LOSSLESS_TYPES and len(shape) == 2 and n_el:
-            blocks = np.frombuffer(buf, _LOSSLESS_BLOCKS[t.type_name], n_el // quant.GROUP_SIZE, t.offset)
+            dt = quant.BLOCKS[t.type_name]
+            blocks = np.frombuffer(buf, dt, t.nbytes // dt.itemsize, t.offset)
             return quant.repack_gguf(blocks, t.type_name, rows, cols)
         if requantize and len(shape) == 2 and n_el and cols % quant.GROUP_SIZE == 0 \
                 and t.type_name not in LOSSLESS_TYPES:

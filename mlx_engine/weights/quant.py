@@ -15,9 +15,25 @@ GGUF block formats (``ggml/src/ggml-common.h`` in llama.cpp; the ``gguf`` packag
 - ``Q8_0``: 32 elements, ``{f16 d; i8 qs[32]}``; value ``d * q``. In MLX's layout: ``q + 128`` as an unsigned byte,
   scale ``d``, bias ``-128 d``, 8 bits.
 
-All three map without loss: ``d`` (an f16) times a 4- or 8-bit integer is exact in float32, and so is the sum with
-the bias, so the float32 dequantization equals ``gguf.quants.dequantize`` exactly (up to the sign of zero for Q4_0
-and Q8_0).
+- ``Q5_0``: 32 elements, ``{f16 d; u32 qh; u8 qs[16]}``; element ``i`` takes its low 4 bits from the nibbles as in
+  Q4_0 and its fifth bit from bit ``i`` of ``qh``; value ``d * (q - 16)``: scale ``d``, bias ``-16 d``, 5 bits.
+- ``Q5_1``: ``{f16 d; f16 m; u32 qh; u8 qs[16]}``, bits as Q5_0, value ``d * q + m``.
+- ``Q4_K``: 256 elements, ``{f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}``: eight sub-blocks of 32 with 6-bit
+  scales ``sc`` and mins ``m`` packed in ``scales`` (``get_scale_min_k4``); sub-block ``2i`` is the low nibbles of
+  ``qs[32i:32i+32]``, ``2i + 1`` the high nibbles; value ``d * sc * q - dmin * m``: scale ``d * sc``, bias
+  ``-dmin * m``, 4 bits.
+- ``Q5_K``: ``{f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}``: as Q4_K, plus a fifth bit for sub-block
+  ``j`` from bit ``j`` of ``qh[l]``; 5 bits.
+
+All of these map without loss onto group-32 affine: a scale and a bias per 32 elements, each the product of an f16
+and an integer of at most 6 bits, exact in float32, and ``scale * q`` (at most 17 + 5 significant bits) is exact too,
+so the float32 dequantization equals ``gguf.quants.dequantize`` exactly (up to the sign of zero). Scales and biases are
+stored as float16 where every one of them is exactly a float16 (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, barring overflow),
+else float32; :func:`compact_scales` decides. The 16-element sub-block types (Q6_K, Q3_K, Q2_K) have no exact form
+with MLX's smallest group of 32; the loader re-quantizes them (``requantize``).
+
+Bits other than 2, 4 and 8 (3, 5, 6) pack as MLX packs them: a little-endian bitstream, element ``j`` at bit
+``j * bits`` of the row's bytes (the 2-, 4- and 8-bit word layout above is the same stream).
 
 This module imports NumPy only (never ``mlx``).
 """
@@ -26,7 +42,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlx_engine.weights.base import QuantizedArray
+from mlx_engine.weights.base import QuantizedArray, unpack
+
+__all__ = [
+    "GROUP_SIZE", "BITS", "BLOCKS", "REPACK_BITS", "Q4_0_BLOCK", "Q4_1_BLOCK", "Q8_0_BLOCK", "Q8_K_BLOCK",
+    "Q5_0_BLOCK", "Q5_1_BLOCK", "Q4_K_BLOCK", "Q5_K_BLOCK", "FP8_E4M3FN_TABLE", "unpack", "pack", "compact_scales",
+    "quantize_affine", "repack_gguf", "dequantize_q8_k", "bf16_to_float32", "fp8_e4m3fn_to_float32",
+    "fp8_e5m2_to_float32", "fp8_e8m0_to_float32",
+]
 
 GROUP_SIZE = 32
 
@@ -35,6 +58,17 @@ Q4_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
 Q4_1_BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))])
 Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
 Q8_K_BLOCK = np.dtype([("d", "<f4"), ("qs", "i1", (256,)), ("bsums", "<i2", (16,))])
+Q5_0_BLOCK = np.dtype([("d", "<f2"), ("qh", "<u4"), ("qs", "u1", (16,))])
+Q5_1_BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "<u4"), ("qs", "u1", (16,))])
+Q4_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])
+Q5_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qh", "u1", (32,)),
+                       ("qs", "u1", (128,))])
+
+#: GGUF types that map onto MLX's affine layout without loss, and the bits they take there.
+REPACK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5}
+#: their block dtypes
+BLOCKS = {"Q4_0": Q4_0_BLOCK, "Q4_1": Q4_1_BLOCK, "Q8_0": Q8_0_BLOCK, "Q5_0": Q5_0_BLOCK, "Q5_1": Q5_1_BLOCK,
+          "Q4_K": Q4_K_BLOCK, "Q5_K": Q5_K_BLOCK}
 
 # Rows processed per chunk so that temporaries stay around this many bytes.
 _CHUNK_BYTES = 1 << 24
@@ -46,17 +80,26 @@ def _as_words(packed_bytes: np.ndarray) -> np.ndarray:
     return words if words.dtype == np.uint32 else words.astype(np.uint32)
 
 
+BITS = (2, 3, 4, 5, 6, 8)
+
+
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
     """Pack unsigned integers ``[rows, cols]`` (each ``< 2**bits``) into MLX's uint32 words ``[rows, cols * bits / 32]``.
 
-    ``bits`` is 2, 4 or 8; ``cols * bits`` must be a multiple of 32.
+    ``bits`` is 2, 3, 4, 5, 6 or 8; ``cols * bits`` must be a multiple of 32 (``cols`` a multiple of 32 for 3, 5, 6).
     """
-    if bits not in (2, 4, 8):
-        raise ValueError(f"bits must be 2, 4 or 8, not {bits}")
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, not {bits}")
     q = np.asarray(q)
-    if q.ndim != 2 or (q.shape[1] * bits) % 32:
+    if q.ndim != 2 or (q.shape[1] * bits) % 32 or (bits in (3, 5, 6) and q.shape[1] % 32):
         raise ValueError(f"cannot pack shape {q.shape} with {bits} bits")
     q8 = q.astype(np.uint8, copy=False)
+    if bits in (3, 5, 6):
+        rows, cols = q8.shape
+        lanes = q8.reshape(rows, cols // 8, 8).astype(np.uint64)
+        v = np.bitwise_or.reduce(lanes << (np.arange(8, dtype=np.uint64) * np.uint64(bits)), axis=-1)
+        b = v.astype("<u8").view(np.uint8).reshape(rows, cols // 8, 8)[:, :, :bits].reshape(rows, cols * bits // 8)
+        return _as_words(b)
     per_byte = 8 // bits
     if per_byte == 1:
         b = q8
@@ -67,12 +110,14 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
     return _as_words(b)
 
 
-def unpack(weight: np.ndarray, bits: int) -> np.ndarray:
-    """The inverse of :func:`pack`: uint32 ``[rows, w]`` -> uint8 ``[rows, w * 32 / bits]``."""
-    per_word = 32 // bits
-    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
-    q = (weight[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
-    return q.reshape(weight.shape[0], -1).astype(np.uint8)
+def compact_scales(qa: QuantizedArray) -> QuantizedArray:
+    """``qa`` with float16 scales and biases when every one of them is exactly a float16 (then nothing changes in
+    the values, and a 4-bit weight takes 5 bits per element instead of 6); else ``qa`` itself."""
+    with np.errstate(all="ignore"):
+        s16, b16 = qa.scales.astype(np.float16), qa.biases.astype(np.float16)
+        exact = (np.array_equal(s16.astype(np.float32), qa.scales, equal_nan=True)
+                 and np.array_equal(b16.astype(np.float32), qa.biases, equal_nan=True))
+    return QuantizedArray(qa.weight, s16, b16, qa.group_size, qa.bits) if exact else qa
 
 
 def quantize_affine(w: np.ndarray, bits: int, group_size: int = GROUP_SIZE) -> QuantizedArray:
@@ -135,39 +180,89 @@ def _repack_q4_nibbles(qs: np.ndarray) -> np.ndarray:
     return out
 
 
+def _q5_high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 ``qh`` (uint32 per block) -> the fifth bit of each of the 32 elements, times 16, uint8 ``[n, 32]``."""
+    return (((qh[:, None] >> np.arange(32, dtype=np.uint32)) & np.uint32(1)) << np.uint32(4)).astype(np.uint8)
+
+
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K packed ``scales[12]`` ``[n, 12]`` -> 6-bit scales and mins ``[n, 8]`` (``get_scale_min_k4``)."""
+    sc = np.empty((raw.shape[0], 8), np.uint8)
+    mn = np.empty((raw.shape[0], 8), np.uint8)
+    sc[:, :4] = raw[:, 0:4] & 63
+    mn[:, :4] = raw[:, 4:8] & 63
+    sc[:, 4:] = (raw[:, 8:12] & 0xF) | ((raw[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (raw[:, 8:12] >> 4) | ((raw[:, 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def _decode(blk: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks of a lossless type -> (``q`` uint8 ``[n, E]`` in element order, scales and biases float32
+    ``[n, E / 32]``), ``E`` the block's elements (32, or 256 for the K-quants)."""
+    d = blk["d"].astype(np.float32)
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        qs = blk["qs"]
+        q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+        if type_name in ("Q5_0", "Q5_1"):
+            q |= _q5_high_bits(blk["qh"].astype(np.uint32))
+        if type_name in ("Q4_1", "Q5_1"):
+            bias = blk["m"].astype(np.float32)
+        else:
+            bias = np.float32(-8 if type_name == "Q4_0" else -16) * d
+        return q, d[:, None], bias[:, None]
+    # Q4_K, Q5_K
+    sc, mn = _k_scales(blk["scales"])
+    qs = blk["qs"].reshape(-1, 4, 32)
+    q = np.stack([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=2)  # [n, 4, 2, 32]: sub-blocks 2i, 2i + 1
+    if type_name == "Q5_K":
+        shift = np.arange(8, dtype=np.uint8).reshape(4, 2)
+        q |= ((blk["qh"][:, None, None, :] >> shift[None, :, :, None]) & np.uint8(1)) << np.uint8(4)
+    scales = d[:, None] * sc.astype(np.float32)
+    biases = -(blk["dmin"].astype(np.float32)[:, None] * mn.astype(np.float32))
+    return q.reshape(-1, 256), scales, biases
+
+
 def repack_gguf(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedArray:
-    """GGUF Q4_0 / Q4_1 / Q8_0 blocks -> a lossless :class:`QuantizedArray` ``[rows, cols]``, group size 32.
+    """GGUF blocks of a type in :data:`REPACK_BITS` -> a lossless :class:`QuantizedArray` ``[rows, cols]``, group size
+    32, with float16 scales and biases where they are exact (:func:`compact_scales`).
 
     Args:
-        blocks: a 1-D array of ``rows * cols / 32`` blocks of the structured dtype :data:`Q4_0_BLOCK`,
-            :data:`Q4_1_BLOCK` or :data:`Q8_0_BLOCK` (a view of the file is fine; it is not modified).
-        type_name: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``.
-        rows, cols: the logical shape in NumPy order (``cols`` is GGUF's first dimension, a multiple of 32).
+        blocks: a 1-D array of the type's blocks, of its structured dtype in :data:`BLOCKS` (a view of the file is
+            fine; it is not modified).
+        type_name: a key of :data:`REPACK_BITS`.
+        rows, cols: the logical shape in NumPy order (``cols`` is GGUF's first dimension, a multiple of the block).
     """
-    nb = cols // GROUP_SIZE
-    bits = 8 if type_name == "Q8_0" else 4
+    bits = REPACK_BITS[type_name]
+    block_elems = 256 if type_name.endswith("_K") else GROUP_SIZE
+    nb = cols // block_elems
+    ng = cols // GROUP_SIZE
     weight = np.empty((rows, cols * bits // 32), np.uint32)
-    scales = np.empty((rows, nb), np.float32)
-    biases = np.empty((rows, nb), np.float32)
+    scales = np.empty((rows, ng), np.float32)
+    biases = np.empty((rows, ng), np.float32)
     step = max(1, _CHUNK_BYTES // max(1, cols))
     with np.errstate(all="ignore"):
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             blk = blocks[r0 * nb:r1 * nb]
-            d = blk["d"].astype(np.float32).reshape(r1 - r0, nb)
-            scales[r0:r1] = d
             if type_name == "Q8_0":
+                d = blk["d"].astype(np.float32).reshape(r1 - r0, nb)
                 q = blk["qs"].view(np.uint8) ^ np.uint8(0x80)  # q + 128 (mod 256) for q in [-128, 127]
                 weight[r0:r1] = _as_words(q.reshape(r1 - r0, nb * 32))
+                scales[r0:r1] = d
                 biases[r0:r1] = np.float32(-128) * d
-            else:
-                q = _repack_q4_nibbles(blk["qs"])
-                weight[r0:r1] = _as_words(q.reshape(r1 - r0, nb * 16))
-                if type_name == "Q4_0":
-                    biases[r0:r1] = np.float32(-8) * d
-                else:
-                    biases[r0:r1] = blk["m"].astype(np.float32).reshape(r1 - r0, nb)
-    return QuantizedArray(weight, scales, biases, GROUP_SIZE, bits)
+                continue
+            if type_name in ("Q4_0", "Q4_1"):  # nibbles regrouped without unpacking
+                weight[r0:r1] = _as_words(_repack_q4_nibbles(blk["qs"]).reshape(r1 - r0, nb * 16))
+                d = blk["d"].astype(np.float32)
+                scales[r0:r1] = d.reshape(r1 - r0, nb)
+                bias = blk["m"].astype(np.float32) if type_name == "Q4_1" else np.float32(-8) * d
+                biases[r0:r1] = bias.reshape(r1 - r0, nb)
+                continue
+            q, s, b = _decode(blk, type_name)
+            weight[r0:r1] = pack(q.reshape(r1 - r0, cols), bits)
+            scales[r0:r1] = s.reshape(r1 - r0, ng)
+            biases[r0:r1] = b.reshape(r1 - r0, ng)
+    return compact_scales(QuantizedArray(weight, scales, biases, GROUP_SIZE, bits))
 
 
 def dequantize_q8_k(blocks: np.ndarray) -> np.ndarray:

@@ -1,0 +1,108 @@
+"""Our CPU kernels (mlx_engine/mlx/kernels, built by setup.py at install): the quantized product against MLX's own
+dequantize + matmul for every bit width, group size and scale dtype; the loader's fallbacks; and the engine's use of
+them (weights stay quantized on the CPU, and a model's tokens are those of the float path)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from mlx_engine.mlx import cpu_kernels  # noqa: E402
+
+
+def test_kernels_are_built_and_loaded():
+    """setup.py builds them wherever a C++ compiler and CMake exist (CI installs both); a silent fallback would
+    hide a 2-3x slowdown, so the suite insists."""
+    assert cpu_kernels.qmatmul is not None, cpu_kernels.status()
+    import importlib
+
+    _kernels = importlib.import_module("mlx_engine.mlx._kernels")
+    assert _kernels.isa() in ("avx512", "avx2", "neon", "generic")
+    assert _kernels.threads() >= 1
+    assert cpu_kernels.status().startswith(_kernels.isa())
+
+
+def _reference(x, q, s, b, group_size, bits):
+    """float32 x @ dequantize(...).T with the scales widened to float32 first (exact dequantized values)."""
+    w = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size, bits=bits)
+    return np.array(x.astype(mx.float32) @ w.T)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", ["float32", "float16", "bfloat16"])
+def test_qmatmul_matches_dequantize_matmul(bits, group_size, scale_dtype):
+    key = mx.random.key(bits * 1000 + group_size)
+    k1, k2 = mx.random.split(key)
+    n, k = 70, 256  # 70 rows: blocks of 4 and a remainder
+    q, s, b = mx.quantize(mx.random.normal((n, k), key=k1), group_size=group_size, bits=bits)
+    dt = getattr(mx, scale_dtype)
+    s, b = s.astype(dt), b.astype(dt)
+    for m in (1, 3, 4, 9):  # one row (decode), tiles of 4 and the rest
+        x = mx.random.normal((m, k), key=k2)
+        got = np.array(cpu_kernels.qmatmul(x, q, s, b, group_size, bits))
+        want = _reference(x, q, s, b, group_size, bits)
+        # float32 sums in another order: a few ulps of the largest partial sums
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_qmatmul_shapes_dtypes_and_many_rows():
+    key = mx.random.key(0)
+    q, s, b = mx.quantize(mx.random.normal((300, 512), key=key), group_size=32, bits=4)
+    x = mx.random.normal((2, 70, 512), key=mx.random.key(1)).astype(mx.float16)
+    y = cpu_kernels.qmatmul(x, q, s, b, 32, 4)
+    assert y.shape == (2, 70, 300) and y.dtype == mx.float16  # leading axes kept, x's dtype
+    want = _reference(x.reshape(140, 512), q, s, b, 32, 4).reshape(2, 70, 300)
+    np.testing.assert_allclose(np.array(y.astype(mx.float32)), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(bits=7), "bits must be"),
+    (dict(group_size=16), "group_size must be"),
+    (dict(k=100), "last axis must be"),
+    (dict(scale_shape=(5, 3)), "scales and biases"),
+])
+def test_qmatmul_rejects_bad_arguments(args, message):
+    q, s, b = mx.quantize(mx.ones((8, 64)), group_size=32, bits=4)
+    x = mx.ones((1, args.get("k", 64)))
+    if "scale_shape" in args:
+        s = mx.ones(args["scale_shape"])
+    with pytest.raises(ValueError, match=message):
+        cpu_kernels.qmatmul(x, q, s, b, args.get("group_size", 32), args.get("bits", 4))
+
+
+def _status_in_subprocess(env: dict[str, str]) -> str:
+    code = "from mlx_engine.mlx import cpu_kernels as k; print(k.qmatmul is None, k.status())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return out.stdout.strip()
+
+
+def test_kernels_can_be_turned_off():
+    assert _status_in_subprocess({"MLX_ENGINE_KERNELS": "0"}) == "True off (MLX_ENGINE_KERNELS=0)"
+
+
+def test_thread_count_follows_the_environment():
+    assert _status_in_subprocess({"MLX_ENGINE_CPU_THREADS": "1"}).endswith(", 1 threads")
+
+
+def test_backend_keeps_gguf_weights_quantized_on_the_cpu(smollm2_gguf):
+    from mlx_engine.mlx import MLXBackend
+    from mlx_engine.mlx.tensor import MLXQuantizedTensor
+
+    backend = MLXBackend(smollm2_gguf, device="cpu")
+    try:
+        w = backend.weights["blk.0.ffn_up.weight"]
+        assert isinstance(w, MLXQuantizedTensor) and w.scales.dtype == mx.float16  # Q4_1: exact in float16
+        assert "quantized kernels: " + cpu_kernels.status() in backend.name
+        # resident weights: the file's tensor bytes and no more (Q4_1 with float16 scales is the same 5 bits)
+        file_bytes = os.path.getsize(smollm2_gguf)
+        assert backend.weights_nbytes() <= 1.1 * file_bytes
+    finally:
+        backend.close()
