@@ -187,13 +187,10 @@ class Runner:
         for begin in range(0, len(tokens) - 1, chunk):
             ids = np.asarray(tokens[begin:begin + chunk], np.int32)
             batch = Batch(ids, np.arange(begin, begin + len(ids)), np.full(len(ids), seq), np.arange(len(ids)))
-            logits = self.model.forward(ctx, batch, self.cache).astype(DType.FLOAT32).numpy().astype(np.float64)
+            logits = self.model.forward(ctx, batch, self.cache).astype(DType.FLOAT32).numpy()
             self._cached.setdefault(seq, []).extend(int(t) for t in ids)
             targets = np.asarray(tokens[begin + 1:begin + 1 + len(ids)], np.int64)
-            logits = logits[:len(targets)]
-            top = logits.max(axis=-1)
-            log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
-            nll += float((log_z - logits[np.arange(len(targets)), targets]).sum())
+            nll += sum_nll(logits[:len(targets)], targets)
         return nll / (len(tokens) - 1), len(tokens) - 1
 
     # ---- several sequences, one token each (continuous batching) ----------------------------------------------
@@ -424,6 +421,15 @@ class TextAssembler:
     def _take(self, n: int, drop_rest: bool = False) -> str:
         out, self._pending = self._pending[:n], ("" if drop_rest else self._pending[n:])
         return out
+
+
+def sum_nll(logits: np.ndarray, targets: np.ndarray) -> float:
+    """Sum over rows of ``-log softmax(logits[i])[targets[i]]`` (natural log), in float64: ``logits`` ``[n, vocab]``,
+    ``targets`` int ``[n]``. The one scoring of :meth:`Runner.perplexity` and of the bench's peers."""
+    logits = np.asarray(logits, np.float64)
+    top = logits.max(axis=-1)
+    log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
+    return float((log_z - logits[np.arange(len(targets)), targets]).sum())
 
 
 def logits_for(model: DecoderModel, runner: Runner, tokens: Sequence[int], sequence: int = 0) -> np.ndarray:

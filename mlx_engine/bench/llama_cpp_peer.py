@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mlx_engine.models.runner import sum_nll
+
 
 class LlamaCppPeer:
     """One llama.cpp context on ``path`` with ``n_ctx`` cells and ``threads`` threads (default: the CPUs this
@@ -68,13 +70,10 @@ class LlamaCppPeer:
                                     n_threads_batch=self.threads, logits_all=True, verbose=False)
         try:
             llm.eval(list(tokens))
-            logits = np.asarray(llm.scores[:len(tokens) - 1], np.float64)
+            logits = np.asarray(llm.scores[:len(tokens) - 1])
         finally:
             llm.close()
-        targets = np.asarray(tokens[1:], np.int64)
-        top = logits.max(axis=-1)
-        log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
-        return math.exp(float((log_z - logits[np.arange(len(targets)), targets]).mean()))
+        return math.exp(sum_nll(logits, np.asarray(tokens[1:], np.int64)) / (len(tokens) - 1))
 
     def close(self) -> None:
         self.llm.close()

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.mlx.runtime import mx  # loads OpenBLAS before mlx on Linux
+from mlx_engine.models.runner import sum_nll
 
 _NAMES = [
     (r"token_embd\.weight", "model.embed_tokens.weight"),
@@ -196,9 +197,7 @@ class MLXLMPeer:
         nll = 0.0
         for begin in range(0, len(tokens) - 1, chunk):
             ids = tokens[begin:begin + chunk]
-            logits = self.model(mx.array([ids]), cache=cache)[0].astype(mx.float32)
-            targets = mx.array(tokens[begin + 1:begin + 1 + len(ids)])
-            logits = logits[:targets.shape[0]]
-            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            nll += -mx.take_along_axis(lp, targets[:, None], axis=-1).sum().item()
+            logits = np.array(self.model(mx.array([ids]), cache=cache)[0].astype(mx.float32))
+            targets = np.asarray(tokens[begin + 1:begin + 1 + len(ids)], np.int64)
+            nll += sum_nll(logits[:len(targets)], targets)
         return float(np.exp(nll / (len(tokens) - 1)))
