@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.errors import InvalidRequestError
+from mlx_engine.errors import ChatTemplateError, InvalidRequestError
 from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
 from mlx_engine.models.registry import load_text_checkpoint
@@ -111,7 +111,10 @@ class Model:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"each message must be a dict with 'role' and 'content', got {m!r}")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"{self.name}'s chat template: {e}") from e
 
     def prompt_tokens(self, prompt: str, *, system: str | None = None, raw: bool | None = None) -> list[int]:
         """Token ids for a one-shot prompt: the chat template for instruct models, raw text for base models (or

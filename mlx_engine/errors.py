@@ -30,6 +30,12 @@ class InvalidRequestError(EngineError, ValueError):
     """A request with an invalid argument (empty prompt, negative temperature, prompt longer than the context...)."""
 
 
+class ChatTemplateError(InvalidRequestError):
+    """A chat template that does not compile, that rejects the conversation (``raise_exception``), that fails while
+    rendering, or that goes past a limit of the bounded sandbox (time, output size, the size of a value it builds).
+    The message names the model where it is known, and the limit."""
+
+
 class InvalidOptionError(InvalidRequestError):
     """One generation option with an invalid value: ``option`` (its name), ``value``, ``rule`` (what it must be,
     e.g. ``must be >= 0``) and ``hint`` (what its special values do, or "")."""

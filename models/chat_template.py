@@ -23,9 +23,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mlx_engine.errors import InvalidRequestError
+from mlx_engine.errors import ChatTemplateError, InvalidRequestError
+from mlx_engine.models import template_sandbox
+from mlx_engine.models.template_sandbox import MIN_SIZE, BoundedEnvironment, TemplateLimitError
 
 # ---- standard turn formats (used only when a model ships no template) ---------------------------------------------
 
@@ -146,9 +147,15 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template (cached by its text). Raises ``InvalidRequestError`` on a syntax error."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    """Compile a chat template (cached by its text) in a :class:`BoundedEnvironment` of its own.
+
+    Raises:
+        ChatTemplateError: a syntax error, or a template the compiler cannot handle (nesting too deep...).
+    """
+    if not isinstance(source, str):
+        raise ChatTemplateError(f"a chat template must be text, got {type(source).__name__}")
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                             extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -156,8 +163,8 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["namespace"] = _TemplateNamespace
     try:
         return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise InvalidRequestError(f"the chat template does not compile: {e}") from e
+    except (jinja2.exceptions.TemplateError, RecursionError, MemoryError, ValueError, TypeError) as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from e
 
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -181,16 +188,35 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, 
                          documents: list | None = None, **kwargs: Any) -> str:
     """Render ``source`` for ``messages`` (a list of ``{"role": ..., "content": ...}`` dicts).
 
+    The rendering is bounded (:mod:`mlx_engine.models.template_sandbox`): at most ``TIME_LIMIT_S`` seconds, and its
+    text and every value it builds at most 1 Mi characters or 8 times the size of the conversation, whichever is
+    larger.
+
     Raises:
-        InvalidRequestError: no messages, a message that is not a dict, a template that does not compile, or one
-            that rejects the conversation (``raise_exception`` or any other template error).
+        InvalidRequestError: no messages, or a message that is not a dict.
+        ChatTemplateError: a template that does not compile, that rejects the conversation (``raise_exception``),
+            that fails in any other way while rendering, or that goes past a limit (the message names it).
     """
     if not messages:
         raise InvalidRequestError("the conversation is empty; give at least one message")
     template = compile_template(source)
     variables = {**(special_tokens or {}), **kwargs}
+    prepared = _prepare_messages(messages)
+    size = max(MIN_SIZE, 8 * (len(repr(prepared)) + len(repr(tools)) + len(repr(documents))))
     try:
-        return template.render(messages=_prepare_messages(messages), tools=tools, documents=documents,
-                               add_generation_prompt=add_generation_prompt, **variables)
-    except (jinja2.exceptions.TemplateError, TypeError) as e:
-        raise InvalidRequestError(f"the chat template rejected the conversation: {e}") from e
+        return template.environment.render(template, size, template_sandbox.TIME_LIMIT_S, messages=prepared,
+                                           tools=tools, documents=documents,
+                                           add_generation_prompt=add_generation_prompt, **variables)
+    except TemplateLimitError as e:
+        message = str(e) if str(e).startswith("the chat template") else f"the chat template was stopped: {e}"
+        raise ChatTemplateError(message) from e
+    except jinja2.exceptions.SecurityError as e:
+        raise ChatTemplateError(f"the chat template was stopped: {e}") from e
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"the chat template rejected the conversation: {e}") from e
+    except RecursionError as e:
+        raise ChatTemplateError("the chat template recursed too deeply (a macro that calls itself without end?)") from e
+    except MemoryError as e:
+        raise ChatTemplateError("the chat template ran out of memory") from e
+    except Exception as e:  # anything else a template's own code raises: the template is at fault, not the caller
+        raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e

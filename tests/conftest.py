@@ -37,6 +37,14 @@ def gemma3_gguf(model_store: Store) -> Path:
     return model_store.pull("gemma3:270m", progress=False).path
 
 
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf: Path):
+    """SmolLM2 loaded once for the session (context 512). Tests that change it must put it back."""
+    import mlx_engine
+
+    return mlx_engine.load(str(smollm2_gguf), progress=False, context_length=512)
+
+
 def link_model(source_folder: Path, root: Path) -> Path:
     """Put a model of another store into the store at ``root`` without copying: its files as symbolic links, its
     manifest copied. Returns the new model folder."""
