@@ -69,16 +69,61 @@ class DecoderConfig:
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
-        if not self.layer_types:
-            self.layer_types = ["full_attention"] * self.num_layers
-        if self.query_scale is None:
-            self.query_scale = self.head_dim ** -0.5
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise WeightsError(f"model config has {name} = {getattr(self, name)}; it must be positive")
+        """Validate every field, so that a bad model fails at load, never at the first forward pass.
+
+        Raises:
+            WeightsError: a size that is not a positive integer, a RoPE base, scale or epsilon that is not a finite
+                positive number, heads that do not divide, a ``layer_types`` of the wrong length or kind.
+        """
+        check_layer_count(self.num_layers)
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "context_length"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v >= 1 << 31:
+                raise WeightsError(f"model config has {name} = {v!r}; it must be a positive integer below 2**31")
+        for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "rope_scale", "query_scale", "embed_scale"):
+            v = getattr(self, name)
+            if v is None and name in ("rope_local_theta", "query_scale", "embed_scale"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not math.isfinite(v) or v <= 0:
+                raise WeightsError(f"model config has {name} = {v!r}; it must be a finite positive number")
         if self.num_heads % self.num_kv_heads:
             raise WeightsError(f"model config has {self.num_heads} heads, not a multiple of "
                                f"{self.num_kv_heads} key/value heads")
+        if self.head_dim % 2:
+            raise WeightsError(f"model config has head_dim = {self.head_dim}; RoPE needs an even head size")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise WeightsError(f"model config has sliding_window = {self.sliding_window!r}; it must be at least 2")
+        if self.rope_freqs is not None:
+            f = np.asarray(self.rope_freqs)
+            if f.shape != (self.head_dim // 2,) or not np.all(np.isfinite(f)) or not np.all(f > 0):
+                raise WeightsError(f"the model's RoPE frequencies have shape {f.shape} (want ({self.head_dim // 2},)) "
+                                   "or values that are not finite and positive")
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_layers
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= _LAYER_TYPES:
+            raise WeightsError(f"model config's layer_types has {len(self.layer_types)} entries for "
+                               f"{self.num_layers} layers, or kinds other than {sorted(_LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise WeightsError("model config has sliding-window layers but no sliding_window")
+        if self.query_scale is None:
+            self.query_scale = self.head_dim ** -0.5
+
+
+_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+#: More layers than any released model has by far; a bigger count in a file is a lie, refused before lists are made.
+MAX_LAYERS = 4096
+
+
+def check_layer_count(n: Any) -> int:
+    """``n`` as a layer count, checked before anything per layer is made.
+
+    Raises:
+        WeightsError: not an integer in ``1..MAX_LAYERS``.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 < n <= MAX_LAYERS:
+        raise WeightsError(f"model config has {n!r} layers; it must be an integer from 1 to {MAX_LAYERS}")
+    return int(n)
 
 
 # GGUF tensor names (llama.cpp's) to the Hugging Face names every architecture file uses.
@@ -206,10 +251,17 @@ class DecoderModel(abc.ABC):
     @classmethod
     def from_backend(cls, backend: Backend, source: str) -> "DecoderModel":
         """Build from a loaded backend. ``source`` is ``"gguf"`` or ``"hf"`` (the naming of the tensors)."""
-        if source == "gguf":
-            config = cls.config_from_gguf(backend.metadata, backend.weights)
-        else:
-            config = cls.config_from_hf(backend.metadata)
+        try:
+            if source == "gguf":
+                config = cls.config_from_gguf(backend.metadata, backend.weights)
+            else:
+                config = cls.config_from_hf(backend.metadata)
+        except (ArithmeticError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            if isinstance(e, WeightsError):
+                raise
+            # the metadata is the file's: a value of the wrong type or a zero size is the file's fault
+            raise WeightsError(f"the {cls.architecture} model's {'GGUF metadata' if source == 'gguf' else 'config'} "
+                               f"is invalid: {type(e).__name__}: {e}") from e
         weights = cls.sanitize(dict(backend.weights), config, source)
         return cls(config, weights, backend)
 
@@ -229,16 +281,42 @@ class DecoderModel(abc.ABC):
         return hf_names_from_gguf(weights, "post_attention_layernorm") if source == "gguf" else weights
 
     def _check_weights(self) -> None:
-        need = ["model.embed_tokens.weight", "model.norm.weight"]
-        for i in range(self.config.num_layers):
+        """Every tensor the architecture needs is there, with the shape the config implies.
+
+        Raises:
+            WeightsError: a missing tensor, or one whose shape disagrees with the config (both named).
+        """
+        c = self.config
+        if 8 * c.num_layers > len(self.w):
+            raise WeightsError(f"the model config says {c.num_layers} layers but the checkpoint holds only "
+                               f"{len(self.w)} tensors; is it a complete {self.architecture} model?")
+        d, q, kv, ff = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        want: dict[str, tuple[int, ...] | None] = {"model.embed_tokens.weight": (c.vocab_size, d),
+                                                   "model.norm.weight": (d,)}
+        optional = {"lm_head.weight": (c.vocab_size, d)}
+        for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            need += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                     p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight",
-                     p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
-        missing = [n for n in need if n not in self.w]
+            want.update({p + "input_layernorm.weight": (d,), p + "self_attn.q_proj.weight": (q, d),
+                         p + "self_attn.k_proj.weight": (kv, d), p + "self_attn.v_proj.weight": (kv, d),
+                         p + "self_attn.o_proj.weight": (d, q), p + "mlp.gate_proj.weight": (ff, d),
+                         p + "mlp.up_proj.weight": (ff, d), p + "mlp.down_proj.weight": (d, ff),
+                         p + "post_attention_layernorm.weight": (d,)})
+            norms = {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
+            (want if c.qk_norm else optional).update(norms)
+            norms = {p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)}
+            (want if c.sandwich_norm else optional).update(norms)
+            optional.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                             p + "self_attn.v_proj.bias": (kv,)})
+        missing = [n for n in want if n not in self.w]
         if missing:
             raise WeightsError(f"the {self.architecture} checkpoint lacks {len(missing)} tensors, e.g. "
                                f"{', '.join(missing[:3])}; is it a complete {self.architecture} model?")
+        for name, shape in {**want, **optional}.items():
+            t = self.w.get(name)
+            if t is not None and tuple(t.shape) != shape:
+                raise WeightsError(f"tensor {name} has shape {tuple(t.shape)} but the model config implies {shape} "
+                                   f"(hidden {d}, {c.num_heads} heads of {c.head_dim}, {c.num_kv_heads} key/value "
+                                   f"heads, feed-forward {ff}, vocabulary {c.vocab_size}); the file is inconsistent")
 
     def _layer_weights(self, i: int) -> dict[str, Tensor | None]:
         p = f"model.layers.{i}."
@@ -387,13 +465,17 @@ class DecoderModel(abc.ABC):
 
 
 def metadata_getter(metadata: Any, prefix: str) -> Callable[..., Any]:
-    """``get("block_count")`` reads ``<prefix>.block_count`` from GGUF metadata, with a default or a clear error."""
+    """``get("block_count")`` reads ``<prefix>.block_count`` from GGUF metadata, with a default or a clear error
+    (``positive=True``: it must be a positive integer, checked before anything divides by it)."""
 
-    def get(key: str, default: Any = ...) -> Any:
+    def get(key: str, default: Any = ..., positive: bool = False) -> Any:
         full = f"{prefix}.{key}"
         if full in metadata:
             v = metadata[full]
-            return v.item() if isinstance(v, np.generic) else v
+            v = v.item() if isinstance(v, np.generic) else v
+            if positive and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise WeightsError(f"GGUF metadata key {full!r} is {v!r}; it must be a positive integer")
+            return v
         if default is ...:
             raise WeightsError(f"GGUF metadata key {full!r} is missing; the file is not a complete {prefix} model")
         return default

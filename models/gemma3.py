@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.ml import Tensor
-from mlx_engine.models.base import (DecoderConfig, DecoderModel, check_rope_scaling, hf_names_from_gguf, hf_rope_parameters,
-                         metadata_getter, vocab_size_of)
+from mlx_engine.models.base import (DecoderConfig, DecoderModel, check_layer_count, check_rope_scaling,
+                                    hf_names_from_gguf, hf_rope_parameters, metadata_getter, vocab_size_of)
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
           "q_norm", "k_norm", "model.norm")
@@ -31,6 +31,7 @@ def _embed_scale(hidden: int) -> float:
 
 
 def _layer_types(n: int, pattern: int) -> list[str]:
+    n = check_layer_count(n)
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
 
 
@@ -40,8 +41,8 @@ class Gemma3(DecoderModel):
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
         get = metadata_getter(metadata, "gemma3")
-        heads = int(get("attention.head_count"))
-        hidden = int(get("embedding_length"))
+        heads = get("attention.head_count", positive=True)
+        hidden = get("embedding_length", positive=True)
         head_dim = int(get("attention.key_length", 256))
         layers = int(get("block_count"))
         scaling = get("rope.scaling.type", None)

@@ -21,8 +21,8 @@ class Llama(DecoderModel):
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
         get = metadata_getter(metadata, "llama")
-        heads = int(get("attention.head_count"))
-        hidden = int(get("embedding_length"))
+        heads = get("attention.head_count", positive=True)
+        hidden = get("embedding_length", positive=True)
         head_dim = int(get("attention.key_length", hidden // heads))
         theta = float(get("rope.freq_base", 10000.0))
         freqs = None

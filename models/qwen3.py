@@ -18,8 +18,8 @@ class Qwen3(DecoderModel):
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
         get = metadata_getter(metadata, "qwen3")
-        heads = int(get("attention.head_count"))
-        hidden = int(get("embedding_length"))
+        heads = get("attention.head_count", positive=True)
+        hidden = get("embedding_length", positive=True)
         scaling = get("rope.scaling.type", None)
         check_rope_scaling(scaling, "qwen3")
         factor = float(get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0

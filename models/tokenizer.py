@@ -441,6 +441,15 @@ class Tokenizer:
             WeightsError: the tokenizer keys are missing or inconsistent.
             UnsupportedError: a ``tokenizer.ggml.model`` other than ``gpt2`` and ``llama``.
         """
+        try:
+            return cls._from_gguf(metadata, architecture)
+        except (WeightsError, UnsupportedError):
+            raise
+        except Exception as e:  # the tokenizers library's own errors (a merge of unknown tokens...) are the file's
+            raise WeightsError(f"the GGUF tokenizer metadata is invalid: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _from_gguf(cls, metadata: Mapping[str, Any], architecture: str | None) -> "Tokenizer":
         md = metadata
         kind = _meta(md, "tokenizer.ggml.model")
         tokens = _meta(md, "tokenizer.ggml.tokens")
