@@ -89,10 +89,26 @@ def retrieve_img2img_start(num_inference_steps: int, strength: float) -> int:
     """
     if not 0.0 <= float(strength) <= 1.0:
         raise InvalidRequestError(f"strength must be in [0, 1], got {strength}")
-    if int(num_inference_steps) < 1:
-        raise InvalidRequestError(f"num_inference_steps must be at least 1, got {num_inference_steps}")
+    check_steps(num_inference_steps)
     init_timestep = min(num_inference_steps * strength, num_inference_steps)
     return int(max(num_inference_steps - init_timestep, 0))
+
+
+#: The most denoising steps a generation may ask for (schedulers are trained on 1000 timesteps; a bigger count in a
+#: request or in a PNG's metadata is refused before any schedule is made).
+MAX_STEPS = 1000
+
+
+def check_steps(steps: Any) -> int:
+    """``steps`` as a step count.
+
+    Raises:
+        InvalidRequestError: not an integer from 1 to :data:`MAX_STEPS`.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= MAX_STEPS:
+        raise InvalidRequestError(f"steps (num_inference_steps) must be an integer from 1 to {MAX_STEPS}, "
+                                  f"got {steps!r}")
+    return int(steps)
 
 
 def z_image_default_sigmas(num_inference_steps: int) -> list[float]:
@@ -103,9 +119,7 @@ def z_image_default_sigmas(num_inference_steps: int) -> list[float]:
     The values reproduce ``torch.linspace`` in float32 (see :func:`_torch_linspace_f32`), so the pipeline can build
     the same schedule without torch.
     """
-    n = int(num_inference_steps)
-    if n < 1:
-        raise InvalidRequestError(f"num_inference_steps must be at least 1, got {n}")
+    n = check_steps(num_inference_steps)
     return [float(v) for v in _torch_linspace_f32(1.0, 1.0 / n, n)]
 
 
@@ -318,9 +332,7 @@ class FlowMatchEulerScheduler:
             raise InvalidRequestError("give num_inference_steps or sigmas")
         else:
             num_inference_steps = len(sigmas)
-        if int(num_inference_steps) < 1:
-            raise InvalidRequestError(f"num_inference_steps must be at least 1, got {num_inference_steps}")
-        num_inference_steps = int(num_inference_steps)
+        num_inference_steps = check_steps(num_inference_steps)
 
         if sigmas is None:
             t = np.linspace(self.sigma_max * n_train, self.sigma_min * n_train, num_inference_steps)

@@ -41,7 +41,7 @@ from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError, CacheFullError
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, Tensor
 
-_KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_BITS = (2, 3, 4, 5, 6, 8)  # the bit widths a quantized cache may use
 
 
 def _round_up(n: int, k: int) -> int:
@@ -89,8 +89,8 @@ class CausalCache(Cache):
 
     def __init__(self, shift_fn: Optional[ShiftFn] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  *, window: Optional[int] = None, memory: Optional[int] = None, chunk: Optional[int] = None):
-        if kv_bits is not None and kv_bits not in _KV_BITS:
-            raise ValueError(f"kv_bits must be one of {_KV_BITS} or None, not {kv_bits!r}")
+        if kv_bits is not None and kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {KV_BITS} or None, not {kv_bits!r}")
         if kv_group_size not in (32, 64, 128):
             raise ValueError(f"kv_group_size must be 32, 64 or 128, not {kv_group_size!r}")
         if window is not None and window < 0:

@@ -24,7 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.errors import ChatTemplateError, InvalidRequestError
+from mlx_engine.errors import ChatTemplateError, InvalidRequestError, MemoryBudgetError
+from mlx_engine.kvcache.causal import KV_BITS
+from mlx_engine.ml import DType
 from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
 from mlx_engine.models.registry import load_text_checkpoint
@@ -58,6 +60,8 @@ class Model:
                  kv_bits: int | None = None, requantize: int | None = None, max_sequences: int = 4,
                  prefill_chunk: int = 2048, reserve: bool = False):
         t0 = time.perf_counter()
+        _check_load_arguments(device=device, dtype=dtype, context_length=context_length, kv_bits=kv_bits,
+                              max_sequences=max_sequences, prefill_chunk=prefill_chunk)
         text = load_text_checkpoint(path, lambda p: MLXBackend(p, device=device, dtype=dtype, requantize=requantize))
         self.backend, self.text_model, self.tokenizer = text.backend, text.model, text.tokenizer
         self.load_peak_bytes = self.backend.peak_memory()
@@ -66,6 +70,7 @@ class Model:
         ctx_len = context_length or min(config.context_length, DEFAULT_CONTEXT)
         if ctx_len < 2:
             raise InvalidRequestError(f"context_length must be at least 2, got {ctx_len}")
+        self.kv_cache_bytes = self._check_kv_memory(ctx_len, max_sequences, prefill_chunk, kv_bits)
         self.context_length = ctx_len
         self.runner = Runner(self.text_model, self.tokenizer, context_length=ctx_len, max_sequences=max_sequences,
                              prefill_chunk=prefill_chunk, kv_bits=kv_bits, reserve=reserve)
@@ -81,6 +86,30 @@ class Model:
             "license": license, "source": source, "path": str(path),
         }
         self._free_sequences = list(range(1, max_sequences))
+
+    def _check_kv_memory(self, ctx_len: int, max_sequences: int, prefill_chunk: int, kv_bits: int | None) -> int:
+        """The KV cache's worst case in bytes (every sequence full), refused when it does not fit the device beside
+        the weights.
+
+        Raises:
+            MemoryBudgetError: the message gives both numbers and what to lower.
+        """
+        c = self.text_model.config
+        item = self.text_model.dtype.itemsize
+        per_value = item if kv_bits is None else kv_bits / 8 + 2 * item / 32  # values, plus scales and biases
+        cells = 0
+        for kind in c.layer_types:
+            window = c.sliding_window if kind == "sliding_attention" else None
+            cells += ctx_len if window is None else min(ctx_len, window + 256 + prefill_chunk)
+        need = int(max_sequences * cells * 2 * c.num_kv_heads * c.head_dim * per_value)
+        have = self.backend.device_memory()
+        free = have - self.weights_bytes
+        if need > free:
+            raise MemoryBudgetError(
+                f"a context of {ctx_len:,} tokens for {max_sequences} sequences needs {_gib(need)} of KV cache, but "
+                f"the device has {_gib(have)} ({_gib(max(0, free))} beside the weights); lower context_length "
+                f"(--context-length)" + ("" if kv_bits else " or use kv_bits=4 (--kv-bits 4)"))
+        return need
 
     def _parameter_count(self) -> int:
         n = 0
@@ -260,6 +289,38 @@ class ChatSession:
             raise InvalidRequestError(f"{path}: not a saved conversation ({e})") from None
         self.messages = messages
         self.options.update(data.get("options", {}))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _check_load_arguments(*, device: Any, dtype: Any, context_length: Any, kv_bits: Any, max_sequences: Any,
+                          prefill_chunk: Any) -> None:
+    """Types and ranges of :func:`load`'s arguments, checked before anything is read or allocated.
+
+    Raises:
+        InvalidRequestError: the argument, its value and what it must be.
+    """
+    for name, value in (("device", device), ("dtype", dtype)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(f"{name} must be a string or None, not {value!r}")
+    if dtype is not None:
+        try:
+            floating = DType.parse(dtype).is_floating
+        except ValueError:
+            floating = False
+        if not floating:
+            raise InvalidRequestError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16 (or f32, f16, bf16)")
+    for name, value, low in (("context_length", context_length, 2), ("max_sequences", max_sequences, 1),
+                             ("prefill_chunk", prefill_chunk, 1)):
+        if value is None and name == "context_length":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
+            raise InvalidRequestError(f"{name} must be an integer from {low} to 2**31 - 1, not {value!r}")
+    if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+        raise InvalidRequestError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} or None, "
+                                  f"not {kv_bits!r}")
 
 
 def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None,

@@ -499,6 +499,16 @@ class Backend(abc.ABC):
     def clear_cache(self) -> None:
         """Return the allocator's cached buffers to the system."""
 
+    def device_memory(self) -> int:
+        """Bytes of memory the device has: the machine's physical memory unless the backend knows better (a GPU's
+        own memory, or the working set Metal recommends)."""
+        import os
+
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError, AttributeError):
+            return 1 << 40  # unknown: do not refuse on a guess
+
     def close(self) -> None:
         """Drop the weights."""
 

@@ -355,6 +355,14 @@ class MLXBackend(Backend):
     def clear_cache(self) -> None:
         mx.clear_cache()
 
+    def device_memory(self) -> int:
+        if self._device != "cpu":
+            info = mx.device_info()
+            for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+                if info.get(key):
+                    return int(info[key])
+        return super().device_memory()
+
     def close(self) -> None:
         self._weights.clear()
         mx.clear_cache()

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlx_engine.errors import EngineError, ModelNotFoundError, PullError
+from mlx_engine.errors import EngineError, InvalidRequestError, ModelNotFoundError, PullError
 from mlx_engine.store.catalog import CATALOG, DEFAULT_MODEL, canonical_name, catalog_hint
 from mlx_engine.store.info import folder_license
 from mlx_engine.store.manifest import ResolvedModel, is_gguf, read_manifest, resolved_from_manifest
@@ -26,7 +26,12 @@ if TYPE_CHECKING:
 
 def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = True) -> ResolvedModel:
     """See :meth:`mlx_engine.store.Store.resolve`."""
-    if not isinstance(model, str) or not model.strip():
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str):
+        raise InvalidRequestError(f"a model is named by a string or a path, not {type(model).__name__}; "
+                                  f"try {DEFAULT_MODEL!r}. {catalog_hint()}")
+    if not model.strip():
         raise ModelNotFoundError(f"no model given; try {DEFAULT_MODEL!r}. {catalog_hint()}")
     model = model.strip()
 
@@ -34,7 +39,7 @@ def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = T
         return _stored_or_pulled(store, model, pull=pull, progress=progress)
 
     path = Path(model).expanduser()
-    if path.exists():
+    if _exists(path):
         return resolve_path(path)
 
     name = canonical_name(model)
@@ -133,10 +138,11 @@ def looks_like_model(store: "Store", arg: str) -> bool:
     if not arg or not arg.strip():
         return False
     path = Path(arg).expanduser()
-    if path.is_dir():
-        return True
-    if path.is_file():
-        return path.suffix == ".gguf" or is_gguf(path)
+    if _exists(path):
+        if path.is_dir():
+            return True
+        if path.is_file():
+            return path.suffix == ".gguf" or is_gguf(path)
     if any(c.isspace() for c in arg):
         return False
     if arg.startswith("hf:") or canonical_name(arg) in CATALOG:
@@ -150,3 +156,11 @@ def looks_like_model(store: "Store", arg: str) -> bool:
     except EngineError:
         return False
     return True
+
+
+def _exists(path: Path) -> bool:
+    """``path.exists()``, False for a name the system cannot even look up (too long, a NUL byte...)."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
