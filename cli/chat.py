@@ -149,6 +149,8 @@ class ChatRepl:
                 self.echo(f"Error: {e}", err=True)
             except KeyboardInterrupt:  # a second Ctrl-C while generating
                 self.echo("\n^C", err=True)
+            except Exception as e:  # a defect of ours: say so, and keep the conversation
+                self.echo(f"Error (internal, please report): {type(e).__name__}: {e}", err=True)
 
     def answer(self, generator) -> None:
         with StopOnInterrupt() as stop:
@@ -202,9 +204,6 @@ class ChatRepl:
                 self.echo("Usage: /load FILE")
             else:
                 path = Path(arg).expanduser()
-                if not path.is_file():
-                    self.echo(f"Error: no such file: {path}", err=True)
-                    return True
                 self.session.load(path)
                 n = len([m for m in self.session.messages if m.get("role") != "system"])
                 self.echo(f"Loaded {n} messages from {path}.")

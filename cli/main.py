@@ -8,6 +8,7 @@ commands start fast.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -53,6 +54,9 @@ def main() -> None:
     A MODEL is a catalog name (default smollm2:135m), a GGUF file, a Hugging Face folder, hf:org/repo, or a model
     you pulled with ollama. Models live in the store ($MLX_ENGINE_HOME, else your cache folder).
     """
+    # Text on stdin that is not valid UTF-8 becomes U+FFFD (the replacement character) rather than an error.
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")
 
 
 # ------------------------------------------------------------------------------------------------------ store commands

@@ -17,8 +17,10 @@ Options accepted by ``generate``, ``stream``, ``chat`` and ``ChatSession.send`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +44,10 @@ DEFAULT_CONTEXT = 8192  # cap on the cache's capacity unless the caller asks for
 
 class Model:
     """A loaded text model: weights on the device, tokenizer, and a runner with its KV cache.
+
+    Safe to use from several threads: requests are serialized by a lock around the runner (a stream holds it from
+    its first item until it ends or is closed, so a stream left unread blocks the others; close it). For requests
+    batched together, use the server (``mlx-engine serve``).
 
     Args (beyond :func:`load`'s): max_sequences: sequences the KV cache holds at once; prefill_chunk: the most
     tokens of one forward pass; reserve: allocate the KV cache's worst case at load (a model that cannot fit fails
@@ -86,6 +92,7 @@ class Model:
             "license": license, "source": source, "path": str(path),
         }
         self._free_sequences = list(range(1, max_sequences))
+        self._lock = threading.RLock()  # one request at a time on the runner (see _serialized)
 
     def _check_kv_memory(self, ctx_len: int, max_sequences: int, prefill_chunk: int, kv_bits: int | None) -> int:
         """The KV cache's worst case in bytes (every sequence full), refused when it does not fit the device beside
@@ -137,9 +144,15 @@ class Model:
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat template applied to ``messages`` (``{"role", "content"}`` dicts)."""
+        if not isinstance(messages, (list, tuple)):
+            raise InvalidRequestError(f"messages must be a list of {{'role', 'content'}} dicts, not "
+                                      f"{type(messages).__name__}")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise InvalidRequestError(f"each message must be a dict with 'role' and 'content', got {m!r}")
+                raise InvalidRequestError(f"each message must be a dict with 'role' and 'content', got {m!r:.200}")
+            if not isinstance(m["role"], str) or not isinstance(m["content"], (str, list)):
+                raise InvalidRequestError(f"a message's role must be a string and its content a string (or a list "
+                                          f"of parts), got {m!r:.200}")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as e:
@@ -148,7 +161,9 @@ class Model:
     def prompt_tokens(self, prompt: str, *, system: str | None = None, raw: bool | None = None) -> list[int]:
         """Token ids for a one-shot prompt: the chat template for instruct models, raw text for base models (or
         when ``raw``)."""
-        if not isinstance(prompt, str) or not prompt.strip():
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"the prompt must be a string, not {type(prompt).__name__}")
+        if not prompt.strip():
             raise InvalidRequestError("the prompt is empty; give some text")
         if raw is None:
             raw = not self.has_chat_template
@@ -178,8 +193,9 @@ class Model:
         Raises:
             InvalidRequestError: fewer than 2 tokens, or more than the context holds.
         """
-        with self.text_model.backend.new_context() as ctx:
-            nll, _ = self.runner.perplexity(ctx, self.text_tokens(text))
+        tokens = self.text_tokens(text)
+        with self._lock, self.text_model.backend.new_context() as ctx:
+            nll, _ = self.runner.perplexity(ctx, tokens)
         return math.exp(nll)
 
     # ---- generation --------------------------------------------------------------------------------------------
@@ -187,7 +203,14 @@ class Model:
         """Text chunks as they are generated, then one :class:`GenerationStats`."""
         opts = GenerationOptions.parse(options)
         tokens = self.prompt_tokens(prompt, system=opts.system, raw=opts.raw)
-        return self.runner.stream(opts.request(tokens))
+        return self._serialized(self.runner.stream(opts.request(tokens)))
+
+    def _serialized(self, pieces: Iterator[Any]) -> Iterator[Any]:
+        """``pieces`` (a runner's stream) run under the model's lock: one request at a time uses the runner and its
+        KV cache, whichever thread asks; the lock is taken at the first item and let go when the stream ends or is
+        closed. MLX gives each thread its own default stream, so the work runs on the calling thread's."""
+        with self._lock:
+            yield from pieces
 
     def generate(self, prompt: str, **options: Any) -> str:
         """The whole completion of ``prompt`` as one string."""
@@ -197,7 +220,7 @@ class Model:
         """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``)."""
         opts = GenerationOptions.parse(options)
         tokens = self.chat_tokens(messages)
-        return "".join(p for p in self.runner.stream(opts.request(tokens)) if isinstance(p, str))
+        return "".join(p for p in self._serialized(self.runner.stream(opts.request(tokens))) if isinstance(p, str))
 
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
         """A conversation that keeps its KV cache between turns."""
@@ -235,34 +258,48 @@ class ChatSession:
     def clear(self) -> None:
         """Forget the conversation (the system message stays)."""
         self.messages = [m for m in self.messages if m["role"] == "system"]
-        self.model.runner.reset(self.sequence)
+        with self.model._lock:
+            self.model.runner.reset(self.sequence)
 
     def send(self, text: str, **options: Any) -> Iterator["str | GenerationStats"]:
         """Add a user message and stream the answer: text chunks, then one :class:`GenerationStats`. If the caller
         stops reading (closes the generator), the partial answer is kept in the conversation."""
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"a message must be a string, not {type(text).__name__}")
+        if not text.strip():
             raise InvalidRequestError("the message is empty; type some text")
+        before = list(self.messages)
         self.messages.append({"role": "user", "content": text})
-        return self._answer(options)
+        return self._answer(options, before)
 
     def regenerate(self, **options: Any) -> Iterator["str | GenerationStats"]:
         """Drop the last answer and answer the last user message again."""
+        before = list(self.messages)
         if self.messages and self.messages[-1]["role"] == "assistant":
             self.messages.pop()
         if not self.messages or self.messages[-1]["role"] != "user":
+            self.messages = before
             raise InvalidRequestError("there is no user message to answer again")
-        return self._answer(options)
+        return self._answer(options, before)
 
-    def _answer(self, options: dict[str, Any]) -> Iterator["str | GenerationStats"]:
-        opts = {**self.options, **options}
-        opts.pop("system", None)
-        opts.pop("raw", None)
-        tokens = self.model._encode_text(self.model.render(self.messages))
-        req = GenerationOptions.parse(opts).request(tokens, self.sequence)
-        return self._record(self.model.runner.stream(req))
+    def _answer(self, options: dict[str, Any], before: list[dict[str, str]]) -> Iterator["str | GenerationStats"]:
+        """Stream the answer to the conversation; a turn that fails (before or while answering) is rolled back to
+        ``before``, so the next turn does not inherit it."""
+        try:
+            opts = {**self.options, **options}
+            opts.pop("system", None)
+            opts.pop("raw", None)
+            tokens = self.model._encode_text(self.model.render(self.messages))
+            req = GenerationOptions.parse(opts).request(tokens, self.sequence)
+        except BaseException:
+            self.messages = before
+            raise
+        return self._record(self.model._serialized(self.model.runner.stream(req)), before)
 
-    def _record(self, pieces: Iterator["str | GenerationStats"]) -> Iterator["str | GenerationStats"]:
+    def _record(self, pieces: Iterator["str | GenerationStats"],
+                before: list[dict[str, str]]) -> Iterator["str | GenerationStats"]:
         answer: list[str] = []
+        failed = False
         try:
             for p in pieces:
                 if isinstance(p, str):
@@ -270,25 +307,71 @@ class ChatSession:
                 else:
                     self.last_stats = p
                 yield p
+        except GeneratorExit:  # the caller stopped reading (Ctrl-C): the partial answer stays
+            raise
+        except BaseException:
+            failed = True
+            raise
         finally:
             pieces.close()
-            self.messages.append({"role": "assistant", "content": "".join(answer)})
+            if failed:
+                self.messages = before
+            else:
+                self.messages.append({"role": "assistant", "content": "".join(answer)})
+
+    #: the largest conversation file :meth:`load` reads (bytes): far more text than any context holds
+    MAX_FILE_BYTES = 16 * 2**20
 
     def save(self, path: "str | Path") -> None:
-        """Write the conversation and options as JSON."""
-        Path(path).write_text(json.dumps({"messages": self.messages, "options": self.options}, indent=2))
+        """Write the conversation and options as JSON (to a temporary file first, then renamed: an existing file is
+        never left half-written).
+
+        Raises:
+            InvalidRequestError: the file cannot be written (the message says why).
+        """
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps({"messages": self.messages, "options": self.options}, indent=2),
+                           encoding="utf-8")
+            tmp.replace(path)
+        except (OSError, ValueError) as e:
+            with contextlib.suppress(OSError, ValueError):
+                tmp.unlink()
+            raise InvalidRequestError(f"cannot save the conversation to {path}: {getattr(e, 'strerror', None) or e}"
+                                      ) from None
 
     def load(self, path: "str | Path") -> None:
-        """Read a conversation written by :meth:`save` (its cache is rebuilt on the next turn)."""
+        """Read a conversation written by :meth:`save` (its cache is rebuilt on the next turn). The file is
+        checked whole (size, JSON, messages, options) before anything of the session changes.
+
+        Raises:
+            InvalidRequestError: a missing, unreadable, too large or malformed file (the message says what).
+        """
+        path = Path(path)
         try:
-            data = json.loads(Path(path).read_text())
+            size = path.stat().st_size
+            if size > self.MAX_FILE_BYTES:
+                raise ValueError(f"it holds {size:,} bytes, more than the {self.MAX_FILE_BYTES:,} a conversation "
+                                 "file may")
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+                raise ValueError("it has no list of messages")
             messages = data["messages"]
-            if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
-                raise ValueError("bad message")
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            for m in messages:
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise ValueError(f"a message is not a {{'role': str, 'content': str}} dict: {m!r:.100}")
+            options = data.get("options", {})
+            if not isinstance(options, dict):
+                raise ValueError(f"its options are a {type(options).__name__}, not a dict")
+            GenerationOptions.parse({**self.options, **options})
+        except InvalidRequestError as e:
             raise InvalidRequestError(f"{path}: not a saved conversation ({e})") from None
-        self.messages = messages
-        self.options.update(data.get("options", {}))
+        except (OSError, ValueError, RecursionError) as e:
+            raise InvalidRequestError(f"{path}: not a saved conversation ({getattr(e, 'strerror', None) or e})"
+                                      ) from None
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        self.options.update(options)
 
 
 def _gib(n: float) -> str:
