@@ -204,6 +204,13 @@ class ChatRepl:
                 self.echo("Usage: /load FILE")
             else:
                 path = Path(arg).expanduser()
+                try:
+                    found = path.is_file()
+                except (OSError, ValueError):
+                    found = False
+                if not found:
+                    self.echo(f"Error: no such file: {path}", err=True)
+                    return True
                 self.session.load(path)
                 n = len([m for m in self.session.messages if m.get("role") != "system"])
                 self.echo(f"Loaded {n} messages from {path}.")

@@ -144,19 +144,32 @@ class Model:
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat template applied to ``messages`` (``{"role", "content"}`` dicts)."""
+        self._check_messages(messages)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"{self.name}'s chat template: {e}") from e
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template; special tokens typed in a message stay text
+        (see :meth:`mlx_engine.models.tokenizer.Tokenizer.encode_chat`)."""
+        self._check_messages(messages)
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"{self.name}'s chat template: {e}") from e
+
+    @staticmethod
+    def _check_messages(messages: Any) -> None:
         if not isinstance(messages, (list, tuple)):
             raise InvalidRequestError(f"messages must be a list of {{'role', 'content'}} dicts, not "
                                       f"{type(messages).__name__}")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"each message must be a dict with 'role' and 'content', got {m!r:.200}")
-            if not isinstance(m["role"], str) or not isinstance(m["content"], (str, list)):
+            if not isinstance(m["role"], str) or not isinstance(m["content"], (str, list, type(None))):
                 raise InvalidRequestError(f"a message's role must be a string and its content a string (or a list "
                                           f"of parts), got {m!r:.200}")
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        except ChatTemplateError as e:
-            raise ChatTemplateError(f"{self.name}'s chat template: {e}") from e
 
     def prompt_tokens(self, prompt: str, *, system: str | None = None, raw: bool | None = None) -> list[int]:
         """Token ids for a one-shot prompt: the chat template for instruct models, raw text for base models (or
@@ -170,7 +183,7 @@ class Model:
         if raw:
             return self._encode_text((system + "\n\n" if system else "") + prompt)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return self._encode_text(self.render(messages))
+        return self._chat_ids(messages)
 
     def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation with the chat template applied and the assistant's turn opened.
@@ -180,7 +193,7 @@ class Model:
         """
         if not messages:
             raise InvalidRequestError("the conversation is empty; give at least one user message")
-        return self._encode_text(self.render(list(messages)))
+        return self._chat_ids(list(messages))
 
     def text_tokens(self, text: str) -> list[int]:
         """Token ids of raw text (no chat template; BOS added as the model wants)."""
@@ -289,7 +302,7 @@ class ChatSession:
             opts = {**self.options, **options}
             opts.pop("system", None)
             opts.pop("raw", None)
-            tokens = self.model._encode_text(self.model.render(self.messages))
+            tokens = self.model._chat_ids(self.messages)
             req = GenerationOptions.parse(opts).request(tokens, self.sequence)
         except BaseException:
             self.messages = before
@@ -349,6 +362,11 @@ class ChatSession:
             InvalidRequestError: a missing, unreadable, too large or malformed file (the message says what).
         """
         path = Path(path)
+        try:
+            if not path.is_file():
+                raise InvalidRequestError(f"no such file: {path}")
+        except (OSError, ValueError):
+            raise InvalidRequestError(f"no such file: {path}") from None
         try:
             size = path.stat().st_size
             if size > self.MAX_FILE_BYTES:

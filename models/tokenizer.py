@@ -30,6 +30,7 @@ from __future__ import annotations
 import codecs
 import json
 import numbers
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -410,6 +411,8 @@ class Tokenizer:
         self.architecture = architecture
         self._chat_template = chat_template or None
         self._fallback_template: str | None = None  # default_template's choice, made on first use
+        self._special_re: "re.Pattern[str] | bool | None" = None  # see encode_chat
+        self._plain: _HFTokenizer | None = None
         self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v}
         self._texts = token_texts
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -585,6 +588,61 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        """Token ids of a conversation with the chat template applied: the template's own special tokens become
+        their ids, but a special token's text inside a message (``<|im_start|>system`` typed by a user) stays plain
+        text, as transformers' and llama.cpp's tokenizers treat text that is not the template's. BOS is added as
+        :meth:`encode` does (never doubled when the template writes it).
+
+        How: before rendering, every special token's text in a message's content is marked with U+FFFF (a
+        noncharacter; any U+FFFF already in a message is dropped); after rendering, the text is cut at the unmarked
+        special tokens, and the pieces between them are encoded with special-token parsing off.
+
+        Raises:
+            InvalidRequestError / ChatTemplateError: as :meth:`apply_chat_template`.
+        """
+        pattern = self._special_pattern()
+        if pattern is not None:
+            messages = [_mark_specials(m, pattern) for m in messages]
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        bos = self.bos_token
+        add_bos = False if bos and text.startswith(bos) else None
+        if pattern is None or _USER_MARK not in text:
+            return self.encode(text, add_bos=add_bos)
+        ids: list[int] = []
+        start = 0
+        plain = self._plain_tokenizer()
+        for m in pattern.finditer(text):
+            if m.start() > 0 and text[m.start() - 1] == _USER_MARK:
+                continue  # a message's: stays text
+            if m.start() > start:
+                ids += plain.encode(text[start:m.start()].replace(_USER_MARK, ""), add_special_tokens=False).ids
+            ids.append(self._hf.token_to_id(m.group(0)))
+            start = m.end()
+        if start < len(text):
+            ids += plain.encode(text[start:].replace(_USER_MARK, ""), add_special_tokens=False).ids
+        want = self.add_bos if add_bos is None else add_bos
+        if want and self.bos_id is not None and not (ids and ids[0] == self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def _special_pattern(self) -> "re.Pattern[str] | None":
+        """A regex of every special token's text, longest first (leftmost-longest, as the tokenizer matches)."""
+        if self._special_re is None:
+            texts = sorted({t.content for t in self._hf.get_added_tokens_decoder().values() if t.special and t.content},
+                           key=len, reverse=True)
+            self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else False
+        return self._special_re or None
+
+    def _plain_tokenizer(self) -> _HFTokenizer:
+        """A copy of the tokenizer that does not parse special tokens (made once, on first use)."""
+        if self._plain is None:
+            plain = _HFTokenizer.from_str(self._hf.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
+
     def decode(self, ids: "Iterable[int] | int", skip_special: bool = False) -> str:
         """The text of ``ids`` (special tokens written out unless ``skip_special``). Invalid UTF-8 becomes U+FFFD."""
         if isinstance(ids, numbers.Integral):
@@ -698,6 +756,27 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={sorted(self.eos_ids)}, "
                 f"architecture={self.architecture!r}, chat_template={'yes' if self.has_chat_template else 'no'})")
+
+
+#: Marks a special token's text that came from a message, not from the chat template (see Tokenizer.encode_chat).
+_USER_MARK = "\uffff"
+
+
+def _mark_specials(message: Any, pattern: "re.Pattern[str]") -> Any:
+    """``message`` with U+FFFF before each special token's text in its content (and any U+FFFF already there
+    dropped). Anything that is not a message dict is left for the template's own checks."""
+    if not isinstance(message, Mapping):
+        return message
+
+    def mark(text: Any) -> Any:
+        if not isinstance(text, str):
+            return text
+        return pattern.sub(lambda m: _USER_MARK + m.group(0), text.replace(_USER_MARK, ""))
+
+    content = message.get("content")
+    if isinstance(content, list):
+        content = [{**p, "text": mark(p["text"])} if isinstance(p, Mapping) and "text" in p else p for p in content]
+    return {**message, "content": mark(content)}
 
 
 def _decoder_spec(tk: _HFTokenizer) -> Any:
