@@ -19,6 +19,7 @@ import click
 
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.store import format_bytes
+from mlx_engine.store.format import printable
 
 DEFAULT_STEM = "image"
 
@@ -53,6 +54,12 @@ def _place_without_overwrite(tmp: Path, folder: Path) -> Path:
         os.unlink(tmp)
         return target
     raise InvalidRequestError(f"{folder}: could not find a free file name for the image")
+
+
+def _is_path(name: str) -> bool:
+    """A model or init image named by a file path (rather than a packaged name such as ``shapes:64``)."""
+    return "/" in name or "\\" in name or name.startswith((".", "~")) or Path(name).suffix.lower() in (
+        ".png", ".jpg", ".jpeg", ".webp", ".gguf", ".safetensors")
 
 
 @click.command("image", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -97,6 +104,15 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
     settings: dict = {}
     if from_metadata is not None:
         settings = api.read_image_parameters(from_metadata)
+        # A PNG is not trusted to make us read local files: paths it names are used only when given again.
+        for key, flag in (("init_image", "--image"), ("model", "--model")):
+            named = settings.get(key)
+            if isinstance(named, str) and _is_path(named) and not (init_image if key == "init_image" else model):
+                settings.pop(key)
+                if key == "init_image":
+                    settings.pop("init_image_sha256", None)
+                click.echo(f"Note: the metadata names {key.replace('_', ' ')} {printable(named)!r}; files named in "
+                           f"a PNG are not read unless you give them again ({flag} {printable(named)}).", err=True)
     given = {"model": model, "negative_prompt": negative_prompt, "width": width, "height": height,
              "steps": steps, "guidance": guidance, "seed": seed, "strength": strength,
              "quantize": int(quantize) if quantize else None}

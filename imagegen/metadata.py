@@ -107,13 +107,13 @@ def read_png_parameters(path: "str | os.PathLike[str]") -> dict[str, Any]:
             text = dict(getattr(im, "text", {}) or {})
     except FileNotFoundError:
         raise InvalidRequestError(f"{path}: no such file") from None
-    except (OSError, Image.DecompressionBombError) as e:
+    except (OSError, ValueError, Image.DecompressionBombError) as e:  # ValueError: a text chunk over PIL's limit
         raise InvalidRequestError(f"{path}: cannot read the image: {e}") from None
     params: dict[str, Any] = {}
     if _JSON_KEY in text:
         try:
             params = json.loads(text[_JSON_KEY])
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             params = {}
         if not isinstance(params, dict):
             params = {}

@@ -34,6 +34,7 @@ from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
 from mlx_engine.models.registry import load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner
 from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
+from mlx_engine.store.format import printable
 
 __all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "GenerationStats", "GenerationOptions",
            "OPTION_NAMES", "DEFAULT_MODEL", "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL",
@@ -89,7 +90,7 @@ class Model:
         self.info = {
             "architecture": self.architecture, "parameters": self._parameter_count(), "quantization": quant,
             "context_length": config.context_length, "chat_template": self.tokenizer.chat_template,
-            "license": license, "source": source, "path": str(path),
+            "license": printable(license), "source": source, "path": str(path),
         }
         self._free_sequences = list(range(1, max_sequences))
         self._lock = threading.RLock()  # one request at a time on the runner (see _serialized)

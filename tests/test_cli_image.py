@@ -82,14 +82,20 @@ def test_from_metadata_reproduces_the_pixels(folder, workdir):
     assert isinstance(meta["seed"], int) and meta["negative_prompt"] == "blurry" and meta["guidance"] == 2.0
     assert meta["steps"] == 3 and (meta["width"], meta["height"]) == (48, 64)
 
-    r = invoke("image", "--from-metadata", "first.png", "-o", "again.png")
+    # paths named in a PNG are not followed unless given again: the model folder is named, not loaded
+    r = invoke("image", "--from-metadata", "first.png", "--steps", 1, "-o", "default-model.png")
+    assert f"the metadata names model {str(folder.resolve())!r}" in r.stderr and "--model" in r.stderr
+    assert read_png_parameters(workdir / "default-model.png")["model"] != str(folder.resolve())
+
+    r = invoke("image", "--from-metadata", "first.png", "--model", folder, "-o", "again.png")
     assert r.exit_code == 0, r.output
     assert np.array_equal(pixels(workdir / "first.png"), pixels(workdir / "again.png"))
     again = read_png_parameters(workdir / "again.png")
     assert {k: again[k] for k in meta} == meta
 
     # an option on the command line wins over the file's
-    r = invoke("image", "--from-metadata", "first.png", "--seed", meta["seed"] + 1, "-o", "other.png")
+    r = invoke("image", "--from-metadata", "first.png", "--model", folder, "--seed", meta["seed"] + 1, "-o",
+               "other.png")
     assert r.exit_code == 0
     assert read_png_parameters(workdir / "other.png")["seed"] == meta["seed"] + 1
     assert not np.array_equal(pixels(workdir / "first.png"), pixels(workdir / "other.png"))
@@ -103,7 +109,9 @@ def test_image_to_image(folder, workdir):
     meta = read_png_parameters(workdir / "out.png")  # a suffix is added
     assert meta["strength"] == 0.5 and meta["init_image"] == str((workdir / "init.png").resolve())
     assert pixels(workdir / "out.png").shape == (32, 48, 3)  # the init image's size
-    r = invoke("image", "--from-metadata", "out.png", "-o", "out2.png")
+    r = invoke("image", "--from-metadata", "out.png", "-o", "ignored.png")
+    assert "the metadata names init image" in r.stderr and "--image" in r.stderr  # not read without --image
+    r = invoke("image", "--from-metadata", "out.png", "--model", folder, "--image", "init.png", "-o", "out2.png")
     assert r.exit_code == 0, r.output
     assert np.array_equal(pixels(workdir / "out.png"), pixels(workdir / "out2.png"))
 

@@ -1,4 +1,5 @@
-"""Numbers as ``list`` and ``show`` print them (decimal units, as ollama prints)."""
+"""Numbers as ``list`` and ``show`` print them (decimal units, as ollama prints), and text from model files made safe
+to print on a terminal."""
 
 from __future__ import annotations
 
@@ -30,3 +31,17 @@ def parse_count(s: str) -> int | None:
     if not mo:
         return None
     return int(float(mo.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[mo.group(2).upper()])
+
+
+# ESC sequences (CSI, OSC ending in BEL or ST, and two-byte ones), then any other C0/C1 control but tab and newline
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]?")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str | None) -> str | None:
+    """``text`` (from a model file's metadata: a license, a description, a template) without terminal escape
+    sequences or control characters other than tab and newline, so that printing it cannot move the cursor, retitle
+    the window or hide text. None stays None."""
+    if text is None:
+        return None
+    return _CONTROLS.sub("", _ESCAPES.sub("", str(text)))

@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_engine.store.format import format_bytes, format_count
+from mlx_engine.store.format import format_bytes, format_count, printable
 
 
 @dataclass
@@ -40,6 +40,14 @@ class ModelInfo:
     chat_template: str | None = None
     description: str | None = None
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # every text here comes from a model file: no terminal escapes reach the screen through list or show
+        for name in ("name", "architecture", "quantization", "license", "chat_template", "description"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, printable(value))
+        self.extra = {k: printable(v) if isinstance(v, str) else v for k, v in self.extra.items()}
 
     @property
     def parameters_str(self) -> str:
