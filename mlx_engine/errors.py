@@ -53,6 +53,11 @@ class PullError(EngineError):
     """A pull that failed (download error, wrong size or sha256, interrupted). Nothing of it is left in the store."""
 
 
+class StoreError(EngineError):
+    """The model store cannot be written (a read-only folder, a full disk). The message names the folder and what
+    to do."""
+
+
 class ServerBusyError(EngineError):
     """Every sequence slot is busy and the request queue is full; retry after ``retry_after`` seconds."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlx_engine.errors import StoreError
 from mlx_engine.store.catalog import CATALOG, CatalogEntry
 
 MANIFEST = "manifest.json"
@@ -107,9 +109,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (created if needed), so two processes never pull one model at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:
+    """An exclusive advisory lock on ``path`` (created if needed), so two processes never pull one model at once.
+
+    Raises:
+        StoreError: the lock file cannot be created (a read-only store, a full disk).
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+b")
+    except OSError as e:
+        raise store_error(path.parent, e) from None
+    with f:
         try:
             import fcntl
         except ImportError:  # not POSIX: no cross-process lock
@@ -120,6 +130,17 @@ def locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def store_error(folder: Path, e: OSError) -> StoreError:
+    """The error for a store folder that cannot be written, saying why in the user's terms."""
+    if e.errno == errno.ENOSPC:
+        why = "the disk is full; free some space"
+    elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        why = "it is read-only here; set MLX_ENGINE_HOME to a folder you can write"
+    else:
+        why = e.strerror or str(e)
+    return StoreError(f"cannot write to the model store at {folder}: {why}")
 
 
 def read_manifest(folder: Path) -> dict | None:

@@ -56,13 +56,16 @@ def resolve_ollama(model: str) -> ResolvedModel | None:
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         layers = manifest["layers"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):
+            raise ValueError(f"its layers are {type(layers).__name__}, not a list of objects")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise ModelNotFoundError(f"ollama manifest {manifest_path} cannot be read: {e}") from e
     model_blob = None
     license_text = None
     for layer in layers:
         media = layer.get("mediaType", "")
-        blob = _blob(root, layer.get("digest", ""))
+        digest = layer.get("digest", "")
+        blob = _blob(root, digest) if isinstance(digest, str) else None
         if media == _MODEL_LAYER and model_blob is None:
             model_blob = blob
         elif media == _LICENSE_LAYER and blob is not None and blob.is_file():

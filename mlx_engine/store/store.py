@@ -12,9 +12,9 @@ from mlx_engine.store import hub, ollama, registry, resolve, wheels
 from mlx_engine.store.catalog import CATALOG, canonical_name, catalog_hint
 from mlx_engine.store.format import parse_count
 from mlx_engine.store.info import ModelInfo, fill_info, folder_license
-from mlx_engine.store.manifest import (ResolvedModel, atomic_write_bytes, default_root, discard_manifest, fsync_dir, locked,
-                                       read_manifest, resolved_from_manifest, safe_name, size_on_disk,
-                                       write_manifest)
+from mlx_engine.store.manifest import (ResolvedModel, atomic_write_bytes, default_root, discard_manifest, fsync_dir,
+                                       locked, read_manifest, resolved_from_manifest, safe_name, size_on_disk,
+                                       store_error, write_manifest)
 
 
 class Store:
@@ -100,7 +100,14 @@ class Store:
             ModelNotFoundError: ``name`` is not in the catalog (or not a valid ``hf:`` name).
             PullError: the download failed or did not match the recorded size and sha256; the store is left
                 without the model (a previous complete copy is kept).
+            StoreError: the store cannot be written (read-only, or the disk is full).
         """
+        try:
+            return self._pull(name, progress)
+        except OSError as e:  # writing the store failed: say why (read-only, full), never "check your network"
+            raise store_error(self.models_dir, e) from None
+
+    def _pull(self, name: str, progress: bool) -> ResolvedModel:
         if name.startswith("hf:"):
             return self._pull_hf(name)
         entry = CATALOG.get(canonical_name(name))
@@ -251,8 +258,11 @@ class Store:
             raise ModelNotFoundError(f"model {name!r} is not in the store ({self.models_dir}). "
                                      f"Models there: {', '.join(i.name for i in self.list()) or 'none'}.")
         with self._lock(key):
-            discard_manifest(folder)
-            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                discard_manifest(folder)
+                shutil.rmtree(folder)
+            except OSError as e:
+                raise store_error(folder, e) from None
 
     def _info(self, folder: Path, m: dict, *, detailed: bool) -> ModelInfo:
         model_file = m.get("model_file")

