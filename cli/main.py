@@ -21,6 +21,7 @@ from mlx_engine.cli.serve import serve
 from mlx_engine.cli.streaming import StopOnInterrupt, describe_model, stream_to
 from mlx_engine.errors import EngineError, InvalidRequestError, ModelNotFoundError, PullError
 from mlx_engine.store import CATALOG, DEFAULT_MODEL, Store, format_bytes, parse_registry_name
+from mlx_engine.store.format import printable
 from mlx_engine.version import __version__
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -143,7 +144,7 @@ def show(model: str, what: str | None) -> None:
         }
         click.echo(json.dumps(data, indent=2))
         return
-    click.echo(_describe(info))
+    click.echo(printable(_describe(info)))  # extra fields come from the file too
 
 
 def _describe(info) -> str:

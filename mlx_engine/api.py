@@ -192,6 +192,7 @@ class Model:
         Raises:
             InvalidRequestError: an empty conversation or a malformed message.
         """
+        self._check_messages(messages)
         if not messages:
             raise InvalidRequestError("the conversation is empty; give at least one user message")
         return self._chat_ids(list(messages))

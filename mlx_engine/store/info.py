@@ -41,13 +41,11 @@ class ModelInfo:
     description: str | None = None
     extra: dict = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
+    def __setattr__(self, name: str, value) -> None:
         # every text here comes from a model file: no terminal escapes reach the screen through list or show
-        for name in ("name", "architecture", "quantization", "license", "chat_template", "description"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                setattr(self, name, printable(value))
-        self.extra = {k: printable(v) if isinstance(v, str) else v for k, v in self.extra.items()}
+        if isinstance(value, str) and name in _TEXT_FIELDS:
+            value = printable(value)
+        object.__setattr__(self, name, value)
 
     @property
     def parameters_str(self) -> str:
@@ -56,6 +54,9 @@ class ModelInfo:
     @property
     def size_str(self) -> str:
         return format_bytes(self.size_bytes)
+
+
+_TEXT_FIELDS = frozenset({"name", "architecture", "quantization", "license", "chat_template", "description"})
 
 
 def folder_license(folder: Path) -> str | None:

@@ -51,7 +51,10 @@ def resolve_ollama(model: str) -> ResolvedModel | None:
     elif len(parts) == 2:
         parts = ["registry.ollama.ai", *parts]
     manifest_path = manifests.joinpath(*parts, tag)
-    if not manifest_path.is_file():
+    try:
+        if not manifest_path.is_file():
+            return None
+    except (OSError, ValueError):  # a name the system cannot look up (too long...) names no ollama model
         return None
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
