@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from mlx_engine.api import GenerationOptions
-from mlx_engine.cli.streaming import StopOnInterrupt, describe_model, stream_to
+from mlx_engine.cli.streaming import StopOnInterrupt, context_full_notice, describe_model, stream_to
 from mlx_engine.errors import EngineError, InvalidOptionError
 
 HELP = """\
@@ -162,6 +162,8 @@ class ChatRepl:
         self.out.flush()
         if self.verbose and stats is not None:
             self.echo(stats.summary(), err=True)
+        if stats is not None and getattr(stats, "context_full", False):
+            self.echo(context_full_notice(self.model), err=True)
         if self.interactive:
             self.out.write("\n")
             self.out.flush()
@@ -277,6 +279,8 @@ class ChatRepl:
         for key in ("context_length", "license", "source", "path"):
             if info.get(key) is not None:
                 value = str(info[key]).strip().splitlines()[0] if key == "license" else info[key]
+                if key == "context_length" and getattr(self.model, "context_length", value) != value:
+                    value = f"{self.model.context_length} (the model's: {value})"
                 self.echo(f"  {key.replace('_', ' ')}: {value}")
         self.echo(f"  chat template: {'yes' if self.model.has_chat_template else 'none (base model)'}")
         self.echo(f"System prompt: {self._system() or '(none)'}")
@@ -285,3 +289,7 @@ class ChatRepl:
         self.echo("Options: " + ", ".join(f"{k}={v}" for k, v in sorted(opts.items())))
         turns = len([m for m in self.session.messages if m.get("role") == "user"])
         self.echo(f"Conversation: {turns} messages from you")
+        used = self.session.tokens_used() if hasattr(self.session, "tokens_used") else None
+        if used is not None:
+            limit = self.model.context_length
+            self.echo(f"Context: {used} of {limit} tokens used ({100 * used / limit:.0f}%)")

@@ -18,7 +18,7 @@ import click
 from mlx_engine.cli.bench import bench
 from mlx_engine.cli.image import image
 from mlx_engine.cli.serve import serve
-from mlx_engine.cli.streaming import StopOnInterrupt, describe_model, stream_to
+from mlx_engine.cli.streaming import StopOnInterrupt, context_full_notice, describe_model, stream_to
 from mlx_engine.errors import EngineError, InvalidRequestError, ModelNotFoundError, PullError
 from mlx_engine.store import CATALOG, DEFAULT_MODEL, Store, format_bytes, parse_registry_name
 from mlx_engine.store.format import printable
@@ -300,6 +300,8 @@ def run(args: tuple[str, ...], raw: bool, **kw) -> None:
         click.echo(stats.summary(), err=True)
     if interrupted:
         sys.exit(130)
+    if stats is not None and stats.context_full:
+        click.echo(context_full_notice(model), err=True)
 
 
 @main.command()

@@ -49,6 +49,12 @@ class StopOnInterrupt:
             signal.signal(signal.SIGINT, self._old)
 
 
+def context_full_notice(model) -> str:
+    """What to print when an answer was cut off because the context was full."""
+    return (f"[the answer was cut off: the context of {model.context_length} tokens is full; give a larger "
+            "--context-length (or /clear in chat)]")
+
+
 def stream_to(out, generator, stop: StopOnInterrupt):
     """Write the text chunks of ``generator`` to ``out`` as they come; returns ``(stats or None, text, interrupted)``.
     The generator is closed when Ctrl-C is pressed (or on any error), which keeps a chat's partial answer."""

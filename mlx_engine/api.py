@@ -334,6 +334,12 @@ class ChatSession:
             else:
                 self.messages.append({"role": "assistant", "content": "".join(answer)})
 
+    def tokens_used(self) -> int:
+        """Tokens the conversation takes in the context now (its templated messages; 0 when empty)."""
+        if not any(m["role"] != "system" for m in self.messages):
+            return 0
+        return len(self.model._chat_ids(self.messages))
+
     #: the largest conversation file :meth:`load` reads (bytes): far more text than any context holds
     MAX_FILE_BYTES = 16 * 2**20
 

@@ -27,7 +27,8 @@ class GenerationStats:
 
     ``prompt_tokens`` counts the whole prompt; ``prefilled_tokens`` those actually run (the rest came from the cache).
     ``stop_reason`` is ``eos``, ``stop`` (a stop string), ``length`` (``max_tokens`` or the context is full) or
-    ``interrupted`` (the caller stopped reading).
+    ``interrupted`` (the caller stopped reading). ``context_full``: the answer was cut off because the context (the
+    KV cache's capacity for the sequence) was full, not by ``max_tokens``.
     """
 
     prompt_tokens: int = 0
@@ -38,6 +39,7 @@ class GenerationStats:
     ttft_s: float = 0.0
     peak_memory_bytes: int = 0
     stop_reason: str = ""
+    context_full: bool = False
 
     def summary(self) -> str:
         """One line: prompt and decode speed, time to first token, peak memory."""
@@ -277,6 +279,9 @@ class Runner:
                             ctx.evaluate_async(nxt)
                     except CacheFullError:
                         more = False
+                        stats.context_full = True
+                elif generated + 1 < req.max_tokens:
+                    stats.context_full = True
                 t = int(tok.item())
                 if more:
                     self._cached[seq].append(t)
