@@ -59,7 +59,7 @@ class Model:
         info: architecture, parameters, quantization, context_length, chat_template, license, source, path.
         context_length: the most tokens a sequence may hold here.
         load_seconds, weights_bytes, load_peak_bytes: what loading took (seconds, bytes on the device, and the
-            device's peak memory during the load).
+            device's peak memory during the load above what other models held before it).
     """
 
     def __init__(self, name: str, path: Path, *, source: str = "file", license: str | None = None,
@@ -71,7 +71,7 @@ class Model:
                               max_sequences=max_sequences, prefill_chunk=prefill_chunk)
         text = load_text_checkpoint(path, lambda p: MLXBackend(p, device=device, dtype=dtype, requantize=requantize))
         self.backend, self.text_model, self.tokenizer = text.backend, text.model, text.tokenizer
-        self.load_peak_bytes = self.backend.peak_memory()
+        self.load_peak_bytes = self.backend.peak_memory() - getattr(self.backend, "memory_before_load", 0)
         self.weights_bytes = self.backend.weights_nbytes()
         config = self.text_model.config
         ctx_len = context_length or min(config.context_length, DEFAULT_CONTEXT)

@@ -37,9 +37,9 @@ def gemma3_gguf(model_store: Store) -> Path:
     return model_store.pull("gemma3:270m", progress=False).path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_model(smollm2_gguf: Path):
-    """SmolLM2 loaded once for the session (context 512). Tests that change it must put it back."""
+    """SmolLM2 loaded once per test module (context 512), let go after it. Tests that change it must put it back."""
     import mlx_engine
 
     return mlx_engine.load(str(smollm2_gguf), progress=False, context_length=512)

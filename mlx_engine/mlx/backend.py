@@ -239,6 +239,8 @@ class MLXBackend(Backend):
         self._weights: dict[str, MLXTensor] = {}
         self._metadata: Mapping[str, Any] = {}
         self.path = Path(path) if path is not None else None
+        #: bytes in use on the device before this load (other models): the load's own peak is peak - this
+        self.memory_before_load = mx.get_active_memory()
         if path is not None:
             mx.reset_peak_memory()  # so that peak_memory() after the load is the load's own peak
             with open_weights(path) as wf:
