@@ -66,11 +66,11 @@ def _is_path(name: str) -> bool:
 @click.argument("prompt", nargs=-1)
 @click.option("--model", "-m", default=None, help="The image model: a diffusers Z-Image folder, or shapes:64 (the default).")
 @click.option("--negative-prompt", default=None, help="What guidance steers away from (with --guidance > 0).")
-@click.option("--width", type=int, default=None, help="Width in pixels, a multiple of 16 (default: the model's).")
-@click.option("--height", type=int, default=None, help="Height in pixels, a multiple of 16 (default: the model's).")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Denoising steps (default: the model's, 9).")
+@click.option("--width", type=int, default=None, help="Width in pixels (default: the model's). shapes:64: 64, multiples of 8; Z-Image: 1024, multiples of 16.")
+@click.option("--height", type=int, default=None, help="Height in pixels (default: the model's, as for --width).")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Denoising steps (default: the model's: 16 for shapes:64, 9 for Z-Image-Turbo).")
 @click.option("--guidance", type=click.FloatRange(min=0), default=None,
-              help="Guidance scale (diffusers' Z-Image guidance_scale; 0 = off, the default).")
+              help="Guidance scale, diffusers' guidance_scale; 0 = off (default: the model's: 2 for shapes:64, 0 for Z-Image).")
 @click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None,
               help="Noise seed (default: a random one, written into the PNG).")
 @click.option("--image", "init_image", default=None, metavar="FILE", help="Init image for image-to-image.")
@@ -94,10 +94,10 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
 
     \b
     Examples:
-      mlx-engine image "a red circle on a blue background" --model ./z-image --seed 1
-      mlx-engine image "a watercolour of the same scene" --model ./z-image --image photo.png --strength 0.6
-      mlx-engine image --from-metadata image-0001.png            # the same image again
-      mlx-engine image "a cat" -m ./z-image --guidance 3 --negative-prompt "blurry" -o cat.png
+      mlx-engine image "a red circle on a blue background" --seed 1     # shapes:64, the default: 64x64
+      mlx-engine image --from-metadata image-0001.png                   # the same image again
+      mlx-engine image "a lighthouse at dusk" -m ./z-image --width 768 --height 512   # a Z-Image folder
+      mlx-engine image "a watercolour of the same scene" -m ./z-image --image photo.png --strength 0.6
     """
     from mlx_engine import api
 

