@@ -64,13 +64,18 @@ def _is_path(name: str) -> bool:
 
 @click.command("image", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("prompt", nargs=-1)
-@click.option("--model", "-m", default=None, help="The image model: a diffusers Z-Image folder, or shapes:64 (the default).")
+@click.option("--model", "-m", default=None,
+              help="The image model: a diffusers Z-Image folder, or shapes:64 (the default).")
 @click.option("--negative-prompt", default=None, help="What guidance steers away from (with --guidance > 0).")
-@click.option("--width", type=int, default=None, help="Width in pixels (default: the model's). shapes:64: 64, multiples of 8; Z-Image: 1024, multiples of 16.")
+@click.option("--width", type=int, default=None,
+              help="Width in pixels (default: the model's). shapes:64: 64, multiples of 8; Z-Image: 1024, "
+                   "multiples of 16.")
 @click.option("--height", type=int, default=None, help="Height in pixels (default: the model's, as for --width).")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Denoising steps (default: the model's: 16 for shapes:64, 9 for Z-Image-Turbo).")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Denoising steps (default: the model's: 16 for shapes:64, 9 for Z-Image-Turbo).")
 @click.option("--guidance", type=click.FloatRange(min=0), default=None,
-              help="Guidance scale, diffusers' guidance_scale; 0 = off (default: the model's: 2 for shapes:64, 0 for Z-Image).")
+              help="Guidance scale, diffusers' guidance_scale; 0 = off (default: the model's: 2 for shapes:64, "
+                   "0 for Z-Image).")
 @click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None,
               help="Noise seed (default: a random one, written into the PNG).")
 @click.option("--image", "init_image", default=None, metavar="FILE", help="Init image for image-to-image.")
