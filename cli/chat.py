@@ -8,7 +8,10 @@ Ctrl-D or ``/bye`` exits.
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -54,6 +57,55 @@ PARAMETERS = {
 ALIASES = {"num_predict": "max_tokens", "temp": "temperature"}
 
 
+class TypeAhead:
+    """While an answer streams on a terminal: keys typed are not echoed into the answer (the terminal's echo and
+    line editing are off; Ctrl-C still signals), and what was typed is kept in :attr:`text` to fill the next
+    prompt, instead of being thrown away when the prompt takes the terminal. Does nothing off a terminal."""
+
+    def __init__(self, stdin) -> None:
+        self.stdin = stdin
+        self.text = ""
+        self._fd = None
+        self._saved = None
+
+    def __enter__(self) -> "TypeAhead":
+        try:
+            import termios
+
+            fd = self.stdin.fileno()
+            self._saved = termios.tcgetattr(fd)
+            quiet = termios.tcgetattr(fd)
+            quiet[3] &= ~(termios.ECHO | termios.ICANON)  # lflag; ISIG stays, so Ctrl-C is still SIGINT,
+            quiet[3] |= termios.NOFLSH  # and it no longer throws away what was typed before it
+            quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 0, 0
+            termios.tcsetattr(fd, termios.TCSANOW, quiet)
+            self._fd = fd
+        except (ImportError, OSError, ValueError, AttributeError):  # not a terminal (or no termios): nothing to do
+            self._fd = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is None:
+            return
+        import termios
+
+        typed = b""
+        try:
+            while len(typed) < 65536:  # what is waiting now; VMIN=0 makes read return at once when nothing is
+                chunk = os.read(self._fd, 4096)
+                if not chunk:
+                    break
+                typed += chunk
+        except OSError:
+            pass
+        finally:
+            termios.tcsetattr(self._fd, termios.TCSANOW, self._saved)  # TCSANOW: nothing pending is discarded
+        text = typed.decode("utf-8", errors="replace")
+        text = re.sub(r"\x1b\[[0-?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]", "", text)  # arrows, controls
+        lines = [line for line in text.replace("\r", "\n").split("\n") if line.strip()]
+        self.text = " ".join(lines)
+
+
 class ChatRepl:
     """An interactive conversation with ``model`` (an :class:`mlx_engine.api.Model`)."""
 
@@ -67,6 +119,7 @@ class ChatRepl:
         self.out = stdout if stdout is not None else sys.stdout
         self.interactive = bool(self.stdin is not None and self.stdin.isatty() and self.out.isatty())
         self._prompt_session = None
+        self._typed_ahead = ""  # keys typed during the last answer: the next prompt starts with them
 
     # --------------------------------------------------------------------------------------------------- input
 
@@ -92,7 +145,8 @@ class ChatRepl:
 
             placeholder = HTML("<style fg='ansibrightblack'>Send a message (/? for help)</style>") \
                 if prompt == ">>> " else None
-            return self._prompt_session.prompt(prompt, placeholder=placeholder)
+            typed, self._typed_ahead = self._typed_ahead, ""
+            return self._prompt_session.prompt(prompt, placeholder=placeholder, default=typed)
         line = self.stdin.readline()
         if not line:
             raise EOFError
@@ -153,10 +207,12 @@ class ChatRepl:
                 self.echo(f"Error (internal, please report): {type(e).__name__}: {e}", err=True)
 
     def answer(self, generator) -> None:
-        with StopOnInterrupt() as stop:
+        with StopOnInterrupt() as stop, TypeAhead(self.stdin if self.interactive else None) as typed:
             stats, text, interrupted = stream_to(self.out, generator, stop)
-        if interrupted:
-            self.out.write(" [stopped; the partial answer stays in the conversation]\n")
+        self._typed_ahead = typed.text
+        if interrupted:  # on a line of its own, after the partial answer
+            self.out.write(("" if text.endswith("\n") else "\n") +
+                           "[stopped; the partial answer stays in the conversation]\n")
         elif not text.endswith("\n"):
             self.out.write("\n")
         self.out.flush()
@@ -216,6 +272,11 @@ class ChatRepl:
                 self.session.load(path)
                 n = len([m for m in self.session.messages if m.get("role") != "system"])
                 self.echo(f"Loaded {n} messages from {path}.")
+                # read the conversation into the KV cache now, so that the next turn runs only its new message
+                start = time.perf_counter()
+                ran = self.session.prefill()
+                if ran:
+                    self.echo(f"Read {ran} tokens of it into the context in {time.perf_counter() - start:.1f} s.")
         else:
             self.echo(f"Unknown command {cmd!r}. Type /? for help.")
         return True

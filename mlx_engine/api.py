@@ -334,6 +334,28 @@ class ChatSession:
             else:
                 self.messages.append({"role": "assistant", "content": "".join(answer)})
 
+    def prefill(self) -> int:
+        """Run the conversation through the model now, so that the next turn prefills only its new message (after
+        :meth:`load`, say). Returns how many tokens ran (0 when the cache already held them, or there is nothing
+        but a system message).
+
+        Raises:
+            InvalidRequestError: the conversation does not fit the context (the next turn could not run either).
+        """
+        if not any(m["role"] != "system" for m in self.messages):
+            return 0
+        tokens = self.model._chat_ids(self.messages)
+        if len(tokens) >= self.model.context_length:
+            raise InvalidRequestError(
+                f"the conversation takes {len(tokens)} tokens but the context holds {self.model.context_length}; "
+                "load the model with a larger context length (--context-length, context_length=) or /clear")
+        with self.model._lock:
+            if self.model.runner.common_prefix(self.sequence, tokens) == len(tokens):
+                return 0
+            with self.model.text_model.backend.new_context() as ctx:
+                _, ran = self.model.runner.prefill(ctx, self.sequence, tokens)
+        return ran
+
     def tokens_used(self) -> int:
         """Tokens the conversation takes in the context now (its templated messages; 0 when empty)."""
         if not any(m["role"] != "system" for m in self.messages):
@@ -363,8 +385,8 @@ class ChatSession:
                                       ) from None
 
     def load(self, path: "str | Path") -> None:
-        """Read a conversation written by :meth:`save` (its cache is rebuilt on the next turn). The file is
-        checked whole (size, JSON, messages, options) before anything of the session changes.
+        """Read a conversation written by :meth:`save` (its cache is rebuilt by :meth:`prefill`, else on the next
+        turn). The file is checked whole (size, JSON, messages, options) before anything of the session changes.
 
         Raises:
             InvalidRequestError: a missing, unreadable, too large or malformed file (the message says what).

@@ -197,6 +197,9 @@ class FakeSession:
         data = json.loads(Path(path).read_text())
         self.messages, self.options = data["messages"], data["options"]
 
+    def prefill(self):
+        return 7 * len(self.messages)
+
 
 class FakeModel:
     """Records how the CLI calls the API; answers with the prompt reversed (as words) and the options used."""
@@ -332,6 +335,7 @@ def test_chat_commands_with_a_pipe(fake_load, tmp_path):
                  "Set max_tokens to 12.", "Set verbose to on.", "Set the system prompt.",
                  "System prompt: You are a pirate.", "Unknown parameter 'colour'.", "Cleared the conversation.",
                  f"Saved the conversation to {saved}.", f"Loaded 6 messages from {saved}.",
+                 "Read 49 tokens of it into the context in ",
                  "Unknown command '/nonsense'. Type /? for help.", "/save FILE"):
         assert line in out, line
     assert "Error: temperature: invalid value '-3' (must be >= 0)" in r.stderr

@@ -111,20 +111,24 @@ def test_chat_in_a_terminal(home_with_smollm2):
         t.wait(lambda: "Set max_tokens to 400." in t.text(), 10, "the /set reply")
         row = t.wait_prompt(10, "the prompt after /set", after=row)
 
-        # turn 2, stopped with Ctrl-C once the answer has begun
+        # turn 2, stopped with Ctrl-C once the answer has begun; text typed meanwhile waits for the next prompt
         t.type("Write a very long story about a dragon who learns to cook.")
         t.wait(lambda: len(_answer_after(t.lines(), row)) > 20, 120, "the beginning of answer 2")
+        t.child.send("Tell me more")
+        t.pump(0.3)
         t.child.sendintr()
-        t.wait(lambda: "[stopped; the partial answer stays in the conversation]" in t.text(), 20, "the stop after Ctrl-C")
-        next_row = t.wait_prompt(20, "the prompt after Ctrl-C", after=row)
-        stopped = _answer_after(t.lines(), row, next_row)
-        assert stopped.endswith("[stopped; the partial answer stays in the conversation]")
-        partial = stopped[: -len("[stopped; the partial answer stays in the conversation]")].strip()
-        partial = partial.removesuffix("^C").strip()  # the terminal echoes Ctrl-C as ^C
+        notice = "[stopped; the partial answer stays in the conversation]"
+        t.wait(lambda: notice in t.lines(), 20, "the stop after Ctrl-C, on a line of its own")
+        typed = t.wait(lambda: [i for i, line in enumerate(t.lines()) if i > row and line == ">>> Tell me more"],
+                       20, "the prompt after Ctrl-C, holding what was typed during the answer")[-1]
+        stopped = _answer_after(t.lines(), row, typed)
+        assert stopped.endswith("\n" + notice) and "Tell me more" not in stopped and "^C" not in stopped
+        partial = stopped[: -len(notice)].strip()
         assert len(partial) > 20
         # far fewer than the 400 tokens asked for: the answer was cut in the middle
         assert len(partial.split()) < 200, partial
-        row = next_row
+        t.child.send("\x15")  # Ctrl-U empties the prompt
+        row = t.wait_prompt(10, "the emptied prompt", after=typed - 1)
 
         # turn 3: the conversation goes on
         t.type("What is the capital of France?")

@@ -236,3 +236,31 @@ def test_perplexity_rejects_bad_input(pair):
         ours.runner.perplexity(ours.backend.new_context(), [1])
     with pytest.raises(InvalidRequestError, match="do not fit"):
         ours.runner.perplexity(ours.backend.new_context(), [1] * (ours.context_length + 1))
+
+
+def test_a_loaded_conversation_is_prefilled_once(smollm2_model, tmp_path):
+    """After ``ChatSession.load``, ``prefill`` reads the conversation into the KV cache, so the next turn runs only
+    its new message; the answer is the one the turn gets without it (the whole conversation prefilled then)."""
+    first = smollm2_model.chat_session(max_tokens=24)
+    for q in ("Name a colour.", "Name a fruit."):
+        list(first.send(q))
+    first.save(tmp_path / "conversation.json")
+    smollm2_model.runner.reset(first.sequence)
+
+    cold = smollm2_model.chat_session()
+    cold.load(tmp_path / "conversation.json")
+    cold_pieces = list(cold.send("Name an animal."))
+    conversation = len(smollm2_model._chat_ids(cold.messages[:-1]))
+    assert cold_pieces[-1].prefilled_tokens == cold_pieces[-1].prompt_tokens  # nothing was cached
+
+    smollm2_model.runner.reset(cold.sequence)
+    warm = smollm2_model.chat_session()
+    warm.load(tmp_path / "conversation.json")
+    ran = warm.prefill()
+    assert ran > 30 and warm.prefill() == 0  # read once; a second call finds it cached
+    warm_pieces = list(warm.send("Name an animal."))
+    stats = warm_pieces[-1]
+    assert stats.prompt_tokens == cold_pieces[-1].prompt_tokens
+    assert stats.prefilled_tokens < 20 < conversation, (stats.prefilled_tokens, conversation)
+    assert "".join(p for p in warm_pieces if isinstance(p, str)) == "".join(p for p in cold_pieces if isinstance(p, str))
+    smollm2_model.runner.reset(warm.sequence)
