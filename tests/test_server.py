@@ -358,36 +358,6 @@ def test_sigterm_during_streaming_ends_within_bounded_time(store_root):
     assert lines[0].startswith("data: ")
 
 
-def _readme_server_blocks():
-    import re
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### `serve`", 1)[1].split("\n### ", 1)[0]
-    return re.findall(r"```(sh|python)\n(.*?)```", section, re.S)
-
-
-def test_readme_server_examples_run_as_written(server, capsys):
-    """The README's curl commands and client snippet, pointed at this test's port."""
-    port = server.url.rsplit(":", 1)[1]
-    blocks = _readme_server_blocks()
-    python = [b for kind, b in blocks if kind == "python"]
-    curls = [b for kind, b in blocks if kind == "sh" and "curl" in b]
-    assert len(python) == 1 and len(curls) == 1
-    exec(compile(python[0].replace("11435", port), "README.md", "exec"), {})
-    out = capsys.readouterr().out
-    assert "Hello" in out
-    commands = curls[0].replace("11435", port).replace("\\\n", " ").strip().splitlines()
-    assert len(commands) == 3
-    for command in commands:
-        r = subprocess.run(["bash", "-c", command + " --fail --silent --show-error"], capture_output=True,
-                           text=True, timeout=300)
-        assert r.returncode == 0, (command, r.stderr)
-        text = r.stdout.strip()
-        last = json.loads(text.splitlines()[-1])  # ollama streams NDJSON: the last line is the summary
-        assert last.get("choices") or last.get("done") or last.get("data"), text[:300]
-
-
 def test_engine_errors_map_to_status_codes():
     from mlx_engine.errors import (InvalidOptionError, MemoryBudgetError, ModelNotFoundError, ServerBusyError,
                                    WeightsError)

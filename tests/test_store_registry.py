@@ -57,8 +57,8 @@ class Registry:
                 self.send_error(404)
 
             def _manifest(self, model, tag):
-                model_digest = {"tinychat": reg.gguf_digest, "baddigest": "sha256:" + "0" * 64,
-                                "truncated": reg.gguf_digest}.get(model)
+                model_digest = {"tinychat": reg.gguf_digest, "llama3.2": reg.gguf_digest,  # the README's name
+                                "baddigest": "sha256:" + "0" * 64, "truncated": reg.gguf_digest}.get(model)
                 if model_digest is None or tag not in ("135m", "latest"):
                     return self.send_error(404)
                 body = json.dumps({"schemaVersion": 2, "layers": [

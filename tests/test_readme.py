@@ -1,0 +1,276 @@
+"""Every fenced example of the README runs in a test, so that the README cannot go stale.
+
+The README's ``sh`` blocks are split into commands and its ``python`` blocks taken whole; :data:`COVERAGE` says for
+each where it runs: in a test of this module (the command as written, by the installed ``mlx-engine``, against a
+store holding the real catalog models and an ollama registry on loopback), in a test of another module (named, and
+checked to exist), or why it cannot run here (the Hugging Face hub, a 20 GB Z-Image folder). A README example that no
+entry covers fails :func:`test_every_readme_example_has_a_test`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import link_model
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text(encoding="utf-8")
+BIN = Path(sys.executable).parent  # this environment's mlx-engine and python
+
+#: (pattern of a command or of a python block's text, where it runs): ``here:TEST`` (this module),
+#: ``elsewhere:FILE::TEST`` (another module), ``ci:WHY`` (what .ci/run itself does), ``not run:WHY``. First match wins.
+COVERAGE: list[tuple[str, str]] = [
+    (r"^python3 -m venv \.venv && \.venv/bin/pip install -e \. && \.venv/bin/mlx-engine run ", "here:test_start_here"),
+    (r'^python3 -m venv \.venv && \.venv/bin/pip install -e "\.\[test\]" && \.venv/bin/python -m pytest$',
+     "ci:.ci/run makes a fresh environment, installs .[test] and runs this very test command"),
+    (r"^(echo .* \| )?mlx-engine run ", "here:test_run_examples"),
+    (r"^mlx-engine chat\b", "here:test_chat_examples"),
+    (r"^mlx-engine pull hf:", "not run:needs the Hugging Face hub (the download code is tested against a fake hub in "
+                              "tests/test_store.py::test_hf_models_download_once_into_the_store)"),
+    (r"^mlx-engine (pull|list|show|rm)\b", "here:test_store_examples"),
+    (r"^mlx-engine image .*(-m|--model) \./z-image", "not run:needs a Z-Image folder (about 20 GB from the Hugging "
+                                                     "Face hub); the pipeline runs on a small random Z-Image folder "
+                                                     "in tests/test_cli_image.py"),
+    (r"^mlx-engine image ", "elsewhere:tests/test_shapes_model.py::test_readme_image_commands_run_as_written"),
+    (r"^python -m training\.", "elsewhere:tests/test_shapes_model.py::test_short_training_runs_lower_the_loss "
+                               "(every stage on a few steps; the full run takes 80 minutes)"),
+    (r"^(MLX_ENGINE_API_KEY=\S+ )?mlx-engine serve\b", "here:test_serve_examples"),
+    (r"^curl http://127\.0\.0\.1:11435/", "here:test_serve_examples"),
+    (r"^mlx-engine bench --quick$", "here:test_bench_quick"),
+    (r"^mlx-engine bench ", "elsewhere:tests/test_bench.py::test_quick_json_has_every_figure (the same command with "
+                            "both peers at --quick sizes; the full sizes take minutes: the bench is not a test)"),
+    (r"openai\.OpenAI\(base_url=\"http://127\.0\.0\.1:11435/v1\"", "here:test_serve_examples"),
+    (r"mlx_engine\.load\(\"smollm2:135m\"\)", "here:test_python_api_example"),
+    (r"mlx_engine\.generate_image\(", "elsewhere:tests/test_shapes_model.py::test_readme_python_image_example"),
+]
+
+
+def readme_blocks(lang: str) -> list[tuple[str, str]]:
+    """``(heading, text)`` of each fenced block of ``lang``, in order."""
+    out = []
+    for mo in re.finditer(r"^```(\w*)\n(.*?)^```", README, re.S | re.M):
+        if mo.group(1) == lang:
+            heading = re.findall(r"^#+ (.*)$", README[:mo.start()], re.M)[-1]
+            out.append((heading, mo.group(2)))
+    return out
+
+
+def commands(block: str) -> list[str]:
+    """The commands of an ``sh`` block: continuation lines joined, trailing comments (two spaces, then ``#``)
+    dropped."""
+    lines = block.replace("\\\n", " ").splitlines()
+    return [re.sub(r"\s+", " ", re.split(r"\s{2,}#", line)[0]).strip() for line in lines
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def readme_commands(heading: str | None = None) -> list[str]:
+    return [c for h, b in readme_blocks("sh") if heading is None or h.startswith(heading) for c in commands(b)]
+
+
+def where(text: str) -> str | None:
+    return next((w for pattern, w in COVERAGE if re.search(pattern, text)), None)
+
+
+def test_every_readme_example_has_a_test():
+    examples = readme_commands() + [b for _, b in readme_blocks("python")]
+    assert len(examples) > 30
+    uncovered = [e for e in examples if where(e) is None]
+    assert not uncovered, f"README examples without a test (add them to COVERAGE): {uncovered}"
+    here = set(globals())
+    for e in examples:
+        kind, _, target = where(e).partition(":")
+        if kind == "here":
+            assert target in here, (e, target)
+        elif kind == "elsewhere":
+            path, _, test = target.split(" ", 1)[0].partition("::")
+            assert f"def {test}(" in (REPO / path).read_text(), (e, target)
+        else:
+            assert kind in ("ci", "not run") and len(target) > 20, (e, target)
+    # and the other way: every pattern still matches something in the README
+    unused = [p for p, _ in COVERAGE if not any(re.search(p, e) for e in examples)]
+    assert not unused, f"COVERAGE entries that match no README example any more: {unused}"
+
+
+# ---------------------------------------------------------------------------------------------- running them
+
+@pytest.fixture
+def readme_home(tmp_path, smollm2_gguf, gemma3_gguf):
+    """A store with both catalog models (linked), no ollama store, an ollama registry on loopback that serves the
+    real smollm2 GGUF under ollama's names; the environment and working folder the commands run in."""
+    from tests.test_store_registry import Registry
+
+    home = tmp_path / "home"
+    home.mkdir()
+    link_model(smollm2_gguf.parent, home)
+    link_model(gemma3_gguf.parent, home)
+    registry = Registry(smollm2_gguf)
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    env = {**os.environ, "MLX_ENGINE_HOME": str(home), "OLLAMA_MODELS": str(tmp_path / "no-ollama"),
+           "MLX_ENGINE_OLLAMA_REGISTRY": registry.url, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("MLX_ENGINE_API_KEY", None)
+    yield home, cwd, env
+    registry.close()
+
+
+def sh(command: str, cwd: Path, env: dict, input: str | None = None,
+       timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``command`` with bash as a user would; it must succeed without a traceback."""
+    r = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, input=input, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, (command, r.stdout[-2000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, (command, r.stderr)
+    return r
+
+
+def test_start_here(readme_home):
+    """The first command's answer (the set-up part is what .ci/run does, in a fresh environment)."""
+    home, cwd, env = readme_home
+    first = readme_commands("Start here")[0]
+    r = sh(first.rsplit(" && ", 1)[1].replace(".venv/bin/", ""), cwd, env)
+    assert "Paris" in r.stdout
+
+
+def test_run_examples(readme_home, smollm2_gguf):
+    home, cwd, env = readme_home
+    (cwd / "models").mkdir()
+    (cwd / "models" / "my-model.gguf").symlink_to(smollm2_gguf)  # the README's "your own GGUF file"
+    cmds = readme_commands("`run")
+    assert len(cmds) == 5
+    outs = [sh(c, cwd, env) for c in cmds]
+    assert "Paris" in outs[0].stdout
+    assert all(o.stdout.strip() for o in outs), [o.stdout for o in outs]
+    assert "decode" in outs[4].stderr and "mlx cpu" in outs[4].stderr  # --verbose: the device, then the speed
+
+
+def test_chat_examples(readme_home):
+    """Both chat commands, fed the README's transcript (its ``>>>`` and ``...`` lines) through a pipe."""
+    home, cwd, env = readme_home
+    transcript = next(b for h, b in readme_blocks("") if h.startswith("`chat") and ">>> " in b)
+    typed = [line[4:] for line in transcript.splitlines() if line.startswith((">>> ", "... "))]
+    assert typed[0] == "What is the capital of France?" and typed[-1] == '"""'
+    cmds = readme_commands("`chat")
+    assert len(cmds) == 2
+    r = sh(cmds[0], cwd, env, input="\n".join(typed + ["/show", "/bye"]) + "\n")
+    assert "Paris" in r.stdout and "Set temperature to 0.8." in r.stdout
+    assert "Conversation: 2 messages from you" in r.stdout  # the multiline message was one message
+    r = sh(cmds[1], cwd, env, input="Who are you?\n/show\n/bye\n")
+    assert "System prompt: You are a pirate." in r.stdout and "temperature=0.7" in r.stdout
+
+
+def test_store_examples(readme_home):
+    """pull (a catalog name, an ollama name from the loopback registry), list, list --catalog, show, rm; and the
+    README's sample output of ``list`` is what ``list`` prints."""
+    home, cwd, env = readme_home
+    sample = next(b for h, b in readme_blocks("") if "$ mlx-engine list" in b)
+    assert sh("mlx-engine list", cwd, env).stdout.split() == sample.split()[3:]
+    cmds = [c for c in readme_commands("`pull") if where(c) == "here:test_store_examples"]
+    assert [c.split()[1] for c in cmds] == ["pull", "pull", "list", "list", "show", "show", "rm"]
+    outs = {c: sh(c, cwd, env) for c in cmds}
+    assert "llama3.2:latest" in outs["mlx-engine list"].stdout  # pulled from the registry by its ollama name
+    assert "ollama-registry" in outs["mlx-engine list"].stdout
+    assert "pulling llama3.2 from ollama's registry" in outs["mlx-engine pull llama3.2"].stderr
+    assert "smollm2:135m" in outs["mlx-engine list --catalog"].stdout
+    assert "architecture" in outs["mlx-engine show smollm2:135m"].stdout
+    assert "<|im_start|>" in outs["mlx-engine show smollm2:135m --template"].stdout
+    assert "gemma3:270m" not in sh("mlx-engine list", cwd, env).stdout  # rm removed it
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+class Served:
+    """A README ``serve`` command running as written (bash runs a lone command in its own process, so the signal
+    reaches the server), until :meth:`stop` (Ctrl-C, as the README says)."""
+
+    def __init__(self, command: str, cwd: Path, env: dict):
+        if not _free(11435):
+            pytest.fail("port 11435, the README's, is in use by another program: stop it to run this test")
+        self.proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while _free(11435):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"{command} did not start: {self.stderr[-2000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            _, self.stderr = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, self.stderr = self.proc.communicate()
+        return self.proc.returncode
+
+
+def test_serve_examples(readme_home, capsys):
+    """The three serve commands as written (port 11435), the curl commands and the client snippet against the first,
+    both models of the second, the API key of the third."""
+    home, cwd, env = readme_home
+    serve = [c for c in readme_commands("`serve") if " serve" in c]
+    curls = [c for c in readme_commands("`serve") if c.startswith("curl ")]
+    assert len(serve) == 3 and len(curls) == 3
+    client = next(b for _, b in readme_blocks("python") if "openai.OpenAI" in b)
+    base = "http://127.0.0.1:11435"
+
+    s = Served(serve[0], cwd, env)
+    try:
+        for c in curls:
+            r = sh(c + " --fail --silent --show-error", cwd, env)
+            last = json.loads(r.stdout.strip().splitlines()[-1])  # ollama streams NDJSON: the last line sums up
+            assert last.get("choices") or last.get("done") or last.get("data"), r.stdout[:300]
+        exec(compile(client, "README.md", "exec"), {})
+        assert "Hello" in capsys.readouterr().out
+    finally:
+        assert s.stop() in (0, 130), s.stderr[-2000:]
+
+    s = Served(serve[1], cwd, env)
+    try:
+        models = {m["id"] for m in httpx.get(base + "/v1/models").json()["data"]}
+        assert {"smollm2:135m", "shapes:64"} <= models
+        status = httpx.get(base + "/status").json()
+        assert status["models"]["smollm2:135m"]["slots"] == 8, status  # --max-sequences 8
+    finally:
+        assert s.stop() in (0, 130), s.stderr[-2000:]
+
+    s = Served(serve[2], cwd, env)
+    try:
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
+    finally:
+        assert s.stop() in (0, 130), s.stderr[-2000:]
+
+
+def test_bench_quick(readme_home):
+    home, cwd, env = readme_home
+    r = sh(next(c for c in readme_commands("`bench") if "--quick" in c), cwd, env)
+    assert "decode" in r.stdout and "smollm2:135m" in r.stdout
+
+
+def test_python_api_example(readme_home, monkeypatch, capsys):
+    home, cwd, env = readme_home
+    block = next(b for _, b in readme_blocks("python") if 'mlx_engine.load("smollm2:135m")' in b)
+    monkeypatch.chdir(cwd)
+    for key in ("MLX_ENGINE_HOME", "OLLAMA_MODELS"):
+        monkeypatch.setenv(key, env[key])
+    exec(compile(block, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "Paris" in out and "decode" in out  # an answer, and the stats' summary
+    saved = json.loads((cwd / "conversation.json").read_text())
+    assert [m["role"] for m in saved["messages"]] == ["system", "user", "assistant"]
