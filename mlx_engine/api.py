@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.errors import ChatTemplateError, InvalidRequestError, MemoryBudgetError
+from mlx_engine.errors import ChatTemplateError, IncompleteOutputError, InvalidRequestError, MemoryBudgetError
 from mlx_engine.kvcache.causal import KV_BITS
 from mlx_engine.ml import DType
 from mlx_engine.mlx import MLXBackend
@@ -228,14 +228,19 @@ class Model:
             yield from pieces
 
     def generate(self, prompt: str, **options: Any) -> str:
-        """The whole completion of ``prompt`` as one string."""
-        return "".join(p for p in self.stream(prompt, **options) if isinstance(p, str))
+        """The whole completion of ``prompt`` as one string.
+
+        With a response format (``response_format=``, ``format=``, ``json_schema=``, ``regex=``, ``grammar=``) the
+        text matches it; raises ``IncompleteOutputError`` (its ``text`` holds the partial output) when
+        ``max_tokens`` or the context cut it off first."""
+        return _whole(self.stream(prompt, **options))
 
     def chat(self, messages: list[dict[str, str]], **options: Any) -> str:
-        """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``)."""
+        """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``); structured output
+        as in :meth:`generate`."""
         opts = GenerationOptions.parse(options)
         tokens = self.chat_tokens(messages)
-        return "".join(p for p in self._serialized(self.runner.stream(opts.request(tokens))) if isinstance(p, str))
+        return _whole(self._serialized(self.runner.stream(opts.request(tokens))))
 
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
         """A conversation that keeps its KV cache between turns."""
@@ -245,6 +250,21 @@ class Model:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _whole(pieces: Iterator["str | GenerationStats"]) -> str:
+    text, stats = [], None
+    for p in pieces:
+        if isinstance(p, str):
+            text.append(p)
+        else:
+            stats = p
+    if stats is not None and stats.format_complete is False:
+        raise IncompleteOutputError(
+            f"the output was cut off ({'the context is full' if stats.context_full else 'max_tokens reached'}) "
+            f"after {stats.generated_tokens} tokens, before it was a complete value of the requested format; "
+            "raise max_tokens (the partial text is in this error's .text)", "".join(text))
+    return "".join(text)
 
 
 class ChatSession:

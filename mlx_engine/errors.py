@@ -45,6 +45,15 @@ class InvalidOptionError(InvalidRequestError):
         super().__init__(f"invalid option {option}={value!r}: it {rule}" + (f" ({hint})" if hint else ""))
 
 
+class IncompleteOutputError(EngineError):
+    """Structured output that ended before it matched its format (``max_tokens`` or a full context cut it off):
+    ``text`` holds what was generated, which is not a complete value. Raised by the calls that return one string."""
+
+    def __init__(self, message: str, text: str = ""):
+        super().__init__(message)
+        self.text = text
+
+
 class ModelNotFoundError(EngineError):
     """A model name or path that does not resolve to a model."""
 

@@ -12,12 +12,17 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mlx_engine.errors import InvalidOptionError, InvalidRequestError
+from mlx_engine.models.constraint import ResponseFormat, parse_response_format
 from mlx_engine.models.runner import Request
 from mlx_engine.models.sampler import SamplerOptions
 
 SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerOptions))
 #: every option name :meth:`GenerationOptions.parse` takes
-OPTION_NAMES = (*SAMPLER_FIELDS, "max_tokens", "stop", "system", "raw")
+#: structured output: ``response_format`` (or ollama's name ``format``) takes any form
+#: :func:`~mlx_engine.models.constraint.parse_response_format` reads; ``json_schema``, ``regex`` and ``grammar`` are
+#: shorthands for a schema (a dict or JSON text), a regular expression and a Lark / GBNF grammar
+FORMAT_OPTIONS = ("response_format", "format", "json_schema", "regex", "grammar")
+OPTION_NAMES = (*SAMPLER_FIELDS, "max_tokens", "stop", "system", "raw", *FORMAT_OPTIONS)
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -31,6 +36,7 @@ class GenerationOptions:
         stop: stop strings; generation ends before the first one.
         system: a system prompt (for one-shot prompts), or None.
         raw: True for plain completion without the chat template; None lets the model decide (base models are raw).
+        response_format: what the output must match (structured output), or None for free text.
     """
 
     sampler: SamplerOptions = field(default_factory=SamplerOptions)
@@ -38,6 +44,7 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     system: str | None = None
     raw: bool | None = None
+    response_format: ResponseFormat | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> "GenerationOptions":
@@ -66,8 +73,28 @@ class GenerationOptions:
         raw = given.get("raw")
         if raw is not None and not isinstance(raw, bool):
             raise InvalidOptionError("raw", raw, "must be true or false")
-        return cls(sampler, max_tokens, tuple(stop), system, raw)
+        return cls(sampler, max_tokens, tuple(stop), system, raw, _response_format(given))
 
     def request(self, tokens: Sequence[int], sequence: int = 0) -> Request:
         """The runner's request for ``tokens`` on cache sequence ``sequence``."""
-        return Request(list(tokens), self.sampler, self.max_tokens, list(self.stop), sequence)
+        return Request(list(tokens), self.sampler, self.max_tokens, list(self.stop), sequence, self.response_format)
+
+
+def _response_format(given: Mapping[str, Any]) -> ResponseFormat | None:
+    named = [k for k in FORMAT_OPTIONS if k in given]
+    if len(named) > 1:
+        raise InvalidRequestError(f"give one of {', '.join(named)}, not several: each sets the output's format")
+    if not named:
+        return None
+    key, value = named[0], given[named[0]]
+    if key == "json_schema" and isinstance(value, dict):
+        value = {"type": "json_schema", "json_schema": {"schema": value}}
+    elif key == "regex":
+        if not isinstance(value, str):
+            raise InvalidOptionError("regex", value, "must be a string (a regular expression)")
+        value = {"type": "regex", "pattern": value}
+    elif key == "grammar":
+        if not isinstance(value, str):
+            raise InvalidOptionError("grammar", value, "must be a string (a Lark or GBNF grammar)")
+        value = {"type": "grammar", "grammar": value}
+    return parse_response_format(value)

@@ -17,6 +17,7 @@ from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheFullError, InvalidRequestError
 from mlx_engine.ml import DType, Tensor
 from mlx_engine.models.base import DecoderModel
+from mlx_engine.models.constraint import Constraint, GrammarTokenizer, ResponseFormat
 from mlx_engine.models.sampler import Sampler, SamplerOptions
 from mlx_engine.models.tokenizer import Tokenizer
 
@@ -28,7 +29,8 @@ class GenerationStats:
     ``prompt_tokens`` counts the whole prompt; ``prefilled_tokens`` those actually run (the rest came from the cache).
     ``stop_reason`` is ``eos``, ``stop`` (a stop string), ``length`` (``max_tokens`` or the context is full) or
     ``interrupted`` (the caller stopped reading). ``context_full``: the answer was cut off because the context (the
-    KV cache's capacity for the sequence) was full, not by ``max_tokens``.
+    KV cache's capacity for the sequence) was full, not by ``max_tokens``. ``format_complete``: with a response
+    format, whether the text is a complete value of it (False: cut off inside it); None without one.
     """
 
     prompt_tokens: int = 0
@@ -40,6 +42,7 @@ class GenerationStats:
     peak_memory_bytes: int = 0
     stop_reason: str = ""
     context_full: bool = False
+    format_complete: bool | None = None
 
     def summary(self) -> str:
         """One line: prompt and decode speed, time to first token, peak memory."""
@@ -59,6 +62,7 @@ class Request:
         max_tokens: the most tokens to generate.
         stop: stop strings; generation ends before the first one, which is not returned.
         sequence: the cache sequence id to use.
+        response_format: what the output must match (structured output), or None for free text.
     """
 
     tokens: Sequence[int]
@@ -66,6 +70,7 @@ class Request:
     max_tokens: int = 256
     stop: Sequence[str] = ()
     sequence: int = 0
+    response_format: ResponseFormat | None = None
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -97,6 +102,7 @@ class Runner:
         self.context_length = context_length
         self.max_sequences = max_sequences
         self.prefill_chunk = prefill_chunk
+        self._grammar_tokenizer: GrammarTokenizer | None = None
         self.cache = model.make_cache(kv_bits)
         self.cache.init(self.backend, model.dtype, max_sequences, context_length, prefill_chunk)
         if reserve:
@@ -140,6 +146,21 @@ class Runner:
             self.cache.remove(seq, n, None)
             self._cached[seq] = cached[:n]
         return n
+
+    # ---- structured output -------------------------------------------------------------------------------------
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The grammar engine's view of this model's vocabulary, built on first use and kept."""
+        if self._grammar_tokenizer is None:
+            tk = self.tokenizer
+            self._grammar_tokenizer = GrammarTokenizer(tk.backend.to_str(), tk.vocab_size, tk.eos_ids)
+        return self._grammar_tokenizer
+
+    def constraint(self, req: Request) -> Constraint | None:
+        """The grammar state of ``req`` (None without a ``response_format``). Raises ``InvalidRequestError`` for a
+        grammar this vocabulary cannot follow or that cannot fit ``max_tokens``."""
+        if req.response_format is None:
+            return None
+        return Constraint(self.grammar_tokenizer(), req.response_format, req.max_tokens)
 
     # ---- prefill -----------------------------------------------------------------------------------------------
     def prefill_chunks(self, ctx, seq: int, tokens: Sequence[int]) -> tuple[int, Iterator[Tensor]]:
@@ -253,11 +274,13 @@ class Runner:
         t0 = time.perf_counter()
         ctx = self.backend.new_context()
         sampler = Sampler(req.sampler, ctx)
+        constraint = self.constraint(req)
         logits, stats.prefilled_tokens = self.prefill(ctx, seq, list(req.tokens))
+        width = logits.shape[-1]
         last_n = req.sampler.repeat_last_n  # > 0: that many tokens; otherwise the whole history (llama.cpp: -1)
         history = (ctx.from_numpy(np.asarray(req.tokens[-last_n:] if last_n > 0 else req.tokens, np.int32)[None])
                    if req.sampler.uses_history else None)
-        tok = sampler.sample(logits, history)
+        tok = sampler.sample(logits, history, constraint.allowed(ctx, width) if constraint else None)
         ctx.evaluate_async(tok)
         pos = len(req.tokens)
         generated = 0
@@ -266,7 +289,7 @@ class Runner:
         try:
             while True:
                 more = generated + 1 < req.max_tokens and pos < self.context_length
-                nxt = None
+                nxt = step = None
                 if more:
                     if history is not None:
                         history = ctx.concatenate([history, tok.reshape(1, 1)], axis=1)
@@ -274,9 +297,12 @@ class Runner:
                             history = history[:, -last_n:]
                     try:
                         step = self.model.forward(ctx, Batch(tok, [pos], [seq], [0]), self.cache)
-                        nxt = sampler.sample(step, history)
-                        if generated:
-                            ctx.evaluate_async(nxt)
+                        if constraint is None:
+                            nxt = sampler.sample(step, history)
+                            if generated:
+                                ctx.evaluate_async(nxt)
+                        else:  # the device runs the step while the host reads the token and computes the mask
+                            ctx.evaluate_async(step)
                     except CacheFullError:
                         more = False
                         stats.context_full = True
@@ -287,12 +313,21 @@ class Runner:
                     self._cached[seq].append(t)
                     pos += 1
                 generated += 1
+                complete = False
+                if constraint is not None:
+                    constraint.advance(t)
+                    complete = constraint.stopped  # the grammar ended: nothing may follow
+                    stats.format_complete = complete or constraint.accepting
+                    if complete and t not in self.tokenizer.eos_ids:
+                        stats.stop_reason = "stop"
+                    elif more:
+                        nxt = sampler.sample(step, history, constraint.allowed(ctx, width))
                 if t_first is None:
                     t_first = time.perf_counter()
                     stats.ttft_s = t_first - t0
                 self._finish(stats, generated, t_first)
                 yield t
-                if not more:
+                if not more or complete:
                     return
                 if generated == 1:
                     # The second step is dispatched once the first token is out: on MLX's CPU backend dispatching
@@ -329,6 +364,8 @@ class Runner:
             tokens.close()
         if text.stop_reason:
             stats.stop_reason = text.stop_reason
+            if text.stop_reason == "stop" and stats.format_complete:
+                stats.format_complete = False  # a stop string cut the text the grammar had accepted
         yield stats
 
     def _finish(self, stats: GenerationStats, generated: int, t_first: float | None) -> None:
@@ -352,29 +389,41 @@ class Runner:
         ctx = self.backend.new_context()
         eos = self.tokenizer.eos_ids
         firsts, samplers, pos = [], [], []
-        for r in requests:
+        constraints = [self.constraint(r) for r in requests]  # each row its own grammar (or none)
+
+        def allowed(i: int, width: int):
+            return constraints[i].allowed(ctx, width) if constraints[i] is not None else None
+
+        def finished(i: int) -> bool:
+            c = constraints[i]
+            if c is not None:
+                c.advance(tokens[i])
+            return tokens[i] in eos or len(out[i]) >= requests[i].max_tokens or (c is not None and c.stopped)
+
+        for i, r in enumerate(requests):
             self._check_request(r)
             logits, _ = self.prefill(ctx, r.sequence, list(r.tokens))
             samplers.append(Sampler(r.sampler, ctx))
-            firsts.append(samplers[-1].sample(logits, None))
+            firsts.append(samplers[-1].sample(logits, None, allowed(i, logits.shape[-1])))
             pos.append(len(r.tokens))
         tokens = [int(t.item()) for t in firsts]
         out = [[t] for t in tokens]
-        active = [i for i, r in enumerate(requests) if tokens[i] not in eos and r.max_tokens > 1]
+        active = [i for i in range(len(requests)) if not finished(i)]
         while active:
             active = [i for i in active if pos[i] < self.context_length]
             if not active:
                 break
             logits = self.decode(ctx, [tokens[i] for i in active], [pos[i] for i in active],
                                  [requests[i].sequence for i in active])
-            sampled = [samplers[i].sample(logits[j:j + 1], None) for j, i in enumerate(active)]
+            sampled = [samplers[i].sample(logits[j:j + 1], None, allowed(i, logits.shape[-1]))
+                       for j, i in enumerate(active)]
             ctx.evaluate(*sampled)
             still = []
             for j, i in enumerate(active):
                 pos[i] += 1
                 tokens[i] = int(sampled[j].item())
                 out[i].append(tokens[i])
-                if tokens[i] not in eos and len(out[i]) < requests[i].max_tokens:
+                if not finished(i):
                     still.append(i)
             active = still
         return out

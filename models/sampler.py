@@ -259,18 +259,23 @@ class Sampler:
         n, v = logits.shape
         return self.ctx.full((n, v), _NEG_INF, DType.FLOAT32).put_along_axis(index, ls, axis=-1)
 
-    def sample(self, logits: Tensor, history: Tensor | None = None) -> Tensor:
+    def sample(self, logits: Tensor, history: Tensor | None = None, allowed: Tensor | None = None) -> Tensor:
         """One token per row.
 
         Args:
             logits: ``[N, V]`` (or ``[V]``) float logits.
             history: INT32 ``[N, T]`` previous tokens of each row, latest last, padded with -1; needed only when a
                 penalty is on (:attr:`SamplerOptions.uses_history`).
+            allowed: BOOL ``[N, V]`` (or ``[1, V]``): the tokens a grammar allows (structured output); the others
+                get ``-inf`` before anything else, so no penalty or filter can bring them back.
 
         Returns:
             INT32 ``[N]`` token ids (lazy: nothing is read back to the host).
         """
-        logits = apply_penalties(self.ctx, _as_2d(logits), history, self.options)
+        logits = _as_2d(logits)
+        if allowed is not None:
+            logits = allowed.where(logits.astype(DType.FLOAT32), _NEG_INF)
+        logits = apply_penalties(self.ctx, logits, history, self.options)
         if self.options.greedy:
             return logits.argmax(axis=-1).astype(DType.INT32)
         logits = logits / float(self.options.temperature)
