@@ -12,6 +12,7 @@ import io
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -215,6 +216,14 @@ def _sampling_options(f):
         click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None,
                      help="Most tokens to generate.  [default: 256]"),
         click.option("--stop", multiple=True, help="Stop at this string (repeatable)."),
+        click.option("--format", "format_", default=None, metavar="json|SCHEMA",
+                     help="Structured output: json (any JSON object) or a JSON schema (JSON text)."),
+        click.option("--json-schema", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                     help="Structured output: JSON matching the JSON schema in FILE."),
+        click.option("--regex", default=None, metavar="PATTERN",
+                     help="Structured output: text matching the regular expression."),
+        click.option("--grammar", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                     help="Structured output: text in the Lark or GBNF (llama.cpp) grammar in FILE."),
         click.option("--device", type=click.Choice(["cpu", "gpu", "metal", "cuda"]), default=None,
                      help="Device (default: $MLX_ENGINE_DEVICE, else the GPU where MLX has one, else the CPU)."),
         click.option("--context-length", "-c", type=click.IntRange(min=1), default=None,
@@ -230,10 +239,29 @@ def _sampling_options(f):
 _OPTION_NAMES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "max_tokens")
 
 
+def _read_option_file(option: str, path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"{option}: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def _collect_options(kw: dict) -> dict:
+    """The generation options the flags give, checked now (a bad schema fails before the model loads)."""
+    from mlx_engine.api import GenerationOptions
+
     opts = {k: kw[k] for k in _OPTION_NAMES if kw.get(k) is not None}
     if kw.get("stop"):
         opts["stop"] = list(kw["stop"])
+    if kw.get("format_") is not None:
+        opts["format"] = kw["format_"]
+    if kw.get("json_schema") is not None:
+        opts["json_schema"] = _read_option_file("--json-schema", kw["json_schema"])
+    if kw.get("regex") is not None:
+        opts["regex"] = kw["regex"]
+    if kw.get("grammar") is not None:
+        opts["grammar"] = _read_option_file("--grammar", kw["grammar"])
+    GenerationOptions.parse(opts)
     return opts
 
 
@@ -280,6 +308,7 @@ def run(args: tuple[str, ...], raw: bool, **kw) -> None:
     if not prompt.strip():
         raise InvalidRequestError("the prompt is empty: give it as an argument or on stdin")
 
+    options = _collect_options(kw)
     try:
         model = _load(model_name, kw)
     except (ModelNotFoundError, PullError) as e:
@@ -289,7 +318,6 @@ def run(args: tuple[str, ...], raw: bool, **kw) -> None:
                                  f"send a prompt that starts with {model_name!r} to the default model, quote the "
                                  f"whole prompt: mlx-engine run \"{' '.join(given)}\"") from None
     use_raw = raw or not model.has_chat_template
-    options = _collect_options(kw)
     if kw.get("system") is not None:
         options["system"] = kw["system"]
     if kw["verbose"]:
@@ -306,6 +334,9 @@ def run(args: tuple[str, ...], raw: bool, **kw) -> None:
         sys.exit(130)
     if stats is not None and stats.context_full:
         click.echo(context_full_notice(model), err=True)
+    if stats is not None and stats.format_complete is False:
+        raise click.ClickException("the output was cut off before it was complete (it does not match the format "
+                                   "asked for); raise --max-tokens")
 
 
 @main.command()
@@ -326,8 +357,8 @@ def chat(model: str, no_history: bool, **kw) -> None:
     from mlx_engine.cli.chat import ChatRepl
 
     store = Store()
-    loaded = _load(model, kw)
     options = _collect_options(kw)
+    loaded = _load(model, kw)
     repl = ChatRepl(loaded, system=kw.get("system"), options=options, verbose=kw["verbose"],
                     history_file=None if no_history else store.history_file)
     repl.run()

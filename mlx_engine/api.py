@@ -242,6 +242,12 @@ class Model:
         tokens = self.chat_tokens(messages)
         return _whole(self._serialized(self.runner.stream(opts.request(tokens))))
 
+    def check_format(self, options: GenerationOptions) -> None:
+        """Compile ``options.response_format`` (if any) for this model's vocabulary, so that a format the model
+        cannot follow fails before generation starts. Raises ``InvalidRequestError``."""
+        if options.response_format is not None:
+            self.runner.constraint(options.request([0]))
+
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
         """A conversation that keeps its KV cache between turns."""
         GenerationOptions.parse(options)

@@ -7,6 +7,7 @@ differs from what is cached (a chat session's turn N prefills only the new messa
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,7 @@ class Runner:
         self.max_sequences = max_sequences
         self.prefill_chunk = prefill_chunk
         self._grammar_tokenizer: GrammarTokenizer | None = None
+        self._grammar_lock = threading.Lock()
         self.cache = model.make_cache(kv_bits)
         self.cache.init(self.backend, model.dtype, max_sequences, context_length, prefill_chunk)
         if reserve:
@@ -150,10 +152,11 @@ class Runner:
     # ---- structured output -------------------------------------------------------------------------------------
     def grammar_tokenizer(self) -> GrammarTokenizer:
         """The grammar engine's view of this model's vocabulary, built on first use and kept."""
-        if self._grammar_tokenizer is None:
-            tk = self.tokenizer
-            self._grammar_tokenizer = GrammarTokenizer(tk.backend.to_str(), tk.vocab_size, tk.eos_ids)
-        return self._grammar_tokenizer
+        with self._grammar_lock:  # the server's request threads and its device thread may ask at once
+            if self._grammar_tokenizer is None:
+                tk = self.tokenizer
+                self._grammar_tokenizer = GrammarTokenizer(tk.backend.to_str(), tk.vocab_size, tk.eos_ids)
+            return self._grammar_tokenizer
 
     def constraint(self, req: Request) -> Constraint | None:
         """The grammar state of ``req`` (None without a ``response_format``). Raises ``InvalidRequestError`` for a

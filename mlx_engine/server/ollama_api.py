@@ -5,8 +5,9 @@ Semantics follow ollama's API documentation (docs/api.md): an empty ``messages``
 ``keep_alive: 0``, unloads it); ``options`` take ``num_ctx``, ``num_predict``, ``temperature``, ``top_k``, ``top_p``,
 ``min_p``, ``seed``, ``stop``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``;
 runtime knobs of ollama's own runner (``num_thread``, ``num_gpu``, ...) are accepted and logged as ignored; options
-that would change the output and that the engine does not have (``mirostat``, ``typical_p``), ``format``, ``tools``,
-images and ``context`` are refused with a 400. Durations are nanoseconds, as ollama's.
+that would change the output and that the engine does not have (``mirostat``, ``typical_p``), ``tools``, images
+and ``context`` are refused with a 400. ``format`` (``"json"`` or a JSON schema) is enforced by a grammar on every
+token. Durations are nanoseconds, as ollama's.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def _options(req: _Common, loaded: Loaded, tokens: list[int]):
             given[name] = value
         elif name not in _RUNTIME and name not in _UNSUPPORTED:
             log.warning("ignoring unknown option %s", name)
-    return generation_options({**given, "max_tokens": max_tokens}, default_max_tokens=left)
+    return generation_options({**given, "max_tokens": max_tokens, "format": req.format or None},
+                              default_max_tokens=left)
 
 
 def _timings(stats: JobStats, load_s: float) -> dict[str, Any]:
@@ -210,8 +212,6 @@ def routes(state: ServerState) -> list[Route]:
     async def chat(request: Request) -> Response:
         try:
             req = validate(ChatRequest, await read_json(request, state.max_body_bytes))
-            if req.format:
-                raise HTTPProblem(400, "format (structured output) is not supported by this server yet")
             if req.tools:
                 raise HTTPProblem(400, "tools are not supported by this server yet")
             if not req.messages:
@@ -224,6 +224,7 @@ def routes(state: ServerState) -> list[Route]:
             messages = [{"role": m.role, "content": m.content} for m in req.messages]
             tokens = await asyncio.to_thread(loaded.obj.chat_tokens, messages)
             options = _options(req, loaded, tokens)
+            await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         return await _answer(request, req, loaded, load_s, tokens, options, chat=True)
@@ -231,8 +232,6 @@ def routes(state: ServerState) -> list[Route]:
     async def generate(request: Request) -> Response:
         try:
             req = validate(GenerateRequest, await read_json(request, state.max_body_bytes))
-            if req.format:
-                raise HTTPProblem(400, "format (structured output) is not supported by this server yet")
             for name in ("images", "context", "suffix", "template"):
                 if getattr(req, name):
                     raise HTTPProblem(400, f"{name} is not supported by this server")
@@ -244,6 +243,7 @@ def routes(state: ServerState) -> list[Route]:
             else:
                 tokens = await asyncio.to_thread(loaded.obj.prompt_tokens, req.prompt, system=req.system)
             options = _options(req, loaded, tokens)
+            await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         return await _answer(request, req, loaded, load_s, tokens, options, chat=False)

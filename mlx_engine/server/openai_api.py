@@ -4,8 +4,9 @@
 Field semantics follow OpenAI's API reference. Differences, stated rather than hidden: sampling is greedy unless
 ``temperature`` is given (the engine's default); a chat answer may run to the end of the context unless
 ``max_tokens`` / ``max_completion_tokens`` is given (as OpenAI); ``/v1/completions`` defaults to 16 tokens (as OpenAI);
-``n`` must be 1 for text; what the engine cannot do yet (``response_format`` other than text, ``tools``,
-``logprobs``, image inputs) is refused with a 400, never ignored.
+``n`` must be 1 for text; ``response_format`` (``json_object``, ``json_schema``; also ``regex`` and ``grammar``) is
+enforced by a grammar on every token, ``strict`` or not; what the engine cannot do yet (``tools``, ``logprobs``, image
+inputs) is refused with a 400, never ignored.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class _Sampling(_Strict):
     n: int = 1
     logprobs: Optional[Union[bool, int]] = None
 
-    def options(self, default_max_tokens: int, max_tokens: Optional[int] = None):
+    def options(self, default_max_tokens: int, max_tokens: Optional[int] = None, response_format: Any = None):
         if self.n != 1:
             raise HTTPProblem(400, "n must be 1: this server returns one choice per request", param="n")
         if self.logprobs:
@@ -81,7 +82,8 @@ class _Sampling(_Strict):
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "max_tokens": max_tokens or self.max_tokens, "stop": self.stop, "seed": self.seed,
             "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-            "repeat_penalty": self.repetition_penalty}, default_max_tokens=default_max_tokens)
+            "repeat_penalty": self.repetition_penalty, "response_format": response_format},
+            default_max_tokens=default_max_tokens)
 
 
 class ChatRequest(_Sampling):
@@ -158,15 +160,14 @@ def routes(state: ServerState) -> list[Route]:
     async def chat_completions(request: Request) -> Response:
         try:
             req = validate(ChatRequest, await read_json(request, state.max_body_bytes))
-            if req.response_format and req.response_format.get("type", "text") != "text":
-                raise HTTPProblem(400, f"response_format {req.response_format.get('type')!r} is not supported by "
-                                       "this server yet", param="response_format")
             if req.tools:
                 raise HTTPProblem(400, "tools are not supported by this server yet", param="tools")
             messages = _chat_messages(req)
             loaded = await state.pool.text(req.model)
             tokens = await asyncio.to_thread(loaded.obj.chat_tokens, messages)
-            options = req.options(remaining_context(loaded, tokens), req.max_completion_tokens)
+            options = req.options(remaining_context(loaded, tokens), req.max_completion_tokens,
+                                  response_format=req.response_format)
+            await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001 -- every failure gets the API's own error form
             return error_response(e)
         return await _answer(request, loaded, tokens, options, req, chat=True)

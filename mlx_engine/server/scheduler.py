@@ -12,7 +12,8 @@ design). Each call of :meth:`TextScheduler.step`, on the device thread:
 3. runs one prefill chunk (``prefill_chunk`` tokens) of the oldest admitted request, so that running decodes stall by
    at most one chunk;
 4. runs one decode step for every decoding request together: one token per sequence in one forward pass, each
-   request sampled with its own options and random key.
+   request sampled with its own options and random key, and masked by its own grammar when it asked for structured
+   output (the masks are computed on the host while the device runs the step).
 
 A finished request's slot keeps its tokens for reuse until the slot is needed (least recently used first): the cache
 was reserved at load for ``max_sequences`` full contexts, and that reserved pool is the prefix cache's byte budget.
@@ -82,6 +83,7 @@ class TextJob:
         self.chunks_left = 0
         self.chunks: Any = None
         self.sampler: Sampler | None = None
+        self.constraint: Any = None  # the request's grammar state (structured output), or None
         self.text: TextAssembler | None = None
         self.history: list[int] | None = None
         self.ctx: Any = None
@@ -209,6 +211,7 @@ class TextScheduler:
         dst.job, job.seq = job, dst.seq
         ctx = self.backend.new_context()
         job.sampler = Sampler(job.options.sampler, ctx)
+        job.constraint = runner.constraint(job.options.request(tokens))
         job.text = TextAssembler(runner.tokenizer, job.options.stop)
         job.history = list(tokens) if job.options.sampler.uses_history else None
         reused, job.chunks = runner.prefill_chunks(ctx, dst.seq, tokens)
@@ -226,7 +229,8 @@ class TextScheduler:
             job.chunks_left -= 1
             if job.chunks_left > 0:
                 return
-            tok = job.sampler.sample(logits, job.history_tensor(job.ctx))
+            allowed = job.constraint.allowed(job.ctx, logits.shape[-1]) if job.constraint is not None else None
+            tok = job.sampler.sample(logits, job.history_tensor(job.ctx), allowed)
             job.ctx.evaluate(tok)
             t = int(tok.item())
         except EngineError as e:
@@ -251,12 +255,18 @@ class TextScheduler:
             for j in jobs:
                 if j.history is not None:
                     j.history.append(j.next_token)
-            if all(j.sampler.options.greedy and j.history is None for j in jobs):
+            if all(j.sampler.options.greedy and j.history is None and j.constraint is None for j in jobs):
                 sampled = logits.astype(DType.FLOAT32).argmax(axis=-1).astype(DType.INT32)
                 ctx.evaluate(sampled)
                 toks = [int(t) for t in sampled.numpy()]
             else:
-                rows = [j.sampler.sample(logits[i:i + 1], j.history_tensor(ctx)) for i, j in enumerate(jobs)]
+                masks = [None] * len(jobs)
+                if any(j.constraint is not None for j in jobs):
+                    ctx.evaluate_async(logits)  # the device runs the step while the host computes the masks
+                    width = logits.shape[-1]
+                    masks = [j.constraint.allowed(ctx, width) if j.constraint is not None else None for j in jobs]
+                rows = [j.sampler.sample(logits[i:i + 1], j.history_tensor(ctx), masks[i])
+                        for i, j in enumerate(jobs)]
                 ctx.evaluate(*rows)
                 toks = [int(r.item()) for r in rows]
         except Exception as e:  # noqa: BLE001 -- fail this batch's requests, keep serving
@@ -271,10 +281,24 @@ class TextScheduler:
     def _accept(self, job: TextJob, token: int) -> None:
         """A sampled token: emit its text, then finish the request or queue the token for the next step."""
         job.generated += 1
+        complete = False
+        if job.constraint is not None:
+            try:
+                job.constraint.advance(token)
+            except EngineError as e:
+                self._fail(job, e)
+                return
+            complete = job.constraint.stopped  # the grammar ended: nothing may follow
         piece = job.text.add(token)
         if piece:
             job.emit("text", piece)
         if job.text.stop_reason:
+            self._finish(job, "stop")
+            return
+        if complete:
+            piece = job.text.flush()
+            if piece:
+                job.emit("text", piece)
             self._finish(job, "stop")
             return
         if job.generated >= job.options.max_tokens or job.pos >= self.runner.context_length:
