@@ -34,6 +34,7 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^python3 -m venv \.venv && \.venv/bin/pip install -e \. && \.venv/bin/mlx-engine run ", "here:test_start_here"),
     (r'^python3 -m venv \.venv && \.venv/bin/pip install -e "\.\[test\]" && \.venv/bin/python -m pytest$',
      "ci:.ci/run makes a fresh environment, installs .[test] and runs this very test command"),
+    (r"^mlx-engine run .* --(format|json-schema|regex|grammar) ", "here:test_structured_output_examples"),
     (r"^(echo .* \| )?mlx-engine run ", "here:test_run_examples"),
     (r"^mlx-engine chat\b", "here:test_chat_examples"),
     (r"^mlx-engine pull hf:", "not run:needs the Hugging Face hub (the download code is tested against a fake hub in "
@@ -146,12 +147,32 @@ def test_run_examples(readme_home, smollm2_gguf):
     home, cwd, env = readme_home
     (cwd / "models").mkdir()
     (cwd / "models" / "my-model.gguf").symlink_to(smollm2_gguf)  # the README's "your own GGUF file"
-    cmds = readme_commands("`run")
+    cmds = [c for c in readme_commands("`run") if where(c) == "here:test_run_examples"]
     assert len(cmds) == 5
     outs = [sh(c, cwd, env) for c in cmds]
     assert "Paris" in outs[0].stdout
     assert all(o.stdout.strip() for o in outs), [o.stdout for o in outs]
     assert "decode" in outs[4].stderr and "mlx cpu" in outs[4].stderr  # --verbose: the device, then the speed
+
+
+def test_structured_output_examples(readme_home):
+    """The structured-output commands, with the schema and grammar files they name (the grammar as the comment
+    gives it)."""
+    import jsonschema
+
+    home, cwd, env = readme_home
+    cmds = readme_commands("Structured output")
+    assert len(cmds) == 4
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    (cwd / "person.json").write_text(json.dumps(person))
+    grammar = re.search(r"(root ::= .*)$", next(b for h, b in readme_blocks("sh") if h == "Structured output"),
+                        re.M).group(1)
+    (cwd / "yes-no.gbnf").write_text(grammar + "\n")
+    outs = [sh(c, cwd, env).stdout.strip() for c in cmds]
+    assert isinstance(json.loads(outs[0]), dict)
+    jsonschema.validate(json.loads(outs[1]), person)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", outs[2]) and outs[3] in ("yes", "no")
 
 
 def test_chat_examples(readme_home):
