@@ -147,6 +147,7 @@ def test_pull_with_a_corrupt_download_says_so(home, monkeypatch):
 @dataclass
 class FakeStats:
     context_full = False
+    format_complete = None
 
     prompt_tokens: int = 5
     generated_tokens: int = 3

@@ -116,6 +116,7 @@ def readme_home(tmp_path, smollm2_gguf, gemma3_gguf):
     link_model(smollm2_gguf.parent, home)
     link_model(gemma3_gguf.parent, home)
     registry = Registry(smollm2_gguf)
+    registry.extra.add("llama3.2")  # the README's ollama name
     cwd = tmp_path / "work"
     cwd.mkdir()
     env = {**os.environ, "MLX_ENGINE_HOME": str(home), "OLLAMA_MODELS": str(tmp_path / "no-ollama"),

@@ -41,6 +41,7 @@ class Registry:
         self.ranges: list[str | None] = []
         self.delay = 0.0  # seconds per 256 KiB sent
         self.truncate_at: int | None = None
+        self.extra: set[str] = set()  # more model names served (as the real GGUF)
         reg = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,8 +58,8 @@ class Registry:
                 self.send_error(404)
 
             def _manifest(self, model, tag):
-                model_digest = {"tinychat": reg.gguf_digest, "llama3.2": reg.gguf_digest,  # the README's name
-                                "baddigest": "sha256:" + "0" * 64, "truncated": reg.gguf_digest}.get(model)
+                model_digest = {"tinychat": reg.gguf_digest, "baddigest": "sha256:" + "0" * 64,
+                                "truncated": reg.gguf_digest, **{n: reg.gguf_digest for n in reg.extra}}.get(model)
                 if model_digest is None or tag not in ("135m", "latest"):
                     return self.send_error(404)
                 body = json.dumps({"schemaVersion": 2, "layers": [
