@@ -22,6 +22,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,14 @@ from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
 from mlx_engine.models.registry import load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner
+from mlx_engine.models.tools import (ToolCall, ToolStyle, check_tools, parse_tool_calls, prepare_messages,
+                                     tool_choice_format, tool_style)
 from mlx_engine.session import ChatSession
 from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
 from mlx_engine.store.format import printable
 
-__all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "GenerationStats", "GenerationOptions",
+__all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "ChatReply", "ToolCall", "GenerationStats",
+           "GenerationOptions",
            "OPTION_NAMES", "DEFAULT_MODEL", "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL",
            "open_init_image", "read_image_parameters", "save_image", "memory_in_use"]
 
@@ -151,12 +155,12 @@ class Model:
         except ChatTemplateError as e:
             raise ChatTemplateError(f"{self.name}'s chat template: {e}") from e
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` rendered by the chat template; special tokens typed in a message stay text
-        (see :meth:`mlx_engine.models.tokenizer.Tokenizer.encode_chat`)."""
+    def _chat_ids(self, messages: list[dict[str, Any]], **template_vars: Any) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template (``template_vars`` such as ``tools`` reach it);
+        special tokens typed in a message stay text (see :meth:`mlx_engine.models.tokenizer.Tokenizer.encode_chat`)."""
         self._check_messages(messages)
         try:
-            return self.tokenizer.encode_chat(messages)
+            return self.tokenizer.encode_chat(messages, **template_vars)
         except ChatTemplateError as e:
             raise ChatTemplateError(f"{self.name}'s chat template: {e}") from e
 
@@ -242,6 +246,50 @@ class Model:
         tokens = self.chat_tokens(messages)
         return _whole(self._serialized(self.runner.stream(opts.request(tokens))))
 
+    def tool_prompt(self, messages: list[dict[str, Any]], tools: list | None = None,
+                    tool_choice: Any = None) -> "ToolPrompt":
+        """The prompt of a conversation with tools (see :mod:`mlx_engine.models.tools`): the tools offered through
+        the chat template (or, for a template without tools, in the system message), earlier calls and ``tool``
+        results written back, and for ``tool_choice`` ``required`` or a named function the grammar that forces one
+        valid call. ``tool_choice`` ``none`` offers no tools (earlier calls and results stay in the conversation).
+
+        Raises:
+            InvalidRequestError: malformed tools, tool calls or tool messages; a ``tool_choice`` without tools or
+                naming a function that is not among them.
+        """
+        style = tool_style(self.tokenizer.chat_template)
+        offered = check_tools(tools) if tools else None
+        if tool_choice not in (None, "auto", "none") and not offered:
+            raise InvalidRequestError(f"tool_choice {tool_choice!r:.80} needs tools")
+        active = offered if tool_choice != "none" else None
+        fmt = tool_choice_format(active, tool_choice, style) if active else None
+        prepared = prepare_messages(messages, active, style)
+        tokens = self._chat_ids(prepared, **({"tools": active} if active and style.native else {}))
+        return ToolPrompt(tokens, fmt, style, {t["function"]["name"] for t in active} if active else None)
+
+    def respond(self, messages: list[dict[str, Any]], *, tools: list | None = None, tool_choice: Any = None,
+                **options: Any) -> "ChatReply":
+        """The assistant's answer to a conversation, with tool calls: its text and the calls parsed from it.
+
+        ``tools``: OpenAI's / ollama's function list; ``tool_choice``: ``auto`` (default: the model decides),
+        ``none``, ``required`` or ``{"type": "function", "function": {"name": ...}}`` (the last two force one call
+        whose arguments validate against the function's parameters). Assistant messages may carry ``tool_calls``
+        and ``tool`` messages the results. Other options as :meth:`chat`.
+        """
+        prompt = self.tool_prompt(messages, tools, tool_choice)
+        if prompt.response_format is not None:
+            options = {**options, "response_format": prompt.response_format}
+        opts = GenerationOptions.parse(options)
+        text, stats = [], None
+        for p in self._serialized(self.runner.stream(opts.request(prompt.tokens))):
+            if isinstance(p, str):
+                text.append(p)
+            else:
+                stats = p
+        content, calls = prompt.parse("".join(text))
+        finish = "tool_calls" if calls else ("length" if stats.stop_reason == "length" else "stop")
+        return ChatReply(content, calls, finish, stats)
+
     def check_format(self, options: GenerationOptions) -> None:
         """Compile ``options.response_format`` (if any) for this model's vocabulary, so that a format the model
         cannot follow fails before generation starts. Raises ``InvalidRequestError``."""
@@ -256,6 +304,33 @@ class Model:
 
     def close(self) -> None:
         self.backend.close()
+
+
+@dataclass
+class ToolPrompt:
+    """A conversation with tools, ready to run: its ``tokens``, the ``response_format`` that forces a call (or
+    None), the template's tool ``style`` and the ``names`` of the functions offered (None: no tools offered)."""
+
+    tokens: list[int]
+    response_format: Any
+    style: ToolStyle
+    names: set[str] | None
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """``(text, calls)`` of an answer: the calls to offered functions, and the rest of the text."""
+        return parse_tool_calls(text, self.style, self.names) if self.names else (text, [])
+
+
+@dataclass
+class ChatReply:
+    """An answer with tool calls: ``content`` (text, "" when the answer is only calls), ``tool_calls``
+    (:class:`~mlx_engine.models.tools.ToolCall`: ``name``, ``arguments`` dict, ``id``), ``finish_reason``
+    (``tool_calls``, ``stop`` or ``length``) and the :class:`GenerationStats`."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    stats: GenerationStats | None
 
 
 def _whole(pieces: Iterator["str | GenerationStats"]) -> str:

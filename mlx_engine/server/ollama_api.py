@@ -5,8 +5,9 @@ Semantics follow ollama's API documentation (docs/api.md): an empty ``messages``
 ``keep_alive: 0``, unloads it); ``options`` take ``num_ctx``, ``num_predict``, ``temperature``, ``top_k``, ``top_p``,
 ``min_p``, ``seed``, ``stop``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``;
 runtime knobs of ollama's own runner (``num_thread``, ``num_gpu``, ...) are accepted and logged as ignored; options
-that would change the output and that the engine does not have (``mirostat``, ``typical_p``), ``tools``, images
-and ``context`` are refused with a 400. ``format`` (``"json"`` or a JSON schema) is enforced by a grammar on every
+that would change the output and that the engine does not have (``mirostat``, ``typical_p``), images and
+``context`` are refused with a 400. ``tools`` on ``/api/chat`` are offered to the model (ollama's choice is always
+automatic), calls come back in ``message.tool_calls`` and ``tool`` messages go back into the template. ``format`` (``"json"`` or a JSON schema) is enforced by a grammar on every
 token. Durations are nanoseconds, as ollama's.
 """
 
@@ -30,6 +31,7 @@ from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options
                                     text_events, validate, whole_answer)
 from mlx_engine.server.pool import Loaded, parse_keep_alive
 from mlx_engine.server.scheduler import JobStats
+from mlx_engine.server.tool_stream import ToolStream
 from mlx_engine.store import CATALOG
 from mlx_engine.store.catalog import canonical_name, catalog_hint
 from mlx_engine.version import __version__
@@ -177,9 +179,14 @@ def routes(state: ServerState) -> list[Route]:
         return JSONResponse({"model": req.model, "created_at": _now(), **body, "done": True, "done_reason": reason})
 
     async def _answer(request: Request, req: _Common, loaded: Loaded, load_s: float, tokens: list[int],
-                      options, chat: bool) -> Response:
-        def body(text: str) -> dict[str, Any]:
-            return {"message": {"role": "assistant", "content": text}} if chat else {"response": text}
+                      options, chat: bool, tools: Any = None) -> Response:
+        def body(text: str, calls: list | None = None) -> dict[str, Any]:
+            if not chat:
+                return {"response": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:  # ollama's form: arguments as an object
+                message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            return {"message": message}
 
         def final(stats: JobStats, text: str) -> dict[str, Any]:
             reason = "length" if stats.finish_reason == "length" else "stop"
@@ -192,15 +199,23 @@ def routes(state: ServerState) -> list[Route]:
                 return answer
             text, stats = answer
             request.scope.setdefault("state", {})["log"] = f"model={loaded.name} completion={stats.completion_tokens}"
-            return JSONResponse(final(stats, text))
+            content, calls = tools.parse(text) if tools is not None else (text, [])
+            return JSONResponse({**final(stats, content), **body(content, calls)})
 
         async def lines():
+            held = ToolStream(tools)
             try:
                 async for kind, value in text_events(state, loaded, tokens, options):
                     if kind == "text":
-                        yield json.dumps({"model": req.model, "created_at": _now(), **body(value),
-                                          "done": False}, ensure_ascii=False) + "\n"
+                        value = held.feed(value)
+                        if value:
+                            yield json.dumps({"model": req.model, "created_at": _now(), **body(value),
+                                              "done": False}, ensure_ascii=False) + "\n"
                     else:
+                        rest, calls = held.finish()
+                        if rest or calls:
+                            yield json.dumps({"model": req.model, "created_at": _now(), **body(rest, calls),
+                                              "done": False}, ensure_ascii=False) + "\n"
                         request.scope.setdefault("state", {})["log"] = (
                             f"model={loaded.name} completion={value.completion_tokens}")
                         yield json.dumps(final(value, "")) + "\n"
@@ -212,22 +227,32 @@ def routes(state: ServerState) -> list[Route]:
     async def chat(request: Request) -> Response:
         try:
             req = validate(ChatRequest, await read_json(request, state.max_body_bytes))
-            if req.tools:
-                raise HTTPProblem(400, "tools are not supported by this server yet")
             if not req.messages:
                 return await _load_only(req, request, {"message": {"role": "assistant", "content": ""}})
             if any(m.images for m in req.messages):
                 raise HTTPProblem(400, "images are not supported: this server's models take text only")
-            if any(m.role not in ("system", "user", "assistant") for m in req.messages):
-                raise HTTPProblem(400, "message roles must be system, user or assistant")
+            if any(m.role not in ("system", "user", "assistant", "tool") for m in req.messages):
+                raise HTTPProblem(400, "message roles must be system, user, assistant or tool")
             loaded, load_s = await _load(req)
-            messages = [{"role": m.role, "content": m.content} for m in req.messages]
-            tokens = await asyncio.to_thread(loaded.obj.chat_tokens, messages)
+            messages = []
+            for m in req.messages:
+                d: dict[str, Any] = {"role": m.role, "content": m.content}
+                if (m.model_extra or {}).get("tool_calls"):
+                    d["tool_calls"] = m.model_extra["tool_calls"]
+                messages.append(d)
+            tools = None
+            if req.tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+                if req.tools and req.format:
+                    raise HTTPProblem(400, "give tools or format, not both")
+                tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools)  # ollama's: auto
+                tokens = tools.tokens
+            else:
+                tokens = await asyncio.to_thread(loaded.obj.chat_tokens, messages)
             options = _options(req, loaded, tokens)
             await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        return await _answer(request, req, loaded, load_s, tokens, options, chat=True)
+        return await _answer(request, req, loaded, load_s, tokens, options, chat=True, tools=tools)
 
     async def generate(request: Request) -> Response:
         try:

@@ -5,7 +5,9 @@ Field semantics follow OpenAI's API reference. Differences, stated rather than h
 ``temperature`` is given (the engine's default); a chat answer may run to the end of the context unless
 ``max_tokens`` / ``max_completion_tokens`` is given (as OpenAI); ``/v1/completions`` defaults to 16 tokens (as OpenAI);
 ``n`` must be 1 for text; ``response_format`` (``json_object``, ``json_schema``; also ``regex`` and ``grammar``) is
-enforced by a grammar on every token, ``strict`` or not; what the engine cannot do yet (``tools``, ``logprobs``, image
+enforced by a grammar on every token, ``strict`` or not; ``tools`` and ``tool_choice`` (``auto``, ``none``,
+``required``, a named function: the last two forced by a grammar) with ``tool`` messages and assistant ``tool_calls``
+going back into the template (:mod:`mlx_engine.models.tools`); what the engine cannot do yet (``logprobs``, image
 inputs) is refused with a 400, never ignored.
 """
 
@@ -29,6 +31,7 @@ from mlx_engine import api
 from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, problem_from, read_json,
                                     remaining_context, text_events, until_done_or_disconnect, validate, whole_answer)
 from mlx_engine.server.scheduler import JobStats
+from mlx_engine.server.tool_stream import ToolStream
 from mlx_engine.store import IMAGE_CATALOG
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -91,6 +94,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
 
 
 class CompletionRequest(_Sampling):
@@ -131,12 +135,15 @@ def _message_text(m: ChatMessage) -> str:
     return "".join(texts)
 
 
-def _chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+def _chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     out = []
     for m in req.messages:
-        if m.role == "tool":
-            raise HTTPProblem(400, "tool messages are not supported by this server yet", param="messages")
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": _message_text(m)})
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(m)}
+        extra = m.model_extra or {}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if extra.get(key) is not None:
+                d[key] = extra[key]
+        out.append(d)
     return out
 
 
@@ -160,17 +167,22 @@ def routes(state: ServerState) -> list[Route]:
     async def chat_completions(request: Request) -> Response:
         try:
             req = validate(ChatRequest, await read_json(request, state.max_body_bytes))
-            if req.tools:
-                raise HTTPProblem(400, "tools are not supported by this server yet", param="tools")
             messages = _chat_messages(req)
             loaded = await state.pool.text(req.model)
-            tokens = await asyncio.to_thread(loaded.obj.chat_tokens, messages)
+            tools = None
+            if req.tools or req.tool_choice or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+                if req.tools and req.response_format:
+                    raise HTTPProblem(400, "give tools or response_format, not both", param="response_format")
+                tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools, req.tool_choice)
+                tokens = tools.tokens
+            else:
+                tokens = await asyncio.to_thread(loaded.obj.chat_tokens, messages)
             options = req.options(remaining_context(loaded, tokens), req.max_completion_tokens,
-                                  response_format=req.response_format)
+                                  response_format=tools.response_format if tools else req.response_format)
             await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001 -- every failure gets the API's own error form
             return error_response(e)
-        return await _answer(request, loaded, tokens, options, req, chat=True)
+        return await _answer(request, loaded, tokens, options, req, chat=True, tools=tools)
 
     async def completions(request: Request) -> Response:
         try:
@@ -197,7 +209,7 @@ def routes(state: ServerState) -> list[Route]:
             return error_response(e)
         return await _answer(request, loaded, tokens, options, req, chat=False)
 
-    async def _answer(request, loaded, tokens, options, req, *, chat: bool) -> Response:
+    async def _answer(request, loaded, tokens, options, req, *, chat: bool, tools: Any = None) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -217,9 +229,13 @@ def routes(state: ServerState) -> list[Route]:
                 return answer
             text, stats = answer
             _note(request, loaded.name, stats)
+            body = choice(text, _FINISH[stats.finish_reason], False)
+            content, calls = tools.parse(text) if tools is not None else (text, [])
+            if calls:  # OpenAI's form: content null, the calls, finish_reason tool_calls
+                body = {**body, "finish_reason": "tool_calls", "message": {
+                    "role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}}
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": loaded.name,
-                                 "choices": [choice(text, _FINISH[stats.finish_reason], False)],
-                                 "usage": _usage(stats)})
+                                 "choices": [body], "usage": _usage(stats)})
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_kind = kind + ".chunk" if chat else kind
@@ -229,14 +245,23 @@ def routes(state: ServerState) -> list[Route]:
             if chat:
                 yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
+            held = ToolStream(tools)
             try:
                 async for what, value in text_events(state, loaded, tokens, options):
                     if what == "text":
-                        yield _sse({**head, "choices": [choice(value, None, True)]})
+                        value = held.feed(value)
+                        if value:
+                            yield _sse({**head, "choices": [choice(value, None, True)]})
                     else:
                         _note(request, loaded.name, value)
-                        yield _sse({**head, "choices": [choice(None if chat else "",
-                                                               _FINISH[value.finish_reason], True)]})
+                        rest, calls = held.finish()
+                        if rest:
+                            yield _sse({**head, "choices": [choice(rest, None, True)]})
+                        for i, c in enumerate(calls):  # one delta per call, its arguments whole
+                            yield _sse({**head, "choices": [{"index": 0, "delta": {"tool_calls": [c.openai(i)]},
+                                                             "logprobs": None, "finish_reason": None}]})
+                        finish = "tool_calls" if calls else _FINISH[value.finish_reason]
+                        yield _sse({**head, "choices": [choice(None if chat else "", finish, True)]})
                         if include_usage:
                             yield _sse({**head, "choices": [], "usage": _usage(value)})
             except Exception as e:  # noqa: BLE001 -- the status is sent; the error goes in the stream
