@@ -16,7 +16,7 @@ FIGURES = ("prefill_512", "prefill_2048", "decode", "ttft", "peak_memory", "weig
            "bandwidth_share", "file_limit_share", "weights_over_file", "perplexity")
 PEER_NAMES = ("llama.cpp", "mlx-lm")
 OURS_ONLY = ("decode_ctx_short", "decode_ctx_long", "long_context_ratio", "chat_ttft_turn1", "chat_ttft_turn10",
-             "chat_turn_ratio")
+             "chat_turn_ratio", "structured_decode", "structured_ratio")
 
 
 @pytest.fixture(scope="module")

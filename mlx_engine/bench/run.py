@@ -25,6 +25,9 @@ order flips every repetition, so that a busy machine slows both alike):
   (sliding-window layers keep the long one nearly flat);
 - ``chat_ttft_turn1`` / ``chat_ttft_turn10``: time to first token of turn 1 and turn 10 (the last turn: 3 in a quick
   run) of one chat session, each turn prefilling only its new message;
+- ``structured_decode`` / ``structured_ratio``: this engine's decode tokens/s under a JSON Schema (an array of
+  integers that cannot end early: a grammar mask computed and applied on every token), and its ratio to free decode
+  of as many tokens after the same prompt, the two alternating: what structured output costs per token;
 - ``openblas``: the time of a float32 matmul in a child process with ``MLX_ENGINE_OPENBLAS=0`` (the ``mlx[cpu]``
   wheel's reference BLAS) over the same in a child with the default (OpenBLAS loaded first): the gain on Linux.
 
@@ -204,6 +207,26 @@ class EngineSide:
                 rates.append(stats.decode_tps)
         runner.cache.close()
         return _median(rates)
+
+    def structured_decode(self, prompt: list[int], tokens: int, reps: int) -> tuple[float, float]:
+        """Median decode tokens/s of ``tokens`` tokens after ``prompt``, free and under a JSON Schema that cannot
+        end sooner (an array of at least ``tokens`` integers), alternating; the prompt is prefilled once."""
+        from mlx_engine.api import GenerationOptions
+        from mlx_engine.models.runner import GenerationStats, Request
+
+        fmt = GenerationOptions.parse({"json_schema": {"type": "array", "items": {"type": "integer"},
+                                                       "minItems": tokens}}).response_format
+        runner = self._runner()
+        free, held = [], []
+        for i in range(reps + 1):
+            for rates, f in ((free, None), (held, fmt)):
+                stats = GenerationStats()
+                for _ in runner.generate_tokens(Request(list(prompt), max_tokens=tokens, response_format=f), stats):
+                    pass
+                if i:  # the first round prefilled the prompt, built the grammar's tokenizer and warmed up
+                    rates.append(stats.decode_tps)
+        runner.cache.close()
+        return _median(free), _median(held)
 
     def chat_ttft(self, turns: int, max_tokens: int) -> list[float]:
         """Time to first token of each turn of one chat session (greedy answers of at most ``max_tokens``)."""
@@ -458,6 +481,11 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
                                                             sizes.context_tokens, reps)
     result_ours["long_context_ratio"] = result_ours["decode_ctx_long"] / result_ours["decode_ctx_short"]
 
+    say("decode under a JSON schema")
+    free, held = ours.structured_decode(random_prompt(sizes.context_short, vocab, 9), sizes.context_tokens, reps)
+    result_ours["structured_decode"] = held
+    result_ours["structured_ratio"] = held / free
+
     say(f"chat: {sizes.chat_turns} turns")
     turns = [ours.chat_ttft(sizes.chat_turns, sizes.chat_tokens) for _ in range(reps)]
     result_ours["chat_ttft_turn1"] = _median([t[0] for t in turns])
@@ -538,6 +566,8 @@ def format_table(r: BenchResult) -> str:
         f"bandwidth {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s (measured now)",
         f"decode tok/s at {s['context_short']} / {s['context_long']} tokens of context: "
         f"{o['decode_ctx_short']:.2f} / {o['decode_ctx_long']:.2f} (long/short {o['long_context_ratio']:.2f}x)",
+        f"decode tok/s under a JSON schema: {o['structured_decode']:.2f} ({o['structured_ratio']:.2f}x free decode "
+        "after the same prompt)",
         f"chat time to first token, turn 1 / turn {s['chat_turns']}: {o['chat_ttft_turn1'] * 1000:.0f} ms / "
         f"{o['chat_ttft_turn10'] * 1000:.0f} ms (ratio {o['chat_turn_ratio']:.2f}x)",
         f"OpenBLAS gain, {ob['matmul_n']}x{ob['matmul_n']} float32 matmul: {ob['gain']:.1f}x "
