@@ -73,3 +73,16 @@ def home_with_smollm2(home: Path, smollm2_gguf: Path) -> Path:
     """:func:`home` holding smollm2:135m (linked from the session's store)."""
     link_model(smollm2_gguf.parent, home)
     return home
+
+
+@pytest.fixture
+def smollm2_server(home_with_smollm2: Path):
+    """An HTTP server (in this process, on a free loopback port) serving smollm2:135m from :func:`home_with_smollm2`;
+    ``.url`` is its address."""
+    from mlx_engine.server import ServerConfig
+    from tests.test_server import RunningServer, free_port
+
+    srv = RunningServer(ServerConfig(port=free_port(), models=["smollm2:135m"], max_sequences=4, context_length=2048,
+                                     store_root=str(home_with_smollm2)))
+    yield srv
+    srv.stop()

@@ -144,38 +144,31 @@ def test_cli_formats(home_with_smollm2, tmp_path):
     assert r.exit_code == 1 and "cannot read" in r.output
 
 
-def test_server_formats_with_the_real_clients(home_with_smollm2):
-    import openai
+def test_server_formats_with_the_real_clients(smollm2_server):
     import ollama
+    import openai
 
-    from tests.test_server import RunningServer, free_port
-    from mlx_engine.server import ServerConfig
-
-    srv = RunningServer(ServerConfig(port=free_port(), models=["smollm2:135m"], max_sequences=4, context_length=1024,
-                                     store_root=str(home_with_smollm2)))
-    try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
-        messages = [{"role": "user", "content": "Describe a person."}]
-        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-        reply = client.chat.completions.create(model="smollm2:135m", messages=messages, response_format=fmt,
-                                               max_tokens=64)
-        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
-        stream = client.chat.completions.create(model="smollm2:135m", messages=messages, response_format=fmt,
-                                                max_tokens=64, stream=True)
-        jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in stream)), PERSON)
-        cut = client.chat.completions.create(model="smollm2:135m", messages=messages,
-                                             response_format={"type": "json_object"}, max_tokens=4)
-        assert cut.choices[0].finish_reason == "length"
-        with pytest.raises(openai.BadRequestError, match="Invalid type: strin"):
-            client.chat.completions.create(model="smollm2:135m", messages=messages, stream=True, response_format={
-                "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strin"}}})
-        o = ollama.Client(host=srv.url)
-        answer = o.chat(model="smollm2:135m", messages=messages, format=PERSON, options={"num_predict": 64})
-        jsonschema.validate(json.loads(answer.message.content), PERSON)
-        assert isinstance(json.loads(o.generate(model="smollm2:135m", prompt="Name a colour.", format="json",
-                                                options={"num_predict": 64}).response), dict)
-        with pytest.raises(ollama.ResponseError) as e:
-            o.generate(model="smollm2:135m", prompt="x", format={"type": "strin"})
-        assert e.value.status_code == 400
-    finally:
-        srv.stop()
+    srv = smollm2_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Describe a person."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    reply = client.chat.completions.create(model="smollm2:135m", messages=messages, response_format=fmt,
+                                           max_tokens=64)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    stream = client.chat.completions.create(model="smollm2:135m", messages=messages, response_format=fmt,
+                                            max_tokens=64, stream=True)
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in stream)), PERSON)
+    cut = client.chat.completions.create(model="smollm2:135m", messages=messages,
+                                         response_format={"type": "json_object"}, max_tokens=4)
+    assert cut.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="Invalid type: strin"):
+        client.chat.completions.create(model="smollm2:135m", messages=messages, stream=True, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strin"}}})
+    o = ollama.Client(host=srv.url)
+    answer = o.chat(model="smollm2:135m", messages=messages, format=PERSON, options={"num_predict": 64})
+    jsonschema.validate(json.loads(answer.message.content), PERSON)
+    assert isinstance(json.loads(o.generate(model="smollm2:135m", prompt="Name a colour.", format="json",
+                                            options={"num_predict": 64}).response), dict)
+    with pytest.raises(ollama.ResponseError) as e:
+        o.generate(model="smollm2:135m", prompt="x", format={"type": "strin"})
+    assert e.value.status_code == 400

@@ -114,54 +114,47 @@ def test_required_and_named_calls_validate(smollm2_model):
     assert final.content and not final.tool_calls and final.finish_reason in ("stop", "length")
 
 
-def test_server_tool_round_trip_with_the_real_clients(home_with_smollm2):
+def test_server_tool_round_trip_with_the_real_clients(smollm2_server):
     import ollama
     import openai
 
-    from mlx_engine.server import ServerConfig
-    from tests.test_server import RunningServer, free_port
+    srv = smollm2_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="smollm2:135m", messages=messages, tools=[WEATHER],
+                                       tool_choice="required", max_tokens=80)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    # streamed: the call arrives as tool-call deltas
+    chunks = list(client.chat.completions.create(model="smollm2:135m", messages=messages, tools=[WEATHER],
+                                                 tool_choice="required", max_tokens=80, stream=True))
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == \
+        "tool_calls"
+    args = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+    # the tool's result goes back; the model answers
+    follow = messages + [choice.message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    final = client.chat.completions.create(model="smollm2:135m", messages=follow, tools=[WEATHER],
+                                           tool_choice="none", max_tokens=40)
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="smollm2:135m", messages=messages, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
 
-    srv = RunningServer(ServerConfig(port=free_port(), models=["smollm2:135m"], max_sequences=4, context_length=2048,
-                                     store_root=str(home_with_smollm2)))
-    try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
-        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-        r = client.chat.completions.create(model="smollm2:135m", messages=messages, tools=[WEATHER],
-                                           tool_choice="required", max_tokens=80)
-        choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        call = choice.message.tool_calls[0]
-        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-        # streamed: the call arrives as tool-call deltas
-        chunks = list(client.chat.completions.create(model="smollm2:135m", messages=messages, tools=[WEATHER],
-                                                     tool_choice="required", max_tokens=80, stream=True))
-        deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-        assert deltas and deltas[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == \
-            "tool_calls"
-        args = "".join(d.function.arguments or "" for d in deltas)
-        jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
-        # the tool's result goes back; the model answers
-        follow = messages + [choice.message.model_dump(exclude_none=True),
-                             {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
-        final = client.chat.completions.create(model="smollm2:135m", messages=follow, tools=[WEATHER],
-                                               tool_choice="none", max_tokens=40)
-        assert final.choices[0].message.content and not final.choices[0].message.tool_calls
-        with pytest.raises(openai.BadRequestError, match="tool_choice"):
-            client.chat.completions.create(model="smollm2:135m", messages=messages, tools=[WEATHER],
-                                           tool_choice={"type": "function", "function": {"name": "nope"}})
-
-        o = ollama.Client(host=srv.url)
-        # ollama has no tool_choice: its tools are "auto"; the forced call is asked through format-free options,
-        # so this checks the request and the message shapes, whatever the small model decides
-        answer = o.chat(model="smollm2:135m", messages=messages, tools=[WEATHER], options={"num_predict": 80})
-        calls = answer.message.tool_calls or []
-        for c in calls:
-            assert c.function.name == "get_weather" and isinstance(c.function.arguments, dict)
-        back = messages + [{"role": "assistant", "content": "", "tool_calls": [
-            {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-            {"role": "tool", "content": "18 degrees and sunny", "tool_name": "get_weather"}]
-        final = o.chat(model="smollm2:135m", messages=back, options={"num_predict": 40})
-        assert final.message.content
-    finally:
-        srv.stop()
+    o = ollama.Client(host=srv.url)
+    # ollama has no tool_choice: its tools are "auto"; the forced call is asked through format-free options,
+    # so this checks the request and the message shapes, whatever the small model decides
+    answer = o.chat(model="smollm2:135m", messages=messages, tools=[WEATHER], options={"num_predict": 80})
+    calls = answer.message.tool_calls or []
+    for c in calls:
+        assert c.function.name == "get_weather" and isinstance(c.function.arguments, dict)
+    back = messages + [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 degrees and sunny", "tool_name": "get_weather"}]
+    final = o.chat(model="smollm2:135m", messages=back, options={"num_predict": 40})
+    assert final.message.content
