@@ -230,6 +230,10 @@ def _sampling_options(f):
                      help="Context length in tokens (default: the model's)."),
         click.option("--verbose", "-v", is_flag=True,
                      help="Print the device and BLAS, and the speed after each answer, on stderr."),
+        click.option("--parallel", type=click.Choice(["pipeline", "tensor"]), default=None,
+                     help="Split the model over the ranks mlx.launch started: layers (pipeline) or heads (tensor)."),
+        click.option("--transport", type=click.Choice(["any", "ring", "jaccl", "mpi", "nccl"]), default="any",
+                     show_default=True, help="With --parallel: mx.distributed's backend between the ranks."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -268,8 +272,14 @@ def _collect_options(kw: dict) -> dict:
 def _load(model: str, kw: dict):
     from mlx_engine import api
 
-    return api.load(model, device=kw.get("device"), context_length=kw.get("context_length"), pull=True,
-                    progress=True)
+    loaded = api.load(model, device=kw.get("device"), context_length=kw.get("context_length"), pull=True,
+                      progress=True, parallel=kw.get("parallel"), transport=kw.get("transport") or "any")
+    if kw.get("verbose") and loaded.distributed is not None:
+        for r in loaded.distributed.ranks:
+            click.echo(f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, heads {r['heads'][0]}-"
+                       f"{r['heads'][1] - 1}, weights {r['weights_bytes'] / 2**20:.1f} MiB, peak "
+                       f"{r['peak_bytes'] / 2**20:.1f} MiB", err=True)
+    return loaded
 
 
 @main.command(context_settings={"ignore_unknown_options": False})

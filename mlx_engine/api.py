@@ -69,12 +69,25 @@ class Model:
     def __init__(self, name: str, path: Path, *, source: str = "file", license: str | None = None,
                  device: str | None = None, dtype: str | None = None, context_length: int | None = None,
                  kv_bits: int | None = None, requantize: int | None = None, max_sequences: int = 4,
-                 prefill_chunk: int = 2048, reserve: bool = False):
+                 prefill_chunk: int = 2048, reserve: bool = False, parallel: str | None = None,
+                 transport: str = "any"):
         t0 = time.perf_counter()
         _check_load_arguments(device=device, dtype=dtype, context_length=context_length, kv_bits=kv_bits,
                               max_sequences=max_sequences, prefill_chunk=prefill_chunk)
-        text = load_text_checkpoint(path, lambda p: MLXBackend(p, device=device, dtype=dtype, requantize=requantize))
-        self.backend, self.text_model, self.tokenizer = text.backend, text.model, text.tokenizer
+
+        def make_backend(p: Path, shard: Any = None) -> MLXBackend:
+            return MLXBackend(p, device=device, dtype=dtype, requantize=requantize, shard=shard)
+
+        self.distributed = None
+        if parallel is not None:
+            from mlx_engine.parallel import load_sharded
+
+            text, self.distributed = load_sharded(path, make_backend, parallel, transport,
+                                                  {"dtype": dtype, "requantize": requantize})
+        else:
+            text = load_text_checkpoint(path, make_backend)
+        self.backend, self.tokenizer = text.backend, text.tokenizer
+        self.text_model = self.distributed or text.model
         self.load_peak_bytes = self.backend.peak_memory() - getattr(self.backend, "memory_before_load", 0)
         self.weights_bytes = self.backend.weights_nbytes()
         config = self.text_model.config
@@ -124,13 +137,9 @@ class Model:
         return need
 
     def _parameter_count(self) -> int:
-        n = 0
-        for t in self.backend.weights.values():
-            k = 1
-            for s in t.shape:
-                k *= s
-            n += k
-        return n
+        """Elements of every tensor of the file (a rank of a distributed run holds only its share of them)."""
+        shapes = getattr(self.backend, "tensor_shapes", None) or [t.shape for t in self.backend.weights.values()]
+        return sum(math.prod(s) for s in shapes)
 
     @property
     def has_chat_template(self) -> bool:
@@ -229,7 +238,14 @@ class Model:
         KV cache, whichever thread asks; the lock is taken at the first item and let go when the stream ends or is
         closed. MLX gives each thread its own default stream, so the work runs on the calling thread's."""
         with self._lock:
-            yield from pieces
+            try:
+                yield from pieces
+            except RuntimeError as e:
+                if self.distributed is None:
+                    raise
+                from mlx_engine.parallel import peer_lost
+
+                raise peer_lost(0, e) from None
 
     def generate(self, prompt: str, **options: Any) -> str:
         """The whole completion of ``prompt`` as one string.
@@ -303,6 +319,8 @@ class Model:
         return ChatSession(self, seq, system, options)
 
     def close(self) -> None:
+        if self.distributed is not None:
+            self.distributed.stop()
         self.backend.close()
 
 
@@ -382,9 +400,14 @@ def _check_load_arguments(*, device: Any, dtype: Any, context_length: Any, kv_bi
 
 def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None,
          context_length: int | None = None, pull: bool = True, progress: bool = True, kv_bits: int | None = None,
-         requantize: int | None = None) -> Model:
+         requantize: int | None = None, parallel: str | None = None, transport: str = "any") -> Model:
     """Load a model by catalog name (``smollm2:135m``, ``gemma3:270m``), GGUF path, Hugging Face folder,
     ``hf:org/repo`` or ollama name; pulls catalog models on first use.
+
+    ``parallel="pipeline"`` or ``"tensor"`` splits the model over the ranks that ``mlx.launch`` started
+    (``transport``: ``mx.distributed``'s backend, ``any``, ``ring``, ``jaccl``, ``mpi`` or ``nccl``): each rank
+    reads only its share of the file. On rank 0 the model works as any other; on every other rank this call serves
+    rank 0 and then ends the process (``SystemExit(0)`` when rank 0 closes its model or exits).
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.
@@ -392,7 +415,8 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     """
     resolved = Store().resolve(model, pull=pull, progress=progress)
     return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,
-                 dtype=dtype, context_length=context_length, kv_bits=kv_bits, requantize=requantize)
+                 dtype=dtype, context_length=context_length, kv_bits=kv_bits, requantize=requantize,
+                 parallel=parallel, transport=transport)
 
 
 def memory_in_use() -> int:

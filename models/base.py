@@ -206,12 +206,17 @@ def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | No
     return q, k, v
 
 
-def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None]) -> Tensor:
+def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None],
+                  reduce: "Callable[[Tensor], Tensor] | None" = None) -> Tensor:
     """One layer after attention: the attention output ``o [1, H, N, Dh]`` through the output projection, the
-    residual adds, the norms and the gated MLP; returns the new ``h [1, N, D]``."""
+    residual adds, the norms and the gated MLP; returns the new ``h [1, N, D]``. ``reduce`` (tensor parallelism)
+    sums the partial outputs of the two row-sharded projections (output and down) over the ranks, before the
+    residual add and the sandwich norms (Megatron-LM's layout, Shoeybi et al. 2019)."""
     n = h.shape[1]
     eps = c.rms_norm_eps
     o = o.transpose(0, 2, 1, 3).reshape(1, n, c.num_heads * c.head_dim).linear(w["o"])
+    if reduce is not None:
+        o = reduce(o)
     if c.sandwich_norm:
         h = h + o.rms_norm(w["post_attn_norm"], eps)
         x = h.rms_norm(w["pre_ffn_norm"], eps)
@@ -221,6 +226,8 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     g = x.linear(w["gate"])
     g = g.silu() if c.activation == "silu" else g.gelu(approximate=True)
     m = (g * x.linear(w["up"])).linear(w["down"])
+    if reduce is not None:
+        m = reduce(m)
     return h + (m.rms_norm(w["post_ffn_norm"], eps) if c.sandwich_norm else m)
 
 
@@ -233,24 +240,30 @@ class DecoderModel(abc.ABC):
 
     architecture = ""
 
-    def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend):
+    def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend,
+                 part: "ModelPart | None" = None):
         self.config = config
         self.backend = backend
         self.dtype = backend.compute_dtype
         self.w = weights
+        self.part = part if part is not None else ModelPart(range(config.num_layers))
         self._check_weights()
         ctx = backend.new_context()
         freqs = config.rope_freqs
         self._rope_freqs = ctx.from_numpy(np.asarray(freqs, np.float32)) if freqs is not None else None
-        self.head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-        self.layers = [self._layer_weights(i) for i in range(config.num_layers)]
+        self.head = (weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
+                     if self.part.head else None)
+        self.layers = {i: self._layer_weights(i) for i in self.part.layers}
         self.compile_decode = True  # single-token steps through Backend.compile (False: op by op, for comparison)
         self._compiled: dict[tuple, Any] = {}
 
     # ---- construction ------------------------------------------------------------------------------------------
     @classmethod
-    def from_backend(cls, backend: Backend, source: str) -> "DecoderModel":
-        """Build from a loaded backend. ``source`` is ``"gguf"`` or ``"hf"`` (the naming of the tensors)."""
+    def from_backend(cls, backend: Backend, source: str, part: "Callable[[DecoderConfig], tuple[DecoderConfig, "
+                     "ModelPart]] | None" = None) -> "DecoderModel":
+        """Build from a loaded backend. ``source`` is ``"gguf"`` or ``"hf"`` (the naming of the tensors). ``part``
+        (one rank of a distributed run) maps the file's config to this rank's (its share of the heads) and the
+        :class:`ModelPart` it runs."""
         try:
             if source == "gguf":
                 config = cls.config_from_gguf(backend.metadata, backend.weights)
@@ -263,7 +276,10 @@ class DecoderModel(abc.ABC):
             raise WeightsError(f"the {cls.architecture} model's {'GGUF metadata' if source == 'gguf' else 'config'} "
                                f"is invalid: {type(e).__name__}: {e}") from e
         weights = cls.sanitize(dict(backend.weights), config, source)
-        return cls(config, weights, backend)
+        if part is None:
+            return cls(config, weights, backend)
+        config, model_part = part(config)
+        return cls(config, weights, backend, model_part)
 
     @classmethod
     @abc.abstractmethod
@@ -287,14 +303,20 @@ class DecoderModel(abc.ABC):
             WeightsError: a missing tensor, or one whose shape disagrees with the config (both named).
         """
         c = self.config
-        if 8 * c.num_layers > len(self.w):
+        if 8 * len(self.part.layers) > len(self.w):
             raise WeightsError(f"the model config says {c.num_layers} layers but the checkpoint holds only "
                                f"{len(self.w)} tensors; is it a complete {self.architecture} model?")
         d, q, kv, ff = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-        want: dict[str, tuple[int, ...] | None] = {"model.embed_tokens.weight": (c.vocab_size, d),
-                                                   "model.norm.weight": (d,)}
-        optional = {"lm_head.weight": (c.vocab_size, d)}
-        for i in range(c.num_layers):
+        part = self.part
+        want: dict[str, tuple[int, ...] | None] = {}
+        optional: dict[str, tuple[int, ...]] = {"lm_head.weight": (c.vocab_size, d)}
+        if part.embed:
+            want["model.embed_tokens.weight"] = (c.vocab_size, d)
+        if part.head:
+            want["model.norm.weight"] = (d,)
+            if "lm_head.weight" not in self.w:
+                want["model.embed_tokens.weight"] = (c.vocab_size, d)
+        for i in part.layers:
             p = f"model.layers.{i}."
             want.update({p + "input_layernorm.weight": (d,), p + "self_attn.q_proj.weight": (q, d),
                          p + "self_attn.k_proj.weight": (kv, d), p + "self_attn.v_proj.weight": (kv, d),
@@ -348,7 +370,8 @@ class DecoderModel(abc.ABC):
 
     def layer_kv_shapes(self) -> list[tuple[int, int, int]]:
         c = self.config
-        return [(c.num_kv_heads, c.head_dim, c.head_dim)] * c.num_layers
+        return [(c.num_kv_heads, c.head_dim, c.head_dim) if i in self.part.layers else None
+                for i in range(c.num_layers)]
 
     def _rope_args(self, layer: int) -> tuple[float | None, "Tensor | None"]:
         c = self.config
@@ -395,8 +418,10 @@ class DecoderModel(abc.ABC):
                 def block(h: Tensor, positions: Tensor, *ws: Tensor) -> tuple[Tensor, Tensor, Tensor]:
                     return attention_in(c, rope, h, positions, dict(zip(names, ws)))
             else:
+                reduce = self.part.reduce
+
                 def block(h: Tensor, o: Tensor, *ws: Tensor) -> Tensor:
-                    return attention_out(c, h, o, dict(zip(names, ws)))
+                    return attention_out(c, h, o, dict(zip(names, ws)), reduce)
             fn = self._compiled[key] = self.backend.compile(block)
         return fn, names
 
@@ -423,17 +448,25 @@ class DecoderModel(abc.ABC):
         and the layers after ``k`` do not run (transformers' ``hidden_states[k + 1]``; Z-Image's text encoder).
         Raises ``CacheFullError`` when the cache has no room (nothing is stored then).
         """
-        c = self.config
         cache.start_forward(ctx, batch)
+        h = self.run_layers(ctx, batch, self.embed(ctx, batch), cache, output_layer)
+        if output_layer is not None:
+            return h
+        if hidden_only:
+            return h.rms_norm(self.w["model.norm.weight"], self.config.rms_norm_eps)
+        return self.logits(ctx, batch, h)
+
+    def run_layers(self, ctx: Context, batch: Batch, h: Tensor, cache: "Cache",
+                   output_layer: int | None = None) -> Tensor:
+        """The layers this model holds (``part.layers``) on hidden states ``h [1, N, D]`` of ``batch``, after
+        ``cache.start_forward``; returns the new ``h``. ``output_layer``: stop after that layer."""
+        c = self.config
         positions = rope_positions(ctx, batch)
-        h = self.embed(ctx, batch)
-        n = h.shape[1]
-        eps = c.rms_norm_eps
         # One token: the per-layer math before and after attention runs as two compiled graphs (Backend.compile).
-        compiled = n == 1 and self.compile_decode and isinstance(positions, int)
+        compiled = h.shape[1] == 1 and self.compile_decode and isinstance(positions, int)
         if compiled:
             positions = ctx.from_numpy(np.array([positions], np.int32))
-        for i, lw in enumerate(self.layers):
+        for i, lw in self.layers.items():
             if output_layer is not None and i > output_layer:
                 break
             cache.set_layer(i)
@@ -449,19 +482,37 @@ class DecoderModel(abc.ABC):
                 fn, names = self._compiled_block("out", i)
                 h = fn(h, o, *[lw[name] for name in names])
             else:
-                h = attention_out(c, h, o, lw)
-        if output_layer is not None:
-            return h
-        if hidden_only:
-            return h.rms_norm(self.w["model.norm.weight"], eps)
-        out = batch.outputs
+                h = attention_out(c, h, o, lw, self.part.reduce)
+        return h
+
+    def logits(self, ctx: Context, batch: Batch, h: Tensor) -> Tensor:
+        """Logits ``[K, vocab]`` of the batch's ``outputs`` from the last layer's ``h [1, N, D]`` (final norm, then
+        the output head)."""
+        out, n = batch.outputs, h.shape[1]
         if len(out) == n and np.array_equal(out, np.arange(n)):
             rows = h[0]
         elif len(out) == 1:
             rows = h[0, int(out[0]):int(out[0]) + 1]
         else:
             rows = h[0].take(ctx.from_numpy(out, DType.INT32), axis=0)
-        return rows.rms_norm(self.w["model.norm.weight"], eps).linear(self.head)
+        return rows.rms_norm(self.w["model.norm.weight"], self.config.rms_norm_eps).linear(self.head)
+
+
+@dataclass
+class ModelPart:
+    """What one rank of a distributed run holds and runs of a model (all of it when not distributed).
+
+    Attributes:
+        layers: the 0-based layers it holds, consecutive.
+        embed: it holds the token embeddings (runs the first layers). head: it holds the final norm and the output
+            head (computes logits).
+        reduce: tensor parallelism: sums a row-sharded projection's partial output ``[1, N, D]`` over the ranks.
+    """
+
+    layers: range
+    embed: bool = True
+    head: bool = True
+    reduce: "Callable[[Tensor], Tensor] | None" = None
 
 
 def metadata_getter(metadata: Any, prefix: str) -> Callable[..., Any]:

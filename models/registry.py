@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlx_engine.errors import UnsupportedError
 from mlx_engine.ml import Backend
@@ -21,8 +22,9 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
 }
 
 
-def checkpoint_architecture(backend: Backend) -> tuple[str, str]:
-    """``(architecture, source)`` of a loaded checkpoint; ``source`` is ``"gguf"`` or ``"hf"``."""
+def checkpoint_architecture(backend: "Backend | Any") -> tuple[str, str]:
+    """``(architecture, source)`` of a loaded checkpoint (or an open weight file); ``source`` is ``"gguf"`` or
+    ``"hf"``."""
     meta = backend.metadata
     if "general.architecture" in meta:
         return str(meta["general.architecture"]), "gguf"
@@ -34,19 +36,26 @@ def checkpoint_architecture(backend: Backend) -> tuple[str, str]:
     return str(arch), "hf"
 
 
-def load_text_model(backend: Backend) -> DecoderModel:
-    """Build the architecture's model over a loaded backend.
+def architecture_class(checkpoint: "Backend | Any") -> tuple[type[DecoderModel], str]:
+    """The architecture class and the source (``gguf`` or ``hf``) of a loaded backend or an open weight file.
+    Raises ``UnsupportedError`` naming the architectures we run."""
+    arch, source = checkpoint_architecture(checkpoint)
+    cls = ARCHITECTURES.get(arch)
+    if cls is None:
+        raise UnsupportedError(f"unknown model architecture {arch!r}; supported: "
+                               f"{', '.join(sorted(set(ARCHITECTURES)))}")
+    return cls, source
+
+
+def load_text_model(backend: Backend, part: Any = None) -> DecoderModel:
+    """Build the architecture's model over a loaded backend (``part``: see :meth:`DecoderModel.from_backend`).
 
     Raises:
         UnsupportedError: the architecture is not one we support (the message names those we do).
         WeightsError: the checkpoint lacks tensors or config keys the architecture needs.
     """
-    arch, source = checkpoint_architecture(backend)
-    cls = ARCHITECTURES.get(arch)
-    if cls is None:
-        raise UnsupportedError(f"unknown model architecture {arch!r}; supported: "
-                               f"{', '.join(sorted(set(ARCHITECTURES)))}")
-    return cls.from_backend(backend, source)
+    cls, source = architecture_class(backend)
+    return cls.from_backend(backend, source, part)
 
 
 @dataclass
@@ -63,7 +72,7 @@ class TextCheckpoint:
 
 
 def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
-                         tokenizer_folder: Path | None = None) -> TextCheckpoint:
+                         tokenizer_folder: Path | None = None, part: Any = None) -> TextCheckpoint:
     """Load a text model and its tokenizer from a GGUF file or a Hugging Face folder.
 
     A GGUF file holds its tokenizer in its metadata (``tokenizer.ggml.*``, the chat template); a folder's tokenizer
@@ -81,7 +90,7 @@ def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
     path = Path(path)
     backend = make_backend(path)
     try:
-        model = load_text_model(backend)
+        model = load_text_model(backend, part)
         tokenizer = (Tokenizer.from_gguf(backend.metadata) if path.is_file()
                      else Tokenizer.from_folder(tokenizer_folder if tokenizer_folder is not None else path))
     except BaseException:

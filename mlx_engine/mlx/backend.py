@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +206,14 @@ class MLXContext(Context):
         mx.async_eval(*[t.w if t.is_quantized else t.a for t in tensors])
 
 
+def _cut(host: "np.ndarray | QuantizedArray", axis: int, start: int, stop: int) -> "np.ndarray | QuantizedArray":
+    if isinstance(host, QuantizedArray):
+        return host.slice(axis, start, stop)
+    index = [slice(None)] * host.ndim
+    index[axis] = slice(start, stop)
+    return np.ascontiguousarray(host[tuple(index)])
+
+
 class MLXBackend(Backend):
     """Weights from a GGUF file, a safetensors file, or a Hugging Face folder, on an MLX device.
 
@@ -221,13 +229,18 @@ class MLXBackend(Backend):
             where our CPU kernels loaded (:mod:`mlx_engine.mlx.cpu_kernels`); without them, no on the CPU, where
             MLX's own quantized matmul is far slower than a BLAS float32 matmul (512x576 @ 576x1536: 396 ms vs 9 ms;
             one token: 0.78 ms vs 0.26 ms), so weights are dequantized at load.
+        shard: load only part of the file (one rank of a distributed run): ``shard(weight_file)`` returns, for each
+            tensor to load, None (all of it) or ``(axis, start, stop)`` (that range of rows or columns); tensors it
+            leaves out are not read. Each tensor is read, cut and uploaded alone, so the host never holds more
+            than one whole tensor.
 
     Raises:
         WeightsError: the file is missing, truncated or corrupt (the message names it).
     """
 
     def __init__(self, path: "str | Path | None" = None, *, device: str | None = None, dtype: "DType | str | None" = None,
-                 requantize: int | None = None, quantized: bool | None = None):
+                 requantize: int | None = None, quantized: bool | None = None,
+                 shard: "Callable[[Any], Mapping[str, tuple[int, int, int] | None]] | None" = None):
         self._device = select_device(device)
         if quantized is None:
             quantized = self._device != "cpu" or cpu_kernels.qmatmul is not None
@@ -246,8 +259,17 @@ class MLXBackend(Backend):
             with open_weights(path) as wf:
                 self._metadata = wf.metadata
                 self.tensor_types = {n: wf.type_name(n) for n in wf.names()}
+                self.tensor_shapes = [wf.shape(n) for n in wf.names()]
+                wanted = shard(wf) if shard is not None else dict.fromkeys(wf.names())
+                #: what identifies the file's contents to the other ranks of a distributed run
+                self.fingerprint = wf.fingerprint()
                 for name in wf.names():
-                    self._weights[name] = self._to_device(wf.load(name, requantize=requantize))
+                    if name not in wanted:
+                        continue
+                    host = wf.load(name, requantize=requantize)
+                    if wanted[name] is not None:
+                        host = _cut(host, *wanted[name])
+                    self._weights[name] = self._to_device(host)
 
     def _to_device(self, host: "np.ndarray | QuantizedArray") -> MLXTensor:
         dt = TO_MX[self._dtype]

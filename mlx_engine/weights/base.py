@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,28 @@ class QuantizedArray:
     def nbytes(self) -> int:
         """Bytes of the three arrays together."""
         return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    def slice(self, axis: int, start: int, stop: int) -> "QuantizedArray":
+        """Rows (``axis=0``) or columns (``axis=1``) ``start .. stop - 1``, still quantized (copies, so that the
+        result does not hold a memory-mapped file open). Columns must begin and end on a group boundary.
+
+        Raises:
+            ValueError: a range out of bounds, or columns that cut a group of ``group_size``.
+        """
+        rows, cols = self.shape
+        if not 0 <= start < stop <= (rows if axis == 0 else cols):
+            raise ValueError(f"slice {start}:{stop} of axis {axis} is out of the weight's shape {self.shape}")
+        if axis == 0:
+            w, s, b = self.weight[start:stop], self.scales[start:stop], self.biases[start:stop]
+        else:
+            g = self.group_size
+            if start % g or (stop % g and stop != cols):
+                raise ValueError(f"columns {start}:{stop} cut a quantization group of {g}")
+            # a group of 32 elements fills whole words at every bit width (32 * bits bits)
+            w = self.weight[:, start * self.bits // 32:stop * self.bits // 32]
+            s, b = self.scales[:, start // g:-(-stop // g)], self.biases[:, start // g:-(-stop // g)]
+        return QuantizedArray(np.ascontiguousarray(w), np.ascontiguousarray(s), np.ascontiguousarray(b),
+                              self.group_size, self.bits)
 
     def dequantize(self, rows_per_chunk: int = 4096) -> np.ndarray:
         """float32 ``[rows, cols]``: ``scale * q + bias`` evaluated in float32 (for GGUF Q4_0, Q4_1 and Q8_0 this
@@ -145,6 +168,21 @@ class WeightFile(abc.ABC):
     def type_name(self, name: str) -> str:
         """The stored type: ``F32``, ``F16``, ``BF16``, ``Q4_0``, ``Q4_K``... (GGUF's names; safetensors dtypes as
         ``F32``/``F16``/``BF16``/``I32``...)."""
+
+    def nbytes(self, name: str) -> int:
+        """Bytes the tensor occupies in the file (as stored, before any unpacking)."""
+        return int(self.info(name).nbytes)  # type: ignore[attr-defined]
+
+    def fingerprint(self) -> str:
+        """A digest of the tensor table (names, types, shapes, stored sizes) and of the metadata (keys, and values
+        or their lengths): two files that differ in model, quantization or tokenizer differ in it."""
+        h = hashlib.sha256()
+        for name in self.names():
+            h.update(f"{name}|{self.type_name(name)}|{self.shape(name)}|{self.nbytes(name)};".encode())
+        for key in sorted(self.metadata):
+            v = self.metadata[key]
+            h.update(f"{key}={f'[{len(v)}]' if isinstance(v, (list, tuple, np.ndarray)) else str(v)[:64]};".encode())
+        return h.hexdigest()[:16]
 
     @abc.abstractmethod
     def load(self, name: str, requantize: int | None = None) -> "np.ndarray | QuantizedArray":

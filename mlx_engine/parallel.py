@@ -1,0 +1,84 @@
+"""Loading one model over the ranks that ``mlx.launch`` started: each rank reads its share of the file, the ranks
+check that they opened the same file, and every rank but 0 then serves rank 0 until it stops.
+
+``load(..., parallel="pipeline" | "tensor")`` calls :func:`load_sharded`; see :mod:`mlx_engine.models.sharding` for
+who holds what and :mod:`mlx_engine.models.parallel` for how the ranks keep in step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from mlx_engine.errors import InvalidRequestError, WeightsError
+from mlx_engine.ml import Group
+from mlx_engine.mlx.distributed import init_group
+from mlx_engine.models.parallel import DistributedModel, PeerLostError, follow, peer_lost
+from mlx_engine.models.registry import TextCheckpoint, load_text_checkpoint
+from mlx_engine.models.sharding import MODES, file_config, plan
+
+__all__ = ["MODES", "load_sharded", "PeerLostError", "peer_lost"]
+
+
+def _handshake(group: Group, wf: Any, settings: dict[str, Any]) -> None:
+    """Every rank tells the others what it opened and how it loads it; all of them refuse to go on (each raising
+    the same error) when any rank differs from rank 0."""
+    mine = json.dumps({"fingerprint": wf.fingerprint(), **settings}).encode()
+    theirs = [json.loads(b) for b in group.exchange(mine)]
+    for rank, other in enumerate(theirs[1:], start=1):
+        if other != theirs[0]:
+            what = ", ".join(f"{k} {other.get(k)!r} (rank 0: {theirs[0].get(k)!r})" for k in theirs[0]
+                             if other.get(k) != theirs[0].get(k))
+            raise WeightsError(f"rank {rank} of the distributed run differs from rank 0: {what}; every rank must "
+                               f"load the same model file with the same settings")
+
+
+def load_sharded(path: Path, make_backend: Callable[..., Any], parallel: str, transport: str = "any",
+                 settings: dict[str, Any] | None = None) -> tuple[TextCheckpoint, DistributedModel]:
+    """This rank's share of the model at ``path``, on rank 0; on the other ranks, serve rank 0 and exit.
+
+    Args:
+        make_backend: ``make_backend(path, shard=...)`` (the API's ``MLXBackend`` with its device and dtype).
+        parallel: ``pipeline`` or ``tensor``. transport: ``mx.distributed``'s backend (``any``, ``ring``, ``jaccl``,
+            ``mpi``, ``nccl``). settings: what every rank must agree on besides the file (dtype, requantize...).
+
+    Returns (rank 0): the checkpoint (this rank's backend, shard and the tokenizer) and the distributed model.
+
+    Raises:
+        InvalidRequestError: an unknown mode, or a process that ``mlx.launch`` did not start with other ranks.
+        WeightsError: a rank opened another file, or loads it differently. UnsupportedError: a model the mode
+            cannot split over this many ranks. PeerLostError: a rank went away.
+        SystemExit: on ranks other than 0, when rank 0 stops (status 0).
+    """
+    if parallel not in MODES:
+        raise InvalidRequestError(f"unknown parallel mode {parallel!r}; use {' or '.join(MODES)}")
+    group = init_group(transport)
+    if group.size < 2:
+        raise InvalidRequestError(
+            f"parallel={parallel!r} needs several ranks, but this process runs alone; start it with mlx.launch, "
+            "e.g. mlx.launch -n 2 --backend ring -- mlx-engine run MODEL PROMPT --parallel pipeline")
+    holder: dict[str, Any] = {}
+
+    def shard(wf: Any) -> dict[str, Any]:
+        _handshake(group, wf, {"parallel": parallel, "size": group.size, **(settings or {})})
+        holder["plan"] = plan(wf, parallel, group.rank, group.size)
+        holder["config"] = file_config(wf)
+        return holder["plan"].tensors(wf)
+
+    def part(config: Any) -> Any:
+        return holder["plan"].part(config, group.all_sum if parallel == "tensor" else None)
+
+    try:
+        text = load_text_checkpoint(path, lambda p: make_backend(p, shard=shard), part=part)
+        model = DistributedModel(text.model, holder["config"], group, holder["plan"])
+        model.ranks = model._exchange_stats()
+    except RuntimeError as e:  # the transport: a rank that failed to load has gone
+        raise peer_lost(group.rank, e) from None
+    if group.rank == 0:
+        atexit.register(model.stop)
+        return text, model
+    follow(model)
+    sys.exit(0)

@@ -1,0 +1,253 @@
+"""One model over several ranks (``mx.distributed``'s ring on loopback): the plans, and real runs of 2 and 3 ranks
+of both real models in pipeline and tensor parallelism against one process; faults.
+
+The ranks are started here the way ``mlx.launch`` starts them (``MLX_RANK`` and a ``MLX_HOSTFILE`` of loopback
+ports), so that a test can kill one of them; one test goes through ``mlx.launch`` itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_engine.errors import InvalidRequestError, UnsupportedError
+from mlx_engine.models.base import DecoderConfig
+from mlx_engine.models.sharding import _split_heads, _stages, plan
+from mlx_engine.weights import QuantizedArray, open_weights
+from mlx_engine.weights.quant import quantize_affine
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+# ---- plans ------------------------------------------------------------------------------------------------------
+def _config(heads: int, kv: int, layers: int = 4) -> DecoderConfig:
+    return DecoderConfig("llama", 100, 64, layers, heads, kv, 16, 128, 1e-5, 64)
+
+
+@pytest.mark.parametrize("heads,kv,size", [(9, 3, 2), (9, 3, 3), (4, 1, 2), (4, 1, 3), (8, 2, 4), (8, 8, 3),
+                                           (6, 2, 3), (12, 4, 5)])
+def test_head_split_covers_every_head_once_with_its_key_value_head(heads, kv, size):
+    c = _config(heads, kv)
+    rep = heads // kv
+    seen = []
+    for rank in range(size):
+        (h0, h1), (k0, k1) = _split_heads(c, rank, size)
+        assert h1 > h0 and k1 > k0
+        assert (h1 - h0) % (k1 - k0) == 0  # a whole number of query heads per local key/value head
+        local_rep = (h1 - h0) // (k1 - k0)
+        for j in range(h0, h1):  # query head j's own key/value head is the local one it attends with
+            assert j // rep == k0 + (j - h0) // local_rep
+        seen += range(h0, h1)
+    assert seen == list(range(heads))
+
+
+def test_head_split_refuses_more_ranks_than_heads():
+    with pytest.raises(UnsupportedError, match="at least 5 attention heads"):
+        _split_heads(_config(4, 1), 0, 5)
+
+
+def test_stages_minimise_the_largest_and_cover_every_layer():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        n, size = int(rng.integers(3, 9)), int(rng.integers(2, 4))
+        sizes = [int(x) for x in rng.integers(1, 100, n)]
+        first, last = int(rng.integers(0, 150)), int(rng.integers(0, 150))
+        got = _stages(sizes, first, last, size)
+        assert [i for r in got for i in r] == list(range(n)) and all(len(r) for r in got)
+
+        def cost(stages):
+            return max(sum(sizes[i] for i in r) + (first if s == 0 else 0) + (last if s == size - 1 else 0)
+                       for s, r in enumerate(stages))
+        best = min(cost([range(a, b) for a, b in zip((0,) + cuts, cuts + (n,))])
+                   for cuts in itertools.combinations(range(1, n), size - 1))
+        assert cost(got) == best
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_quantized_slices_equal_slices_of_the_dequantized_weight(bits):
+    w = np.random.default_rng(bits).standard_normal((12, 128)).astype(np.float32)
+    q = quantize_affine(w, bits)
+    full = q.dequantize()
+    np.testing.assert_array_equal(q.slice(0, 3, 9).dequantize(), full[3:9])
+    np.testing.assert_array_equal(q.slice(1, 32, 96).dequantize(), full[:, 32:96])
+    assert isinstance(q.slice(1, 64, 128), QuantizedArray)
+    with pytest.raises(ValueError, match="cut a quantization group"):
+        q.slice(1, 16, 64)
+    with pytest.raises(ValueError, match="out of"):
+        q.slice(0, 5, 13)
+
+
+@pytest.mark.parametrize("mode,size", [("pipeline", 2), ("pipeline", 3), ("tensor", 2), ("tensor", 3)])
+def test_plans_of_the_real_files_share_out_every_tensor(smollm2_gguf, gemma3_gguf, mode, size):
+    for path in (smollm2_gguf, gemma3_gguf):
+        with open_weights(path) as wf:
+            plans = [plan(wf, mode, r, size) for r in range(size)]
+            cuts = [p.tensors(wf) for p in plans]
+            layer_names = [n for n in wf.names() if n.startswith("blk.")]
+            if mode == "pipeline":  # every layer tensor on exactly one rank, whole
+                for n in layer_names:
+                    assert sum(n in c for c in cuts) == 1 and all(c.get(n) is None for c in cuts if n in c)
+                assert "token_embd.weight" in cuts[1]  # stage 0 (rank 1) embeds
+            else:  # every q row and every MLP column on exactly one rank
+                q = "blk.0.attn_q.weight"
+                rows = sorted((range(c[q][1], c[q][2]) for c in cuts), key=lambda r: r.start)
+                assert [i for r in rows for i in r] == list(range(wf.shape(q)[0]))
+                down = "blk.0.ffn_down.weight"
+                cols = sorted((range(c[down][1], c[down][2]) for c in cuts), key=lambda r: r.start)
+                assert [i for r in cols for i in r] == list(range(wf.shape(down)[1]))
+                assert all(c[down][0] == 1 and c["blk.0.attn_output.weight"][0] == 1 for c in cuts)
+        with pytest.raises(InvalidRequestError, match="unknown parallel mode"):
+            plan(wf, "data", 0, size)
+
+
+def test_fingerprints_tell_files_apart(smollm2_gguf, gemma3_gguf):
+    with open_weights(smollm2_gguf) as a, open_weights(gemma3_gguf) as b, open_weights(smollm2_gguf) as c:
+        assert a.fingerprint() == c.fingerprint() != b.fingerprint()
+
+
+# ---- real runs --------------------------------------------------------------------------------------------------
+def _hostfile(tmp: Path, size: int) -> Path:
+    ports = []
+    socks = []
+    for _ in range(size):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    f = tmp / f"hosts-{size}-{ports[0]}.json"
+    f.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return f
+
+
+def _env(rank: int, hostfile: Path) -> dict[str, str]:
+    return {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(REPO),
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _launch(tmp: Path, commands: list[list[str]], **kw) -> list[subprocess.Popen]:
+    hostfile = _hostfile(tmp, len(commands))
+    return [subprocess.Popen(cmd, env=_env(r, hostfile), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             **kw) for r, cmd in enumerate(commands)]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, o, e))
+    return out
+
+
+def _worker(path: Path, mode: str, out: Path) -> list[str]:
+    return [sys.executable, "-m", "tests.distributed_worker", str(path), mode, str(out)]
+
+
+@pytest.fixture(scope="module")
+def single_runs(tmp_path_factory, smollm2_gguf, gemma3_gguf) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("single")
+    runs = {}
+    for name, path in (("smollm2", smollm2_gguf), ("gemma3", gemma3_gguf)):
+        out = tmp / f"{name}.json"
+        subprocess.run(_worker(path, "single", out), check=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       timeout=300)
+        runs[name] = json.loads(out.read_text())
+    return runs
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("mode,size", [("pipeline", 2), ("tensor", 2), ("pipeline", 3), ("tensor", 3)])
+def test_ranks_give_the_tokens_and_logits_of_one_process(tmp_path, request, single_runs, model, mode, size):
+    path = request.getfixturevalue(f"{model}_gguf")
+    out = tmp_path / "rank0.json"
+    results = _finish(_launch(tmp_path, [_worker(path, mode, out)] * size))
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}: {err[-2000:]}"
+    got, want = json.loads(out.read_text()), single_runs[model]
+    for g, w in zip(got["prompts"], want["prompts"]):
+        assert g["tokens"] == w["tokens"]
+        gl, wl = np.array(g["logits"]), np.array(w["logits"])
+        assert np.max(np.abs(gl - wl)) <= 1e-4 * np.max(np.abs(wl))
+    assert got["chat"] == want["chat"]  # same answers, and each turn prefilled only what is new
+    assert all(t["prefilled"] < t["prompt"] for t in got["chat"][1:])
+    ranks = got["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(size))
+    whole = want["ranks"][0]["weights_bytes"]
+    share = [r["weights_bytes"] / whole for r in ranks]
+    # each rank holds its share of the layers, plus the embeddings and head where it needs them (a rank holds at
+    # most both); the split follows bytes and heads, so a share may pass 1/size by a little
+    with open_weights(path) as wf:
+        total = sum(wf.nbytes(n) for n in wf.names())
+        shared = sum(wf.nbytes(n) for n in ("token_embd.weight", "output.weight") if n in wf.names()) / total
+    limit = shared + (1 - shared) / size * 1.25
+    assert max(share) <= limit, (share, limit)
+    if mode == "pipeline":
+        layers = sorted(tuple(r["layers"]) for r in ranks)
+        assert layers[0][0] == 0 and all(a[1] == b[0] for a, b in zip(layers, layers[1:]))
+
+
+def test_a_rank_of_another_file_is_refused_at_start(tmp_path, smollm2_gguf, gemma3_gguf):
+    procs = _launch(tmp_path, [_worker(smollm2_gguf, "pipeline", tmp_path / "a.json"),
+                               _worker(gemma3_gguf, "pipeline", tmp_path / "b.json")])
+    for code, _, err in _finish(procs, timeout=120):
+        assert code != 0
+        assert "rank 1 of the distributed run differs from rank 0: fingerprint" in err
+    assert not (tmp_path / "a.json").exists()
+
+
+def _cli(*args: str) -> list[str]:
+    return [str(BIN / "mlx-engine"), *args]
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_stops_the_others_with_a_clear_message(tmp_path, smollm2_gguf, victim):
+    cmd = _cli("run", str(smollm2_gguf), "Count from one to one thousand in words.", "--max-tokens", "2000",
+               "--temperature", "0", "--parallel", "pipeline", "--transport", "ring")
+    procs = _launch(tmp_path, [cmd, cmd], bufsize=0)
+    first = procs[0].stdout.read(1)  # rank 0 has streamed its first character: generation is under way
+    assert first, procs[0].stderr.read()
+    procs[victim].send_signal(signal.SIGKILL)
+    survivor = procs[1 - victim]
+    t0 = time.monotonic()
+    _, err = survivor.communicate(timeout=30)
+    took = time.monotonic() - t0
+    procs[victim].wait()
+    assert survivor.returncode == 1, err
+    assert "another rank of the distributed run is gone" in err and "Traceback" not in err
+    assert took < 10, f"the survivor took {took:.1f} s to stop"
+
+
+def test_mlx_launch_runs_the_cli_on_two_ranks(smollm2_gguf, single_runs):
+    cmd = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--", str(BIN / "mlx-engine"), "run",
+           str(smollm2_gguf), "The capital of France is", "--raw", "--max-tokens", "8", "--temperature", "0",
+           "--parallel", "tensor"]
+    single = subprocess.run(cmd[cmd.index("--") + 1:-2], capture_output=True, text=True, timeout=120)
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert single.returncode == 0 and got.returncode == 0, got.stderr
+    assert got.stdout.strip() == single.stdout.strip() != ""
+
+
+def test_parallel_alone_is_refused_with_how_to_launch(smollm2_gguf):
+    import mlx_engine
+
+    with pytest.raises(InvalidRequestError, match="mlx.launch -n 2"):
+        mlx_engine.load(str(smollm2_gguf), progress=False, parallel="pipeline")
+    with pytest.raises(InvalidRequestError, match="unknown parallel mode"):
+        mlx_engine.load(str(smollm2_gguf), progress=False, parallel="data")
