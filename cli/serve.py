@@ -36,9 +36,13 @@ def _size(value: str | None) -> int | None:
               help="Requests that may wait for a sequence; beyond that HTTP 429.")
 @click.option("--prefill-chunk", default=512, show_default=True, type=int,
               help="Most prompt tokens per forward pass: running answers stall by at most one chunk.")
+@click.option("--parallel", type=click.Choice(["pipeline", "tensor"]), default=None,
+              help="Split the --model over the ranks mlx.launch started (rank 0 serves HTTP).")
+@click.option("--transport", type=click.Choice(["any", "ring", "jaccl", "mpi", "nccl"]), default="any",
+              show_default=True, help="With --parallel: mx.distributed's backend between the ranks.")
 def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, context_length: int, keep_alive: str,
           memory_budget: str | None, api_key: str | None, kv_bits: str | None, max_queue: int,
-          prefill_chunk: int) -> None:
+          prefill_chunk: int, parallel: str | None, transport: str) -> None:
     """Serve text and image models over HTTP: the OpenAI API (/v1/...) and the ollama API (/api/...).
 
     \b
@@ -57,7 +61,12 @@ def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, con
     config = ServerConfig(host=host, port=port, models=list(models), max_sequences=max_sequences,
                           context_length=context_length, keep_alive=keep, memory_budget=_size(memory_budget),
                           api_key=api_key, kv_bits=int(kv_bits) if kv_bits else None, max_queue=max_queue,
-                          prefill_chunk=prefill_chunk)
+                          prefill_chunk=prefill_chunk, parallel=parallel, transport=transport)
     config.check()
+    if parallel is not None:
+        from mlx_engine import api
+
+        if api.launched_rank() != 0:  # serve rank 0's model (this returns only by ending the process)
+            api.load(models[0], parallel=parallel, transport=transport, progress=False)
     click.echo(f"mlx-engine serving on http://{host}:{port} (OpenAI: /v1, ollama: /api); Ctrl-C stops", err=True)
     run_server(config)

@@ -35,6 +35,7 @@ from mlx_engine.models.registry import load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner
 from mlx_engine.models.tools import (ToolCall, ToolStyle, check_tools, parse_tool_calls, prepare_messages,
                                      tool_choice_format, tool_style)
+from mlx_engine.parallel import launched_rank, load_sharded, peer_lost
 from mlx_engine.session import ChatSession
 from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
 from mlx_engine.store.format import printable
@@ -42,7 +43,7 @@ from mlx_engine.store.format import printable
 __all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "ChatReply", "ToolCall", "GenerationStats",
            "GenerationOptions",
            "OPTION_NAMES", "DEFAULT_MODEL", "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL",
-           "open_init_image", "read_image_parameters", "save_image", "memory_in_use"]
+           "open_init_image", "read_image_parameters", "save_image", "memory_in_use", "launched_rank"]
 
 DEFAULT_CONTEXT = 8192  # cap on the cache's capacity unless the caller asks for more
 
@@ -80,8 +81,6 @@ class Model:
 
         self.distributed = None
         if parallel is not None:
-            from mlx_engine.parallel import load_sharded
-
             text, self.distributed = load_sharded(path, make_backend, parallel, transport,
                                                   {"dtype": dtype, "requantize": requantize})
         else:
@@ -243,8 +242,6 @@ class Model:
             except RuntimeError as e:
                 if self.distributed is None:
                     raise
-                from mlx_engine.parallel import peer_lost
-
                 raise peer_lost(0, e) from None
 
     def generate(self, prompt: str, **options: Any) -> str:

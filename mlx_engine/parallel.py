@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,7 +22,36 @@ from mlx_engine.models.parallel import DistributedModel, PeerLostError, follow, 
 from mlx_engine.models.registry import TextCheckpoint, load_text_checkpoint
 from mlx_engine.models.sharding import MODES, file_config, plan
 
-__all__ = ["MODES", "load_sharded", "PeerLostError", "peer_lost"]
+__all__ = ["MODES", "load_sharded", "launched_rank", "PeerLostError", "peer_lost", "serving_peer_lost"]
+
+
+#: seconds for every rank to connect and agree on the model (``MLX_ENGINE_RANK_TIMEOUT``); the ring transport's
+#: listening side would otherwise wait for a rank that never starts for ever
+START_TIMEOUT = 120.0
+
+
+def _watchdog(seconds: float) -> threading.Timer:
+    """Ends the process with a clear message unless cancelled within ``seconds``: the transport's connect is a
+    blocking call that nothing else can interrupt."""
+    def fire() -> None:
+        sys.stderr.write(f"Error: the ranks of the distributed run did not all connect and agree on the model within "
+                         f"{seconds:g} s (MLX_ENGINE_RANK_TIMEOUT); is every rank started, and can each reach the "
+                         "others' addresses? Stopping.\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def launched_rank() -> int:
+    """This process's rank as ``mlx.launch`` (or MPI) set it in the environment; 0 when it was not launched."""
+    for key in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
 
 
 def _handshake(group: Group, wf: Any, settings: dict[str, Any]) -> None:
@@ -55,15 +86,24 @@ def load_sharded(path: Path, make_backend: Callable[..., Any], parallel: str, tr
     """
     if parallel not in MODES:
         raise InvalidRequestError(f"unknown parallel mode {parallel!r}; use {' or '.join(MODES)}")
-    group = init_group(transport)
+    watchdog = _watchdog(float(os.environ.get("MLX_ENGINE_RANK_TIMEOUT", START_TIMEOUT)))
+    try:
+        group = init_group(transport)
+    except BaseException:
+        watchdog.cancel()
+        raise
     if group.size < 2:
+        watchdog.cancel()
         raise InvalidRequestError(
             f"parallel={parallel!r} needs several ranks, but this process runs alone; start it with mlx.launch, "
             "e.g. mlx.launch -n 2 --backend ring -- mlx-engine run MODEL PROMPT --parallel pipeline")
     holder: dict[str, Any] = {}
 
     def shard(wf: Any) -> dict[str, Any]:
-        _handshake(group, wf, {"parallel": parallel, "size": group.size, **(settings or {})})
+        try:
+            _handshake(group, wf, {"parallel": parallel, "size": group.size, **(settings or {})})
+        finally:
+            watchdog.cancel()
         holder["plan"] = plan(wf, parallel, group.rank, group.size)
         holder["config"] = file_config(wf)
         return holder["plan"].tensors(wf)
@@ -77,8 +117,25 @@ def load_sharded(path: Path, make_backend: Callable[..., Any], parallel: str, tr
         model.ranks = model._exchange_stats()
     except RuntimeError as e:  # the transport: a rank that failed to load has gone
         raise peer_lost(group.rank, e) from None
+    finally:
+        watchdog.cancel()
     if group.rank == 0:
         atexit.register(model.stop)
         return text, model
     follow(model)
     sys.exit(0)
+
+
+def serving_peer_lost(e: BaseException, grace: float = 1.0) -> PeerLostError:
+    """A server whose model is split over ranks has lost one: the error to fail the running requests with; the
+    process ends (status 1) ``grace`` seconds later, once those errors have gone out, since the model cannot run
+    again without every rank."""
+    err = peer_lost(0, e)
+
+    def stop() -> None:
+        sys.stderr.write(f"Error: {err}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.Timer(grace, stop).start()
+    return err

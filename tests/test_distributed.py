@@ -251,3 +251,53 @@ def test_parallel_alone_is_refused_with_how_to_launch(smollm2_gguf):
         mlx_engine.load(str(smollm2_gguf), progress=False, parallel="pipeline")
     with pytest.raises(InvalidRequestError, match="unknown parallel mode"):
         mlx_engine.load(str(smollm2_gguf), progress=False, parallel="data")
+
+
+def test_serve_splits_its_model_and_stops_when_a_rank_dies(tmp_path, smollm2_gguf):
+    """``serve --parallel``: rank 0 answers OpenAI and ollama clients as one process does (batched requests too), the
+    split model stays loaded whatever keep_alive a client asks, and a dead rank fails the next request and ends the
+    server."""
+    import ollama
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = _cli("serve", "--model", str(smollm2_gguf), "--parallel", "tensor", "--port", str(port), "--transport",
+               "ring")
+    procs = _launch(tmp_path, [cmd, cmd])
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        for _ in range(120):
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.5)
+        questions = ["Name three colors.", "Name a fruit.", "Count to five."]
+
+        def ask(q: str) -> str:
+            r = client.chat.completions.create(model=str(smollm2_gguf), temperature=0, max_tokens=20,
+                                               messages=[{"role": "user", "content": q}])
+            return r.choices[0].message.content
+
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            answers = list(ex.map(ask, questions))
+        import mlx_engine
+
+        alone = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=512)
+        want = [alone.chat([{"role": "user", "content": q}], temperature=0, max_tokens=20) for q in questions]
+        assert answers == want
+        o = ollama.Client(host=f"http://127.0.0.1:{port}")
+        o.generate(model=str(smollm2_gguf), prompt="Hi", options={"num_predict": 4}, keep_alive=0)
+        assert [m.model for m in o.ps().models] == [str(smollm2_gguf)]  # still loaded: keep_alive 0 is ignored
+        procs[1].send_signal(signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="another rank of the distributed run is gone"):
+            ask("Hello?")
+        _, err = procs[0].communicate(timeout=30)
+        assert procs[0].returncode == 1 and "another rank of the distributed run is gone" in err
+    finally:
+        for p in procs:
+            p.kill()

@@ -52,6 +52,12 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^mlx-engine bench ", "elsewhere:tests/test_bench.py::test_quick_json_has_every_figure (the same command with "
                             "both peers at --quick sizes; the full sizes take minutes: the bench is not a test)"),
     (r"openai\.OpenAI\(base_url=\"http://127\.0\.0\.1:11435/v1\"", "here:test_serve_examples"),
+    (r"^mlx\.launch -n \d --backend ring -- mlx-engine run ", "here:test_parallel_examples"),
+    (r"^mlx\.launch --hosts ", "not run:needs two Macs with this engine installed and ssh between them (the same "
+                               "ranks run on loopback in tests/test_distributed.py)"),
+    (r"^mlx\.distributed_config |^mlx\.launch --hostfile \S+ --backend jaccl ",
+     "not run:needs two Macs joined by Thunderbolt with RDMA enabled"),
+    (r"parallel=\"pipeline\"", "here:test_parallel_examples"),
     (r"mlx_engine\.load\(\"smollm2:135m\"\)", "here:test_python_api_example"),
     (r"mlx_engine\.generate_image\(", "elsewhere:tests/test_shapes_model.py::test_readme_python_image_example"),
 ]
@@ -296,3 +302,19 @@ def test_python_api_example(readme_home, monkeypatch, capsys):
     assert "Paris" in out and "decode" in out  # an answer, and the stats' summary
     saved = json.loads((cwd / "conversation.json").read_text())
     assert [m["role"] for m in saved["messages"]] == ["system", "user", "assistant"]
+
+
+def test_parallel_examples(readme_home):
+    """The trial commands under mlx.launch on this machine (two and three ranks on loopback), and the Python block
+    as a script under mlx.launch: each prints what one process prints."""
+    home, cwd, env = readme_home
+    cmds = [c for c in readme_commands("`--parallel`") if where(c) == "here:test_parallel_examples"]
+    assert len(cmds) == 2
+    for c in cmds:
+        alone = re.sub(r" --parallel \w+", "", c.split(" -- ", 1)[1])
+        assert sh(c, cwd, env, input="").stdout.strip() == sh(alone, cwd, env).stdout.strip() != ""
+    block = next(b for _, b in readme_blocks("python") if 'parallel="pipeline"' in b)
+    (cwd / "script.py").write_text(block)
+    (cwd / "alone.py").write_text(block.replace(', parallel="pipeline"', ""))
+    got = sh("mlx.launch -n 2 --backend ring -- python script.py", cwd, env, input="")
+    assert got.stdout.strip() == sh("python alone.py", cwd, env).stdout.strip() != ""

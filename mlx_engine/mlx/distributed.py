@@ -3,8 +3,6 @@ backends that ``mlx.launch`` starts, as one :class:`MLXGroup`."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from mlx_engine.errors import InvalidRequestError
@@ -12,26 +10,9 @@ from mlx_engine.ml import Group
 from mlx_engine.mlx.runtime import mx
 from mlx_engine.mlx.tensor import TO_MX, MLXTensor
 
-__all__ = ["MLXGroup", "init_group", "launched_size"]
+__all__ = ["MLXGroup", "init_group"]
 
 BACKENDS = ("any", "ring", "jaccl", "mpi", "nccl")
-
-
-def launched_size() -> int:
-    """How many ranks ``mlx.launch`` (or MPI) started this process among, from the environment; 1 when none."""
-    hostfile = os.environ.get("MLX_HOSTFILE")
-    if hostfile and os.environ.get("MLX_RANK") is not None:
-        try:
-            import json
-
-            with open(hostfile) as f:
-                return max(1, len(json.load(f)))
-        except (OSError, ValueError, TypeError):
-            return 1
-    for key in ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 1
 
 
 class MLXGroup(Group):

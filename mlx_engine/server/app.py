@@ -51,6 +51,8 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY
     shutdown_timeout: float = 5.0
     store_root: str | None = None  # the model store (default: $MLX_ENGINE_HOME or the cache folder)
+    parallel: str | None = None  # split the one --model over the ranks of mlx.launch: pipeline or tensor
+    transport: str = "any"
 
     def check(self) -> None:
         """Raises InvalidRequestError for a value the server cannot run with."""
@@ -61,6 +63,8 @@ class ServerConfig:
             raise InvalidRequestError("--context-length must be at least 2")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"--port must be in 0..65535, not {self.port}")
+        if self.parallel is not None and len(self.models) != 1:
+            raise InvalidRequestError("--parallel needs exactly one --model: the model split over the ranks")
         if not is_loopback(self.host) and not self.api_key:
             raise InvalidRequestError(
                 f"binding {self.host} exposes the server beyond this machine: set an API key with --api-key or "
@@ -121,7 +125,8 @@ def create_app(config: ServerConfig):
     worker = DeviceWorker()
     pool = ModelPool(worker, context_length=config.context_length, max_sequences=config.max_sequences,
                      kv_bits=config.kv_bits, prefill_chunk=config.prefill_chunk, memory_budget=config.memory_budget,
-                     keep_alive=config.keep_alive, max_queue=config.max_queue, store=Store(config.store_root))
+                     keep_alive=config.keep_alive, max_queue=config.max_queue, store=Store(config.store_root),
+                     parallel=config.parallel, transport=config.transport)
     state = ServerState(worker, pool, max_body_bytes=config.max_body_bytes)
 
     async def expire_loop():
@@ -140,6 +145,8 @@ def create_app(config: ServerConfig):
                 await pool.image(name, float("inf"))
             else:
                 resolved = await asyncio.to_thread(pool.store.resolve, name, pull=True, progress=False)
+                if config.parallel is not None:
+                    pool.parallel_model = resolved.name
                 await pool.text(resolved.name, float("inf"))
         expiry = asyncio.ensure_future(expire_loop())
         try:

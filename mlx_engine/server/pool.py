@@ -88,6 +88,7 @@ class Loaded:
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     in_flight: int = 0  # requests being served (images; text requests are counted by the scheduler too)
+    pinned: bool = False  # split over the ranks of a distributed run: loaded once, never unloaded
 
     @property
     def expires_at(self) -> float:
@@ -102,8 +103,12 @@ class ModelPool:
 
     def __init__(self, worker: DeviceWorker, *, context_length: int | None = None, max_sequences: int = 4,
                  kv_bits: int | None = None, prefill_chunk: int = 512, memory_budget: int | None = None,
-                 keep_alive: float = 300.0, max_queue: int = 64, store: Store | None = None):
+                 keep_alive: float = 300.0, max_queue: int = 64, store: Store | None = None,
+                 parallel: str | None = None, transport: str = "any"):
         self.worker = worker
+        #: ``--parallel``: the mode, and (once resolved) the one model split over the ranks (``parallel_model``)
+        self.parallel, self.transport = parallel, transport
+        self.parallel_model: str | None = None
         self.context_length = context_length
         self.max_sequences = max_sequences
         self.kv_bits = kv_bits
@@ -159,7 +164,7 @@ class ModelPool:
             elif m.kind != kind:
                 raise InvalidRequestError(f"{key} is a{'n' if m.kind == 'image' else ''} {m.kind} model; use it "
                                           f"with the {m.kind} endpoints")
-        if keep_alive is not None:
+        if keep_alive is not None and not m.pinned:
             m.keep_alive = keep_alive
         m.last_used = time.time()
         return m
@@ -170,10 +175,12 @@ class ModelPool:
     def _load(self, key: str, kind: str, what: Any) -> Loaded:
         """Device thread: load, measure, and make room under the budget (or refuse)."""
         before = api.memory_in_use()
+        pinned = kind == "text" and key == self.parallel_model
         if kind == "text":
             obj = api.Model(what.name, what.path, source=what.source, license=what.license,
                             context_length=self.context_length, kv_bits=self.kv_bits,
-                            max_sequences=self.max_sequences, prefill_chunk=self.prefill_chunk, reserve=True)
+                            max_sequences=self.max_sequences, prefill_chunk=self.prefill_chunk, reserve=True,
+                            parallel=self.parallel if pinned else None, transport=self.transport)
             path = str(what.path)
         else:
             obj = api.load_image_model(key)
@@ -184,7 +191,7 @@ class ModelPool:
         except MemoryBudgetError:
             obj.close()
             raise
-        m = Loaded(key, kind, obj, need, self.keep_alive, path=path)
+        m = Loaded(key, kind, obj, need, float("inf") if pinned else self.keep_alive, path=path, pinned=pinned)
         if kind == "text":
             m.scheduler = TextScheduler(obj.runner, max_queue=self.max_queue)
             self.worker.add_scheduler(m.scheduler)
@@ -218,6 +225,9 @@ class ModelPool:
         m = self.models.get(key)
         if m is None:
             return False
+        if m.pinned:
+            raise InvalidRequestError(f"{key} is split over the ranks of this distributed server and stays loaded "
+                                      "until the server stops")
         await self.worker.run(lambda: self._unload_now(m))
         log.info("unloaded %s", key)
         return True

@@ -36,6 +36,7 @@ from mlx_engine.ml import DType
 from mlx_engine.models.options import GenerationOptions
 from mlx_engine.models.runner import Runner, TextAssembler
 from mlx_engine.models.sampler import Sampler
+from mlx_engine.parallel import serving_peer_lost
 
 log = logging.getLogger("mlx_engine.server")
 
@@ -123,6 +124,7 @@ class TextScheduler:
         self.runner = runner
         self.backend = runner.backend
         self.max_queue = max_queue
+        self.distributed = getattr(runner.model, "group", None) is not None  # split over mlx.launch's ranks
         self._slots = [_Slot(s) for s in range(runner.max_sequences)]
         self._pending: deque[TextJob] = deque()
         self._lock = threading.Lock()
@@ -193,6 +195,11 @@ class TextScheduler:
                 self._start(job, free)
             except EngineError as e:
                 self._fail(job, e)
+            except RuntimeError as e:
+                if not self.distributed:
+                    raise
+                self.fail_all(serving_peer_lost(e), job)  # a rank of the split model is gone
+                return
 
     def _start(self, job: TextJob, free: list[_Slot]) -> None:
         runner, tokens = self.runner, job.tokens
@@ -237,6 +244,9 @@ class TextScheduler:
             self._fail(job, e)
             return
         except Exception as e:  # noqa: BLE001 -- one request's failure must not stop the others
+            if self.distributed and isinstance(e, RuntimeError):
+                self.fail_all(serving_peer_lost(e))
+                return
             log.exception("prefill failed")
             self._fail(job, e)
             return
@@ -270,6 +280,9 @@ class TextScheduler:
                 ctx.evaluate(*rows)
                 toks = [int(r.item()) for r in rows]
         except Exception as e:  # noqa: BLE001 -- fail this batch's requests, keep serving
+            if self.distributed and isinstance(e, RuntimeError):
+                self.fail_all(serving_peer_lost(e))
+                return
             if not isinstance(e, EngineError):
                 log.exception("decode step failed")
             for j in jobs:
@@ -335,6 +348,17 @@ class TextScheduler:
     def _fail(self, job: TextJob, error: Exception) -> None:
         self._release(job, drop_cells=True)  # the cache may hold a partial chunk: start this slot afresh
         job.emit("error", error)
+
+    def fail_all(self, error: Exception, *starting: TextJob) -> None:
+        """The model cannot run any more (a rank of a split model is gone): every request (and those ``starting``)
+        ends with ``error``, and later submits fail; the KV cache is not touched (its every change would need the
+        lost rank)."""
+        with self._lock:
+            self._unloaded = True
+            pending, self._pending = list(self._pending), deque()
+        for j in [*starting, *pending, *self._prefilling, *self._decoding]:
+            j.emit("error", error)
+        self._prefilling, self._decoding = [], []
 
     def close(self, unloaded: bool = False) -> None:
         """Cancel everything (the server is stopping, or with ``unloaded`` the model is gone: later submits fail)."""

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from mlx_engine.parallel import serving_peer_lost
 from mlx_engine.server.scheduler import TextScheduler
 
 log = logging.getLogger("mlx_engine.server")
@@ -68,7 +69,10 @@ class DeviceWorker:
         for s in list(self._schedulers):
             try:
                 busy |= s.step()
-            except Exception:  # noqa: BLE001 -- a scheduler bug must not stop the device thread
+            except Exception as e:  # noqa: BLE001 -- a scheduler bug must not stop the device thread
+                if s.distributed and isinstance(e, RuntimeError):  # a rank of its split model is gone
+                    s.fail_all(serving_peer_lost(e))
+                    continue
                 log.exception("text scheduling step failed")
         return busy
 
