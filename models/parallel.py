@@ -15,8 +15,11 @@ transport sees the connection close); :func:`follow` turns that into :class:`Pee
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -30,6 +33,26 @@ from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.sharding import Plan, stage_rank
 
 __all__ = ["DistributedModel", "MirroredCache", "PeerLostError", "follow"]
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back until the block ends: a step that one rank has told the others about must also
+    run here, or the ranks' collectives would pair up wrongly and wait for ever. Only the main thread gets signals;
+    elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])
+        elif caught:
+            raise KeyboardInterrupt
 
 
 class PeerLostError(EngineError):
@@ -110,13 +133,14 @@ class DistributedModel:
         nothing sent when the cache has no room."""
         if hidden_only or output_layer is not None or batch.embeddings is not None:
             raise UnsupportedError("a distributed model gives logits only (no hidden states or input embeddings)")
-        cache.inner.start_forward(ctx, batch)
         on_device = not isinstance(batch.inputs, np.ndarray)
-        self.send_control("forward", cache=cache.cid, positions=batch.positions.tolist(),
-                          sequences=batch.sequences.tolist(), outputs=batch.outputs.tolist(),
-                          inputs=None if on_device else batch.inputs.tolist())
-        out = self.run(ctx, batch, cache.inner)
-        ctx.evaluate_async(out)  # every rank runs this pass's collectives now, whether or not the caller reads it
+        with _uninterrupted():
+            cache.inner.start_forward(ctx, batch)
+            self.send_control("forward", cache=cache.cid, positions=batch.positions.tolist(),
+                              sequences=batch.sequences.tolist(), outputs=batch.outputs.tolist(),
+                              inputs=None if on_device else batch.inputs.tolist())
+            out = self.run(ctx, batch, cache.inner)
+            ctx.evaluate_async(out)  # every rank runs this pass's collectives now, whether or not the caller reads it
         return out
 
     # ---- every rank ---------------------------------------------------------------------------------------------
@@ -178,32 +202,37 @@ class MirroredCache(Cache):
         self.inner.set_config(config)
 
     def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int) -> None:
-        self.inner.init(backend, dtype, max_sequences, capacity, max_batch)
-        self.owner.send_control("init", cache=self.cid, kv_bits=self.kv_bits, dtype=dtype.value,
-                                max_sequences=max_sequences, capacity=capacity, max_batch=max_batch)
+        with _uninterrupted():
+            self.inner.init(backend, dtype, max_sequences, capacity, max_batch)
+            self.owner.send_control("init", cache=self.cid, kv_bits=self.kv_bits, dtype=dtype.value,
+                                    max_sequences=max_sequences, capacity=capacity, max_batch=max_batch)
 
     def start_forward(self, ctx: Context, batch: Batch, reserve: bool = False) -> None:
         raise UnsupportedError("a distributed model's cache starts its forward passes itself")
 
     def reserve(self, ctx: Context, layer_shapes: Sequence[Any]) -> None:
-        self.inner.reserve(ctx, layer_shapes)
-        self.owner.send_control("reserve", cache=self.cid)
+        with _uninterrupted():
+            self.inner.reserve(ctx, layer_shapes)
+            self.owner.send_control("reserve", cache=self.cid)
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
-        self.inner.copy_prefix(src_seq, dst_seq, length)
-        self.owner.send_control("copy_prefix", cache=self.cid, args=[src_seq, dst_seq, length])
+        with _uninterrupted():
+            self.inner.copy_prefix(src_seq, dst_seq, length)
+            self.owner.send_control("copy_prefix", cache=self.cid, args=[src_seq, dst_seq, length])
 
     def can_resume(self, seq: int, pos: int) -> bool:
         return self.inner.can_resume(seq, pos)
 
     def remove(self, seq: int, begin: int, end: Optional[int]) -> None:
-        self.inner.remove(seq, begin, end)
-        self.owner.send_control("remove", cache=self.cid, args=[seq, begin, end])
+        with _uninterrupted():
+            self.inner.remove(seq, begin, end)
+            self.owner.send_control("remove", cache=self.cid, args=[seq, begin, end])
 
     def close(self) -> None:
-        self.inner.close()
-        if not self.owner.stopped:
-            self.owner.send_control("close", cache=self.cid)
+        with _uninterrupted():
+            self.inner.close()
+            if not self.owner.stopped:
+                self.owner.send_control("close", cache=self.cid)
 
     def nbytes(self) -> int:
         return self.inner.nbytes()

@@ -301,3 +301,62 @@ def test_serve_splits_its_model_and_stops_when_a_rank_dies(tmp_path, smollm2_ggu
     finally:
         for p in procs:
             p.kill()
+
+
+def _hf_folder(tmp: Path) -> Path:
+    """A random Qwen3 checkpoint (tied head, query/key norms, 4 heads over 2 key/value heads, 4 layers) in Hugging
+    Face's folder layout, with a small trained BPE tokenizer and a chat template."""
+    from safetensors.numpy import save_file
+
+    from tests.test_models_random import CONFIGS, FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, _random_weights
+    from tests.zimage_small import _tokenizer
+
+    tokenizer = _tokenizer()
+    vocab = 512
+    assert len(tokenizer) <= vocab
+    rng = np.random.default_rng(5)
+    weights = _random_weights(rng, qk_norm=True, gemma=False)
+    weights["model.embed_tokens.weight"] = (rng.standard_normal((vocab, HIDDEN)) * 0.5).astype(np.float32)
+    config = dict(CONFIGS["qwen3"], vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=FFN)
+    folder = tmp / "qwen3-random"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(folder / "model.safetensors"))
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("mode,size", [("pipeline", 2), ("tensor", 3)])
+def test_a_safetensors_folder_splits_like_a_gguf_file(tmp_path, mode, size):
+    """Hugging Face names, a tied head and query/key norms: the same tokens and logits as one process (3 ranks over
+    2 key/value heads: two ranks share one)."""
+    folder = _hf_folder(tmp_path)
+    subprocess.run(_worker(folder, "single", tmp_path / "one.json"), check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    results = _finish(_launch(tmp_path, [_worker(folder, mode, tmp_path / "split.json")] * size))
+    assert all(code == 0 for code, _, _ in results), [e[-2000:] for _, _, e in results]
+    got, want = (json.loads((tmp_path / f).read_text()) for f in ("split.json", "one.json"))
+    for g, w in zip(got["prompts"], want["prompts"]):
+        assert g["tokens"] == w["tokens"]
+        assert np.max(np.abs(np.array(g["logits"]) - w["logits"])) <= 1e-4 * np.max(np.abs(w["logits"]))
+    assert got["chat"] == want["chat"]
+
+
+def test_chat_on_two_ranks_answers_as_one_process(tmp_path, smollm2_gguf):
+    """``chat --parallel``: rank 0 reads the conversation from stdin (rank 1 never reads it) and answers each turn
+    as one process does."""
+    turns = "Hello! Who are you?\nName a color.\n/bye\n"
+    args = ["chat", str(smollm2_gguf), "--temperature", "0", "--max-tokens", "16"]
+    alone = subprocess.run(_cli(*args), input=turns, capture_output=True, text=True, timeout=120)
+    cmd = _cli(*args, "--parallel", "pipeline", "--transport", "ring")
+    procs = _launch(tmp_path, [cmd, cmd], stdin=subprocess.PIPE)
+    try:
+        outs = [p.communicate(text, timeout=120) for p, text in zip(procs, (turns, ""))]
+        results = [(p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
+    finally:
+        for p in procs:
+            p.kill()
+    assert alone.returncode == 0 and [r[0] for r in results] == [0, 0], results[0][2][-2000:]
+    assert results[0][1] == alone.stdout and alone.stdout.strip()
+    assert results[1][1] == ""  # rank 1 prints nothing

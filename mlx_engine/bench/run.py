@@ -262,7 +262,7 @@ class EngineSide:
                 seen.add(id(t))
                 total += t.nbytes
 
-        for lw in tm.layers:
+        for lw in tm.layers.values():
             for t in lw.values():
                 add(t)
         add(tm.w.get("model.norm.weight"))
