@@ -147,7 +147,8 @@ class DistributedModel:
     def run(self, ctx: Context, batch: Batch, cache: Cache) -> Tensor:
         """This rank's share of one forward pass (after ``start_forward``): rank 0 returns the logits, another rank
         the tensor whose evaluation performs its share (its sends and collectives). ``batch.inputs`` is None on the
-        other ranks when the tokens are on rank 0's device (the last sampled ones)."""
+        other ranks when the tokens are on rank 0's device (the last sampled ones). Pipeline: rank 0 embeds and sends
+        the hidden states to the first stage, which is why the other ranks need no tokens."""
         n = len(batch.positions)
         g, m = self.group, self.model
         if self.plan.mode == "tensor":
@@ -158,16 +159,12 @@ class DistributedModel:
             h = m.run_layers(ctx, batch, m.embed(ctx, batch), cache)
             return m.logits(ctx, batch, h) if g.rank == 0 else h
         stage, last = self.plan.stage, len(self.plan.stages) - 1
-        first_rank = stage_rank(0, g.size)
-        if stage == 0:
-            if batch.inputs is None:
-                batch = replace(batch, inputs=g.recv((n,), DType.INT32, 0))
-            h = m.embed(ctx, batch)
+        shape = (1, n, self.config.hidden_size)
+        if g.rank == 0:  # the last stage; it also holds the embeddings (tied to the head, or beside it) and embeds
+            sent = g.send(m.embed(ctx, batch), stage_rank(0, g.size))
+            h = g.depends(g.recv(shape, m.dtype, stage_rank(stage - 1, g.size)), sent)
         else:
-            h = g.recv((1, n, self.config.hidden_size), m.dtype, stage_rank(stage - 1, g.size))
-            if g.rank == 0 and not isinstance(batch.inputs, np.ndarray):
-                # the first stage embeds the token sampled here; the send runs before this stage waits
-                h = g.depends(h, g.send(batch.inputs.reshape(n).astype(DType.INT32), first_rank))
+            h = g.recv(shape, m.dtype, 0 if stage == 0 else stage_rank(stage - 1, g.size))
         h = m.run_layers(ctx, batch, h, cache)
         if stage == last:
             return m.logits(ctx, batch, h)

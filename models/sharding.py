@@ -2,9 +2,10 @@
 is read, so that each rank reads only its share.
 
 - **Pipeline parallelism**: the layers are cut into ``size`` consecutive stages, balanced by the bytes they occupy
-  in the file (the stage with the embeddings and the one with the output head carry those too). Stage ``s`` runs on
-  rank ``(s + 1) % size``: rank 1 embeds and runs the first layers, the hidden states travel up the ring, and rank 0
-  runs the last layers and the head, so that the logits are where the sampler is.
+  in the file (the last stage also carries the embeddings and the output head). Stage ``s`` runs on rank
+  ``(s + 1) % size``: rank 0 embeds the tokens and sends the hidden states to rank 1, which runs the first layers;
+  they travel up the ring, and rank 0 runs the last layers and the head, so that the logits are where the sampler
+  is, and a head tied to the embeddings is held once.
 - **Tensor parallelism** (Megatron-LM's layout, Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter
   Language Models Using Model Parallelism", section 3): each rank holds a range of attention heads (rows of Q, K, V;
   the matching columns of the output projection) and a range of the MLP's columns (rows of gate and up, columns of
@@ -99,7 +100,7 @@ class Plan:
         """This rank's config (its heads and MLP columns) and :class:`ModelPart`."""
         if self.mode == "pipeline":
             last = self.stage == len(self.stages) - 1
-            return config, ModelPart(self.layers, embed=self.stage == 0, head=last)
+            return config, ModelPart(self.layers, embed=last, head=last)
         local = replace(config, num_heads=self.heads[1] - self.heads[0],
                         num_kv_heads=self.kv_heads[1] - self.kv_heads[0], intermediate_size=self.mlp[1] - self.mlp[0])
         return local, ModelPart(self.layers, embed=True, head=True, reduce=reduce)
@@ -108,14 +109,12 @@ class Plan:
         """What this rank reads of the file: tensor name -> None (all of it) or ``(axis, start, stop)``."""
         out: dict[str, tuple[int, int, int] | None] = {}
         names = wf.names()
-        tied = not any(n in ("output.weight",) or n.endswith("lm_head.weight") for n in names)
-        first, last = self.stage == 0, self.stage == len(self.stages) - 1
+        last = self.stage == len(self.stages) - 1
         d = self.head_dim
         for name in names:
             m = _LAYER.search(name)
             if m is None:
-                if self.mode == "pipeline" and (_is_embedding(name) and not (first or (last and tied))
-                                                or _is_head(name) and not last):
+                if self.mode == "pipeline" and not last and (_is_embedding(name) or _is_head(name)):
                     continue
                 out[name] = None
                 continue
@@ -174,9 +173,9 @@ def file_config(wf: Any) -> DecoderConfig:
     return cls.config_from_hf(wf.metadata)
 
 
-def _stages(layer_bytes: list[int], first_extra: int, last_extra: int, size: int) -> list[range]:
-    """Cut the layers into ``size`` consecutive non-empty stages minimising the largest stage's bytes (stage 0 also
-    holds ``first_extra`` bytes, the last ``last_extra``): a small dynamic programme over cut points."""
+def _stages(layer_bytes: list[int], last_extra: int, size: int) -> list[range]:
+    """Cut the layers into ``size`` consecutive non-empty stages minimising the largest stage's bytes (the last
+    stage also holds ``last_extra`` bytes): a small dynamic programme over cut points."""
     n = len(layer_bytes)
     pre = np.concatenate(([0], np.cumsum(layer_bytes, dtype=np.int64)))
     inf = float("inf")
@@ -185,7 +184,7 @@ def _stages(layer_bytes: list[int], first_extra: int, last_extra: int, size: int
     cut = [[0] * (n + 1) for _ in range(size + 1)]
     best[0][0] = 0
     for s in range(1, size + 1):
-        extra = (first_extra if s == 1 else 0) + (last_extra if s == size else 0)
+        extra = last_extra if s == size else 0
         for j in range(s, n - (size - s) + 1):
             for i in range(s - 1, j):
                 cost = max(best[s - 1][i], int(pre[j] - pre[i]) + extra)
@@ -243,8 +242,7 @@ def plan(wf: Any, mode: str, rank: int, size: int) -> Plan:
                 embed += wf.nbytes(name)
             elif _is_head(name):
                 head += wf.nbytes(name)
-        tied = not any(n == "output.weight" or n.endswith("lm_head.weight") for n in wf.names())
-        stages = _stages(per_layer, embed, head + (embed if tied else 0), size)
+        stages = _stages(per_layer, embed + head, size)
         every = (0, c.num_heads)
         return Plan(mode, rank, size, stages, every, (0, c.num_kv_heads), (0, c.intermediate_size), c.head_dim)
     heads, kv_heads = _split_heads(c, rank, size)

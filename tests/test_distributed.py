@@ -62,13 +62,12 @@ def test_stages_minimise_the_largest_and_cover_every_layer():
     for _ in range(30):
         n, size = int(rng.integers(3, 9)), int(rng.integers(2, 4))
         sizes = [int(x) for x in rng.integers(1, 100, n)]
-        first, last = int(rng.integers(0, 150)), int(rng.integers(0, 150))
-        got = _stages(sizes, first, last, size)
+        last = int(rng.integers(0, 150))
+        got = _stages(sizes, last, size)
         assert [i for r in got for i in r] == list(range(n)) and all(len(r) for r in got)
 
         def cost(stages):
-            return max(sum(sizes[i] for i in r) + (first if s == 0 else 0) + (last if s == size - 1 else 0)
-                       for s, r in enumerate(stages))
+            return max(sum(sizes[i] for i in r) + (last if s == size - 1 else 0) for s, r in enumerate(stages))
         best = min(cost([range(a, b) for a, b in zip((0,) + cuts, cuts + (n,))])
                    for cuts in itertools.combinations(range(1, n), size - 1))
         assert cost(got) == best
@@ -98,7 +97,7 @@ def test_plans_of_the_real_files_share_out_every_tensor(smollm2_gguf, gemma3_ggu
             if mode == "pipeline":  # every layer tensor on exactly one rank, whole
                 for n in layer_names:
                     assert sum(n in c for c in cuts) == 1 and all(c.get(n) is None for c in cuts if n in c)
-                assert "token_embd.weight" in cuts[1]  # stage 0 (rank 1) embeds
+                assert "token_embd.weight" in cuts[0] and all("token_embd.weight" not in c for c in cuts[1:])
             else:  # every q row and every MLP column on exactly one rank
                 q = "blk.0.attn_q.weight"
                 rows = sorted((range(c[q][1], c[q][2]) for c in cuts), key=lambda r: r.start)
@@ -360,3 +359,19 @@ def test_chat_on_two_ranks_answers_as_one_process(tmp_path, smollm2_gguf):
     assert alone.returncode == 0 and [r[0] for r in results] == [0, 0], results[0][2][-2000:]
     assert results[0][1] == alone.stdout and alone.stdout.strip()
     assert results[1][1] == ""  # rank 1 prints nothing
+
+
+def test_distributed_benchmark_reports_every_figure(smollm2_gguf):
+    """``benchmarks/distributed.py`` at tiny sizes: one process, then two ranks, with speed, communication and
+    per-rank memory (the figures themselves come from a full run on a quiet machine, not from a test)."""
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "distributed.py"), str(smollm2_gguf), "--ranks",
+                        "1", "2", "--modes", "tensor", "--prompt-tokens", "32", "--decode-tokens", "4", "--reps", "1",
+                        "--json"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)
+    assert [(x["mode"], x["ranks"]) for x in rows] == [("single", 1), ("tensor", 2)]
+    assert all(x["decode_tok_s"] > 0 and x["prefill_tok_s"] > 0 for x in rows)
+    assert rows[1]["comm_ms_per_token"] > 0 and rows[1]["messages_per_token"] == 2 + 2 * 30
+    assert [x["rank"] for x in rows[1]["per_rank"]] == [0, 1]
+    assert all(x["peak_bytes"] > 0 for x in rows[1]["per_rank"])
