@@ -375,3 +375,15 @@ def test_distributed_benchmark_reports_every_figure(smollm2_gguf):
     assert rows[1]["comm_ms_per_token"] > 0 and rows[1]["messages_per_token"] == 2 + 2 * 30
     assert [x["rank"] for x in rows[1]["per_rank"]] == [0, 1]
     assert all(x["peak_bytes"] > 0 for x in rows[1]["per_rank"])
+
+
+def test_a_rank_that_never_starts_stops_the_others_in_bounded_time(tmp_path, smollm2_gguf):
+    """Rank 0 alone (rank 1 never started): the transport's listening side would wait for ever; the start-up
+    watchdog ends it after MLX_ENGINE_RANK_TIMEOUT seconds with a message that says what to check."""
+    hostfile = _hostfile(tmp_path, 2)
+    t0 = time.monotonic()
+    r = subprocess.run(_cli("run", str(smollm2_gguf), "Hi", "--parallel", "tensor", "--transport", "ring"),
+                       env={**_env(0, hostfile), "MLX_ENGINE_RANK_TIMEOUT": "3"}, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and time.monotonic() - t0 < 30
+    assert "did not all connect and agree on the model within 3 s" in r.stderr and "Traceback" not in r.stderr
