@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -30,20 +31,25 @@ __all__ = ["MODES", "load_sharded", "launched_rank", "PeerLostError", "peer_lost
 START_TIMEOUT = 120.0
 
 
-def _watchdog(seconds: float) -> threading.Timer:
-    """Ends the process with a clear message unless cancelled within ``seconds``: the transport's connect is a
-    blocking call that nothing else can interrupt."""
-    def fire() -> None:
-        sys.stderr.write(f"Error: the ranks of the distributed run did not all connect and agree on the model within "
-                         f"{seconds:g} s (MLX_ENGINE_RANK_TIMEOUT); is every rank started, and can each reach the "
-                         "others' addresses? Stopping.\n")
-        sys.stderr.flush()
-        os._exit(1)
+class _Watchdog:
+    """Ends this process with a clear message unless cancelled within ``seconds``. The transport's connect is a
+    blocking call that holds the interpreter (no Python thread or signal handler runs meanwhile), so the watch is a
+    small child process: it sleeps, then writes the message to our stderr and kills us."""
 
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
-    return timer
+    _CODE = ("import os, signal, sys, time; time.sleep(float(sys.argv[2])); sys.stderr.write(sys.argv[3]); "
+             "sys.stderr.flush(); os.kill(int(sys.argv[1]), signal.SIGKILL)")
+
+    def __init__(self, seconds: float):
+        message = (f"Error: the ranks of the distributed run did not all connect and agree on the model within "
+                   f"{seconds:g} s (MLX_ENGINE_RANK_TIMEOUT); is every rank started, and can each reach the others' "
+                   "addresses? Stopping.\n")
+        self.child = subprocess.Popen([sys.executable, "-c", self._CODE, str(os.getpid()), str(seconds), message],
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+    def cancel(self) -> None:
+        if self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
 
 
 def launched_rank() -> int:
@@ -86,7 +92,7 @@ def load_sharded(path: Path, make_backend: Callable[..., Any], parallel: str, tr
     """
     if parallel not in MODES:
         raise InvalidRequestError(f"unknown parallel mode {parallel!r}; use {' or '.join(MODES)}")
-    watchdog = _watchdog(float(os.environ.get("MLX_ENGINE_RANK_TIMEOUT", START_TIMEOUT)))
+    watchdog = _Watchdog(float(os.environ.get("MLX_ENGINE_RANK_TIMEOUT", START_TIMEOUT)))
     try:
         group = init_group(transport)
     except BaseException:

@@ -385,5 +385,5 @@ def test_a_rank_that_never_starts_stops_the_others_in_bounded_time(tmp_path, smo
     r = subprocess.run(_cli("run", str(smollm2_gguf), "Hi", "--parallel", "tensor", "--transport", "ring"),
                        env={**_env(0, hostfile), "MLX_ENGINE_RANK_TIMEOUT": "3"}, capture_output=True, text=True,
                        timeout=60)
-    assert r.returncode == 1 and time.monotonic() - t0 < 30
+    assert r.returncode != 0 and time.monotonic() - t0 < 30
     assert "did not all connect and agree on the model within 3 s" in r.stderr and "Traceback" not in r.stderr
