@@ -554,15 +554,15 @@ class Group(abc.ABC):
     def depends(self, x: Tensor, *deps: Tensor) -> Tensor:
         """``x``, computed only after ``deps`` (so that evaluating ``x`` also performs a send among them)."""
 
+    @abc.abstractmethod
     def exchange(self, data: bytes, capacity: int = 1024) -> list[bytes]:
         """Every rank's ``data`` (at most ``capacity`` bytes), in rank order, on every rank, now (evaluated).
         Raises ``ValueError`` for more than ``capacity`` bytes, ``RuntimeError`` when a peer is gone."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def broadcast_bytes(self, data: "bytes | None", capacity: int = 4096) -> bytes:
         """Rank 0's ``data`` on every rank, now (evaluated): rank 0 passes the bytes, the others None.
 
         One collective of ``capacity`` bytes when the message fits it (a 4-byte length, then the payload), a second
         one for the rest otherwise. Raises ``RuntimeError`` when a peer is gone.
         """
-        raise NotImplementedError
