@@ -5,6 +5,7 @@
 - :class:`ChunkedAttentionCache`: positions of the token's chunk.
 - :class:`EncoderCache`: cross-attention keys and values of an encoder output.
 - :class:`WrapperCache`: one of the above per layer type.
+- :class:`RecurrentCache`: a KV cache plus per-sequence recurrent state and checkpoints (hybrid models).
 
 See :mod:`mlx_engine.kvcache.base` for the interface and its semantics.
 """
@@ -12,7 +13,8 @@ See :mod:`mlx_engine.kvcache.base` for the interface and its semantics.
 from mlx_engine.kvcache.base import Cache, LayerShape, ShiftFn
 from mlx_engine.kvcache.causal import CausalCache, ChunkedAttentionCache, SlidingWindowCache, SlidingWindowMemoryCache
 from mlx_engine.kvcache.encoder import EncoderCache
+from mlx_engine.kvcache.recurrent import RecurrentCache
 from mlx_engine.kvcache.wrapper import WrapperCache
 
-__all__ = ["Cache", "CausalCache", "ChunkedAttentionCache", "EncoderCache", "LayerShape", "ShiftFn",
+__all__ = ["Cache", "CausalCache", "ChunkedAttentionCache", "EncoderCache", "LayerShape", "RecurrentCache", "ShiftFn",
            "SlidingWindowCache", "SlidingWindowMemoryCache", "WrapperCache"]

@@ -143,6 +143,18 @@ class Cache(abc.ABC):
         """Whether ``seq`` can continue with its next token at position ``pos`` (after ``remove(seq, pos, None)``):
         the cache still holds everything the token at ``pos`` needs to see."""
 
+    def restore_point(self, seq: int, pos: int) -> int:
+        """The largest position ``r <= pos`` at which ``seq`` can resume (``remove(seq, r, None)`` then succeeds):
+        ``pos`` itself for a KV cache that can resume there, else 0. A recurrent cache answers with its checkpoints."""
+        return pos if self.can_resume(seq, pos) else 0
+
+    #: Whether the cache rolls back only to checkpoints, so that the runner should ask for them (a recurrent cache).
+    keeps_checkpoints = False
+
+    def request_checkpoint(self, seq: int) -> None:
+        """Ask for a restore point after the next forward pass of ``seq``. A KV cache can resume anywhere: nothing
+        to do."""
+
     @abc.abstractmethod
     def remove(self, seq: int, begin: int, end: Optional[int]) -> None:
         """Drop the positions ``begin .. end - 1`` of ``seq`` (``end=None``: to the end).

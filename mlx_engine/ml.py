@@ -251,6 +251,10 @@ class Tensor(abc.ABC):
     def astype(self, dtype: DType) -> "Tensor": ...
 
     @abc.abstractmethod
+    def copy(self) -> "Tensor":
+        """The same values in storage of their own: a slice kept this way no longer holds its parent's memory."""
+
+    @abc.abstractmethod
     def dequantize(self) -> "Tensor":
         """A quantized tensor as a dense one in its ``dtype``; a dense tensor is returned as it is."""
 

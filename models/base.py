@@ -42,6 +42,8 @@ class DecoderConfig:
         qk_norm: per-head RMSNorm on queries and keys (Qwen3, Gemma 3).
         sandwich_norm: RMSNorm after attention and after the MLP too (Gemma 2/3).
         activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU).
+        conv_kernel: the kernel size of the short convolutions of ``"conv"`` layers (LFM2's ``conv_L_cache``).
+        conv_bias: those convolutions and their projections have biases.
     """
 
     architecture: str
@@ -67,6 +69,8 @@ class DecoderConfig:
     sandwich_norm: bool = False
     activation: str = "silu"
     attention_bias: bool = False
+    conv_kernel: int = 0
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         """Validate every field, so that a bad model fails at load, never at the first forward pass.
@@ -104,13 +108,18 @@ class DecoderConfig:
         if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= _LAYER_TYPES:
             raise WeightsError(f"model config's layer_types has {len(self.layer_types)} entries for "
                                f"{self.num_layers} layers, or kinds other than {sorted(_LAYER_TYPES)}")
+        if "conv" in self.layer_types and (not isinstance(self.conv_kernel, int) or not 2 <= self.conv_kernel <= 64):
+            raise WeightsError(f"model config has convolution layers of kernel size {self.conv_kernel!r}; it must be "
+                               "an integer from 2 to 64")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise WeightsError("model config has sliding-window layers but no sliding_window")
         if self.query_scale is None:
             self.query_scale = self.head_dim ** -0.5
 
 
-_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "conv"})
+#: Layer types whose tokens attend through the KV cache; the others keep a recurrent state (hybrid models).
+ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention"})
 #: More layers than any released model has by far; a bigger count in a file is a lie, refused before lists are made.
 MAX_LAYERS = 4096
 
@@ -213,10 +222,17 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     sums the partial outputs of the two row-sharded projections (output and down) over the ranks, before the
     residual add and the sandwich norms (Megatron-LM's layout, Shoeybi et al. 2019)."""
     n = h.shape[1]
-    eps = c.rms_norm_eps
     o = o.transpose(0, 2, 1, 3).reshape(1, n, c.num_heads * c.head_dim).linear(w["o"])
     if reduce is not None:
         o = reduce(o)
+    return feed_forward(c, h, o, w, reduce)
+
+
+def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None],
+                 reduce: "Callable[[Tensor], Tensor] | None" = None) -> Tensor:
+    """The second half of a layer: ``h + o`` (the token mixer's output ``o [1, N, D]``, attention or recurrent),
+    the norms, and the gated MLP with its residual; returns the new ``h [1, N, D]``."""
+    eps = c.rms_norm_eps
     if c.sandwich_norm:
         h = h + o.rms_norm(w["post_attn_norm"], eps)
         x = h.rms_norm(w["pre_ffn_norm"], eps)
@@ -318,11 +334,16 @@ class DecoderModel(abc.ABC):
                 want["model.embed_tokens.weight"] = (c.vocab_size, d)
         for i in part.layers:
             p = f"model.layers.{i}."
-            want.update({p + "input_layernorm.weight": (d,), p + "self_attn.q_proj.weight": (q, d),
-                         p + "self_attn.k_proj.weight": (kv, d), p + "self_attn.v_proj.weight": (kv, d),
-                         p + "self_attn.o_proj.weight": (d, q), p + "mlp.gate_proj.weight": (ff, d),
+            want.update({p + "input_layernorm.weight": (d,), p + "mlp.gate_proj.weight": (ff, d),
                          p + "mlp.up_proj.weight": (ff, d), p + "mlp.down_proj.weight": (d, ff),
                          p + "post_attention_layernorm.weight": (d,)})
+            if not self.is_attention(i):
+                req, opt = self.mixer_shapes(i)
+                want.update(req)
+                optional.update(opt)
+                continue
+            want.update({p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+                         p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q)})
             norms = {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
             (want if c.qk_norm else optional).update(norms)
             norms = {p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)}
@@ -340,6 +361,18 @@ class DecoderModel(abc.ABC):
                                    f"(hidden {d}, {c.num_heads} heads of {c.head_dim}, {c.num_kv_heads} key/value "
                                    f"heads, feed-forward {ff}, vocabulary {c.vocab_size}); the file is inconsistent")
 
+    def mixer_shapes(self, layer: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """``(required, optional)`` tensor shapes of a recurrent layer's token mixer (hybrid architectures)."""
+        raise WeightsError(f"layer {layer} of this {self.architecture} model is a {self.config.layer_types[layer]!r} "
+                           "layer, which the architecture does not have")
+
+    def recurrent_layer(self, ctx: Context, layer: int, w: dict[str, Tensor | None], h: Tensor,
+                        cache: "Cache") -> Tensor:
+        """One recurrent layer on ``h [1, N, D]``, its state in the cache (a ``RecurrentCache``); returns the new
+        ``h``. Hybrid architectures implement it."""
+        raise WeightsError(f"layer {layer} of this {self.architecture} model is a {self.config.layer_types[layer]!r} "
+                           "layer, which the architecture does not have")
+
     def _layer_weights(self, i: int) -> dict[str, Tensor | None]:
         p = f"model.layers.{i}."
         names = {
@@ -356,6 +389,10 @@ class DecoderModel(abc.ABC):
     def is_sliding(self, layer: int) -> bool:
         return self.config.layer_types[layer] == "sliding_attention"
 
+    def is_attention(self, layer: int) -> bool:
+        """Whether the layer attends through the KV cache (else it keeps a recurrent state)."""
+        return self.config.layer_types[layer] in ATTENTION_TYPES
+
     def make_cache(self, kv_bits: int | None = None) -> "Cache":
         """The cache for this model: causal, or a wrapper of sliding-window and causal caches per layer type."""
         from mlx_engine.kvcache import CausalCache, SlidingWindowMemoryCache, WrapperCache
@@ -370,7 +407,7 @@ class DecoderModel(abc.ABC):
 
     def layer_kv_shapes(self) -> list[tuple[int, int, int]]:
         c = self.config
-        return [(c.num_kv_heads, c.head_dim, c.head_dim) if i in self.part.layers else None
+        return [(c.num_kv_heads, c.head_dim, c.head_dim) if i in self.part.layers and self.is_attention(i) else None
                 for i in range(c.num_layers)]
 
     def _rope_args(self, layer: int) -> tuple[float | None, "Tensor | None"]:
@@ -469,6 +506,9 @@ class DecoderModel(abc.ABC):
         for i, lw in self.layers.items():
             if output_layer is not None and i > output_layer:
                 break
+            if not self.is_attention(i):
+                h = self.recurrent_layer(ctx, i, lw, h, cache)
+                continue
             cache.set_layer(i)
             if compiled:
                 fn, names = self._compiled_block("in", i)

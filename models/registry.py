@@ -12,13 +12,14 @@ from mlx_engine.errors import UnsupportedError
 from mlx_engine.ml import Backend
 from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.gemma3 import Gemma3
+from mlx_engine.models.lfm2 import LFM2
 from mlx_engine.models.llama import Llama
 from mlx_engine.models.qwen3 import Qwen3
 from mlx_engine.models.tokenizer import Tokenizer
 
 # Names as GGUF's general.architecture and Hugging Face's model_type spell them.
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
-    "llama": Llama, "mistral": Llama, "gemma3": Gemma3, "gemma3_text": Gemma3, "qwen3": Qwen3,
+    "llama": Llama, "mistral": Llama, "gemma3": Gemma3, "gemma3_text": Gemma3, "qwen3": Qwen3, "lfm2": LFM2,
 }
 
 

@@ -193,6 +193,9 @@ class MLXTensor(Tensor):
     def astype(self, dtype):
         return MLXTensor(self.a.astype(TO_MX[dtype]))
 
+    def copy(self):
+        return MLXTensor(mx.contiguous(self.a))
+
     def dequantize(self):
         return self
 
