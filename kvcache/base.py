@@ -151,6 +151,11 @@ class Cache(abc.ABC):
     #: Whether the cache rolls back only to checkpoints, so that the runner should ask for them (a recurrent cache).
     keeps_checkpoints = False
 
+    def state_tensors(self) -> list[Tensor]:
+        """Tensors the current forward pass wrote that its logits do not depend on (a recurrent cache's new states),
+        to evaluate with them. A KV cache has none."""
+        return []
+
     def request_checkpoint(self, seq: int) -> None:
         """Ask for a restore point after the next forward pass of ``seq``. A KV cache can resume anywhere: nothing
         to do."""

@@ -14,16 +14,19 @@ A recurrent layer does not keep one entry per past token: it folds every token i
   runner asked for one with :meth:`request_checkpoint`), the cache keeps a copy of the state after token ``p``; at
   most ``checkpoint_count`` per slot, the oldest dropped first. Defaults are the seed's: 24 checkpoints, the first
   at position 16, then every 1,664 tokens.
+- **One step back.** The state before a slot's last forward pass is kept too (references, no copy), so a sequence
+  can step back over its last token: a stop token that the chat template writes differently next turn.
 - **Roll-back** (:meth:`remove` of ``begin .. end``) is possible only to a position with a checkpoint right before it
-  (``begin - 1``), to the start (``begin = 0``: drop the sequence) or to where the sequence already is; anything else
+  (``begin - 1``), to the start (``begin = 0``: drop the sequence), one step back, or to where the sequence is; anything else
   is refused with :class:`CacheError` and the cache is unchanged. :meth:`restore_point` tells the runner the nearest
   position at or before a wanted one that it can roll back to; it then prefills from there.
 - **Batches.** The recurrent layers run ``[S, L, D]``: each sequence of the batch must hold the same number ``L`` of
   consecutive tokens, contiguous in the batch, continuing its state (:meth:`is_supported_for_batch`). Prefill chunks
   (one sequence) and decode steps (one token per sequence) always are.
 
-Memory is bounded by the configuration, however long a sequence runs: ``max_sequences`` slots plus at most
-``checkpoint_count`` checkpoints per slot, each ``sum(state sizes)``, besides the KV cache of the attention layers.
+Memory is bounded by the configuration, however long a sequence runs: ``max_sequences`` slots, each holding its
+state, the state one step back and at most ``checkpoint_count`` checkpoints, each ``sum(state sizes)``, besides the
+KV cache of the attention layers.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class RecurrentCache(Cache):
         self._states: list[dict[StateKey, Tensor]] = [{} for _ in range(max_sequences)]
         self._length = [0] * max_sequences          # tokens folded into each slot's state
         self._checkpoints: list[list[Checkpoint]] = [[] for _ in range(max_sequences)]
+        self._previous: list[Optional[Checkpoint]] = [None] * max_sequences  # the state before the last forward
         self._keys: set[StateKey] = set()           # every state the model has written: a checkpoint needs them all
         self._broken: set[int] = set()              # sequences that hold KV entries but no state to continue from
         self._forced: set[int] = set()
@@ -196,6 +200,7 @@ class RecurrentCache(Cache):
                     self._cur.append((s, -1, None))
                     continue
                 slot = self._writable_slot(s)
+                self._previous[slot] = Checkpoint(p - 1, dict(self._states[slot])) if p > 0 else None
                 last = p + length - 1
                 self._length[slot] = last + 1
                 self._cur.append((s, slot, self._plan_checkpoint(s, slot, last)))
@@ -209,12 +214,13 @@ class RecurrentCache(Cache):
         new = self._free.pop()
         self._refs[new] = 1
         if slot is None:
-            self._states[new], self._checkpoints[new], self._length[new] = {}, [], 0
+            self._states[new], self._checkpoints[new], self._length[new], self._previous[new] = {}, [], 0, None
         else:
             self._refs[slot] -= 1
             self._states[new] = dict(self._states[slot])
             self._checkpoints[new] = list(self._checkpoints[slot])
             self._length[new] = self._length[slot]
+            self._previous[new] = self._previous[slot]
         self._slot_of[seq] = new
         return new
 
@@ -278,8 +284,11 @@ class RecurrentCache(Cache):
 
     # ---- sequences -----------------------------------------------------------------------------------------------
     def _checkpoint_at(self, slot: int, pos: int) -> Optional[Checkpoint]:
-        """The complete checkpoint of ``slot`` after token ``pos``, or None."""
-        for cp in self._checkpoints[slot]:
+        """The complete checkpoint of ``slot`` after token ``pos`` (or the state before its last forward pass, kept
+        so that a sequence can step back over its last token: a stop token the chat template writes otherwise),
+        or None."""
+        prev = self._previous[slot]
+        for cp in self._checkpoints[slot] + ([prev] if prev is not None else []):
             if cp.pos == pos and self._keys <= cp.states.keys():
                 return cp
         return None
@@ -312,7 +321,9 @@ class RecurrentCache(Cache):
         self._check()
         if self.can_resume(seq, pos):
             return pos
-        for cp in sorted(self.checkpoints(seq), reverse=True):
+        slot = self._slot_of.get(seq)
+        prev = self._previous[slot] if slot is not None else None
+        for cp in sorted(self.checkpoints(seq) + ([prev.pos] if prev is not None else []), reverse=True):
             if cp + 1 <= pos and self.can_resume(seq, cp + 1):
                 return cp + 1
         return 0
@@ -345,6 +356,7 @@ class RecurrentCache(Cache):
         self._restore(slot, cp, self._checkpoints[src])
 
     def _restore(self, slot: int, cp: Checkpoint, checkpoints: list[Checkpoint]) -> None:
+        self._previous[slot] = None
         self._states[slot] = dict(cp.states)
         self._length[slot] = cp.pos + 1
         self._checkpoints[slot] = [c for c in checkpoints if c.pos <= cp.pos]
@@ -357,6 +369,7 @@ class RecurrentCache(Cache):
             self._refs[slot] -= 1
             if self._refs[slot] == 0:
                 self._states[slot], self._checkpoints[slot], self._length[slot] = {}, [], 0
+                self._previous[slot] = None
                 self._free.append(slot)
 
     def remove(self, seq: int, begin: int, end: Optional[int]) -> None:
@@ -406,7 +419,7 @@ class RecurrentCache(Cache):
         for slot in set(self._slot_of.values()):
             for t in self._states[slot].values():
                 seen[id(t)] = t.nbytes
-            for cp in self._checkpoints[slot]:
+            for cp in self._checkpoints[slot] + [self._previous[slot] or Checkpoint(-1)]:
                 for t in cp.states.values():
                     seen[id(t)] = t.nbytes
         return self.kv.nbytes() + sum(seen.values())

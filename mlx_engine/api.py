@@ -30,6 +30,7 @@ from mlx_engine.errors import ChatTemplateError, IncompleteOutputError, InvalidR
 from mlx_engine.kvcache.causal import KV_BITS
 from mlx_engine.ml import DType
 from mlx_engine.mlx import MLXBackend
+from mlx_engine.models.base import ATTENTION_TYPES
 from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
 from mlx_engine.models.registry import load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner
@@ -123,9 +124,12 @@ class Model:
         per_value = item if kv_bits is None else kv_bits / 8 + 2 * item / 32  # values, plus scales and biases
         cells = 0
         for kind in c.layer_types:
+            if kind not in ATTENTION_TYPES:
+                continue  # a recurrent layer's state is counted below
             window = c.sliding_window if kind == "sliding_attention" else None
             cells += ctx_len if window is None else min(ctx_len, window + 256 + prefill_chunk)
-        need = int(max_sequences * cells * 2 * c.num_kv_heads * c.head_dim * per_value)
+        need = int(max_sequences * (cells * 2 * c.num_kv_heads * c.head_dim * per_value
+                                    + self.text_model.state_bytes()))
         have = self.backend.device_memory()
         free = have - self.weights_bytes
         if need > free:

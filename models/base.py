@@ -270,6 +270,7 @@ class DecoderModel(abc.ABC):
         self.head = (weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
                      if self.part.head else None)
         self.layers = {i: self._layer_weights(i) for i in self.part.layers}
+        self.cache_options: dict[str, Any] = {}  # keyword arguments of the cache a hybrid model makes (checkpoints)
         self.compile_decode = True  # single-token steps through Backend.compile (False: op by op, for comparison)
         self._compiled: dict[tuple, Any] = {}
 
@@ -404,6 +405,11 @@ class DecoderModel(abc.ABC):
         sliding = SlidingWindowMemoryCache(w, w + 256, shift_fn=self.shift, kv_bits=kv_bits)
         full = CausalCache(shift_fn=self.shift, kv_bits=kv_bits)
         return WrapperCache([full, sliding], [1 if self.is_sliding(i) else 0 for i in range(self.config.num_layers)])
+
+    def state_bytes(self) -> int:
+        """The most bytes of recurrent state one sequence holds in the cache (its state and its checkpoints): 0 for
+        a model without recurrent layers."""
+        return 0
 
     def layer_kv_shapes(self) -> list[tuple[int, int, int]]:
         c = self.config

@@ -144,7 +144,14 @@ class LFM2(DecoderModel):
         the others."""
         from mlx_engine.kvcache import RecurrentCache
 
-        return RecurrentCache(shift_fn=self.shift, kv_bits=kv_bits)
+        return RecurrentCache(shift_fn=self.shift, kv_bits=kv_bits, **self.cache_options)
+
+    def state_bytes(self) -> int:
+        from mlx_engine.kvcache.recurrent import CHECKPOINT_COUNT
+
+        c = self.config
+        conv = sum(t == "conv" for t in c.layer_types) * (c.conv_kernel - 1) * c.hidden_size * 4  # float32 states
+        return conv * (2 + self.cache_options.get("checkpoint_count", CHECKPOINT_COUNT))  # now, one step back
 
     def recurrent_layer(self, ctx: Context, layer: int, w: dict[str, Tensor | None], h: Tensor,
                         cache: "Cache") -> Tensor:

@@ -143,8 +143,7 @@ class Runner:
         cached = self._cached.get(seq, [])
         n = min(_common_prefix(cached, tokens), len(tokens) - 1)  # at least one token must run to give logits
         if n < len(cached):
-            if n > 0 and not self.cache.can_resume(seq, n):
-                n = 0
+            n = self.cache.restore_point(seq, n) if n > 0 else 0  # a recurrent state: its nearest checkpoint
             self.cache.remove(seq, n, None)
             self._cached[seq] = cached[:n]
         return n
@@ -166,6 +165,17 @@ class Runner:
         return Constraint(self.grammar_tokenizer(), req.response_format, req.max_tokens)
 
     # ---- prefill -----------------------------------------------------------------------------------------------
+    def chunk_bounds(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The ``[begin, end)`` ranges in which positions ``start .. end - 1`` of a prompt are prefilled: chunks of
+        at most ``prefill_chunk`` tokens; with a cache that rolls back only to checkpoints (a recurrent state), the
+        prompt's last token runs alone after a checkpoint, so that the same prompt can be answered again (a
+        regenerated reply, an edited last message) by running one token instead of the whole prompt."""
+        bounds = [(b, min(b + self.prefill_chunk, end)) for b in range(start, end, self.prefill_chunk)]
+        if self.cache.keeps_checkpoints and end - start > 1:
+            b, e = bounds.pop()
+            bounds += ([(b, e - 1)] if e - 1 > b else []) + [(e - 1, e)]
+        return bounds
+
     def prefill_chunks(self, ctx, seq: int, tokens: Sequence[int]) -> tuple[int, Iterator[Tensor]]:
         """Prefill ``tokens`` of sequence ``seq`` one chunk at a time, reusing the cached prefix.
 
@@ -176,12 +186,15 @@ class Runner:
         Raises ``CacheFullError`` (from ``next()``) when the cache has no room.
         """
         start = self._reuse(seq, tokens)
+        bounds = self.chunk_bounds(start, len(tokens))
 
         def chunks() -> Iterator[Tensor]:
-            for begin in range(start, len(tokens), self.prefill_chunk):
-                chunk = np.asarray(tokens[begin:begin + self.prefill_chunk], np.int32)
+            for begin, end in bounds:
+                chunk = np.asarray(tokens[begin:end], np.int32)
+                if self.cache.keeps_checkpoints and end == len(tokens) - 1:
+                    self.cache.request_checkpoint(seq)
                 logits = self.model.forward(ctx, Batch.single(chunk, begin, seq), self.cache)
-                ctx.evaluate(logits)
+                ctx.evaluate(logits, *self.cache.state_tensors())
                 self._cached.setdefault(seq, []).extend(int(t) for t in chunk)
                 yield logits
         return start, chunks()
@@ -238,6 +251,8 @@ class Runner:
         sliding window that has moved past the prefix), in which case ``dst`` is left empty."""
         self.reset(dst)
         n = min(_common_prefix(self._cached.get(src, []), tokens), len(tokens) - 1)
+        if n > 0:
+            n = self.cache.restore_point(src, n)  # a recurrent state is shared at one of its checkpoints
         if n <= 0:
             return 0
         self.cache.copy_prefix(src, dst, n)

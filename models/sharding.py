@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
-from mlx_engine.models.base import DecoderConfig, ModelPart
+from mlx_engine.models.base import ATTENTION_TYPES, DecoderConfig, ModelPart
 
 __all__ = ["MODES", "Plan", "plan", "stage_rank", "file_config"]
 
@@ -221,13 +221,16 @@ def plan(wf: Any, mode: str, rank: int, size: int) -> Plan:
     """This rank's :class:`Plan` for the open weight file ``wf``.
 
     Raises:
-        UnsupportedError: fewer layers than ranks (pipeline), fewer heads or MLP column blocks than ranks (tensor).
+        UnsupportedError: a hybrid model (recurrent layers), fewer layers than ranks (pipeline), fewer heads or MLP column blocks than ranks (tensor).
         InvalidRequestError: an unknown mode.
     """
     if mode not in MODES:
         raise InvalidRequestError(f"unknown parallel mode {mode!r}; use pipeline or tensor")
     c = file_config(wf)
     layers = c.num_layers
+    if not set(c.layer_types) <= ATTENTION_TYPES:
+        raise UnsupportedError(f"{c.architecture} is a hybrid model (layers with a recurrent state); it runs on one "
+                               "machine only for now, without --parallel")
     if mode == "pipeline":
         if layers < size:
             raise UnsupportedError(f"pipeline parallelism over {size} ranks needs at least {size} layers; this "

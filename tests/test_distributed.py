@@ -308,9 +308,9 @@ def _hf_folder(tmp: Path) -> Path:
     from safetensors.numpy import save_file
 
     from tests.test_models_random import CONFIGS, FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, _random_weights
-    from tests.zimage_small import _tokenizer
+    from tests.zimage_small import small_tokenizer
 
-    tokenizer = _tokenizer()
+    tokenizer = small_tokenizer()
     vocab = 512
     assert len(tokenizer) <= vocab
     rng = np.random.default_rng(5)

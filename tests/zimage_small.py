@@ -32,7 +32,7 @@ CORPUS = ["a red circle on a blue background", "a small green square in the top 
           "a yellow triangle at the bottom right", "dance monkey", "bad quality, blurry", "user assistant"]
 
 
-def _tokenizer():
+def small_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,7 +52,7 @@ def build_pipeline():
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    tokenizer = _tokenizer()
+    tokenizer = small_tokenizer()
     torch.manual_seed(0)
     transformer = ZImageTransformer2DModel(
         all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2, n_refiner_layers=1,

@@ -223,7 +223,7 @@ class TextScheduler:
         job.history = list(tokens) if job.options.sampler.uses_history else None
         reused, job.chunks = runner.prefill_chunks(ctx, dst.seq, tokens)
         job.ctx = ctx
-        job.chunks_left = -(-(len(tokens) - reused) // runner.prefill_chunk)
+        job.chunks_left = len(runner.chunk_bounds(reused, len(tokens)))
         job.stats.cached_tokens = reused
         job.t_start = time.perf_counter()
         job.stats.queued_s = job.t_start - job.t_submit

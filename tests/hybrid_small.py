@@ -1,0 +1,124 @@
+"""Small random hybrid checkpoints built with transformers on PyTorch CPU and saved in Hugging Face's folder layout
+(with a small trained BPE tokenizer and a ChatML template), and the same weights written as a GGUF file the way
+llama.cpp's ``convert_hf_to_gguf.py`` names them: the references of the hybrid-model tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 512
+LFM2_LAYERS = ["conv", "conv", "full_attention", "conv", "full_attention", "conv"]
+
+
+def char_tokenizer():
+    """A byte-level BPE tokenizer without merges (one token per byte) and a ChatML template: text the model writes
+    from single characters tokenizes back to the same ids, so a chat's next turn finds its history in the cache."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.zimage_small import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + len(SPECIAL_TOKENS), special_tokens=SPECIAL_TOKENS,
+                                  show_progress=False, initial_alphabet=alphabet)
+    tok.train_from_iterator(["no merges"], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def _randomize(model, seed: int) -> None:
+    """Weights large enough that every layer matters (transformers initialises norms to 1 and projections tiny)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else noise * (1.0 if "embed" in name else 0.2))
+
+
+def build_lfm2(folder: Path, seed: int = 0):
+    """A random LFM2 (hidden 64, 6 layers: 4 convolution, 2 attention with 4 heads over 2 key/value heads, kernel 3,
+    tied head) saved to ``folder``; returns the transformers model (eval mode)."""
+    import torch
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=len(LFM2_LAYERS),
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                        layer_types=LFM2_LAYERS, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                        conv_L_cache=3, tie_word_embeddings=True, eos_token_id=2, bos_token_id=None)
+    model = Lfm2ForCausalLM(config).eval()
+    _randomize(model, seed)
+    model.save_pretrained(folder)
+    # LiquidAI's own config.json files also carry block_dim and block_ff_dim, which mlx-lm's LFM2 requires
+    path = folder / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "block_dim": config.hidden_size, "block_ff_dim": config.intermediate_size}))
+    tokenizer = char_tokenizer()
+    assert len(tokenizer) <= VOCAB
+    tokenizer.save_pretrained(str(folder))
+    return model
+
+
+# transformers' LFM2 names -> llama.cpp's (gguf-py's tensor map for MODEL_ARCH.LFM2)
+_LFM2_GGUF = [("model.embed_tokens.", "token_embd."), ("model.embedding_norm.", "token_embd_norm."),
+              ("model.layers.", "blk."), (".operator_norm.", ".attn_norm."), (".feed_forward.w1.", ".ffn_gate."),
+              (".feed_forward.w3.", ".ffn_up."), (".feed_forward.w2.", ".ffn_down."),
+              (".self_attn.q_proj.", ".attn_q."), (".self_attn.k_proj.", ".attn_k."),
+              (".self_attn.v_proj.", ".attn_v."), (".self_attn.out_proj.", ".attn_output."),
+              (".self_attn.q_layernorm.", ".attn_q_norm."), (".self_attn.k_layernorm.", ".attn_k_norm."),
+              (".conv.conv.", ".shortconv.conv."), (".conv.in_proj.", ".shortconv.in_proj."),
+              (".conv.out_proj.", ".shortconv.out_proj.")]
+
+
+def lfm2_gguf(model, path: Path) -> Path:
+    """Write ``model`` (a transformers LFM2) as an F32 GGUF file as llama.cpp's converter does: ``head_count_kv``
+    per layer with 0 for a convolution layer, ``shortconv.l_cache``, the convolution weight squeezed to ``[D, K]``."""
+    import gguf
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "lfm2")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(model.model.layers[0].feed_forward.w1.out_features)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([c.num_key_value_heads if t != "conv" else 0 for t in c.layer_types])
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_shortconv_l_cache(c.conv_L_cache)
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied to the embeddings
+        a = t.detach().numpy().astype(np.float32)
+        if ".conv.conv." in name:
+            a = a.reshape(a.shape[0], a.shape[2])
+        for x, y in _LFM2_GGUF:
+            name = name.replace(x, y)
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def greedy_reference(model, prompt: list[int], n: int) -> tuple[np.ndarray, list[int]]:
+    """transformers' first-step logits (float32 ``[vocab]``) and ``n`` greedy tokens (its own cache, no EOS stop)."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        first = model(ids).logits[0, -1].float().numpy()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return first, out[0, len(prompt):].tolist()

@@ -1,0 +1,213 @@
+"""Hybrid models on the recurrent cache: LFM2 against transformers and mlx-lm on a small random checkpoint (folder
+and GGUF), chunked and batched prefill, copy-on-write, checkpoint restore, roll-back refusals, bounded memory, and a
+10-turn chat session that prefills only each new message."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_engine.batch import Batch
+from mlx_engine.errors import CacheError
+from mlx_engine.kvcache import RecurrentCache
+from mlx_engine.mlx import MLXBackend
+from mlx_engine.models.registry import load_text_model
+from mlx_engine.models.runner import GenerationStats, Request, Runner, logits_for
+from mlx_engine.models.sampler import SamplerOptions
+from tests.hybrid_small import build_lfm2, greedy_reference, lfm2_gguf
+
+pytest.importorskip("torch")
+
+INTERVAL = 48  # the test cache's checkpoint interval: prompts below are longer than it
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hybrid") / "lfm2"
+    return folder, build_lfm2(folder)
+
+
+def _runner(path, *, chunk: int = 64, sequences: int = 4, count: int = 24, interval: int = INTERVAL,
+            min_pos: int = 16) -> Runner:
+    model = load_text_model(MLXBackend(path, dtype="float32"))
+    model.cache_options = dict(checkpoint_count=count, checkpoint_interval=interval, checkpoint_min_pos=min_pos)
+    return Runner(model, _NoText(), context_length=1024, max_sequences=sequences, prefill_chunk=chunk)
+
+
+class _NoText:
+    """The runner's view of a tokenizer for token-level tests: no end-of-sequence id stops generation."""
+
+    eos_ids: frozenset = frozenset()
+
+
+def _greedy(runner: Runner, prompt: list[int], n: int, seq: int = 0) -> tuple[list[int], GenerationStats]:
+    stats = GenerationStats()
+    req = Request(prompt, SamplerOptions(temperature=0.0), max_tokens=n, sequence=seq)
+    return list(runner.generate_tokens(req, stats)), stats
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 261, n)]
+
+
+def test_lfm2_matches_transformers(lfm2):
+    folder, reference = lfm2
+    prompt = _prompt(1, 150)  # 3 chunks of 64, longer than the checkpoint interval
+    ref_first, ref_tokens = greedy_reference(reference, prompt, 64)
+    runner = _runner(folder)
+    first = logits_for(runner.model, runner, prompt)
+    assert np.abs(first - ref_first).max() <= 1e-3 * np.abs(ref_first).max()
+    tokens, _ = _greedy(runner, prompt, 64)
+    assert tokens == ref_tokens
+    assert runner.cache.checkpoints(0)  # checkpoints were taken on the way
+
+
+def test_lfm2_matches_mlx_lm(lfm2):
+    from mlx_lm.utils import load_model
+
+    from tests.reference import mlx_lm_greedy
+
+    folder, _ = lfm2
+    prompt = _prompt(2, 100)
+    ref_first, ref_tokens = mlx_lm_greedy(load_model(folder)[0], prompt, 64)
+    runner = _runner(folder)
+    tokens, _ = _greedy(runner, prompt, 64)
+    first = logits_for(runner.model, runner, prompt)
+    assert np.abs(first - ref_first).max() <= 1e-3 * np.abs(ref_first).max()
+    assert tokens == ref_tokens
+
+
+def test_lfm2_gguf_equals_the_folder(lfm2, tmp_path):
+    folder, reference = lfm2
+    path = lfm2_gguf(reference, tmp_path / "lfm2.gguf")
+    prompt = _prompt(3, 70)
+    gguf_runner, folder_runner = _runner(path), _runner(folder)
+    assert gguf_runner.model.config.layer_types == folder_runner.model.config.layer_types
+    a = logits_for(gguf_runner.model, gguf_runner, prompt)
+    b = logits_for(folder_runner.model, folder_runner, prompt)
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+    assert _greedy(gguf_runner, prompt, 32)[0] == _greedy(folder_runner, prompt, 32)[0]
+
+
+def test_chunked_prefill_and_batching_give_the_same_tokens(lfm2):
+    folder, _ = lfm2
+    a, b = _prompt(4, 90), _prompt(5, 90)
+    whole = _runner(folder, chunk=512)
+    alone = [_greedy(whole, p, 24, seq=0)[0] for p in (a, b)]
+    assert _greedy(_runner(folder, chunk=7), a, 24)[0] == alone[0]
+    batched = _runner(folder, chunk=32).generate_batch([Request(a, max_tokens=24, sequence=0),
+                                                        Request(b, max_tokens=24, sequence=1)])
+    assert batched == alone
+
+
+def test_copy_on_write_sequences_diverge_like_fresh_runs(lfm2):
+    folder, _ = lfm2
+    shared, tail0, tail1 = _prompt(6, 60), _prompt(7, 20), _prompt(8, 20)
+    runner = _runner(folder)
+    _greedy(runner, shared + tail0[:1], 1, seq=0)  # the state of seq 0 is after the shared prefix + 1 token
+    cache = runner.cache
+    # seq 1 shares seq 0's slot (copy-on-write): same state, one slot
+    runner.cache.copy_prefix(0, 1, len(shared) + 1)
+    runner._cached[1] = list(runner._cached[0])
+    assert cache.slots_in_use() == 1
+    got0, _ = _greedy(runner, shared + tail0, 16, seq=0)
+    got1, _ = _greedy(runner, shared + tail0[:1] + tail1, 16, seq=1)
+    assert cache.slots_in_use() == 2  # the first write gave a sequence a slot of its own
+    fresh = _runner(folder)
+    assert got0 == _greedy(fresh, shared + tail0, 16, seq=0)[0]
+    assert got1 == _greedy(fresh, shared + tail0[:1] + tail1, 16, seq=1)[0]
+
+
+def test_a_shared_prefix_restores_the_nearest_checkpoint(lfm2):
+    folder, _ = lfm2
+    prompt = _prompt(9, 200)
+    runner = _runner(folder, chunk=16)  # chunk ends fall on 15, 31, ...: checkpoints at 31, 79, 127, 175, 198
+    _greedy(runner, prompt, 4, seq=0)
+    cps = runner.cache.checkpoints(0)
+    assert cps[0] >= 16 and all(b - a >= INTERVAL for a, b in zip(cps[:-2], cps[1:-1]))
+    assert len(prompt) - 2 in cps  # the one the runner asks for before the prompt's last token
+    other = prompt[:150] + _prompt(10, 30)
+    shared = runner.share_prefix(0, 1, other)
+    restore = max(p for p in cps if p < 150) + 1
+    assert shared == restore  # the nearest checkpoint at or before the common prefix
+    tokens, stats = _greedy(runner, other, 16, seq=1)
+    assert stats.prefilled_tokens == len(other) - restore
+    assert tokens == _greedy(_runner(folder), other, 16, seq=0)[0]
+    # the same prompt again (a regenerated answer) runs one token: the checkpoint before the prompt's last token
+    again, stats = _greedy(runner, prompt, 4, seq=0)
+    assert stats.prefilled_tokens == 1
+    assert again == _greedy(_runner(folder), prompt, 4)[0]
+
+
+def test_remove_to_a_position_without_a_checkpoint_is_refused_and_changes_nothing(lfm2):
+    folder, _ = lfm2
+    prompt = _prompt(11, 120)
+    runner = _runner(folder)
+    _greedy(runner, prompt, 8, seq=0)
+    cache: RecurrentCache = runner.cache
+    before = (cache.length(0), cache.checkpoints(0), cache.kv.positions(0).tolist(), cache.nbytes())
+    bad = next(p for p in range(1, cache.length(0)) if p - 1 not in cache.checkpoints(0))
+    with pytest.raises(CacheError, match="cannot be rolled back to position"):
+        cache.remove(0, bad, None)
+    with pytest.raises(CacheError, match="middle"):
+        cache.remove(0, 10, 20)
+    assert (cache.length(0), cache.checkpoints(0), cache.kv.positions(0).tolist(), cache.nbytes()) == before
+    assert cache.restore_point(0, bad) == max([p + 1 for p in cache.checkpoints(0) if p + 1 <= bad], default=0)
+    # and the sequence goes on as if nothing was asked
+    held = runner.cached_tokens(0)
+    assert _greedy(runner, held, 8)[0] == _greedy(_runner(folder), held, 8)[0]
+
+
+def test_batches_the_recurrent_layers_cannot_run_are_refused(lfm2):
+    folder, _ = lfm2
+    runner = _runner(folder)
+    cache = runner.cache
+    mixed = Batch(np.array([5, 6, 7]), [0, 1, 0], [0, 0, 1], [2])  # unequal runs
+    assert not cache.is_supported_for_batch(mixed)
+    with runner.backend.new_context() as ctx:
+        with pytest.raises(CacheError, match="same number"):
+            runner.model.forward(ctx, mixed, cache)
+        with pytest.raises(CacheError, match="cannot skip"):
+            runner.model.forward(ctx, Batch.single(np.array([5, 6]), 4, 0), cache)
+    assert cache.cells_in_use() == 0 and cache.slots_in_use() == 0
+
+
+def test_recurrent_memory_is_bounded_by_slots_and_checkpoints(lfm2):
+    folder, _ = lfm2
+    runner = _runner(folder, chunk=32, count=3, interval=32)
+    cache: RecurrentCache = runner.cache
+    c = runner.model.config
+    per_state = sum(t == "conv" for t in c.layer_types) * (c.conv_kernel - 1) * c.hidden_size * 4
+    seen = []
+    tokens: list[int] = []
+    for i in range(6):
+        tokens += _prompt(20 + i, 100)
+        runner.prefill(runner.backend.new_context(), 0, tokens)
+        seen.append(cache.nbytes() - cache.kv.nbytes())
+        assert len(cache.checkpoints(0)) <= 3
+    assert max(seen) <= (2 + 3) * per_state  # one slot: its state, one step back and at most 3 checkpoints
+    assert seen[-1] == seen[2]  # however long the sequence runs
+    assert runner.model.state_bytes() == (2 + 3) * per_state
+
+
+def test_a_ten_turn_chat_prefills_only_the_new_message(lfm2):
+    import mlx_engine
+
+    folder, _ = lfm2
+    model = mlx_engine.load(str(folder), context_length=2048, dtype="float32")
+    letters = {"response_format": {"type": "regex", "pattern": "[a-z ]{4,12}"}, "max_tokens": 12}
+    session = model.chat_session(**letters)
+    history: list[dict] = []
+    for turn in range(10):
+        message = f"turn {turn}: say some letters"
+        history.append({"role": "user", "content": message})
+        ids = model._chat_ids(history)
+        held = model.runner.common_prefix(session.sequence, ids)  # all but a stop token the template rewrites
+        assert held >= model.runner.cached_length(session.sequence) - 1
+        answer = "".join(p for p in session.send(message) if isinstance(p, str))
+        assert session.last_stats.prefilled_tokens == len(ids) - held, turn
+        assert answer == model.chat(history, **letters), turn
+        history.append({"role": "assistant", "content": answer})
+    assert len({m["content"] for m in history if m["role"] == "assistant"}) > 3  # the answers differ turn to turn
+    model.close()
+
