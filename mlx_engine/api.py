@@ -30,7 +30,7 @@ from mlx_engine.errors import ChatTemplateError, IncompleteOutputError, InvalidR
 from mlx_engine.kvcache.causal import KV_BITS
 from mlx_engine.ml import DType
 from mlx_engine.mlx import MLXBackend
-from mlx_engine.models.base import ATTENTION_TYPES
+from mlx_engine.models.config import ATTENTION_TYPES
 from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
 from mlx_engine.models.registry import load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner

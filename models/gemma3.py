@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.ml import Tensor
-from mlx_engine.models.base import (DecoderConfig, DecoderModel, check_layer_count, check_rope_scaling,
-                                    hf_names_from_gguf, hf_rope_parameters, metadata_getter, vocab_size_of)
+from mlx_engine.models.base import DecoderModel, hf_names_from_gguf
+from mlx_engine.models.config import (DecoderConfig, check_layer_count, check_rope_scaling, hf_rope_parameters,
+                                      metadata_getter, vocab_size_of)
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
           "q_norm", "k_norm", "model.norm")

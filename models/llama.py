@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.ml import Tensor
-from mlx_engine.models.base import (DecoderConfig, DecoderModel, check_rope_scaling, hf_rope_parameters, llama3_rope_freqs,
-                         metadata_getter, vocab_size_of)
+from mlx_engine.models.base import DecoderModel
+from mlx_engine.models.config import (DecoderConfig, check_rope_scaling, hf_rope_parameters, llama3_rope_freqs,
+                                      metadata_getter, vocab_size_of)
 
 
 class Llama(DecoderModel):

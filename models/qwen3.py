@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from mlx_engine.ml import Tensor
-from mlx_engine.models.base import DecoderConfig, DecoderModel, check_rope_scaling, hf_rope_parameters, metadata_getter, \
+from mlx_engine.models.base import DecoderModel
+from mlx_engine.models.config import DecoderConfig, check_rope_scaling, hf_rope_parameters, metadata_getter, \
     vocab_size_of
 
 

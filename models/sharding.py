@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
-from mlx_engine.models.base import ATTENTION_TYPES, DecoderConfig, ModelPart
+from mlx_engine.models.base import ModelPart
+from mlx_engine.models.config import ATTENTION_TYPES, DecoderConfig
 
 __all__ = ["MODES", "Plan", "plan", "stage_rank", "file_config"]
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
-from mlx_engine.models.base import DecoderConfig
+from mlx_engine.models.config import DecoderConfig
 from mlx_engine.models.sharding import _split_heads, _stages, plan
 from mlx_engine.weights import QuantizedArray, open_weights
 from mlx_engine.weights.quant import quantize_affine

@@ -1,0 +1,182 @@
+"""The hyper-parameters of a text architecture (:class:`DecoderConfig`) and the helpers that read them from GGUF
+metadata or a Hugging Face ``config.json``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from mlx_engine.errors import UnsupportedError, WeightsError
+from mlx_engine.ml import Tensor
+
+
+@dataclass
+class DecoderConfig:
+    """Hyper-parameters of a decoder-only transformer.
+
+    Attributes:
+        architecture: ``llama``, ``gemma3`` or ``qwen3``.
+        rope_theta: RoPE base of the global (full-attention) layers; ``rope_local_theta`` of the sliding layers.
+        rope_freqs: explicit RoPE periods ``[head_dim/2]`` after frequency scaling (Llama 3), or None.
+        rope_scale: positions are multiplied by it (linear RoPE scaling: ``1 / factor``).
+        rope_traditional: rotate interleaved pairs, for GGUF Llama checkpoints whose Q/K rows llama.cpp's converter
+            permuted (attention scores are unchanged: queries and keys are permuted alike).
+        sliding_window: the window ``W`` in the cache's convention (a token sees ``W + 1`` keys), or None.
+        layer_types: per layer, ``"sliding_attention"`` or ``"full_attention"``.
+        query_scale: the attention scale (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5`` for Gemma).
+        embed_scale: embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)``).
+        qk_norm: per-head RMSNorm on queries and keys (Qwen3, Gemma 3).
+        sandwich_norm: RMSNorm after attention and after the MLP too (Gemma 2/3).
+        activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU).
+        conv_kernel: the kernel size of the short convolutions of ``"conv"`` layers (LFM2's ``conv_L_cache``).
+        conv_bias: those convolutions and their projections have biases.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    context_length: int
+    rope_theta: float = 10000.0
+    rope_local_theta: float | None = None
+    rope_freqs: np.ndarray | None = None
+    rope_scale: float = 1.0
+    rope_traditional: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    query_scale: float | None = None
+    embed_scale: float | None = None
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    activation: str = "silu"
+    attention_bias: bool = False
+    conv_kernel: int = 0
+    conv_bias: bool = False
+
+    def __post_init__(self) -> None:
+        """Validate every field, so that a bad model fails at load, never at the first forward pass.
+
+        Raises:
+            WeightsError: a size that is not a positive integer, a RoPE base, scale or epsilon that is not a finite
+                positive number, heads that do not divide, a ``layer_types`` of the wrong length or kind.
+        """
+        check_layer_count(self.num_layers)
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "context_length"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v >= 1 << 31:
+                raise WeightsError(f"model config has {name} = {v!r}; it must be a positive integer below 2**31")
+        for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "rope_scale", "query_scale", "embed_scale"):
+            v = getattr(self, name)
+            if v is None and name in ("rope_local_theta", "query_scale", "embed_scale"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not math.isfinite(v) or v <= 0:
+                raise WeightsError(f"model config has {name} = {v!r}; it must be a finite positive number")
+        if self.num_heads % self.num_kv_heads:
+            raise WeightsError(f"model config has {self.num_heads} heads, not a multiple of "
+                               f"{self.num_kv_heads} key/value heads")
+        if self.head_dim % 2:
+            raise WeightsError(f"model config has head_dim = {self.head_dim}; RoPE needs an even head size")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise WeightsError(f"model config has sliding_window = {self.sliding_window!r}; it must be at least 2")
+        if self.rope_freqs is not None:
+            f = np.asarray(self.rope_freqs)
+            if f.shape != (self.head_dim // 2,) or not np.all(np.isfinite(f)) or not np.all(f > 0):
+                raise WeightsError(f"the model's RoPE frequencies have shape {f.shape} (want ({self.head_dim // 2},)) "
+                                   "or values that are not finite and positive")
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_layers
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= _LAYER_TYPES:
+            raise WeightsError(f"model config's layer_types has {len(self.layer_types)} entries for "
+                               f"{self.num_layers} layers, or kinds other than {sorted(_LAYER_TYPES)}")
+        if "conv" in self.layer_types and (not isinstance(self.conv_kernel, int) or not 2 <= self.conv_kernel <= 64):
+            raise WeightsError(f"model config has convolution layers of kernel size {self.conv_kernel!r}; it must be "
+                               "an integer from 2 to 64")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise WeightsError("model config has sliding-window layers but no sliding_window")
+        if self.query_scale is None:
+            self.query_scale = self.head_dim ** -0.5
+
+
+_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "conv"})
+#: Layer types whose tokens attend through the KV cache; the others keep a recurrent state (hybrid models).
+ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention"})
+#: More layers than any released model has by far; a bigger count in a file is a lie, refused before lists are made.
+MAX_LAYERS = 4096
+
+
+def check_layer_count(n: Any) -> int:
+    """``n`` as a layer count, checked before anything per layer is made.
+
+    Raises:
+        WeightsError: not an integer in ``1..MAX_LAYERS``.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 < n <= MAX_LAYERS:
+        raise WeightsError(f"model config has {n!r} layers; it must be an integer from 1 to {MAX_LAYERS}")
+    return int(n)
+
+
+
+def metadata_getter(metadata: Any, prefix: str) -> Callable[..., Any]:
+    """``get("block_count")`` reads ``<prefix>.block_count`` from GGUF metadata, with a default or a clear error
+    (``positive=True``: it must be a positive integer, checked before anything divides by it)."""
+
+    def get(key: str, default: Any = ..., positive: bool = False) -> Any:
+        full = f"{prefix}.{key}"
+        if full in metadata:
+            v = metadata[full]
+            v = v.item() if isinstance(v, np.generic) else v
+            if positive and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise WeightsError(f"GGUF metadata key {full!r} is {v!r}; it must be a positive integer")
+            return v
+        if default is ...:
+            raise WeightsError(f"GGUF metadata key {full!r} is missing; the file is not a complete {prefix} model")
+        return default
+
+    return get
+
+
+def vocab_size_of(weights: dict[str, Tensor], metadata: Any, arch: str) -> int:
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    emb = weights.get("token_embd.weight")
+    if emb is not None:
+        return emb.shape[0]
+    if tokens is not None:
+        return len(tokens)
+    raise WeightsError(f"cannot tell the vocabulary size of this {arch} GGUF (no token_embd.weight)")
+
+
+def check_rope_scaling(kind: str | None, arch: str) -> None:
+    if kind not in (None, "none", "linear", "llama3", "default"):
+        raise UnsupportedError(f"{arch}: RoPE scaling {kind!r} is not supported (linear and llama3 are)")
+
+
+def llama3_rope_freqs(base: float, dims: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                      original_context: int) -> np.ndarray:
+    """RoPE periods ``[dims/2]`` with Llama 3.1's frequency scaling (transformers' ``_compute_llama3_parameters``):
+    long wavelengths divided by ``factor``, short ones kept, and a smooth blend between."""
+    freqs = base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    wavelens = 2 * math.pi * freqs
+    low_wavelen = original_context / low_freq_factor
+    high_wavelen = original_context / high_freq_factor
+    out = np.where(wavelens > low_wavelen, freqs * factor, freqs)
+    medium = (wavelens > high_wavelen) & (wavelens < low_wavelen)
+    smooth = (original_context / wavelens - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
+    return np.where(medium, smooth_freqs, out).astype(np.float32)
+
+
+def hf_rope_parameters(config: Any) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` from a ``config.json``: transformers 5 nests both under ``rope_parameters``."""
+    params = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
