@@ -251,6 +251,11 @@ class Tensor(abc.ABC):
     def astype(self, dtype: DType) -> "Tensor": ...
 
     @abc.abstractmethod
+    def gather_linear(self, weight: "Tensor", indices: "Tensor") -> "Tensor":
+        """Mixture-of-experts projection: ``self [N, in]`` row ``n`` through the experts ``indices[n]`` of
+        ``weight [E, out, in]`` (``x @ weight[e].T`` each); ``indices`` INT32 ``[N, k]``; returns ``[N, k, out]``."""
+
+    @abc.abstractmethod
     def copy(self) -> "Tensor":
         """The same values in storage of their own: a slice kept this way no longer holds its parent's memory."""
 

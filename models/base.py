@@ -19,6 +19,7 @@ from mlx_engine.batch import Batch
 from mlx_engine.errors import WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
 from mlx_engine.models.config import ATTENTION_TYPES, DecoderConfig
+from mlx_engine.models.moe import moe_mlp
 
 if TYPE_CHECKING:
     from mlx_engine.kvcache import Cache
@@ -99,8 +100,9 @@ def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | No
         q = q.rms_norm(w["q_norm"], eps)
         k = k.rms_norm(w["k_norm"], eps)
     base, scale, freqs = rope
-    q = apply_rope(q, positions, c.head_dim, base, scale, c.rope_traditional, freqs)
-    k = apply_rope(k, positions, c.head_dim, base, scale, c.rope_traditional, freqs)
+    dims = c.rope_dims or c.head_dim
+    q = apply_rope(q, positions, dims, base, scale, c.rope_traditional, freqs)
+    k = apply_rope(k, positions, dims, base, scale, c.rope_traditional, freqs)
     return q, k, v
 
 
@@ -111,7 +113,10 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     sums the partial outputs of the two row-sharded projections (output and down) over the ranks, before the
     residual add and the sandwich norms (Megatron-LM's layout, Shoeybi et al. 2019)."""
     n = h.shape[1]
-    o = o.transpose(0, 2, 1, 3).reshape(1, n, c.num_heads * c.head_dim).linear(w["o"])
+    o = o.transpose(0, 2, 1, 3).reshape(1, n, c.num_heads * c.head_dim)
+    if w.get("attn_gate") is not None:  # gated attention (Qwen3-Next): the gate reads the layer's normed input
+        o = o * h.rms_norm(w["attn_gate_norm"], c.rms_norm_eps).linear(w["attn_gate"]).sigmoid()
+    o = o.linear(w["o"])
     if reduce is not None:
         o = reduce(o)
     return feed_forward(c, h, o, w, reduce)
@@ -128,6 +133,8 @@ def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | N
     else:
         h = h + o
         x = h.rms_norm(w["post_attn_norm"], eps)
+    if w.get("router") is not None:
+        return h + moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob)
     g = x.linear(w["gate"])
     g = g.silu() if c.activation == "silu" else g.gelu(approximate=True)
     m = (g * x.linear(w["up"])).linear(w["down"])
@@ -224,9 +231,8 @@ class DecoderModel(abc.ABC):
                 want["model.embed_tokens.weight"] = (c.vocab_size, d)
         for i in part.layers:
             p = f"model.layers.{i}."
-            want.update({p + "input_layernorm.weight": (d,), p + "mlp.gate_proj.weight": (ff, d),
-                         p + "mlp.up_proj.weight": (ff, d), p + "mlp.down_proj.weight": (d, ff),
-                         p + "post_attention_layernorm.weight": (d,)})
+            want.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+            want.update(self.mlp_shapes(i))
             if not self.is_attention(i):
                 req, opt = self.mixer_shapes(i)
                 want.update(req)
@@ -250,6 +256,12 @@ class DecoderModel(abc.ABC):
                 raise WeightsError(f"tensor {name} has shape {tuple(t.shape)} but the model config implies {shape} "
                                    f"(hidden {d}, {c.num_heads} heads of {c.head_dim}, {c.num_kv_heads} key/value "
                                    f"heads, feed-forward {ff}, vocabulary {c.vocab_size}); the file is inconsistent")
+
+    def mlp_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """The shapes of a layer's MLP tensors (dense SwiGLU/GeGLU here; mixture-of-experts architectures
+        override it)."""
+        d, ff, p = self.config.hidden_size, self.config.intermediate_size, f"model.layers.{layer}.mlp."
+        return {p + "gate_proj.weight": (ff, d), p + "up_proj.weight": (ff, d), p + "down_proj.weight": (d, ff)}
 
     def mixer_shapes(self, layer: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         """``(required, optional)`` tensor shapes of a recurrent layer's token mixer (hybrid architectures)."""
@@ -320,7 +332,7 @@ class DecoderModel(abc.ABC):
         """Re-rotate cached keys ``[1, H_kv, n, Dh]`` by per-cell position deltas ``shift`` (INT32 ``[n]``): RoPE
         rotations compose additively, so rotating by the delta renumbers the key."""
         base, freqs = self._rope_args(layer)
-        return apply_rope(keys, shift, self.config.head_dim, base, self._rope_scale(layer),
+        return apply_rope(keys, shift, self.config.rope_dims or self.config.head_dim, base, self._rope_scale(layer),
                           self.config.rope_traditional, freqs)
 
     # ---- forward -----------------------------------------------------------------------------------------------
@@ -331,7 +343,9 @@ class DecoderModel(abc.ABC):
 
     _BLOCK_WEIGHTS = {
         "in": ("attn_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"),
-        "out": ("o", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm", "gate", "up", "down"),
+        "out": ("o", "attn_gate", "attn_gate_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm", "gate", "up",
+                "down", "router", "experts_gate", "experts_up", "experts_down", "shared_gate", "shared_up",
+                "shared_down", "shared_expert_gate"),
     }
 
     def _compiled_block(self, kind: str, layer: int) -> tuple[Any, tuple[str, ...]]:

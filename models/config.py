@@ -33,6 +33,12 @@ class DecoderConfig:
         activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU).
         conv_kernel: the kernel size of the short convolutions of ``"conv"`` layers (LFM2's ``conv_L_cache``).
         conv_bias: those convolutions and their projections have biases.
+        rope_dims: RoPE rotates the first ``rope_dims`` features of each head (partial rotary; None: all).
+        attention_gate: attention output times ``sigmoid(x @ W_gate)`` before the output projection (Qwen3-Next).
+        linear_heads: Gated DeltaNet layers: ``(key heads, value heads, key head size, value head size)``.
+        num_experts, experts_per_token, moe_intermediate_size: mixture-of-experts MLPs (0: dense).
+        shared_expert_size: the width of the always-on shared expert of an MoE layer (0: none).
+        norm_topk_prob: the top-k router probabilities are renormalised to sum to 1.
     """
 
     architecture: str
@@ -60,6 +66,14 @@ class DecoderConfig:
     attention_bias: bool = False
     conv_kernel: int = 0
     conv_bias: bool = False
+    rope_dims: int | None = None
+    attention_gate: bool = False
+    linear_heads: tuple[int, int, int, int] | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         """Validate every field, so that a bad model fails at load, never at the first forward pass.
@@ -100,13 +114,26 @@ class DecoderConfig:
         if "conv" in self.layer_types and (not isinstance(self.conv_kernel, int) or not 2 <= self.conv_kernel <= 64):
             raise WeightsError(f"model config has convolution layers of kernel size {self.conv_kernel!r}; it must be "
                                "an integer from 2 to 64")
+        if self.rope_dims is not None and (not isinstance(self.rope_dims, int) or self.rope_dims % 2
+                                           or not 0 < self.rope_dims <= self.head_dim):
+            raise WeightsError(f"model config rotates {self.rope_dims!r} features per head with RoPE; it must be "
+                               f"an even number from 2 to head_dim {self.head_dim}")
+        if "linear_attention" in self.layer_types:
+            hk, hv, dk, dv = self.linear_heads or (0, 0, 0, 0)
+            if min(hk, hv, dk, dv) <= 0 or hv % hk or self.conv_kernel < 2:
+                raise WeightsError(f"model config's linear-attention layers have heads {self.linear_heads!r} and "
+                                   f"convolution kernel {self.conv_kernel}: value heads must be a positive multiple "
+                                   "of key heads, sizes positive, the kernel at least 2")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise WeightsError(f"model config routes each token to {self.experts_per_token} of {self.num_experts} "
+                               "experts; it must be at least 1 and at most the number of experts")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise WeightsError("model config has sliding-window layers but no sliding_window")
         if self.query_scale is None:
             self.query_scale = self.head_dim ** -0.5
 
 
-_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "conv"})
+_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "conv", "linear_attention"})
 #: Layer types whose tokens attend through the KV cache; the others keep a recurrent state (hybrid models).
 ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention"})
 #: More layers than any released model has by far; a bigger count in a file is a lie, refused before lists are made.

@@ -67,6 +67,43 @@ def build_lfm2(folder: Path, seed: int = 0):
     return model
 
 
+def build_qwen3_next(folder: Path, seed: int = 0):
+    """A random Qwen3-Next (hidden 64; 4 layers: 3 Gated DeltaNet with 2 key heads over 4 value heads of 8, kernel
+    4, and 1 gated attention layer with 4 heads over 2 key/value heads of 16 and RoPE on a quarter of each head;
+    MoE MLPs of 4 experts, 2 per token, with a shared expert, but layer 1 dense) saved to ``folder``; returns the
+    transformers model (eval mode)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        max_position_embeddings=4096, eos_token_id=2, tie_word_embeddings=False)
+    model = Qwen3NextForCausalLM(config).eval()
+    _randomize(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "linear_attn.norm" not in name:
+                p.sub_(1.0)  # zero-centred norms store w for 1 + w
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=torch.Generator().manual_seed(seed)) * 4 + 0.5))
+    model.save_pretrained(folder)
+    # Qwen's own config.json files keep rope_theta and partial_rotary_factor at the top, where mlx-lm reads them
+    path = folder / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "rope_theta": saved["rope_parameters"]["rope_theta"],
+                                "partial_rotary_factor": saved["rope_parameters"]["partial_rotary_factor"]}))
+    char_tokenizer().save_pretrained(str(folder))
+    return model
+
+
+BUILDERS = {"lfm2": build_lfm2, "qwen3_next": build_qwen3_next}
+
+
 # transformers' LFM2 names -> llama.cpp's (gguf-py's tensor map for MODEL_ARCH.LFM2)
 _LFM2_GGUF = [("model.embed_tokens.", "token_embd."), ("model.embedding_norm.", "token_embd_norm."),
               ("model.layers.", "blk."), (".operator_norm.", ".attn_norm."), (".feed_forward.w1.", ".ffn_gate."),

@@ -1,6 +1,7 @@
-"""Hybrid models on the recurrent cache: LFM2 against transformers and mlx-lm on a small random checkpoint (folder
-and GGUF), chunked and batched prefill, copy-on-write, checkpoint restore, roll-back refusals, bounded memory, and a
-10-turn chat session that prefills only each new message."""
+"""Hybrid models on the recurrent cache: LFM2 (short convolutions) and Qwen3-Next (Gated DeltaNet, gated attention,
+experts) against transformers and mlx-lm on small random checkpoints (folders, and a GGUF for LFM2), chunked and
+batched prefill, copy-on-write, checkpoint restore, roll-back refusals, bounded memory, and a 10-turn chat session
+that prefills only each new message."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.registry import load_text_model
 from mlx_engine.models.runner import GenerationStats, Request, Runner, logits_for
 from mlx_engine.models.sampler import SamplerOptions
-from tests.hybrid_small import build_lfm2, greedy_reference, lfm2_gguf
+from tests.hybrid_small import BUILDERS, build_lfm2, greedy_reference, lfm2_gguf
 
 pytest.importorskip("torch")
 
@@ -25,6 +26,13 @@ INTERVAL = 48  # the test cache's checkpoint interval: prompts below are longer 
 def lfm2(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hybrid") / "lfm2"
     return folder, build_lfm2(folder)
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def hybrid(request, tmp_path_factory):
+    """Each hybrid architecture's random checkpoint: ``(folder, transformers model)``."""
+    folder = tmp_path_factory.mktemp("hybrid") / request.param
+    return folder, BUILDERS[request.param](folder)
 
 
 def _runner(path, *, chunk: int = 64, sequences: int = 4, count: int = 24, interval: int = INTERVAL,
@@ -50,8 +58,8 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 261, n)]
 
 
-def test_lfm2_matches_transformers(lfm2):
-    folder, reference = lfm2
+def test_matches_transformers(hybrid):
+    folder, reference = hybrid
     prompt = _prompt(1, 150)  # 3 chunks of 64, longer than the checkpoint interval
     ref_first, ref_tokens = greedy_reference(reference, prompt, 64)
     runner = _runner(folder)
@@ -62,12 +70,12 @@ def test_lfm2_matches_transformers(lfm2):
     assert runner.cache.checkpoints(0)  # checkpoints were taken on the way
 
 
-def test_lfm2_matches_mlx_lm(lfm2):
+def test_matches_mlx_lm(hybrid):
     from mlx_lm.utils import load_model
 
     from tests.reference import mlx_lm_greedy
 
-    folder, _ = lfm2
+    folder, _ = hybrid
     prompt = _prompt(2, 100)
     ref_first, ref_tokens = mlx_lm_greedy(load_model(folder)[0], prompt, 64)
     runner = _runner(folder)
@@ -89,8 +97,8 @@ def test_lfm2_gguf_equals_the_folder(lfm2, tmp_path):
     assert _greedy(gguf_runner, prompt, 32)[0] == _greedy(folder_runner, prompt, 32)[0]
 
 
-def test_chunked_prefill_and_batching_give_the_same_tokens(lfm2):
-    folder, _ = lfm2
+def test_chunked_prefill_and_batching_give_the_same_tokens(hybrid):
+    folder, _ = hybrid
     a, b = _prompt(4, 90), _prompt(5, 90)
     whole = _runner(folder, chunk=512)
     alone = [_greedy(whole, p, 24, seq=0)[0] for p in (a, b)]
@@ -100,8 +108,8 @@ def test_chunked_prefill_and_batching_give_the_same_tokens(lfm2):
     assert batched == alone
 
 
-def test_copy_on_write_sequences_diverge_like_fresh_runs(lfm2):
-    folder, _ = lfm2
+def test_copy_on_write_sequences_diverge_like_fresh_runs(hybrid):
+    folder, _ = hybrid
     shared, tail0, tail1 = _prompt(6, 60), _prompt(7, 20), _prompt(8, 20)
     runner = _runner(folder)
     _greedy(runner, shared + tail0[:1], 1, seq=0)  # the state of seq 0 is after the shared prefix + 1 token
@@ -118,8 +126,8 @@ def test_copy_on_write_sequences_diverge_like_fresh_runs(lfm2):
     assert got1 == _greedy(fresh, shared + tail0[:1] + tail1, 16, seq=1)[0]
 
 
-def test_a_shared_prefix_restores_the_nearest_checkpoint(lfm2):
-    folder, _ = lfm2
+def test_a_shared_prefix_restores_the_nearest_checkpoint(hybrid):
+    folder, _ = hybrid
     prompt = _prompt(9, 200)
     runner = _runner(folder, chunk=16)  # chunk ends fall on 15, 31, ...: checkpoints at 31, 79, 127, 175, 198
     _greedy(runner, prompt, 4, seq=0)
@@ -139,8 +147,8 @@ def test_a_shared_prefix_restores_the_nearest_checkpoint(lfm2):
     assert again == _greedy(_runner(folder), prompt, 4)[0]
 
 
-def test_remove_to_a_position_without_a_checkpoint_is_refused_and_changes_nothing(lfm2):
-    folder, _ = lfm2
+def test_remove_to_a_position_without_a_checkpoint_is_refused_and_changes_nothing(hybrid):
+    folder, _ = hybrid
     prompt = _prompt(11, 120)
     runner = _runner(folder)
     _greedy(runner, prompt, 8, seq=0)
@@ -190,16 +198,17 @@ def test_recurrent_memory_is_bounded_by_slots_and_checkpoints(lfm2):
     assert runner.model.state_bytes() == (2 + 3) * per_state
 
 
-def test_a_ten_turn_chat_prefills_only_the_new_message(lfm2):
+def test_a_ten_turn_chat_prefills_only_the_new_message(hybrid):
     import mlx_engine
 
-    folder, _ = lfm2
+    folder, _ = hybrid
     model = mlx_engine.load(str(folder), context_length=2048, dtype="float32")
     letters = {"response_format": {"type": "regex", "pattern": "[a-z ]{4,12}"}, "max_tokens": 12}
     session = model.chat_session(**letters)
     history: list[dict] = []
+    rng = np.random.default_rng(12)
     for turn in range(10):
-        message = f"turn {turn}: say some letters"
+        message = f"turn {turn}: " + "".join(chr(c) for c in rng.integers(97, 123, 8 + turn))
         history.append({"role": "user", "content": message})
         ids = model._chat_ids(history)
         held = model.runner.common_prefix(session.sequence, ids)  # all but a stop token the template rewrites

@@ -196,6 +196,12 @@ class MLXTensor(Tensor):
     def copy(self):
         return MLXTensor(mx.contiguous(self.a))
 
+    def gather_linear(self, weight, indices):
+        if weight.is_quantized or weight.a.ndim != 3:
+            raise UnsupportedError("expert weights must be a dense [experts, out, in] tensor")
+        y = mx.gather_mm(self.a[:, None, None, :], weight.a.swapaxes(-1, -2), rhs_indices=raw(indices))
+        return MLXTensor(y.squeeze(2))
+
     def dequantize(self):
         return self
 

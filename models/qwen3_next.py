@@ -1,0 +1,245 @@
+"""Qwen3-Next: a hybrid of Gated DeltaNet linear attention and gated full attention, with mixture-of-experts MLPs.
+
+- **Gated DeltaNet** layers (``layer_types[i] == "linear_attention"``): ``q, k, v, z`` and ``b, a`` from two
+  projections (grouped per key head), a depthwise causal convolution (kernel ``linear_conv_kernel_dim``) with SiLU
+  over ``[q, k, v]``, L2-normed ``q`` and ``k`` (``q`` also scaled by ``Dk^-1/2``), then per token and value head
+  the gated delta rule on the state ``S [Dk, Dv]``:
+  ``S = exp(g) S``, ``S += k (beta (v - k^T S))^T``, ``o = q^T S``, with ``beta = sigmoid(b)`` and
+  ``g = -exp(A_log) softplus(a + dt_bias)`` (Yang et al., "Gated Delta Networks", 2024); then an RMSNorm gated by
+  ``silu(z)`` and the output projection. Its states (the convolution's last ``K - 1`` inputs and ``S``) live in the
+  :class:`~mlx_engine.kvcache.RecurrentCache`.
+- **Full attention** layers: Qwen3's (query/key RMSNorm) with RoPE on the first quarter of each head
+  (``partial_rotary_factor``) and the output gated by ``sigmoid(x W_gate)``, ``W_gate`` the second half of each
+  head's rows of ``q_proj``.
+- **MLP**: a mixture of experts with a gated shared expert (:mod:`mlx_engine.models.moe`) on the layers
+  ``decoder_sparse_step`` selects, a dense SwiGLU on ``mlp_only_layers``.
+- Every RMSNorm but the gated one stores ``w`` for ``1 + w`` (zero-centred); the one is added at load.
+
+References: transformers' ``models/qwen3_next/modeling_qwen3_next.py`` (``torch_recurrent_gated_delta_rule``,
+``Qwen3NextGatedDeltaNet.fix_query_key_value_ordering``); mlx-lm's ``models/qwen3_next.py`` and
+``models/gated_delta.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mlx_engine.errors import UnsupportedError, WeightsError
+from mlx_engine.ml import Backend, Context, DType, Tensor
+from mlx_engine.models.base import DecoderModel, ModelPart, feed_forward
+from mlx_engine.models.config import DecoderConfig, check_rope_scaling, hf_rope_parameters
+
+if TYPE_CHECKING:
+    from mlx_engine.kvcache import Cache
+
+_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+                 "self_attn.k_norm.weight")
+
+
+def _softplus(x: Tensor) -> Tensor:
+    """``log(1 + exp(x))`` without overflow: ``max(x, 0) + log(1 + exp(-|x|))``."""
+    return x.maximum(0.0) + ((x.minimum(-x)).exp() + 1.0).log()
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis (transformers' ``l2norm``, the FLA library's)."""
+    return x / ((x * x).sum(axis=-1, keepdims=True) + eps).sqrt()
+
+
+class Qwen3Next(DecoderModel):
+    architecture = "qwen3_next"
+
+    def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend,
+                 part: ModelPart | None = None):
+        super().__init__(config, _stack_experts(weights, config, backend), backend, part)
+
+    @classmethod
+    def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
+        raise UnsupportedError("Qwen3-Next GGUF files are not read yet; use its Hugging Face folder")
+
+    @classmethod
+    def config_from_hf(cls, config: Any) -> DecoderConfig:
+        heads = int(config["num_attention_heads"])
+        layers = int(config["num_hidden_layers"])
+        theta, scaling = hf_rope_parameters(config)
+        check_rope_scaling((scaling or {}).get("rope_type", (scaling or {}).get("type")), "qwen3_next")
+        _check_sparse_step(config)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        params = config.get("rope_parameters") or {}
+        partial = float(config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
+        types = config.get("layer_types") or [
+            "full_attention" if (i + 1) % int(config.get("full_attention_interval", 4)) == 0 else "linear_attention"
+            for i in range(layers)]
+        return DecoderConfig(
+            architecture="qwen3_next", vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+            num_layers=layers, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=head_dim, intermediate_size=int(config["intermediate_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            context_length=int(config.get("max_position_embeddings", 32768)), rope_theta=theta,
+            rope_dims=int(head_dim * partial), layer_types=list(types), qk_norm=True, attention_gate=True,
+            conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
+            linear_heads=(int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"]),
+                          int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])),
+            num_experts=int(config.get("num_experts", 0)), experts_per_token=int(config.get("num_experts_per_tok", 0)),
+            moe_intermediate_size=int(config.get("moe_intermediate_size", 0)),
+            shared_expert_size=int(config.get("shared_expert_intermediate_size", 0)),
+            norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+            attention_bias=bool(config.get("attention_bias", False)),
+        )
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, Tensor], config: DecoderConfig, source: str) -> dict[str, Tensor]:
+        """Zero-centred norms to plain ones (``1 + w``); each head's ``q_proj`` rows split into the query and the
+        output gate; the convolution weight ``[C, 1, K]`` to ``[C, K]``."""
+        out = {}
+        h, dh = config.num_heads, config.head_dim
+        for name, t in weights.items():
+            if name == "model.norm.weight" or name.endswith(_ZERO_CENTRED):
+                t = t.dequantize() + 1.0
+            elif name.endswith("self_attn.q_proj.weight"):
+                both = t.dequantize().reshape(h, 2, dh, t.shape[-1])
+                out[name.replace("q_proj", "gate_proj")] = both[:, 1].reshape(h * dh, t.shape[-1])
+                t = both[:, 0].reshape(h * dh, t.shape[-1])
+            elif name.endswith("linear_attn.conv1d.weight") and t.ndim == 3:
+                t = t.reshape(t.shape[0], t.shape[2])
+            out[name] = t
+        return out
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+    def is_moe(self, layer: int) -> bool:
+        return f"model.layers.{layer}.mlp.gate.weight" in self.w
+
+    def mlp_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        if not self.is_moe(layer):
+            return super().mlp_shapes(layer)
+        c, p = self.config, f"model.layers.{layer}.mlp."
+        d, e, i, s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_size
+        shapes = {p + "gate.weight": (e, d), p + "experts.gate_proj": (e, i, d), p + "experts.up_proj": (e, i, d),
+                  p + "experts.down_proj": (e, d, i)}
+        if s:
+            shapes.update({p + "shared_expert.gate_proj.weight": (s, d), p + "shared_expert.up_proj.weight": (s, d),
+                           p + "shared_expert.down_proj.weight": (d, s), p + "shared_expert_gate.weight": (1, d)})
+        return shapes
+
+    def mixer_shapes(self, layer: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        if self.config.layer_types[layer] != "linear_attention":
+            return super().mixer_shapes(layer)
+        c, p = self.config, f"model.layers.{layer}.linear_attn."
+        hk, hv, dk, dv = c.linear_heads
+        d, kd, vd = c.hidden_size, hk * dk, hv * dv
+        req = {p + "in_proj_qkvz.weight": (2 * kd + 2 * vd, d), p + "in_proj_ba.weight": (2 * hv, d),
+               p + "conv1d.weight": (2 * kd + vd, c.conv_kernel), p + "A_log": (hv,), p + "dt_bias": (hv,),
+               p + "norm.weight": (dv,), p + "out_proj.weight": (d, vd)}
+        return req, {}
+
+    def _layer_weights(self, i: int) -> dict[str, Tensor | None]:
+        w = super()._layer_weights(i)
+        p = f"model.layers.{i}."
+        if self.is_attention(i):
+            w["attn_gate"] = self.w.get(p + "self_attn.gate_proj.weight")
+            w["attn_gate_norm"] = w["attn_norm"]
+        else:
+            q = p + "linear_attn."
+            w.update({"lin_qkvz": self.w[q + "in_proj_qkvz.weight"], "lin_ba": self.w[q + "in_proj_ba.weight"],
+                      "lin_norm": self.w[q + "norm.weight"], "lin_out": self.w[q + "out_proj.weight"],
+                      # g = -exp(A_log) * softplus(a + dt_bias): the first factor is a constant of the layer
+                      "lin_a": -(self.w[q + "A_log"].astype(DType.FLOAT32).exp()),
+                      "lin_dt_bias": self.w[q + "dt_bias"].astype(DType.FLOAT32)})
+            taps = self.w[q + "conv1d.weight"].dequantize().astype(self.dtype).transpose(1, 0)
+            w.update({f"conv_tap{k}": taps[k] for k in range(self.config.conv_kernel)})
+        if self.is_moe(i):
+            m = p + "mlp."
+            w.update({"gate": None, "up": None, "down": None, "router": self.w[m + "gate.weight"],
+                      "experts_gate": self.w[m + "experts.gate_proj"], "experts_up": self.w[m + "experts.up_proj"],
+                      "experts_down": self.w[m + "experts.down_proj"],
+                      "shared_gate": self.w.get(m + "shared_expert.gate_proj.weight"),
+                      "shared_up": self.w.get(m + "shared_expert.up_proj.weight"),
+                      "shared_down": self.w.get(m + "shared_expert.down_proj.weight"),
+                      "shared_expert_gate": self.w.get(m + "shared_expert_gate.weight")})
+        return w
+
+    # ---- cache -----------------------------------------------------------------------------------------------
+    def make_cache(self, kv_bits: int | None = None) -> "Cache":
+        from mlx_engine.kvcache import RecurrentCache
+
+        return RecurrentCache(shift_fn=self.shift, kv_bits=kv_bits, **self.cache_options)
+
+    def state_bytes(self) -> int:
+        from mlx_engine.kvcache.recurrent import CHECKPOINT_COUNT
+
+        c = self.config
+        hk, hv, dk, dv = c.linear_heads
+        per_layer = ((c.conv_kernel - 1) * (2 * hk * dk + hv * dv) + hv * dk * dv) * 4  # float32 states
+        layers = sum(t == "linear_attention" for t in c.layer_types)
+        return layers * per_layer * (2 + self.cache_options.get("checkpoint_count", CHECKPOINT_COUNT))
+
+    # ---- Gated DeltaNet --------------------------------------------------------------------------------------
+    def recurrent_layer(self, ctx: Context, layer: int, w: dict[str, Tensor | None], h: Tensor,
+                        cache: "Cache") -> Tensor:
+        c = self.config
+        hk, hv, dk, dv = c.linear_heads
+        r, kd, vd = hv // hk, hk * dk, hv * dv
+        s, n = cache.layout
+        x = h.rms_norm(w["attn_norm"], c.rms_norm_eps)
+        qkvz = x.linear(w["lin_qkvz"]).reshape(s, n, hk, 2 * dk + 2 * r * dv)  # grouped per key head
+        ba = x.linear(w["lin_ba"]).reshape(s, n, hk, 2 * r)
+        z = qkvz[..., 2 * dk + r * dv:].reshape(s, n, hv, dv)
+        mixed = ctx.concatenate([qkvz[..., :dk].reshape(s, n, kd), qkvz[..., dk:2 * dk].reshape(s, n, kd),
+                                 qkvz[..., 2 * dk:2 * dk + r * dv].reshape(s, n, vd)], axis=-1)
+        k_conv = c.conv_kernel
+        state = cache.get_state(ctx, layer, "conv", (k_conv - 1, 2 * kd + vd))
+        full = ctx.concatenate([state.astype(mixed.dtype), mixed], axis=1)  # [S, K - 1 + L, C]
+        conv = full[:, 0:n] * w["conv_tap0"]
+        for j in range(1, k_conv):
+            conv = conv + full[:, j:j + n] * w[f"conv_tap{j}"]
+        cache.set_state(ctx, layer, "conv", full[:, n:])
+        conv = conv.silu().astype(DType.FLOAT32)
+        q = _l2norm(conv[..., :kd].reshape(s, n, hk, 1, dk)) * (dk ** -0.5)
+        k = _l2norm(conv[..., kd:2 * kd].reshape(s, n, hk, 1, dk))
+        if r > 1:  # value head j reads key head j // r
+            q = ctx.concatenate([q] * r, axis=3)
+            k = ctx.concatenate([k] * r, axis=3)
+        q, k = q.reshape(s, n, hv, dk), k.reshape(s, n, hv, dk)
+        v = conv[..., 2 * kd:].reshape(s, n, hv, dv)
+        beta = ba[..., :r].reshape(s, n, hv).astype(DType.FLOAT32).sigmoid()
+        decay = (_softplus(ba[..., r:].reshape(s, n, hv).astype(DType.FLOAT32) + w["lin_dt_bias"])
+                 * w["lin_a"]).exp()
+        rec = cache.get_state(ctx, layer, "recurrent", (hv, dk, dv))
+        outs = []
+        for t in range(n):  # the gated delta rule, one token at a time (transformers' recurrent form)
+            kt = k[:, t].reshape(s, hv, 1, dk)
+            rec = rec * decay[:, t].reshape(s, hv, 1, 1)
+            delta = (v[:, t].reshape(s, hv, 1, dv) - kt @ rec) * beta[:, t].reshape(s, hv, 1, 1)
+            rec = rec + kt.reshape(s, hv, dk, 1) * delta
+            outs.append((q[:, t].reshape(s, hv, 1, dk) @ rec).reshape(s, 1, hv, dv))
+        cache.set_state(ctx, layer, "recurrent", rec)
+        o = outs[0] if n == 1 else ctx.concatenate(outs, axis=1)  # [S, L, Hv, Dv]
+        o = o.rms_norm(w["lin_norm"], c.rms_norm_eps) * z.astype(DType.FLOAT32).silu()
+        y = o.astype(h.dtype).reshape(1, s * n, vd).linear(w["lin_out"])
+        return feed_forward(c, h, y, w)
+
+
+def _check_sparse_step(config: Any) -> None:
+    """Qwen3-Next checkpoints put an MoE MLP on every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``;
+    the tensors say which (``mlp.gate.weight``), so only a step that is not a positive integer is refused here."""
+    step = config.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise WeightsError(f"model config has decoder_sparse_step = {step!r}; it must be a positive integer")
+
+
+def _stack_experts(weights: dict[str, Tensor], config: DecoderConfig, backend: Backend) -> dict[str, Tensor]:
+    """Per-expert tensors (``mlp.experts.E.gate_proj.weight``, the hub's layout) stacked into one
+    ``[experts, out, in]`` tensor per projection (``mlp.experts.gate_proj``), for the gathered products."""
+    out = dict(weights)
+    e = config.num_experts
+    if not e:
+        return out
+    ctx = backend.new_context()
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names = [f"{p}{j}.{proj}.weight" for j in range(e)]
+            if not all(n in out for n in names):
+                continue
+            out[p + proj] = ctx.stack([out.pop(n).dequantize() for n in names], axis=0)
+    return out
