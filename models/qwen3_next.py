@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mlx_engine.errors import UnsupportedError, WeightsError
+from mlx_engine.errors import WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
 from mlx_engine.models.base import DecoderModel, ModelPart, feed_forward
-from mlx_engine.models.config import DecoderConfig, check_rope_scaling, hf_rope_parameters
+from mlx_engine.models.config import DecoderConfig, check_rope_scaling, hf_rope_parameters, metadata_getter, \
+    vocab_size_of
 
 if TYPE_CHECKING:
     from mlx_engine.kvcache import Cache
@@ -55,7 +56,32 @@ class Qwen3Next(DecoderModel):
 
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
-        raise UnsupportedError("Qwen3-Next GGUF files are not read yet; use its Hugging Face folder")
+        """From llama.cpp's ``qwen3next`` keys: the linear layers from ``ssm.*`` (``group_count`` key heads,
+        ``time_step_rank`` value heads, ``state_size`` key head size, ``inner_size`` all value features), every
+        ``full_attention_interval``-th layer a full-attention one, RoPE on ``rope.dimension_count`` features."""
+        get = metadata_getter(metadata, "qwen3next")
+        heads = get("attention.head_count", positive=True)
+        hidden = get("embedding_length", positive=True)
+        layers = int(get("block_count", positive=True))
+        head_dim = int(get("attention.key_length", hidden // heads))
+        interval = get("full_attention_interval", 4, positive=True)
+        hv = get("ssm.time_step_rank", positive=True)
+        return DecoderConfig(
+            architecture="qwen3_next", vocab_size=vocab_size_of(weights, metadata, "qwen3next"), hidden_size=hidden,
+            num_layers=layers, num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=head_dim, intermediate_size=int(get("feed_forward_length", 0) or 1),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            context_length=int(get("context_length", 32768)), rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_dims=int(get("rope.dimension_count", head_dim // 4)),
+            layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
+            qk_norm=True, attention_gate=True, conv_kernel=int(get("ssm.conv_kernel", 4)),
+            linear_heads=(int(get("ssm.group_count", positive=True)), int(hv), int(get("ssm.state_size", positive=True)),
+                          int(get("ssm.inner_size", positive=True)) // int(hv)),
+            num_experts=int(get("expert_count", 0)), experts_per_token=int(get("expert_used_count", 0)),
+            moe_intermediate_size=int(get("expert_feed_forward_length", 0)),
+            shared_expert_size=int(get("expert_shared_feed_forward_length", 0)),
+            norm_topk_prob=bool(get("expert_weights_norm", True)),
+        )
 
     @classmethod
     def config_from_hf(cls, config: Any) -> DecoderConfig:
@@ -89,17 +115,38 @@ class Qwen3Next(DecoderModel):
 
     @classmethod
     def sanitize(cls, weights: dict[str, Tensor], config: DecoderConfig, source: str) -> dict[str, Tensor]:
-        """Zero-centred norms to plain ones (``1 + w``); each head's ``q_proj`` rows split into the query and the
-        output gate; the convolution weight ``[C, 1, K]`` to ``[C, K]``."""
+        """Both sources to one layout: norms as plain RMSNorm weights (Hugging Face stores ``w`` for ``1 + w``;
+        llama.cpp's converter already added the one); each head's ``q_proj`` rows split into the query and the
+        output gate; the linear layers' input projection as ``in_proj_q/k/v`` (all heads of each, the order the
+        convolution reads them) and ``in_proj_z``; ``A = -exp(A_log)``; the convolution weight ``[C, K]``."""
+        weights = _from_gguf_names(weights) if source == "gguf" else weights
         out = {}
         h, dh = config.num_heads, config.head_dim
+        hk, hv, dk, dv = config.linear_heads or (1, 1, 1, 1)
+        r = hv // hk
         for name, t in weights.items():
-            if name == "model.norm.weight" or name.endswith(_ZERO_CENTRED):
+            if source == "hf" and (name == "model.norm.weight" or name.endswith(_ZERO_CENTRED)):
                 t = t.dequantize() + 1.0
             elif name.endswith("self_attn.q_proj.weight"):
                 both = t.dequantize().reshape(h, 2, dh, t.shape[-1])
                 out[name.replace("q_proj", "gate_proj")] = both[:, 1].reshape(h * dh, t.shape[-1])
                 t = both[:, 0].reshape(h * dh, t.shape[-1])
+            elif name.endswith("linear_attn.in_proj_qkvz.weight"):  # grouped per key head: [q, k, v, z] each
+                d = t.shape[-1]
+                g = t.dequantize().reshape(hk, 2 * dk + 2 * r * dv, d)
+                p = name.replace("in_proj_qkvz.weight", "")
+                out.update({p + "in_proj_q.weight": g[:, :dk].reshape(hk * dk, d),
+                            p + "in_proj_k.weight": g[:, dk:2 * dk].reshape(hk * dk, d),
+                            p + "in_proj_v.weight": g[:, 2 * dk:2 * dk + r * dv].reshape(hv * dv, d),
+                            p + "in_proj_z.weight": g[:, 2 * dk + r * dv:].reshape(hv * dv, d)})
+                continue
+            elif name.endswith("linear_attn.in_proj_qkv.weight"):  # llama.cpp: all q rows, all k rows, all v rows
+                p, t = name.replace("in_proj_qkv.weight", ""), t.dequantize()
+                out.update({p + "in_proj_q.weight": t[:hk * dk], p + "in_proj_k.weight": t[hk * dk:2 * hk * dk],
+                            p + "in_proj_v.weight": t[2 * hk * dk:]})
+                continue
+            elif name.endswith("linear_attn.A_log"):
+                name, t = name.replace("A_log", "A"), -(t.astype(DType.FLOAT32).exp())
             elif name.endswith("linear_attn.conv1d.weight") and t.ndim == 3:
                 t = t.reshape(t.shape[0], t.shape[2])
             out[name] = t
@@ -127,8 +174,9 @@ class Qwen3Next(DecoderModel):
         c, p = self.config, f"model.layers.{layer}.linear_attn."
         hk, hv, dk, dv = c.linear_heads
         d, kd, vd = c.hidden_size, hk * dk, hv * dv
-        req = {p + "in_proj_qkvz.weight": (2 * kd + 2 * vd, d), p + "in_proj_ba.weight": (2 * hv, d),
-               p + "conv1d.weight": (2 * kd + vd, c.conv_kernel), p + "A_log": (hv,), p + "dt_bias": (hv,),
+        req = {p + "in_proj_q.weight": (kd, d), p + "in_proj_k.weight": (kd, d), p + "in_proj_v.weight": (vd, d),
+               p + "in_proj_z.weight": (vd, d), p + "in_proj_ba.weight": (2 * hv, d),
+               p + "conv1d.weight": (2 * kd + vd, c.conv_kernel), p + "A": (hv,), p + "dt_bias": (hv,),
                p + "norm.weight": (dv,), p + "out_proj.weight": (d, vd)}
         return req, {}
 
@@ -140,10 +188,9 @@ class Qwen3Next(DecoderModel):
             w["attn_gate_norm"] = w["attn_norm"]
         else:
             q = p + "linear_attn."
-            w.update({"lin_qkvz": self.w[q + "in_proj_qkvz.weight"], "lin_ba": self.w[q + "in_proj_ba.weight"],
-                      "lin_norm": self.w[q + "norm.weight"], "lin_out": self.w[q + "out_proj.weight"],
-                      # g = -exp(A_log) * softplus(a + dt_bias): the first factor is a constant of the layer
-                      "lin_a": -(self.w[q + "A_log"].astype(DType.FLOAT32).exp()),
+            w.update({f"lin_{k}": self.w[q + f"in_proj_{k}.weight"] for k in ("q", "k", "v", "z", "ba")})
+            w.update({"lin_norm": self.w[q + "norm.weight"], "lin_out": self.w[q + "out_proj.weight"],
+                      "lin_a": self.w[q + "A"].astype(DType.FLOAT32),  # g = A * softplus(a + dt_bias)
                       "lin_dt_bias": self.w[q + "dt_bias"].astype(DType.FLOAT32)})
             taps = self.w[q + "conv1d.weight"].dequantize().astype(self.dtype).transpose(1, 0)
             w.update({f"conv_tap{k}": taps[k] for k in range(self.config.conv_kernel)})
@@ -181,11 +228,9 @@ class Qwen3Next(DecoderModel):
         r, kd, vd = hv // hk, hk * dk, hv * dv
         s, n = cache.layout
         x = h.rms_norm(w["attn_norm"], c.rms_norm_eps)
-        qkvz = x.linear(w["lin_qkvz"]).reshape(s, n, hk, 2 * dk + 2 * r * dv)  # grouped per key head
-        ba = x.linear(w["lin_ba"]).reshape(s, n, hk, 2 * r)
-        z = qkvz[..., 2 * dk + r * dv:].reshape(s, n, hv, dv)
-        mixed = ctx.concatenate([qkvz[..., :dk].reshape(s, n, kd), qkvz[..., dk:2 * dk].reshape(s, n, kd),
-                                 qkvz[..., 2 * dk:2 * dk + r * dv].reshape(s, n, vd)], axis=-1)
+        ba = x.linear(w["lin_ba"]).reshape(s, n, hk, 2 * r)  # grouped per key head: [b, a] each
+        z = x.linear(w["lin_z"]).reshape(s, n, hv, dv)
+        mixed = ctx.concatenate([x.linear(w[f"lin_{k}"]).reshape(s, n, -1) for k in ("q", "k", "v")], axis=-1)
         k_conv = c.conv_kernel
         state = cache.get_state(ctx, layer, "conv", (k_conv - 1, 2 * kd + vd))
         full = ctx.concatenate([state.astype(mixed.dtype), mixed], axis=1)  # [S, K - 1 + L, C]
@@ -225,6 +270,47 @@ def _check_sparse_step(config: Any) -> None:
     step = config.get("decoder_sparse_step", 1)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise WeightsError(f"model config has decoder_sparse_step = {step!r}; it must be a positive integer")
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z", "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj", "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _from_gguf_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """llama.cpp's ``qwen3next`` tensor names (``convert_hf_to_gguf.py``'s ``Qwen3NextModel``) to Hugging Face
+    ones: ``ssm_a`` is already ``A = -exp(A_log)``, ``ssm_dt.bias`` is ``dt_bias``, the experts come stacked."""
+    out = {}
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    for name, t in weights.items():
+        if name in top:
+            out[top[name]] = t
+            continue
+        parts = name.split(".")
+        if parts[0] != "blk" or len(parts) < 3:
+            out[name] = t
+            continue
+        p, base, kind = f"model.layers.{parts[1]}.", parts[2], ".".join(parts[3:])
+        if base == "ssm_a":
+            out[p + "linear_attn.A"] = t
+        elif base == "ssm_dt":
+            out[p + "linear_attn.dt_bias"] = t
+        elif base in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            out[p + "mlp.experts." + {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                                      "ffn_down_exps": "down_proj"}[base]] = t
+        elif base in _GGUF_LAYER_NAMES:
+            out[p + _GGUF_LAYER_NAMES[base] + "." + kind] = t
+        else:
+            out[name] = t
+    return out
 
 
 def _stack_experts(weights: dict[str, Tensor], config: DecoderConfig, backend: Backend) -> dict[str, Tensor]:

@@ -21,7 +21,7 @@ from mlx_engine.models.tokenizer import Tokenizer
 # Names as GGUF's general.architecture and Hugging Face's model_type spell them.
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": Llama, "mistral": Llama, "gemma3": Gemma3, "gemma3_text": Gemma3, "qwen3": Qwen3, "lfm2": LFM2,
-    "qwen3_next": Qwen3Next,
+    "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next,
 }
 
 

@@ -159,3 +159,79 @@ def greedy_reference(model, prompt: list[int], n: int) -> tuple[np.ndarray, list
         out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return first, out[0, len(prompt):].tolist()
+
+
+def qwen3_next_gguf(model, path: Path) -> Path:
+    """Write ``model`` (a transformers Qwen3-Next) as an F32 GGUF file as llama.cpp's converter does
+    (``Qwen3NextModel.modify_tensors``): ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, norms with
+    the one added (but the gated ``linear_attn.norm``), ``in_proj_qkvz`` split into ``attn_qkv`` (all q, all k, all
+    v) and ``attn_gate`` (z), the experts stacked; the rest through gguf-py's tensor name map."""
+    import gguf
+    import torch
+
+    c = model.config
+    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim)
+    w = gguf.GGUFWriter(str(path), "qwen3next")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(hk)
+    w.add_ssm_time_step_rank(hv)
+    w.add_ssm_inner_size(dv * hv)
+    w.add_full_attention_interval(4)
+    w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, c.num_hidden_layers)
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    for name, t in state.items():
+        bid = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        if name.endswith(".mlp.experts.gate_up_proj"):  # transformers' fused layout in memory: [E, 2I, D]
+            gate, up = t.chunk(2, dim=1)
+            w.add_tensor(f"blk.{bid}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            w.add_tensor(f"blk.{bid}.ffn_up_exps.weight", up.contiguous().numpy())
+            continue
+        if name.endswith(".mlp.experts.down_proj"):
+            w.add_tensor(f"blk.{bid}.ffn_down_exps.weight", t.contiguous().numpy())
+            continue
+        if name.endswith(".A_log"):
+            w.add_tensor(f"blk.{bid}.ssm_a", (-torch.exp(t)).numpy())
+            continue
+        if name.endswith(".dt_bias"):
+            w.add_tensor(f"blk.{bid}.ssm_dt.bias", t.numpy())
+            continue
+        if "conv1d" in name:
+            t = t.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        if name.endswith("in_proj_qkvz.weight"):
+            g = t.reshape(hk, 2 * dk + 2 * (hv // hk) * dv, -1)
+            r = hv // hk
+            qkv = torch.cat([g[:, :dk].reshape(hk * dk, -1), g[:, dk:2 * dk].reshape(hk * dk, -1),
+                             g[:, 2 * dk:2 * dk + r * dv].reshape(hv * dv, -1)])
+            w.add_tensor(f"blk.{bid}.attn_qkv.weight", qkv.numpy())
+            w.add_tensor(f"blk.{bid}.attn_gate.weight", g[:, 2 * dk + r * dv:].reshape(hv * dv, -1).numpy())
+            continue
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:  # a dense MLP (mlp_only_layers): llama.cpp's qwen3next map has none; its generic names
+            gguf_name = f"blk.{bid}.ffn_{name.split('.')[-2].split('_')[0]}.weight"
+        w.add_tensor(gguf_name, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

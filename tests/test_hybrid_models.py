@@ -15,17 +15,11 @@ from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.registry import load_text_model
 from mlx_engine.models.runner import GenerationStats, Request, Runner, logits_for
 from mlx_engine.models.sampler import SamplerOptions
-from tests.hybrid_small import BUILDERS, build_lfm2, greedy_reference, lfm2_gguf
+from tests.hybrid_small import BUILDERS, greedy_reference, lfm2_gguf, qwen3_next_gguf
 
 pytest.importorskip("torch")
 
 INTERVAL = 48  # the test cache's checkpoint interval: prompts below are longer than it
-
-
-@pytest.fixture(scope="module")
-def lfm2(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hybrid") / "lfm2"
-    return folder, build_lfm2(folder)
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -85,9 +79,11 @@ def test_matches_mlx_lm(hybrid):
     assert tokens == ref_tokens
 
 
-def test_lfm2_gguf_equals_the_folder(lfm2, tmp_path):
-    folder, reference = lfm2
-    path = lfm2_gguf(reference, tmp_path / "lfm2.gguf")
+def test_gguf_equals_the_folder(hybrid, tmp_path):
+    """The same weights written as llama.cpp's converter writes them give the folder's logits and tokens."""
+    folder, reference = hybrid
+    write = {"lfm2": lfm2_gguf, "qwen3_next": qwen3_next_gguf}[folder.name]
+    path = write(reference, tmp_path / f"{folder.name}.gguf")
     prompt = _prompt(3, 70)
     gguf_runner, folder_runner = _runner(path), _runner(folder)
     assert gguf_runner.model.config.layer_types == folder_runner.model.config.layer_types
@@ -166,8 +162,8 @@ def test_remove_to_a_position_without_a_checkpoint_is_refused_and_changes_nothin
     assert _greedy(runner, held, 8)[0] == _greedy(_runner(folder), held, 8)[0]
 
 
-def test_batches_the_recurrent_layers_cannot_run_are_refused(lfm2):
-    folder, _ = lfm2
+def test_batches_the_recurrent_layers_cannot_run_are_refused(hybrid):
+    folder, _ = hybrid
     runner = _runner(folder)
     cache = runner.cache
     mixed = Batch(np.array([5, 6, 7]), [0, 1, 0], [0, 0, 1], [2])  # unequal runs
@@ -180,12 +176,14 @@ def test_batches_the_recurrent_layers_cannot_run_are_refused(lfm2):
     assert cache.cells_in_use() == 0 and cache.slots_in_use() == 0
 
 
-def test_recurrent_memory_is_bounded_by_slots_and_checkpoints(lfm2):
-    folder, _ = lfm2
+def test_recurrent_memory_is_bounded_by_slots_and_checkpoints(hybrid):
+    folder, _ = hybrid
     runner = _runner(folder, chunk=32, count=3, interval=32)
     cache: RecurrentCache = runner.cache
-    c = runner.model.config
-    per_state = sum(t == "conv" for t in c.layer_types) * (c.conv_kernel - 1) * c.hidden_size * 4
+    one = _runner(folder, count=0)
+    one.prefill(one.backend.new_context(), 0, _prompt(19, 5))  # one forward from the start: one state, no other
+    per_state = one.cache.nbytes() - one.cache.kv.nbytes()
+    assert per_state > 0
     seen = []
     tokens: list[int] = []
     for i in range(6):
