@@ -156,6 +156,11 @@ class Cache(abc.ABC):
         to evaluate with them. A KV cache has none."""
         return []
 
+    def checkpoint_grid(self, start: int, end: int) -> list[int]:
+        """Positions in ``start .. end - 1`` where a forward pass should end so that the cache keeps a checkpoint
+        there (a recurrent cache). A KV cache needs none."""
+        return []
+
     def request_checkpoint(self, seq: int) -> None:
         """Ask for a restore point after the next forward pass of ``seq``. A KV cache can resume anywhere: nothing
         to do."""

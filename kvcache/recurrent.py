@@ -10,8 +10,9 @@ A recurrent layer does not keep one entry per past token: it folds every token i
   forward pass (or roll-back) of either sequence gives it a slot of its own, copying the state. Tensors are immutable
   on the device, so the copy shares storage until a layer writes its new state.
 - **Checkpoints.** A state cannot be rolled back token by token. At the end of a forward pass whose last position
-  ``p`` is at least ``checkpoint_min_pos`` and ``checkpoint_interval`` past the slot's last checkpoint (or when the
-  runner asked for one with :meth:`request_checkpoint`), the cache keeps a copy of the state after token ``p``; at
+  ``p`` is at least ``checkpoint_min_pos`` and ``checkpoint_interval`` past the slot's last checkpoint, or is on the
+  grid ``checkpoint_min_pos + k * checkpoint_interval`` (where the runner ends prefill chunks), or when the runner
+  asked for one with :meth:`request_checkpoint`, the cache keeps a copy of the state after token ``p``; at
   most ``checkpoint_count`` per slot, the oldest dropped first. Defaults are the seed's: 24 checkpoints, the first
   at position 16, then every 1,664 tokens.
 - **One step back.** The state before a slot's last forward pass is kept too (references, no copy), so a sequence
@@ -231,14 +232,24 @@ class RecurrentCache(Cache):
             return None
         cps = self._checkpoints[slot]
         previous = max((c.pos for c in cps), default=-1)
-        if not forced and (last < self.checkpoint_min_pos
-                           or (previous >= 0 and last - previous < self.checkpoint_interval)):
+        due = last >= self.checkpoint_min_pos and (previous < 0 or last - previous >= self.checkpoint_interval)
+        if not (forced or due or last in self.checkpoint_grid(last, last + 1)):
             return None
         if len(cps) >= self.checkpoint_count:
             cps.remove(min(cps, key=lambda c: c.pos))
         cp = Checkpoint(last)
         cps.append(cp)
         return cp
+
+    def checkpoint_grid(self, start: int, end: int) -> list[int]:
+        """The positions in ``start .. end - 1`` of the checkpoint grid (``checkpoint_min_pos``, then every
+        ``checkpoint_interval``): a forward pass whose last token is on it keeps a checkpoint, so the runner ends
+        prefill chunks there and sequences that share a prefix find checkpoints at the same places."""
+        if self.checkpoint_count == 0:
+            return []
+        lo, step = self.checkpoint_min_pos, self.checkpoint_interval
+        first = lo if start <= lo else lo + -(-(start - lo) // step) * step
+        return list(range(first, end, step))
 
     def request_checkpoint(self, seq: int) -> None:
         """Keep a checkpoint after the next forward pass of ``seq``, whatever the interval (the runner asks for one

@@ -167,13 +167,18 @@ class Runner:
     # ---- prefill -----------------------------------------------------------------------------------------------
     def chunk_bounds(self, start: int, end: int) -> list[tuple[int, int]]:
         """The ``[begin, end)`` ranges in which positions ``start .. end - 1`` of a prompt are prefilled: chunks of
-        at most ``prefill_chunk`` tokens; with a cache that rolls back only to checkpoints (a recurrent state), the
-        prompt's last token runs alone after a checkpoint, so that the same prompt can be answered again (a
-        regenerated reply, an edited last message) by running one token instead of the whole prompt."""
-        bounds = [(b, min(b + self.prefill_chunk, end)) for b in range(start, end, self.prefill_chunk)]
+        at most ``prefill_chunk`` tokens; with a cache that rolls back only to checkpoints (a recurrent state),
+        chunks also end on its checkpoint grid, and the prompt's last token runs alone after a checkpoint, so that
+        the same prompt can be answered again (a regenerated reply, an edited last message) by running one token
+        instead of the whole prompt."""
+        cuts = {p + 1 for p in self.cache.checkpoint_grid(start, end - 1)}  # chunks end on the checkpoint grid
         if self.cache.keeps_checkpoints and end - start > 1:
-            b, e = bounds.pop()
-            bounds += ([(b, e - 1)] if e - 1 > b else []) + [(e - 1, e)]
+            cuts.add(end - 1)
+        bounds, b = [], start
+        for e in sorted(cuts | {end}):
+            while b < e:
+                bounds.append((b, min(b + self.prefill_chunk, e)))
+                b = bounds[-1][1]
         return bounds
 
     def prefill_chunks(self, ctx, seq: int, tokens: Sequence[int]) -> tuple[int, Iterator[Tensor]]:

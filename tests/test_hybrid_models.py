@@ -125,10 +125,13 @@ def test_copy_on_write_sequences_diverge_like_fresh_runs(hybrid):
 def test_a_shared_prefix_restores_the_nearest_checkpoint(hybrid):
     folder, _ = hybrid
     prompt = _prompt(9, 200)
-    runner = _runner(folder, chunk=16)  # chunk ends fall on 15, 31, ...: checkpoints at 31, 79, 127, 175, 198
+    runner = _runner(folder, chunk=16)
+    # prefill chunks end on the checkpoint grid (16, then every 48) and before the prompt's last token
+    assert runner.chunk_bounds(0, 200)[:3] == [(0, 16), (16, 17), (17, 33)]
+    assert runner.chunk_bounds(0, 200)[-2:] == [(193, 199), (199, 200)]
     _greedy(runner, prompt, 4, seq=0)
     cps = runner.cache.checkpoints(0)
-    assert cps[0] >= 16 and all(b - a >= INTERVAL for a, b in zip(cps[:-2], cps[1:-1]))
+    assert cps == [16, 64, 112, 160, 198]
     assert len(prompt) - 2 in cps  # the one the runner asks for before the prompt's last token
     other = prompt[:150] + _prompt(10, 30)
     shared = runner.share_prefix(0, 1, other)
@@ -218,3 +221,32 @@ def test_a_ten_turn_chat_prefills_only_the_new_message(hybrid):
     assert len({m["content"] for m in history if m["role"] == "assistant"}) > 3  # the answers differ turn to turn
     model.close()
 
+
+
+def test_the_server_shares_a_prefix_through_a_checkpoint(hybrid, tmp_path, monkeypatch):
+    """Two requests with the same long system prompt: the second restores the first's checkpoint before the
+    prompt's end (the server's prefix cache, through the recurrent cache) and answers as a fresh model does."""
+    import openai
+
+    import mlx_engine
+    from mlx_engine.server import ServerConfig
+    from tests.test_server import RunningServer, free_port
+
+    folder, _ = hybrid
+    monkeypatch.setenv("MLX_ENGINE_HOME", str(tmp_path / "home"))
+    system = "you answer in letters only. " * 6
+    asks = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in ("first one", "second")]
+    fresh = mlx_engine.load(str(folder), context_length=2048, dtype="float32")
+    want = [fresh.chat(m, max_tokens=16, temperature=0) for m in asks]
+    fresh.close()
+    srv = RunningServer(ServerConfig(port=free_port(), models=[str(folder)], max_sequences=4, context_length=2048,
+                                     store_root=str(tmp_path / "home")))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+        name = str(folder)  # the model is named as the server was given it
+        got = [client.chat.completions.create(model=name, messages=m, max_tokens=16, temperature=0) for m in asks]
+    finally:
+        srv.stop()
+    assert [g.choices[0].message.content for g in got] == want
+    assert got[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert 16 <= got[1].usage.prompt_tokens_details.cached_tokens < got[1].usage.prompt_tokens
