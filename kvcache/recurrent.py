@@ -174,7 +174,7 @@ class RecurrentCache(Cache):
         self._check()
         order, firsts, length = self._batch_layout(batch)
         if not reserve:
-            new = 0
+            new, refs = 0, list(self._refs)
             for s, p in zip(order, firsts):
                 if not 0 <= s < self.max_sequences:
                     raise CacheError(f"sequence {s} out of range: the cache holds {self.max_sequences}")
@@ -186,7 +186,10 @@ class RecurrentCache(Cache):
                 if p != have:
                     raise CacheError(f"the recurrent state of sequence {s} is after {have} tokens, but the batch "
                                      f"continues it at position {p}; a recurrent state cannot skip or repeat tokens")
-                new += slot is None or self._refs[slot] > 1
+                if slot is None or refs[slot] > 1:  # as _writable_slot will: the last sharer keeps the slot
+                    new += 1
+                    if slot is not None:
+                        refs[slot] -= 1
             if new > len(self._free):
                 raise CacheFullError(f"no free recurrent-state slot: the cache holds {self.max_sequences} sequences")
         commit_kv = self.kv.prepare_forward(ctx, batch, reserve)
@@ -310,6 +313,12 @@ class RecurrentCache(Cache):
         if slot is None:
             return []
         return sorted(cp.pos for cp in self._checkpoints[slot] if self._keys <= cp.states.keys())
+
+    def read_state(self, seq: int, layer: int, name: str) -> Optional[Tensor]:
+        """The state ``name`` of ``layer`` that ``seq`` would continue from (``[1, *shape]``), or None before its
+        first forward pass; for inspection."""
+        slot = self._slot_of.get(seq)
+        return self._states[slot].get((layer, name)) if slot is not None else None
 
     def length(self, seq: int) -> int:
         """Tokens folded into the recurrent state of ``seq``."""

@@ -250,3 +250,57 @@ def test_the_server_shares_a_prefix_through_a_checkpoint(hybrid, tmp_path, monke
     assert [g.choices[0].message.content for g in got] == want
     assert got[0].usage.prompt_tokens_details.cached_tokens == 0
     assert 16 <= got[1].usage.prompt_tokens_details.cached_tokens < got[1].usage.prompt_tokens
+
+
+BAD_CONFIGS = {
+    "lfm2": [({"conv_L_cache": 1}, "kernel size 1"), ({"layer_types": ["conv"] * 5}, "layer_types has 5 entries")],
+    "qwen3_next": [({"linear_num_value_heads": 3}, "value heads must be a positive multiple of key heads"),
+                   ({"num_experts_per_tok": 9}, "routes each token to 9 of 4 experts"),
+                   ({"partial_rotary_factor": 0.1}, "rotates 1 features per head")],
+}
+BAD_GGUF_KEYS = {"lfm2": ("lfm2.attention.head_count_kv", [2, 0, 2], "head_count_kv' has 3 entries for 6 layers"),
+                 "qwen3_next": ("qwen3next.ssm.time_step_rank", 3, "value heads must be a positive multiple")}
+
+
+def test_a_bad_hybrid_config_is_refused_at_load(hybrid, tmp_path):
+    import json
+    import shutil
+
+    from mlx_engine.errors import WeightsError
+
+    folder, _ = hybrid
+    config = json.loads((folder / "config.json").read_text())
+    for i, (change, message) in enumerate(BAD_CONFIGS[folder.name]):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(folder, bad)
+        (bad / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(WeightsError, match=message):
+            load_text_model(MLXBackend(bad, dtype="float32"))
+
+
+def test_a_gguf_with_inconsistent_hybrid_keys_is_refused(hybrid, tmp_path):
+    import gguf
+
+    from mlx_engine.errors import WeightsError
+
+    folder, reference = hybrid
+    write = {"lfm2": lfm2_gguf, "qwen3_next": qwen3_next_gguf}[folder.name]
+    reader = gguf.GGUFReader(str(write(reference, tmp_path / "ok.gguf")))
+    key, value, message = BAD_GGUF_KEYS[folder.name]
+    writer = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), reader.fields["general.architecture"].contents())
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", key):
+            continue
+        writer.add_key_value(name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    if isinstance(value, list):
+        writer.add_array(key, value)
+    else:
+        writer.add_uint32(key, value)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(WeightsError, match=message):
+        load_text_model(MLXBackend(tmp_path / "bad.gguf", dtype="float32"))
