@@ -304,3 +304,15 @@ def test_a_gguf_with_inconsistent_hybrid_keys_is_refused(hybrid, tmp_path):
     writer.close()
     with pytest.raises(WeightsError, match=message):
         load_text_model(MLXBackend(tmp_path / "bad.gguf", dtype="float32"))
+
+
+def test_a_hybrid_model_is_not_split_over_ranks(hybrid):
+    from mlx_engine.errors import UnsupportedError
+    from mlx_engine.models.sharding import plan
+    from mlx_engine.weights import open_weights
+
+    folder, _ = hybrid
+    with open_weights(folder) as wf:
+        for mode in ("pipeline", "tensor"):
+            with pytest.raises(UnsupportedError, match="hybrid model .* one machine only"):
+                plan(wf, mode, 0, 2)
