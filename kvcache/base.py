@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from mlx_engine.batch import Batch
+from mlx_engine.errors import CacheError
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, Tensor
 
 ShiftFn = Callable[[Context, int, Tensor, Tensor], Tensor]
@@ -93,6 +94,13 @@ class Cache(abc.ABC):
         The keys and values are views of the cache's storage. Let go of them after the forward pass: while a view
         is alive, the next ``put`` of the layer must copy the whole storage instead of updating it in place.
         """
+
+    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
+        """Let the tokens of each ``[begin, end)`` range of the current batch see each other both ways, for this
+        forward pass only (see :meth:`CausalCache.set_causal`). Raises ``CacheError`` where the cache has no causal
+        mask to change."""
+        if both_ways:
+            raise CacheError(f"{type(self).__name__} cannot let tokens attend both ways")
 
     def set_config(self, config: CacheConfig) -> None:
         """Override the backend's preferred layout (padding, mask dtype, growth step). Call before the first

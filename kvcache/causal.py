@@ -63,11 +63,13 @@ class _Layer:
 class _Forward:
     """What one ``start_forward`` decided: the cells of the batch, the used range, and the mask."""
 
-    __slots__ = ("n", "locs", "span", "loc_tensor", "used", "mask", "reserve")
+    __slots__ = ("n", "locs", "span", "loc_tensor", "used", "mask", "reserve", "pos", "seqs")
 
     def __init__(self, n: int, locs: Optional[np.ndarray], span: Optional[tuple[int, int]], used: int,
-                 mask: Optional[Tensor], reserve: bool):
+                 mask: Optional[Tensor], reserve: bool, pos: Optional[np.ndarray] = None,
+                 seqs: Optional[np.ndarray] = None):
         self.n, self.locs, self.span, self.used, self.mask, self.reserve = n, locs, span, used, mask, reserve
+        self.pos, self.seqs = pos, seqs
         self.loc_tensor: Optional[Tensor] = None
 
 
@@ -321,7 +323,7 @@ class CausalCache(Cache):
 
         used = min(_round_up(self._hi, max(1, self._config.padding)), self.num_cells)
         span = (int(locs[0]), int(locs[0]) + n) if int(locs[-1]) - int(locs[0]) == n - 1 else None
-        self._fwd = _Forward(n, locs, span, used, self._build_mask(ctx, pos, seqs, used), False)
+        self._fwd = _Forward(n, locs, span, used, self._build_mask(ctx, pos, seqs, used), False, pos, seqs)
 
     def _refresh(self, seqs: Sequence[int]) -> None:
         """Recompute the used range, the count of used cells and the per-sequence counters after cells were freed."""
@@ -337,9 +339,10 @@ class CausalCache(Cache):
             else:
                 self._seq_min[s], self._seq_max[s] = 0, -1
 
-    def _build_mask(self, ctx: Context, pos: np.ndarray, seqs: np.ndarray, used: int) -> Optional[Tensor]:
+    def _build_mask(self, ctx: Context, pos: np.ndarray, seqs: np.ndarray, used: int,
+                    both_ways: Sequence[tuple[int, int]] = ()) -> Optional[Tensor]:
         n = len(pos)
-        if n == 1:
+        if n == 1 and not both_ways:
             # O(1) test: one sequence owns every cell of the used range and the token sees all of them
             s, p = int(seqs[0]), int(pos[0])
             cnt = int(self._seq_count[s])
@@ -348,13 +351,37 @@ class CausalCache(Cache):
                 return None
         cp = self._pos[:used]
         visible = self._owners[:used][:, seqs].T                     # [N, used]: cells of the token's sequence
-        visible &= cp[None, :] <= pos[:, None]                       # causal
+        ahead = cp[None, :] <= pos[:, None]                          # causal
+        for a, b in both_ways:  # a range of the batch sees itself both ways (set_causal)
+            ahead[a:b, self._fwd.locs[a:b]] = True
+        visible &= ahead
         start = self._sees_from(pos)
         if start is not None:
             visible &= cp[None, :] >= np.asarray(start)[:, None]    # window / chunk start
         if visible.all():
             return None
         return ctx.attention_mask(visible, self._config.mask_dtype)
+
+    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
+        """Let the tokens of each ``[begin, end)`` range of the current batch see each other both ways (the rest of
+        the mask stays as it is: other sequences hidden, and a window's lower bound still applies); the next
+        :meth:`start_forward` is causal again. Gemma 3's image tokens attend to their whole image (the seed's
+        ``SetCausal(ctx, CausalOptions{Except: ...})``).
+
+        Raises:
+            CacheError: before a forward pass, or a range outside the batch or spanning several sequences.
+        """
+        self._check()
+        fwd = self._fwd
+        if fwd is None:
+            raise CacheError("set_causal before start_forward")
+        if fwd.reserve or not both_ways:
+            return
+        for a, b in both_ways:
+            if not 0 <= a < b <= fwd.n or len(np.unique(fwd.seqs[a:b])) != 1:
+                raise CacheError(f"set_causal range {a}..{b} is not a run of one sequence in the batch of {fwd.n}")
+        # rebuilt from the positions that start_forward recorded (cells may have been reused since: same cells)
+        fwd.mask = self._build_mask(ctx, fwd.pos, fwd.seqs, fwd.used, both_ways)
 
     def _sees_from(self, p):
         """The lowest position the token at ``p`` sees (int or array), ``None`` for a plain causal cache."""

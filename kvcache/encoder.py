@@ -9,7 +9,7 @@ batch that stored it), so that ``remove`` over that position drops it and the mo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import numpy as np
@@ -83,6 +83,9 @@ class EncoderCache(Cache):
         def commit() -> None:
             self._cur_pos, self._cur_seq, self._reserve = pos, seq, False
         return commit
+
+    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
+        """Cross-attention sees the whole encoder output: there is no causal mask to change."""
 
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         """Store ``key [1, H_kv, S_enc, Dk]`` and ``value [1, H_kv, S_enc, Dv]`` for the current layer, replacing

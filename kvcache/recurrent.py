@@ -121,6 +121,9 @@ class RecurrentCache(Cache):
     def set_layer(self, layer: int) -> None:
         self.kv.set_layer(layer)
 
+    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
+        self.kv.set_causal(ctx, both_ways)
+
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         self.kv.put(ctx, key, value)
 

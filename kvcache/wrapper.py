@@ -69,6 +69,10 @@ class WrapperCache(Cache):
                 f()
         return commit
 
+    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
+        for c in self.caches:
+            c.set_causal(ctx, both_ways)
+
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         self._cur.put(ctx, key, value)
 

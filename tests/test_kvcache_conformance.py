@@ -78,7 +78,40 @@ def inner(cache):
     return cache.caches[0] if isinstance(cache, WrapperCache) else cache
 
 
-CASES = [pytest.param(sc, v, id=f"{sc['name']}-{v}") for sc in SCENARIOS for v in variants(sc["cache"])]
+# set_causal (the seed's CausalOptions.Except): a 'both_ways' list of [begin, end) batch ranges whose tokens see each
+# other both ways in that forward pass only. Ours, in the scenarios' own form (pos p holds value p + 1 unless given).
+SET_CAUSAL = [
+    {'name': 'both_ways_causal',
+     'cache': {'kind': 'causal'},
+     'init': {'max_sequences': 1, 'capacity': 16, 'max_batch': 16},
+     'steps': [{'forward': {'seqs': [0] * 6, 'pos': [0, 1, 2, 3, 4, 5], 'values': [1, 2, 3, 4, 5, 6],
+                            'both_ways': [[1, 4]]},
+                'sees': [[1], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]]},
+               {'forward': {'seqs': [0], 'pos': [6], 'values': [7]}, 'sees': [[1, 2, 3, 4, 5, 6, 7]]}]},
+    {'name': 'both_ways_sliding_window',
+     'cache': {'kind': 'swa', 'window': 2},
+     'init': {'max_sequences': 1, 'capacity': 16, 'max_batch': 16},
+     'steps': [{'forward': {'seqs': [0] * 6, 'pos': [0, 1, 2, 3, 4, 5], 'values': [1, 2, 3, 4, 5, 6],
+                            'both_ways': [[2, 5]]},
+                # the window's lower bound still holds; later tokens of the range are seen
+                'sees': [[1], [1, 2], [1, 2, 3, 4, 5], [2, 3, 4, 5], [3, 4, 5], [4, 5, 6]]},
+               {'forward': {'seqs': [0, 0], 'pos': [6, 7], 'values': [7, 8]}, 'sees': [[5, 6, 7], [6, 7, 8]]}]},
+    {'name': 'both_ways_two_sequences',
+     'cache': {'kind': 'causal'},
+     'init': {'max_sequences': 2, 'capacity': 16, 'max_batch': 16},
+     'steps': [{'forward': {'seqs': [0, 0, 0, 1, 1, 1], 'pos': [0, 1, 2, 0, 1, 2], 'values': [1, 2, 3, 4, 5, 6],
+                            'both_ways': [[0, 2], [4, 6]]},
+                'sees': [[1, 2], [1, 2], [1, 2, 3], [4], [4, 5, 6], [4, 5, 6]]},
+               {'forward': {'seqs': [0, 1], 'pos': [3, 3], 'values': [7, 8]}, 'sees': [[1, 2, 3, 7], [4, 5, 6, 8]]}]},
+    {'name': 'both_ways_window_two_sequences',
+     'cache': {'kind': 'swa', 'window': 1},
+     'init': {'max_sequences': 2, 'capacity': 16, 'max_batch': 16},
+     'steps': [{'forward': {'seqs': [1, 1, 1, 0, 0, 0], 'pos': [0, 1, 2, 0, 1, 2], 'values': [1, 2, 3, 4, 5, 6],
+                            'both_ways': [[0, 3]]},
+                'sees': [[1, 2, 3], [1, 2, 3], [2, 3], [4], [4, 5], [5, 6]]}]},
+]
+
+CASES = [pytest.param(sc, v, id=f"{sc['name']}-{v}") for sc in SCENARIOS + SET_CAUSAL for v in variants(sc["cache"])]
 
 
 class Runner:
@@ -89,10 +122,11 @@ class Runner:
         self.cache = cache
         self.d = head_dim
 
-    def forward(self, seqs, pos, values):
+    def forward(self, seqs, pos, values, both_ways=()):
         ctx, cache = self.ctx, self.cache
         n = len(pos)
         cache.start_forward(ctx, Batch(np.zeros(n, np.int32), pos, seqs))
+        cache.set_causal(ctx, [tuple(r) for r in both_ways])
         cache.set_layer(0)
         kv = np.repeat(np.asarray(values, np.float32)[:, None], self.d, axis=1).reshape(1, 1, n, self.d)
         cache.put(ctx, ctx.from_numpy(kv), ctx.from_numpy(kv * 1))
@@ -149,7 +183,7 @@ def test_conformance(scenario, variant):
                 assert np.array_equal(keys, last[0]) and np.array_equal(m, last[1])
                 checked += 1
                 continue
-            keys, m = r.forward(f["seqs"], f["pos"], f["values"])
+            keys, m = r.forward(f["seqs"], f["pos"], f["values"], f.get("both_ways", ()))
             last = (keys, m)
             if "sees" in step:
                 got = r.sees(keys, m)
@@ -182,3 +216,16 @@ def test_every_scenario_is_run():
     assert len(names) == 11
     for sc in SCENARIOS:
         assert len(variants(sc["cache"])) >= 3
+
+
+def test_set_causal_refuses_a_range_across_sequences_or_outside_the_batch():
+    from mlx_engine.errors import CacheError
+
+    r = Runner(CausalCache(), 1, values_are_keys=True)
+    r.cache.init(r.backend, DType.FLOAT32, 2, 16, 16)
+    with pytest.raises(CacheError, match="before start_forward"):
+        r.cache.set_causal(r.ctx, [(0, 1)])
+    r.cache.start_forward(r.ctx, Batch(np.zeros(4, np.int32), [0, 1, 0, 1], [0, 0, 1, 1]))
+    for bad in ([(1, 3)], [(2, 5)], [(2, 2)]):
+        with pytest.raises(CacheError, match="not a run of one sequence"):
+            r.cache.set_causal(r.ctx, bad)
