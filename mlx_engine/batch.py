@@ -21,6 +21,9 @@ class Batch:
         outputs: int32 ``[K]``, indices into the batch of the tokens whose logits are wanted (for example the last
             token of each sequence); the model returns logits ``[K, vocab]`` in that order.
         embeddings: optional float Tensor ``[N, D]`` used instead of looking ``inputs`` up (input embeddings).
+        images: multimodal inputs at explicit places of the batch: ``(index, rows)`` puts an image's embedding
+            rows ``[k, D]`` at batch indices ``index .. index + k - 1`` (in place of their placeholder tokens). An
+            image's rows are never split across two batches.
     """
 
     inputs: "np.ndarray | Tensor"
@@ -28,6 +31,7 @@ class Batch:
     sequences: np.ndarray
     outputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     embeddings: "Tensor | None" = None
+    images: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.positions = np.asarray(self.positions, dtype=np.int32).reshape(-1)

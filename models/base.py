@@ -151,6 +151,8 @@ class DecoderModel(abc.ABC):
     """
 
     architecture = ""
+    #: The tokens of one image attend to each other both ways (Gemma 3); else causally, as text.
+    images_both_ways = False
 
     def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend,
                  part: "ModelPart | None" = None):
@@ -167,6 +169,7 @@ class DecoderModel(abc.ABC):
                      if self.part.head else None)
         self.layers = {i: self._layer_weights(i) for i in self.part.layers}
         self.cache_options: dict[str, Any] = {}  # keyword arguments of the cache a hybrid model makes (checkpoints)
+        self.vision: Any = None  # the image encoder of a multimodal checkpoint (models/vision.py), or None
         self.compile_decode = True  # single-token steps through Backend.compile (False: op by op, for comparison)
         self._compiled: dict[tuple, Any] = {}
 
@@ -382,6 +385,13 @@ class DecoderModel(abc.ABC):
             h = h.astype(self.dtype)
         if self.config.embed_scale is not None:
             h = h * self.config.embed_scale
+        if batch.images:  # image rows replace their placeholders, unscaled (transformers' masked_scatter)
+            parts, at = [], 0
+            for start, rows in sorted(batch.images, key=lambda im: im[0]):
+                parts += [h[at:start], rows.astype(self.dtype)]
+                at = start + rows.shape[0]
+            parts.append(h[at:])
+            h = ctx.concatenate([p for p in parts if p.shape[0]], axis=0)
         return h.reshape(1, h.shape[-2], h.shape[-1])
 
     def forward(self, ctx: Context, batch: Batch, cache: "Cache", hidden_only: bool = False,
@@ -395,6 +405,8 @@ class DecoderModel(abc.ABC):
         Raises ``CacheFullError`` when the cache has no room (nothing is stored then).
         """
         cache.start_forward(ctx, batch)
+        if batch.images and self.images_both_ways:
+            cache.set_causal(ctx, [(s, s + rows.shape[0]) for s, rows in batch.images])
         h = self.run_layers(ctx, batch, self.embed(ctx, batch), cache, output_layer)
         if output_layer is not None:
             return h

@@ -38,6 +38,7 @@ def _layer_types(n: int, pattern: int) -> list[str]:
 
 class Gemma3(DecoderModel):
     architecture = "gemma3"
+    images_both_ways = True
 
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:

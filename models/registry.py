@@ -94,6 +94,10 @@ def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
     backend = make_backend(path)
     try:
         model = load_text_model(backend, part)
+        if part is None:
+            from mlx_engine.models.vision import Gemma3Vision
+
+            model.vision = Gemma3Vision.from_backend(backend, model.config.hidden_size)
         tokenizer = (Tokenizer.from_gguf(backend.metadata) if path.is_file()
                      else Tokenizer.from_folder(tokenizer_folder if tokenizer_folder is not None else path))
     except BaseException:

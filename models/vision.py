@@ -1,0 +1,115 @@
+"""Gemma 3's vision part (``Gemma3ForConditionalGeneration``): the SigLIP tower, the multi-modal projector, and where an
+image goes in the prompt.
+
+- Projector (transformers' ``Gemma3MultiModalProjector``): the tower's ``[P, Dv]`` patches, as a square grid, average
+  pooled to ``mm_tokens_per_image`` tokens (256: a 64x64 grid in 4x4 blocks), RMS-normed with Gemma's ``1 + w``
+  (``mm_soft_emb_norm``), then ``@ mm_input_projection_weight [Dv, D]`` into the text model's width. These rows
+  replace the image's placeholder tokens and are not scaled by ``sqrt(D)`` as token embeddings are.
+- Prompt (transformers' ``Gemma3Processor``): the chat template writes ``<start_of_image>`` for each image; it is
+  expanded to ``"\\n\\n<start_of_image>" + "<image_soft_token>" * 256 + "<end_of_image>\\n\\n"``, and the image's
+  rows take the places of the soft tokens. The tokens of one image attend to each other both ways
+  (``Cache.set_causal``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mlx_engine.errors import InvalidRequestError, WeightsError
+from mlx_engine.ml import Backend, Context, DType, Tensor
+from mlx_engine.models.images import ImageProcessor, PromptImage
+from mlx_engine.models.siglip import SiglipConfig, SiglipVision
+
+
+class Gemma3Vision:
+    """The image encoder of a Gemma 3 checkpoint: ``encode`` gives an image's embedding rows ``[tokens, D]``.
+
+    Attributes:
+        tokens_per_image: rows per image (``mm_tokens_per_image``).
+        image_token_id, boi_token_id, eoi_token_id: the placeholder and the begin / end-of-image markers.
+        processor: the image preprocessing (``image_size`` square, mean and std 0.5).
+    """
+
+    boi_text = "<start_of_image>"
+    eoi_text = "<end_of_image>"
+    image_text = "<image_soft_token>"
+
+    def __init__(self, config: Any, weights: dict[str, Tensor], backend: Backend, text_width: int):
+        self.backend = backend
+        self.tower = SiglipVision(SiglipConfig.from_hf(config.get("vision_config") or {}),
+                                  {n.split("vision_tower.", 1)[1]: t for n, t in weights.items()
+                                   if "vision_tower." in n})
+        vc = self.tower.config
+        self.tokens_per_image = int(config.get("mm_tokens_per_image", 256))
+        side = int(round(self.tokens_per_image ** 0.5))
+        if side * side != self.tokens_per_image or vc.patches_per_side % side:
+            raise WeightsError(f"{self.tokens_per_image} tokens per image do not pool a {vc.patches_per_side}-patch "
+                               "grid evenly")
+        self.side, self.pool = side, vc.patches_per_side // side
+        self.image_token_id = int(config.get("image_token_index", config.get("image_token_id", 262144)))
+        self.boi_token_id = int(config.get("boi_token_index", 255999))
+        self.eoi_token_id = int(config.get("eoi_token_index", 256000))
+        proj = {n.split("multi_modal_projector.", 1)[1]: t for n, t in weights.items()
+                if "multi_modal_projector." in n}
+        w, norm = proj.get("mm_input_projection_weight"), proj.get("mm_soft_emb_norm.weight")
+        if w is None or norm is None:
+            raise WeightsError("the checkpoint has a vision tower but no multi_modal_projector weights")
+        if tuple(w.shape) != (vc.hidden_size, text_width) or tuple(norm.shape) != (vc.hidden_size,):
+            raise WeightsError(f"the multi-modal projector has shape {tuple(w.shape)}, but the vision tower is "
+                               f"{vc.hidden_size} wide and the text model {text_width}: they do not belong together")
+        self.projection = w.dequantize().transpose(1, 0)  # [D, Dv] for linear
+        self.norm = norm.dequantize() + 1.0               # Gemma's RMSNorm: x * (1 + w)
+        self.eps = vc.layer_norm_eps
+        self.processor = ImageProcessor(vc.image_size)
+
+    @classmethod
+    def from_backend(cls, backend: Backend, text_width: int) -> "Gemma3Vision | None":
+        """The vision part of a loaded checkpoint, or None for a text-only one. Raises ``WeightsError``."""
+        meta = backend.metadata
+        if "vision_config" not in meta or not any("vision_tower." in n for n in backend.weights):
+            return None
+        return cls(meta, dict(backend.weights), backend, text_width)
+
+    def tower_output(self, ctx: Context, pixels: np.ndarray) -> Tensor:
+        """The SigLIP tower's last hidden states ``[B, P, Dv]`` for ``pixels [B, S, S, 3]``."""
+        return self.tower(ctx, ctx.from_numpy(np.asarray(pixels, np.float32)))
+
+    def encode(self, pixels: np.ndarray) -> Tensor:
+        """One image's rows ``[tokens, D]`` (float32), computed in a context of its own and evaluated."""
+        with self.backend.new_context() as ctx:
+            x = self.tower_output(ctx, pixels[None])                       # [1, P, Dv]
+            g, k, dv = self.side, self.pool, x.shape[-1]
+            x = x.reshape(g, k, g, k, dv).mean(axis=3).mean(axis=1)         # average pool k x k
+            x = x.reshape(g * g, dv).rms_norm(self.norm, self.eps).linear(self.projection)
+            x = x.astype(DType.FLOAT32)
+            ctx.evaluate(x)
+            return x
+
+    def expand(self, text: str) -> str:
+        """A rendered prompt with each ``<start_of_image>`` expanded to the image's full token sequence."""
+        full = f"\n\n{self.boi_text}{self.image_text * self.tokens_per_image}{self.eoi_text}\n\n"
+        return text.replace(self.boi_text, full)
+
+    def place(self, tokens: Sequence[int], images: Sequence[Any]) -> list[PromptImage]:
+        """The images at the runs of placeholder tokens of ``tokens``, in order.
+
+        Raises:
+            InvalidRequestError: the prompt has a different number of image places than images were given.
+        """
+        ids = np.asarray(tokens)
+        is_img = ids == self.image_token_id
+        starts = np.flatnonzero(is_img & ~np.r_[False, is_img[:-1]])
+        if len(starts) != len(images):
+            raise InvalidRequestError(f"the prompt has {len(starts)} image place(s) but {len(images)} image(s) were "
+                                      "given")
+        out = []
+        for start, image in zip(starts.tolist(), images):
+            run = int(np.argmin(np.r_[is_img[start:], False]))
+            if run != self.tokens_per_image:
+                raise InvalidRequestError(f"an image place of {run} tokens; this model takes "
+                                          f"{self.tokens_per_image} per image")
+            out.append(PromptImage(start, run, self.processor(image)))
+        return out
