@@ -36,6 +36,7 @@ from mlx_engine.models.registry import load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner
 from mlx_engine.models.tools import (ToolCall, ToolStyle, check_tools, parse_tool_calls, prepare_messages,
                                      tool_choice_format, tool_style)
+from mlx_engine.models.vision import chat_prompt
 from mlx_engine.parallel import launched_rank, load_sharded, peer_lost
 from mlx_engine.session import ChatSession
 from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
@@ -202,6 +203,30 @@ class Model:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self._chat_ids(messages)
 
+    def _chat_prompt(self, messages: list[dict[str, Any]], **template_vars: Any) -> tuple[list[int], list]:
+        """:meth:`_chat_ids` and the images of the messages at their places (``models.vision.chat_prompt``)."""
+        self._check_messages(messages)
+        try:
+            return chat_prompt(self.tokenizer, self.text_model.vision, messages, **template_vars)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"{self.name}'s chat template: {e}") from e
+
+    def _prompt(self, prompt: str, opts: GenerationOptions, images: Any) -> tuple[list[int], list]:
+        """A one-shot prompt's ids and images: in the user message with the chat template, else (raw) each image's
+        marker before the text."""
+        if not images:
+            return self.prompt_tokens(prompt, system=opts.system, raw=opts.raw), []
+        if not isinstance(images, (list, tuple)):
+            raise InvalidRequestError("images must be a list (of paths, bytes, base64 strings or PIL images)")
+        vision = self.text_model.vision
+        if vision is not None and (opts.raw or not self.has_chat_template):
+            ids = self._encode_text(vision.expand(vision.boi_text * len(images) + prompt))
+            return ids, vision.place(ids, images)
+        self.prompt_tokens(prompt)  # the same checks of the prompt
+        messages = ([{"role": "system", "content": opts.system}] if opts.system else []) + \
+            [{"role": "user", "content": prompt, "images": list(images)}]
+        return self._chat_prompt(messages)
+
     def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation with the chat template applied and the assistant's turn opened.
 
@@ -230,11 +255,12 @@ class Model:
         return math.exp(nll)
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def stream(self, prompt: str, **options: Any) -> Iterator["str | GenerationStats"]:
-        """Text chunks as they are generated, then one :class:`GenerationStats`."""
+    def stream(self, prompt: str, *, images: Any = None, **options: Any) -> Iterator["str | GenerationStats"]:
+        """Text chunks as they are generated, then one :class:`GenerationStats`. ``images``: images the prompt
+        is about (paths, bytes, base64 strings, PIL images), for a model with a vision part."""
         opts = GenerationOptions.parse(options)
-        tokens = self.prompt_tokens(prompt, system=opts.system, raw=opts.raw)
-        return self._serialized(self.runner.stream(opts.request(tokens)))
+        tokens, placed = self._prompt(prompt, opts, images)
+        return self._serialized(self.runner.stream(opts.request(tokens, images=placed)))
 
     def _serialized(self, pieces: Iterator[Any]) -> Iterator[Any]:
         """``pieces`` (a runner's stream) run under the model's lock: one request at a time uses the runner and its
@@ -248,20 +274,21 @@ class Model:
                     raise
                 raise peer_lost(0, e) from None
 
-    def generate(self, prompt: str, **options: Any) -> str:
+    def generate(self, prompt: str, *, images: Any = None, **options: Any) -> str:
         """The whole completion of ``prompt`` as one string.
 
         With a response format (``response_format=``, ``format=``, ``json_schema=``, ``regex=``, ``grammar=``) the
         text matches it; raises ``IncompleteOutputError`` (its ``text`` holds the partial output) when
         ``max_tokens`` or the context cut it off first."""
-        return _whole(self.stream(prompt, **options))
+        return _whole(self.stream(prompt, images=images, **options))
 
     def chat(self, messages: list[dict[str, str]], **options: Any) -> str:
         """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``); structured output
         as in :meth:`generate`."""
         opts = GenerationOptions.parse(options)
-        tokens = self.chat_tokens(messages)
-        return _whole(self._serialized(self.runner.stream(opts.request(tokens))))
+        self.chat_tokens(messages)  # the checks of a conversation
+        tokens, placed = self._chat_prompt(list(messages))
+        return _whole(self._serialized(self.runner.stream(opts.request(tokens, images=placed))))
 
     def tool_prompt(self, messages: list[dict[str, Any]], tools: list | None = None,
                     tool_choice: Any = None) -> "ToolPrompt":

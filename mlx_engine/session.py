@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.models.options import GenerationOptions
-from mlx_engine.models.runner import GenerationStats
+from mlx_engine.models.runner import GenerationStats, prompt_keys
 
 if TYPE_CHECKING:
     from mlx_engine.api import Model
@@ -47,15 +47,16 @@ class ChatSession:
         with self.model._lock:
             self.model.runner.reset(self.sequence)
 
-    def send(self, text: str, **options: Any) -> Iterator["str | GenerationStats"]:
-        """Add a user message and stream the answer: text chunks, then one :class:`GenerationStats`. If the caller
-        stops reading (closes the generator), the partial answer is kept in the conversation."""
+    def send(self, text: str, images: Any = None, **options: Any) -> Iterator["str | GenerationStats"]:
+        """Add a user message (with ``images``: paths, bytes, base64 strings or PIL images, for a model with a
+        vision part) and stream the answer: text chunks, then one :class:`GenerationStats`. If the caller stops
+        reading (closes the generator), the partial answer is kept in the conversation."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"a message must be a string, not {type(text).__name__}")
         if not text.strip():
             raise InvalidRequestError("the message is empty; type some text")
         before = list(self.messages)
-        self.messages.append({"role": "user", "content": text})
+        self.messages.append({"role": "user", "content": text, **({"images": list(images)} if images else {})})
         return self._answer(options, before)
 
     def regenerate(self, **options: Any) -> Iterator["str | GenerationStats"]:
@@ -75,8 +76,8 @@ class ChatSession:
             opts = {**self.options, **options}
             opts.pop("system", None)
             opts.pop("raw", None)
-            tokens = self.model._chat_ids(self.messages)
-            req = GenerationOptions.parse(opts).request(tokens, self.sequence)
+            tokens, images = self.model._chat_prompt(self.messages)
+            req = GenerationOptions.parse(opts).request(tokens, self.sequence, images)
         except BaseException:
             self.messages = before
             raise
@@ -115,23 +116,23 @@ class ChatSession:
         """
         if not any(m["role"] != "system" for m in self.messages):
             return 0
-        tokens = self.model._chat_ids(self.messages)
+        tokens, images = self.model._chat_prompt(self.messages)
         if len(tokens) >= self.model.context_length:
             raise InvalidRequestError(
                 f"the conversation takes {len(tokens)} tokens but the context holds {self.model.context_length}; "
                 "load the model with a larger context length (--context-length, context_length=) or /clear")
         with self.model._lock:
-            if self.model.runner.common_prefix(self.sequence, tokens) == len(tokens):
+            if self.model.runner.common_prefix(self.sequence, prompt_keys(tokens, images)) == len(tokens):
                 return 0
             with self.model.text_model.backend.new_context() as ctx:
-                _, ran = self.model.runner.prefill(ctx, self.sequence, tokens)
+                _, ran = self.model.runner.prefill(ctx, self.sequence, tokens, images)
         return ran
 
     def tokens_used(self) -> int:
         """Tokens the conversation takes in the context now (its templated messages; 0 when empty)."""
         if not any(m["role"] != "system" for m in self.messages):
             return 0
-        return len(self.model._chat_ids(self.messages))
+        return len(self.model._chat_prompt(self.messages)[0])
 
     #: the largest conversation file :meth:`load` reads (bytes): far more text than any context holds
     MAX_FILE_BYTES = 16 * 2**20

@@ -76,13 +76,16 @@ def _decode_inline(s: str) -> bytes:
 
 
 def to_rgb(img: Any) -> Any:
-    """RGB, compositing transparency over white (transformers' ``convert_to_rgb``)."""
+    """RGB; an image with transparency (an alpha band, or a palette's transparent colour) is composited over
+    white first (transformers' ``convert_to_rgb``)."""
     from PIL import Image
 
     if img.mode == "RGB":
         return img
+    if "A" not in img.getbands() and img.info.get("transparency") is None:
+        return img.convert("RGB")
     rgba = img.convert("RGBA")
-    background = Image.new("RGBA", rgba.size, (255, 255, 255))
+    background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
     return Image.alpha_composite(background, rgba).convert("RGB")
 
 

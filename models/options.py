@@ -13,6 +13,7 @@ from typing import Any
 
 from mlx_engine.errors import InvalidOptionError, InvalidRequestError
 from mlx_engine.models.constraint import ResponseFormat, parse_response_format
+from mlx_engine.models.images import PromptImage
 from mlx_engine.models.runner import Request
 from mlx_engine.models.sampler import SamplerOptions
 
@@ -75,9 +76,10 @@ class GenerationOptions:
             raise InvalidOptionError("raw", raw, "must be true or false")
         return cls(sampler, max_tokens, tuple(stop), system, raw, _response_format(given))
 
-    def request(self, tokens: Sequence[int], sequence: int = 0) -> Request:
-        """The runner's request for ``tokens`` on cache sequence ``sequence``."""
-        return Request(list(tokens), self.sampler, self.max_tokens, list(self.stop), sequence, self.response_format)
+    def request(self, tokens: Sequence[int], sequence: int = 0, images: Sequence[PromptImage] = ()) -> Request:
+        """The runner's request for ``tokens`` (with ``images`` at their places) on cache sequence ``sequence``."""
+        return Request(list(tokens), self.sampler, self.max_tokens, list(self.stop), sequence, self.response_format,
+                       list(images))
 
 
 def _response_format(given: Mapping[str, Any]) -> ResponseFormat | None:

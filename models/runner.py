@@ -19,6 +19,7 @@ from mlx_engine.errors import CacheFullError, InvalidRequestError
 from mlx_engine.ml import DType, Tensor
 from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.constraint import Constraint, GrammarTokenizer, ResponseFormat
+from mlx_engine.models.images import PromptImage
 from mlx_engine.models.sampler import Sampler, SamplerOptions
 from mlx_engine.models.tokenizer import Tokenizer
 
@@ -64,6 +65,7 @@ class Request:
         stop: stop strings; generation ends before the first one, which is not returned.
         sequence: the cache sequence id to use.
         response_format: what the output must match (structured output), or None for free text.
+        images: images at explicit places of ``tokens`` (their placeholder tokens), for a model with a vision part.
     """
 
     tokens: Sequence[int]
@@ -72,6 +74,17 @@ class Request:
     stop: Sequence[str] = ()
     sequence: int = 0
     response_format: ResponseFormat | None = None
+    images: Sequence[PromptImage] = ()
+
+
+def prompt_keys(tokens: Sequence[int], images: Sequence[PromptImage] = ()) -> list[int]:
+    """What the cache remembers of a prompt: its token ids, with each image's placeholders replaced by keys made
+    from the image's pixels (:meth:`PromptImage.keys`), so that a cached prefix is reused only for the same image
+    at the same place."""
+    keys = [int(t) for t in tokens]
+    for im in images:
+        keys[im.start:im.start + im.count] = im.keys()
+    return keys
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -106,7 +119,9 @@ class Runner:
         self._grammar_tokenizer: GrammarTokenizer | None = None
         self._grammar_lock = threading.Lock()
         self.cache = model.make_cache(kv_bits)
-        self.cache.init(self.backend, model.dtype, max_sequences, context_length, prefill_chunk)
+        # an image's rows are never split over two forward passes: a pass may hold a whole image
+        image_rows = model.vision.tokens_per_image if model.vision is not None else 0
+        self.cache.init(self.backend, model.dtype, max_sequences, context_length, max(prefill_chunk, image_rows))
         if reserve:
             with self.backend.new_context() as ctx:
                 self.cache.reserve(ctx, model.layer_kv_shapes())
@@ -137,11 +152,19 @@ class Runner:
                 f"context_length=)")
         if req.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {req.max_tokens}")
+        if req.images and self.model.vision is None:
+            raise InvalidRequestError(f"{self.model.architecture} model without a vision part: it cannot read images")
+        for im in req.images:
+            if not 0 <= im.start < im.start + im.count <= len(req.tokens):
+                raise InvalidRequestError(f"an image at tokens {im.start}..{im.start + im.count - 1} of a prompt of "
+                                          f"{len(req.tokens)}")
 
-    def _reuse(self, seq: int, tokens: Sequence[int]) -> int:
-        """Drop what the cache holds for ``seq`` beyond its common prefix with ``tokens``; return that length."""
+    def _reuse(self, seq: int, tokens: Sequence[int], images: Sequence[PromptImage] = ()) -> int:
+        """Drop what the cache holds for ``seq`` beyond its common prefix with ``tokens`` (cache keys: see
+        :func:`prompt_keys`); return that length."""
         cached = self._cached.get(seq, [])
         n = min(_common_prefix(cached, tokens), len(tokens) - 1)  # at least one token must run to give logits
+        n = min([im.start for im in images if im.start < n < im.start + im.count], default=n)  # whole images
         if n < len(cached):
             n = self.cache.restore_point(seq, n) if n > 0 else 0  # a recurrent state: its nearest checkpoint
             self.cache.remove(seq, n, None)
@@ -165,12 +188,13 @@ class Runner:
         return Constraint(self.grammar_tokenizer(), req.response_format, req.max_tokens)
 
     # ---- prefill -----------------------------------------------------------------------------------------------
-    def chunk_bounds(self, start: int, end: int) -> list[tuple[int, int]]:
+    def chunk_bounds(self, start: int, end: int, spans: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
         """The ``[begin, end)`` ranges in which positions ``start .. end - 1`` of a prompt are prefilled: chunks of
         at most ``prefill_chunk`` tokens; with a cache that rolls back only to checkpoints (a recurrent state),
         chunks also end on its checkpoint grid, and the prompt's last token runs alone after a checkpoint, so that
         the same prompt can be answered again (a regenerated reply, an edited last message) by running one token
-        instead of the whole prompt."""
+        instead of the whole prompt. No chunk ends inside one of ``spans`` (an image's ``[begin, end)``): the cut
+        moves to the image's start, or, when the image starts the chunk, to its end."""
         cuts = {p + 1 for p in self.cache.checkpoint_grid(start, end - 1)}  # chunks end on the checkpoint grid
         if self.cache.keeps_checkpoints and end - start > 1:
             cuts.add(end - 1)
@@ -179,38 +203,55 @@ class Runner:
             while b < e:
                 bounds.append((b, min(b + self.prefill_chunk, e)))
                 b = bounds[-1][1]
-        return bounds
+        if not spans:
+            return bounds
+        out: list[tuple[int, int]] = []
+        b = start
+        for _, e in bounds:
+            for lo, hi in spans:
+                if lo < e < hi:
+                    e = lo if lo > b else hi
+            if e > b:
+                out.append((b, e))
+                b = e
+        return out
 
-    def prefill_chunks(self, ctx, seq: int, tokens: Sequence[int]) -> tuple[int, Iterator[Tensor]]:
+    def prefill_chunks(self, ctx, seq: int, tokens: Sequence[int],
+                       images: Sequence[PromptImage] = ()) -> tuple[int, Iterator[Tensor]]:
         """Prefill ``tokens`` of sequence ``seq`` one chunk at a time, reusing the cached prefix.
 
         Returns ``(reused, chunks)``: how many leading tokens came from the cache, and an iterator that runs one
         chunk of at most ``prefill_chunk`` tokens per ``next()`` (evaluated, so that the graph and the memory of
         intermediates stay bounded to one chunk) and yields that chunk's last-token logits ``[1, vocab]``; the last
         one yielded is the prompt's. A scheduler interleaves decode steps of other sequences between chunks.
-        Raises ``CacheFullError`` (from ``next()``) when the cache has no room.
+        Raises ``CacheFullError`` (from ``next()``) when the cache has no room. ``images`` sit at their places of
+        ``tokens``; each runs through the vision encoder (in a context of its own) when its chunk comes.
         """
-        start = self._reuse(seq, tokens)
-        bounds = self.chunk_bounds(start, len(tokens))
+        keys = prompt_keys(tokens, images)
+        start = self._reuse(seq, keys, images)
+        bounds = self.chunk_bounds(start, len(tokens), [(im.start, im.start + im.count) for im in images])
 
         def chunks() -> Iterator[Tensor]:
             for begin, end in bounds:
                 chunk = np.asarray(tokens[begin:end], np.int32)
                 if self.cache.keeps_checkpoints and end == len(tokens) - 1:
                     self.cache.request_checkpoint(seq)
-                logits = self.model.forward(ctx, Batch.single(chunk, begin, seq), self.cache)
+                batch = Batch.single(chunk, begin, seq)
+                batch.images = [(im.start - begin, self.model.vision.encode(im.pixels))
+                                for im in images if begin <= im.start < end]
+                logits = self.model.forward(ctx, batch, self.cache)
                 ctx.evaluate(logits, *self.cache.state_tensors())
-                self._cached.setdefault(seq, []).extend(int(t) for t in chunk)
+                self._cached.setdefault(seq, []).extend(keys[begin:end])
                 yield logits
         return start, chunks()
 
-    def prefill(self, ctx, seq: int, tokens: Sequence[int]) -> tuple[Tensor, int]:
+    def prefill(self, ctx, seq: int, tokens: Sequence[int], images: Sequence[PromptImage] = ()) -> tuple[Tensor, int]:
         """Run ``tokens`` of sequence ``seq`` through the model in chunks, reusing the cached prefix.
 
         Returns the logits ``[1, vocab]`` of the last token and how many tokens were run.
         Raises ``CacheFullError`` when the cache has no room.
         """
-        start, chunks = self.prefill_chunks(ctx, seq, tokens)
+        start, chunks = self.prefill_chunks(ctx, seq, tokens, images)
         logits = None
         for logits in chunks:
             pass
@@ -298,7 +339,7 @@ class Runner:
         ctx = self.backend.new_context()
         sampler = Sampler(req.sampler, ctx)
         constraint = self.constraint(req)
-        logits, stats.prefilled_tokens = self.prefill(ctx, seq, list(req.tokens))
+        logits, stats.prefilled_tokens = self.prefill(ctx, seq, list(req.tokens), req.images)
         width = logits.shape[-1]
         last_n = req.sampler.repeat_last_n  # > 0: that many tokens; otherwise the whole history (llama.cpp: -1)
         history = (ctx.from_numpy(np.asarray(req.tokens[-last_n:] if last_n > 0 else req.tokens, np.int32)[None])
@@ -425,7 +466,7 @@ class Runner:
 
         for i, r in enumerate(requests):
             self._check_request(r)
-            logits, _ = self.prefill(ctx, r.sequence, list(r.tokens))
+            logits, _ = self.prefill(ctx, r.sequence, list(r.tokens), r.images)
             samplers.append(Sampler(r.sampler, ctx))
             firsts.append(samplers[-1].sample(logits, None, allowed(i, logits.shape[-1])))
             pos.append(len(r.tokens))

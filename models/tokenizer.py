@@ -31,7 +31,7 @@ import codecs
 import json
 import numbers
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -589,7 +589,7 @@ class Tokenizer:
         return ids
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+                    expand: "Callable[[str], str] | None" = None, **kwargs: Any) -> list[int]:
         """Token ids of a conversation with the chat template applied: the template's own special tokens become
         their ids, but a special token's text inside a message (``<|im_start|>system`` typed by a user) stays plain
         text, as transformers' and llama.cpp's tokenizers treat text that is not the template's. BOS is added as
@@ -599,6 +599,9 @@ class Tokenizer:
         noncharacter; any U+FFFF already in a message is dropped); after rendering, the text is cut at the unmarked
         special tokens, and the pieces between them are encoded with special-token parsing off.
 
+        ``expand`` rewrites the rendered text before it is encoded (an image marker to the image's placeholder
+        tokens, which stay special tokens).
+
         Raises:
             InvalidRequestError / ChatTemplateError: as :meth:`apply_chat_template`.
         """
@@ -606,6 +609,8 @@ class Tokenizer:
         if pattern is not None:
             messages = [_mark_specials(m, pattern) for m in messages]
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        if expand is not None:  # the template's markers (an image's) to what the model reads there
+            text = expand(text)
         bos = self.bos_token
         add_bos = False if bos and text.startswith(bos) else None
         if pattern is None or _USER_MARK not in text:

@@ -13,6 +13,7 @@ image goes in the prompt.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,9 +90,10 @@ class Gemma3Vision:
             return x
 
     def expand(self, text: str) -> str:
-        """A rendered prompt with each ``<start_of_image>`` expanded to the image's full token sequence."""
+        """A rendered prompt with each ``<start_of_image>`` the template wrote expanded to the image's full token
+        sequence; one a user typed (marked by :meth:`Tokenizer.encode_chat` with U+FFFF) stays text."""
         full = f"\n\n{self.boi_text}{self.image_text * self.tokens_per_image}{self.eoi_text}\n\n"
-        return text.replace(self.boi_text, full)
+        return re.sub("(?<!\uffff)" + re.escape(self.boi_text), lambda _: full, text)
 
     def place(self, tokens: Sequence[int], images: Sequence[Any]) -> list[PromptImage]:
         """The images at the runs of placeholder tokens of ``tokens``, in order.
@@ -113,3 +115,65 @@ class Gemma3Vision:
                                           f"{self.tokens_per_image} per image")
             out.append(PromptImage(start, run, self.processor(image)))
         return out
+
+
+def split_images(messages: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """Messages with their images as the chat template's ``{"type": "image"}`` parts (before the message's text),
+    and the image sources in the order the template will place them.
+
+    A message gives images as ollama does (``"images": [...]``) or as content parts (``{"type": "image", "image":
+    ...}``, OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``); a source is anything
+    :func:`~mlx_engine.models.images.load_image` reads. Messages without images are returned unchanged.
+
+    Raises:
+        InvalidRequestError: an unknown content part, or an image part without its image.
+    """
+    out, sources = [], []
+    for m in messages:
+        given = m.get("images") if isinstance(m, dict) else None
+        content = m.get("content") if isinstance(m, dict) else None
+        if not given and not (isinstance(content, list) and any(_is_image(p) for p in content)):
+            out.append(m)
+            continue
+        if given is not None and not isinstance(given, (list, tuple)):
+            raise InvalidRequestError("a message's images must be a list")
+        parts: list[dict[str, Any]] = [{"type": "image"} for _ in given or ()]
+        sources += list(given or ())
+        for p in content if isinstance(content, list) else [{"type": "text", "text": content or ""}]:
+            if _is_image(p):
+                src = p.get("image") or p.get("url") or p.get("path")
+                if isinstance(p.get("image_url"), dict):
+                    src = p["image_url"].get("url")
+                elif isinstance(p.get("image_url"), str):
+                    src = p["image_url"]
+                if not src:
+                    raise InvalidRequestError(f"an image part without its image: {p!r:.200}")
+                parts.append({"type": "image"})
+                sources.append(src)
+            elif isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str):
+                parts.append({"type": "text", "text": p.get("text", "")})
+            else:
+                raise InvalidRequestError(f"a message part must be text or an image, got {p!r:.200}")
+        out.append({**{k: v for k, v in m.items() if k != "images"}, "content": parts})
+    return out, sources
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image", "image_url", "input_image")
+
+
+def chat_prompt(tokenizer: Any, vision: "Gemma3Vision | None", messages: Sequence[Any],
+                **template_vars: Any) -> tuple[list[int], list[PromptImage]]:
+    """Token ids of a conversation through the chat template, and its images at their places.
+
+    Raises:
+        InvalidRequestError: images for a model without a vision part, or images the template did not place.
+    """
+    messages, sources = split_images(messages)
+    if not sources:
+        return tokenizer.encode_chat(messages, **template_vars), []
+    if vision is None:
+        raise InvalidRequestError("this model has no vision part: it cannot read images (use a vision model, "
+                                  "such as a Gemma 3 4B or larger)")
+    ids = tokenizer.encode_chat(messages, expand=vision.expand, **template_vars)
+    return ids, vision.place(ids, sources)

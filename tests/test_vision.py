@@ -1,0 +1,170 @@
+"""Images in prompts with Gemma 3's vision part, against transformers on a small random checkpoint: preprocessing,
+the SigLIP tower, first-step logits and greedy tokens with one and two images, chunked prefill with a boundary inside
+an image, prefix reuse that knows images, and bad input."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+import mlx_engine
+from mlx_engine.errors import InvalidRequestError
+from mlx_engine.models.images import ImageProcessor, load_image
+from mlx_engine.models.options import GenerationOptions
+from mlx_engine.models.runner import prompt_keys
+from tests.vision_small import IMAGE_SIZE, build_gemma3_vision, photo, reference_pixels
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def gemma3v(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vision") / "gemma3v"
+    return folder, build_gemma3_vision(folder)
+
+
+@pytest.fixture(scope="module")
+def model(gemma3v):
+    m = mlx_engine.load(str(gemma3v[0]), context_length=1024, dtype="float32")
+    yield m
+    m.close()
+
+
+def _exif_rotated_jpeg(tmp_path):
+    from PIL import Image
+
+    img = photo(7, (40, 24))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    path = tmp_path / "rotated.jpg"
+    img.save(path, exif=exif.tobytes(), quality=95)
+    return path
+
+
+def test_preprocessing_equals_transformers(tmp_path):
+    from transformers.image_utils import load_image as hf_load_image
+
+    from PIL import Image
+
+    transparent = photo(5, (30, 30), "P")
+    transparent.info["transparency"] = 0
+    images = [photo(1), photo(2, (20, 30), "RGBA"), photo(3, (64, 64), "L"), photo(4, (33, 17), "P"), transparent,
+              photo(6, (300, 200)), Image.open(_exif_rotated_jpeg(tmp_path))]
+    ours = np.stack([ImageProcessor(IMAGE_SIZE)(im) for im in images])
+    want = reference_pixels(images).transpose(0, 2, 3, 1)
+    assert np.abs(ours - want).max() <= 1e-5
+    # a file as transformers' load_image reads it: EXIF orientation applied (40x24 shown as 24x40)
+    path = _exif_rotated_jpeg(tmp_path)
+    assert load_image(path).size == hf_load_image(str(path)).size == (24, 40)
+    assert np.abs(ImageProcessor(IMAGE_SIZE)(path) - reference_pixels([hf_load_image(str(path))])[0]
+                  .transpose(1, 2, 0)).max() <= 1e-5
+
+
+def _reference(ref, model, tokens, images, n):
+    """transformers' first-step logits and ``n`` greedy tokens for ``tokens`` with ``images``."""
+    tt = torch.tensor([[1 if t == ref.config.image_token_index else 0 for t in tokens]])
+    pixels = torch.tensor(reference_pixels(images))
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        first = ref(input_ids=ids, pixel_values=pixels, token_type_ids=tt).logits[0, -1].numpy()
+        out = ref.generate(input_ids=ids, pixel_values=pixels, token_type_ids=tt, max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return first, out[0, len(tokens):].tolist()
+
+
+def _ours(model, tokens, placed, n):
+    from mlx_engine.models.runner import GenerationStats, Request
+    from mlx_engine.models.sampler import SamplerOptions
+
+    runner = model.runner
+    runner.reset()
+    with model.text_model.backend.new_context() as ctx:
+        logits, _ = runner.prefill(ctx, 0, tokens, placed)
+        first = logits.numpy()[0]
+    runner.reset()
+    req = Request(tokens, SamplerOptions(temperature=0.0), max_tokens=n, images=placed)
+    out = []
+    for t in runner.generate_tokens(req, GenerationStats()):
+        out.append(t)
+    return first, out
+
+
+def test_tower_matches_transformers(gemma3v, model):
+    _, ref = gemma3v
+    pixels = np.stack([ImageProcessor(IMAGE_SIZE)(photo(i)) for i in (1, 2)])
+    with torch.no_grad():
+        want = ref.model.vision_tower(pixel_values=torch.tensor(pixels).permute(0, 3, 1, 2)).last_hidden_state.numpy()
+    with model.text_model.backend.new_context() as ctx:
+        got = model.text_model.vision.tower_output(ctx, pixels).numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_logits_and_greedy_tokens_match_transformers(gemma3v, model, count):
+    _, ref = gemma3v
+    images = [photo(10 + i, (40 + 8 * i, 36)) for i in range(count)]
+    tokens, placed = model._prompt("what is in these pictures?", GenerationOptions.parse({}), images)
+    assert [p.count for p in placed] == [16] * count
+    ref_first, ref_tokens = _reference(ref, model, tokens, images, 32)
+    first, got = _ours(model, tokens, placed, 32)
+    assert np.abs(first - ref_first).max() <= 1e-3 * np.abs(ref_first).max()
+    assert got == ref_tokens
+
+
+def test_answers_depend_on_the_image(model):
+    answers = {model.generate("what is this?", images=[photo(i)], max_tokens=12, temperature=0) for i in range(4)}
+    assert len(answers) > 1
+
+
+def test_a_chunk_boundary_inside_an_image_changes_nothing(gemma3v):
+    folder, _ = gemma3v
+    whole = mlx_engine.Model("g3v", folder, context_length=1024, dtype="float32", prefill_chunk=512)
+    small = mlx_engine.Model("g3v", folder, context_length=1024, dtype="float32", prefill_chunk=12)
+    tokens, placed = small._prompt("look", GenerationOptions.parse({}), [photo(3)])
+    start = placed[0].start
+    assert start % 12 != 0 and (start + 16) // 12 > start // 12  # a 12-token boundary falls inside the image
+    bounds = small.runner.chunk_bounds(0, len(tokens), [(start, start + 16)])
+    assert all(not (start < e < start + 16) for _, e in bounds)
+    assert small.generate("look", images=[photo(3)], max_tokens=16, temperature=0) == \
+        whole.generate("look", images=[photo(3)], max_tokens=16, temperature=0)
+    whole.close()
+    small.close()
+
+
+def test_prefix_reuse_knows_images(model):
+    letters = {"response_format": {"type": "regex", "pattern": "[a-z ]{3,6}"}, "max_tokens": 6, "temperature": 0}
+    session = model.chat_session(**letters)  # answers that tokenize back to themselves
+    "".join(p for p in session.send("describe it", images=[photo(20)]) if isinstance(p, str))
+    first = session.last_stats
+    held = model.runner.cached_length(session.sequence)
+    tokens, placed = model._chat_prompt(session.messages + [{"role": "user", "content": "and the colours?"}])
+    assert model.runner.common_prefix(session.sequence, prompt_keys(tokens, placed)) == held  # image included
+    "".join(p for p in session.send("and the colours?") if isinstance(p, str))
+    second = session.last_stats
+    assert first.prefilled_tokens == first.prompt_tokens
+    assert second.prefilled_tokens == len(tokens) - held  # only the new message and its turn markers
+    # the same words with another image at the same place: nothing from the image on is reused
+    other = model.chat_session()
+    other.messages = [{"role": "user", "content": "describe it", "images": [photo(21)]}]
+    tokens, placed = model._chat_prompt(other.messages)
+    assert model.runner.common_prefix(session.sequence, prompt_keys(tokens, placed)) == placed[0].start
+
+
+def test_bad_image_input(model, tmp_path, smollm2_model):
+    not_image = tmp_path / "notes.txt"
+    not_image.write_text("hello")
+    with pytest.raises(InvalidRequestError, match="not an image"):
+        model.generate("what is this?", images=[not_image])
+    with pytest.raises(InvalidRequestError, match="no such image file"):
+        model.generate("what is this?", images=[str(tmp_path / "missing.png")])
+    with pytest.raises(InvalidRequestError, match="cannot read images"):
+        smollm2_model.generate("what is this?", images=[photo(1)])
+    buf = io.BytesIO()
+    photo(1).save(buf, format="PNG")
+    assert model.generate("what is this?", images=[buf.getvalue()], max_tokens=2, temperature=0)
+    tiny = mlx_engine.load(str(model.path), context_length=24, dtype="float32")
+    with pytest.raises(InvalidRequestError, match="context holds 24"):
+        tiny.generate("what is this?", images=[photo(1)])
+    tiny.close()

@@ -1,0 +1,92 @@
+"""A small random Gemma 3 vision checkpoint (``Gemma3ForConditionalGeneration``) built with transformers on PyTorch
+CPU and saved in Hugging Face's folder layout, with a byte-level tokenizer holding Gemma's image and turn tokens and
+a chat template that writes ``<start_of_image>`` for an image part (as Gemma 3's does): the reference of the vision
+tests. A SigLIP tower of 2 layers over 32x32 pixels in 4x4 patches (64 patches, pooled to 16 tokens per image), and
+a 4-layer Gemma 3 text model with a sliding window of 8 on every other layer (an image's 16 tokens span it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+           "<image_soft_token>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages %}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<start_of_image>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<end_of_turn>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+IMAGE_SIZE = 32
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + len(SPECIAL), special_tokens=SPECIAL,
+                                  show_progress=False, initial_alphabet=alphabet)
+    tok.train_from_iterator(["no merges"], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<end_of_turn>",
+                                   pad_token="<pad>", chat_template=CHAT_TEMPLATE)
+
+
+def build_gemma3_vision(folder: Path, seed: int = 0):
+    """Save the random checkpoint and tokenizer to ``folder``; returns the transformers model (eval mode)."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tk = tokenizer()
+    ids = {t: tk.convert_tokens_to_ids(t) for t in SPECIAL}
+    text = dict(vocab_size=len(tk), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=8, sliding_window_pattern=2,
+                query_pre_attn_scalar=16, max_position_embeddings=2048, bos_token_id=ids["<bos>"],
+                eos_token_id=ids["<end_of_turn>"], pad_token_id=ids["<pad>"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=IMAGE_SIZE, patch_size=4, vision_use_head=False)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                          image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
+                          eoi_token_index=ids["<end_of_image>"])
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # small embeddings (Gemma scales them by sqrt(D)), large projections: images matter
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                gemma = ("language_model" in name and "norm" in name) or "mm_soft_emb_norm" in name
+                p.copy_(0.1 * noise + (0.0 if gemma else 1.0))  # Gemma's norms store w for 1 + w
+            else:
+                p.copy_(noise * (0.1 if "embed_tokens" in name else 0.7))
+    model.save_pretrained(folder)
+    tk.save_pretrained(str(folder))
+    return model
+
+
+def photo(seed: int, size: tuple[int, int] = (48, 40), mode: str = "RGB"):
+    """A PIL image of smooth random colours (so resizing matters), in ``mode``."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    w, h = size
+    base = rng.integers(0, 256, (4, 4, 4), np.uint8)
+    img = Image.fromarray(base, "RGBA").resize((w, h), Image.Resampling.BICUBIC)
+    return img.convert(mode) if mode != "RGBA" else img
+
+
+def reference_pixels(images) -> "np.ndarray":
+    """transformers' Gemma 3 image processor (the PIL one) on ``images``: ``[B, 3, S, S]`` float32."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    proc = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return np.asarray(proc(images=list(images), return_tensors="np")["pixel_values"], np.float32)
