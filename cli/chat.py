@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
 
 import click
 
-from mlx_engine.api import GenerationOptions
+from mlx_engine.api import IMAGE_SUFFIXES, GenerationOptions, load_image
 from mlx_engine.cli.streaming import StopOnInterrupt, context_full_notice, describe_model, stream_to
 from mlx_engine.errors import EngineError, InvalidOptionError
 
@@ -32,8 +33,25 @@ Commands:
   /regen                 answer the last message again
   /save FILE             save the conversation (messages and options, JSON)
   /load FILE             load a conversation saved with /save
+  /image PATH            attach an image to the next message (models that read images); a path to an
+                         image file typed in a message is attached too
 Write \"\"\" to begin a multiline message and \"\"\" again to end it.
 Ctrl-C stops an answer and keeps the conversation; Ctrl-D or /bye exits."""
+
+
+def _is_file(word: str) -> bool:
+    try:
+        return Path(word).expanduser().is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _balanced_quotes(text: str) -> bool:
+    try:
+        shlex.split(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _parse_bool(v: str) -> bool:
@@ -120,6 +138,7 @@ class ChatRepl:
         self.interactive = bool(self.stdin is not None and self.stdin.isatty() and self.out.isatty())
         self._prompt_session = None
         self._typed_ahead = ""  # keys typed during the last answer: the next prompt starts with them
+        self._images: list[Path] = []  # attached with /image, sent with the next message
 
     # --------------------------------------------------------------------------------------------------- input
 
@@ -198,7 +217,8 @@ class ChatRepl:
                     if not self.command(text):
                         return
                 else:
-                    self.answer(self.session.send(text))
+                    text, images = self._take_images(text)
+                    self.answer(self.session.send(text, images=images or None))
             except EngineError as e:
                 self.echo(f"Error: {e}", err=True)
             except KeyboardInterrupt:  # a second Ctrl-C while generating
@@ -250,6 +270,16 @@ class ChatRepl:
             self._show()
         elif cmd == "/regen":
             self.answer(self.session.regenerate())
+        elif cmd == "/image":
+            path = Path(arg).expanduser()
+            if not arg:
+                self.echo("Usage: /image PATH")
+            elif not path.is_file():
+                self.echo(f"Error: no such file: {path}", err=True)
+            else:
+                load_image(path)  # a file that is not an image is refused now, not with the next message
+                self._images.append(path)
+                self.echo(f"Attached {path.name} to the next message.")
         elif cmd == "/save":
             if not arg:
                 self.echo("Usage: /save FILE")
@@ -280,6 +310,21 @@ class ChatRepl:
         else:
             self.echo(f"Unknown command {cmd!r}. Type /? for help.")
         return True
+
+    def _take_images(self, text: str) -> tuple[str, list[Path]]:
+        """The message without the paths of image files typed (or dropped) into it, and the images attached to it:
+        those of /image, then those found in the text (quoted or with backslash-escaped spaces, as terminals paste
+        them). Only for a model that reads images; otherwise the text stays as typed."""
+        images, self._images = list(self._images), []
+        if self.model.text_model.vision is None:
+            if images:
+                self.echo("Note: this model does not read images; the attached ones are dropped.", err=True)
+            return text, []
+        words = shlex.split(text) if _balanced_quotes(text) else text.split()
+        found = [w for w in words if Path(w).suffix.lower() in IMAGE_SUFFIXES and _is_file(w)]
+        if not found:
+            return text, images
+        return " ".join(w for w in words if w not in found), images + [Path(w).expanduser() for w in found]
 
     def _system(self) -> str | None:
         for m in self.session.messages:

@@ -286,7 +286,9 @@ def _load(model: str, kw: dict):
 @click.argument("args", nargs=-1, metavar="[MODEL] [PROMPT]...")
 @_sampling_options
 @click.option("--raw", is_flag=True, help="Plain completion: no chat template (the default for base models).")
-def run(args: tuple[str, ...], raw: bool, **kw) -> None:
+@click.option("--image", "images", multiple=True, metavar="PATH",
+              help="An image the prompt is about (repeatable), for models that read images (Gemma 3 vision).")
+def run(args: tuple[str, ...], raw: bool, images: tuple[str, ...], **kw) -> None:
     """Generate one answer, streamed to stdout.
 
     MODEL defaults to smollm2:135m and is pulled on first use. The prompt is the remaining arguments, else stdin.
@@ -297,6 +299,7 @@ def run(args: tuple[str, ...], raw: bool, **kw) -> None:
       mlx-engine run "What is the capital of France?"
       mlx-engine run gemma3:270m "The capital of France is" --max-tokens 20
       echo "Tell me a joke." | mlx-engine run smollm2:135m --temperature 0.7 --verbose
+      mlx-engine run ./gemma-3-4b-it "What is in this picture?" --image photo.png
     """
     store = Store()
     args = list(args)
@@ -319,6 +322,12 @@ def run(args: tuple[str, ...], raw: bool, **kw) -> None:
         raise InvalidRequestError("the prompt is empty: give it as an argument or on stdin")
 
     options = _collect_options(kw)
+    if images:
+        from mlx_engine.api import load_image
+
+        for path in images:  # a missing or unreadable image fails before the model loads
+            load_image(path)
+        options["images"] = list(images)
     try:
         model = _load(model_name, kw)
     except (ModelNotFoundError, PullError) as e:

@@ -31,6 +31,7 @@ from mlx_engine.kvcache.causal import KV_BITS
 from mlx_engine.ml import DType
 from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.config import ATTENTION_TYPES
+from mlx_engine.models.images import IMAGE_SUFFIXES, load_image
 from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
 from mlx_engine.models.registry import load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner
@@ -45,7 +46,8 @@ from mlx_engine.store.format import printable
 __all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "ChatReply", "ToolCall", "GenerationStats",
            "GenerationOptions",
            "OPTION_NAMES", "DEFAULT_MODEL", "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL",
-           "open_init_image", "read_image_parameters", "save_image", "memory_in_use", "launched_rank"]
+           "open_init_image", "read_image_parameters", "save_image", "memory_in_use", "launched_rank", "load_image",
+           "IMAGE_SUFFIXES"]
 
 DEFAULT_CONTEXT = 8192  # cap on the cache's capacity unless the caller asks for more
 

@@ -22,6 +22,8 @@ import numpy as np
 
 from mlx_engine.errors import InvalidRequestError
 
+#: File name endings taken for images where a path is found in text (the chat's dropped files).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 #: The most pixels an image may have (PIL's decompression-bomb limit is twice this); larger files are refused.
 MAX_PIXELS = 64 * 2**20
 
@@ -43,10 +45,10 @@ def load_image(source: Any) -> Any:
             data = bytes(source)
         elif isinstance(source, str) and source.startswith("data:"):
             data = _decode_inline(source)
-        elif isinstance(source, (str, Path)) and Path(source).expanduser().is_file():
+        elif isinstance(source, (str, Path)) and _is_file(source):
             path = Path(source).expanduser()
             what, data = str(path), path.read_bytes()
-        elif isinstance(source, str) and len(source) > 64:  # ollama's images: bare base64
+        elif isinstance(source, str) and len(source) > 64 and not _looks_like_path(source):  # ollama's: base64
             data = _decode_inline(source)
         else:
             raise InvalidRequestError(f"{source}: no such image file")
@@ -57,11 +59,24 @@ def load_image(source: Any) -> Any:
                 raise InvalidRequestError(f"{what} has {img.width}x{img.height} pixels; at most {MAX_PIXELS:,} are "
                                           "accepted")
             img.load()
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-            raise InvalidRequestError(f"{what} is not an image that can be read (PNG, JPEG, WebP, GIF, ...): "
-                                      f"{e}") from None
+        except UnidentifiedImageError:
+            raise InvalidRequestError(f"{what} is not an image that can be read (PNG, JPEG, WebP, GIF, ...)") \
+                from None
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            raise InvalidRequestError(f"{what} is not an image that can be read: {e}") from None
         img = ImageOps.exif_transpose(img)
     return to_rgb(img)
+
+
+def _looks_like_path(s: str) -> bool:
+    return s.startswith(("/", "./", "../", "~")) or s.lower().endswith(IMAGE_SUFFIXES) or "\\" in s
+
+
+def _is_file(source: "str | Path") -> bool:
+    try:
+        return Path(source).expanduser().is_file()
+    except (OSError, ValueError):  # base64 text is no file name (too long, or a NUL)
+        return False
 
 
 def _decode_inline(s: str) -> bytes:

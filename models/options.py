@@ -38,6 +38,7 @@ class GenerationOptions:
         system: a system prompt (for one-shot prompts), or None.
         raw: True for plain completion without the chat template; None lets the model decide (base models are raw).
         response_format: what the output must match (structured output), or None for free text.
+        images: the prompt's images at their places (set by whoever made the prompt, never parsed from options).
     """
 
     sampler: SamplerOptions = field(default_factory=SamplerOptions)
@@ -46,6 +47,7 @@ class GenerationOptions:
     system: str | None = None
     raw: bool | None = None
     response_format: ResponseFormat | None = None
+    images: tuple[PromptImage, ...] = ()
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> "GenerationOptions":
@@ -77,9 +79,10 @@ class GenerationOptions:
         return cls(sampler, max_tokens, tuple(stop), system, raw, _response_format(given))
 
     def request(self, tokens: Sequence[int], sequence: int = 0, images: Sequence[PromptImage] = ()) -> Request:
-        """The runner's request for ``tokens`` (with ``images`` at their places) on cache sequence ``sequence``."""
+        """The runner's request for ``tokens`` (with ``images``, else :attr:`images`, at their places) on cache
+        sequence ``sequence``."""
         return Request(list(tokens), self.sampler, self.max_tokens, list(self.stop), sequence, self.response_format,
-                       list(images))
+                       list(images or self.images))
 
 
 def _response_format(given: Mapping[str, Any]) -> ResponseFormat | None:

@@ -168,3 +168,59 @@ def test_bad_image_input(model, tmp_path, smollm2_model):
     with pytest.raises(InvalidRequestError, match="context holds 24"):
         tiny.generate("what is this?", images=[photo(1)])
     tiny.close()
+
+
+def test_the_server_reads_images_from_both_apis(gemma3v, model, tmp_path, monkeypatch):
+    import base64
+
+    import ollama
+    import openai
+
+    from mlx_engine.server import ServerConfig
+    from tests.test_server import RunningServer, free_port
+
+    folder, _ = gemma3v
+    buf = io.BytesIO()
+    photo(30).save(buf, format="PNG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    want = model.chat([{"role": "user", "content": "what is this?", "images": [buf.getvalue()]}], max_tokens=8,
+                      temperature=0)
+    monkeypatch.setenv("MLX_ENGINE_HOME", str(tmp_path / "home"))
+    srv = RunningServer(ServerConfig(port=free_port(), models=[str(folder)], max_sequences=2, context_length=1024,
+                                     store_root=str(tmp_path / "home")))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+        parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}},
+                 {"type": "text", "text": "what is this?"}]
+        r = client.chat.completions.create(model=str(folder), messages=[{"role": "user", "content": parts}],
+                                           max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == want
+        o = ollama.Client(host=srv.url).chat(model=str(folder), options={"num_predict": 8, "temperature": 0},
+                                             messages=[{"role": "user", "content": "what is this?", "images": [b64]}])
+        assert o.message.content == want
+        with pytest.raises(openai.BadRequestError, match="data: URL"):
+            client.chat.completions.create(model=str(folder), max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]}])
+    finally:
+        srv.stop()
+
+
+def test_the_cli_reads_images(gemma3v, model, tmp_path, home):
+    from tests.test_cli import invoke
+
+    folder, _ = gemma3v
+    path = tmp_path / "photo.png"
+    photo(40).save(path)
+    want = model.generate("What is in this picture?", images=[path], max_tokens=6, temperature=0)
+    r = invoke("run", str(folder), "What is in this picture?", "--image", str(path), "--max-tokens", "6",
+               "--temperature", "0")
+    assert r.exit_code == 0 and r.output.rstrip("\n") == want.rstrip("\n")
+    r = invoke("run", str(folder), "What?", "--image", str(tmp_path / "missing.png"))
+    assert r.exit_code != 0 and "no such image file" in r.output
+    # chat: /image attaches to the next message; a path typed into a message is attached too (and taken out)
+    script = f"/image {path}\nWhat is in this picture?\nand this {path}\n/bye\n"
+    r = invoke("chat", str(folder), "--max-tokens", "6", "--temperature", "0", input=script)
+    assert r.exit_code == 0, r.output
+    first = model.chat([{"role": "user", "content": "What is in this picture?", "images": [path]}], max_tokens=6,
+                       temperature=0)
+    assert f"Attached {path.name}" in r.output and first.strip() in r.output

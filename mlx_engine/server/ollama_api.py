@@ -5,8 +5,9 @@ Semantics follow ollama's API documentation (docs/api.md): an empty ``messages``
 ``keep_alive: 0``, unloads it); ``options`` take ``num_ctx``, ``num_predict``, ``temperature``, ``top_k``, ``top_p``,
 ``min_p``, ``seed``, ``stop``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``;
 runtime knobs of ollama's own runner (``num_thread``, ``num_gpu``, ...) are accepted and logged as ignored; options
-that would change the output and that the engine does not have (``mirostat``, ``typical_p``), images and
-``context`` are refused with a 400. ``tools`` on ``/api/chat`` are offered to the model (ollama's choice is always
+that would change the output and that the engine does not have (``mirostat``, ``typical_p``) and ``context`` are
+refused with a 400. ``images`` (base64) go to a model that reads images (Gemma 3 vision), and are refused with a 400
+by one that does not. ``tools`` on ``/api/chat`` are offered to the model (ollama's choice is always
 automatic), calls come back in ``message.tool_calls`` and ``tool`` messages go back into the template. ``format`` (``"json"`` or a JSON schema) is enforced by a grammar on every
 token. Durations are nanoseconds, as ollama's.
 """
@@ -19,6 +20,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mlx_engine.api import GenerationOptions
 from mlx_engine.errors import ModelNotFoundError
 from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, problem_from, read_json,
                                     text_events, validate, whole_answer)
@@ -229,14 +232,16 @@ def routes(state: ServerState) -> list[Route]:
             req = validate(ChatRequest, await read_json(request, state.max_body_bytes))
             if not req.messages:
                 return await _load_only(req, request, {"message": {"role": "assistant", "content": ""}})
-            if any(m.images for m in req.messages):
-                raise HTTPProblem(400, "images are not supported: this server's models take text only")
+            if any(m.images for m in req.messages) and req.tools:
+                raise HTTPProblem(400, "images and tools in one request are not supported yet")
             if any(m.role not in ("system", "user", "assistant", "tool") for m in req.messages):
                 raise HTTPProblem(400, "message roles must be system, user, assistant or tool")
             loaded, load_s = await _load(req)
             messages = []
             for m in req.messages:
                 d: dict[str, Any] = {"role": m.role, "content": m.content}
+                if m.images:
+                    d["images"] = list(m.images)
                 if (m.model_extra or {}).get("tool_calls"):
                     d["tool_calls"] = m.model_extra["tool_calls"]
                 messages.append(d)
@@ -247,8 +252,9 @@ def routes(state: ServerState) -> list[Route]:
                 tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools)  # ollama's: auto
                 tokens = tools.tokens
             else:
-                tokens = await asyncio.to_thread(loaded.obj.chat_tokens, messages)
-            options = _options(req, loaded, tokens)
+                await asyncio.to_thread(loaded.obj.chat_tokens, messages)  # the checks of a conversation
+                tokens, images = await asyncio.to_thread(loaded.obj._chat_prompt, messages)
+            options = replace(_options(req, loaded, tokens), images=tuple(images if tools is None else ()))
             await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001
             return error_response(e)
@@ -257,17 +263,21 @@ def routes(state: ServerState) -> list[Route]:
     async def generate(request: Request) -> Response:
         try:
             req = validate(GenerateRequest, await read_json(request, state.max_body_bytes))
-            for name in ("images", "context", "suffix", "template"):
+            for name in ("context", "suffix", "template"):
                 if getattr(req, name):
                     raise HTTPProblem(400, f"{name} is not supported by this server")
             if not req.prompt:
                 return await _load_only(req, request, {"response": ""})
             loaded, load_s = await _load(req)
-            if req.raw:
+            images: list = []
+            if req.images:
+                shape = GenerationOptions.parse({"raw": req.raw or None, "system": req.system})
+                tokens, images = await asyncio.to_thread(loaded.obj._prompt, req.prompt, shape, req.images)
+            elif req.raw:
                 tokens = await asyncio.to_thread(loaded.obj.text_tokens, req.prompt)
             else:
                 tokens = await asyncio.to_thread(loaded.obj.prompt_tokens, req.prompt, system=req.system)
-            options = _options(req, loaded, tokens)
+            options = replace(_options(req, loaded, tokens), images=tuple(images))
             await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001
             return error_response(e)

@@ -7,8 +7,9 @@ Field semantics follow OpenAI's API reference. Differences, stated rather than h
 ``n`` must be 1 for text; ``response_format`` (``json_object``, ``json_schema``; also ``regex`` and ``grammar``) is
 enforced by a grammar on every token, ``strict`` or not; ``tools`` and ``tool_choice`` (``auto``, ``none``,
 ``required``, a named function: the last two forced by a grammar) with ``tool`` messages and assistant ``tool_calls``
-going back into the template (:mod:`mlx_engine.models.tools`); what the engine cannot do yet (``logprobs``, image
-inputs) is refused with a 400, never ignored.
+going back into the template (:mod:`mlx_engine.models.tools`); ``image_url`` content parts with ``data:`` URLs go
+to a model that reads images (URLs are not fetched); what the engine cannot do yet (``logprobs``) is refused with a
+400, never ignored.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import io
 import json
 import re
 import time
+from dataclasses import replace
 import uuid
 from typing import Any, Literal, Optional, Union
 
@@ -121,24 +123,41 @@ def error_response(exc: BaseException) -> JSONResponse:
                         status_code=p.status, headers=p.headers)
 
 
-def _message_text(m: ChatMessage) -> str:
+def _message_content(m: ChatMessage) -> "str | list[dict[str, Any]]":
+    """The text of a message, or its parts when it has images (``image_url`` parts with ``data:`` URLs)."""
     if m.content is None:
         return ""
     if isinstance(m.content, str):
         return m.content
-    texts = []
+    if not any(part.type == "image_url" for part in m.content):
+        texts = []
+        for part in m.content:
+            if part.type != "text" or part.text is None:
+                raise HTTPProblem(400, f"message content of type {part.type!r} is not supported: give text and "
+                                       "image_url parts", param="messages")
+            texts.append(part.text)
+        return "".join(texts)
+    parts = []
     for part in m.content:
-        if part.type != "text" or part.text is None:
-            raise HTTPProblem(400, f"message content of type {part.type!r} is not supported: this server's models "
-                                   "take text only", param="messages")
-        texts.append(part.text)
-    return "".join(texts)
+        if part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        elif part.type == "image_url":
+            url = (part.model_extra or {}).get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url.startswith("data:"):
+                raise HTTPProblem(400, "an image_url must be a data: URL (base64); this server does not fetch URLs",
+                                  param="messages")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise HTTPProblem(400, f"message content of type {part.type!r} is not supported: give text and "
+                                   "image_url parts", param="messages")
+    return parts
 
 
 def _chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     out = []
     for m in req.messages:
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(m)}
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _message_content(m)}
         extra = m.model_extra or {}
         for key in ("tool_calls", "tool_call_id", "name"):
             if extra.get(key) is not None:
@@ -176,9 +195,11 @@ def routes(state: ServerState) -> list[Route]:
                 tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools, req.tool_choice)
                 tokens = tools.tokens
             else:
-                tokens = await asyncio.to_thread(loaded.obj.chat_tokens, messages)
+                await asyncio.to_thread(loaded.obj.chat_tokens, messages)  # the checks of a conversation
+                tokens, images = await asyncio.to_thread(loaded.obj._chat_prompt, messages)
             options = req.options(remaining_context(loaded, tokens), req.max_completion_tokens,
                                   response_format=tools.response_format if tools else req.response_format)
+            options = replace(options, images=tuple(images if tools is None else ()))
             await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001 -- every failure gets the API's own error form
             return error_response(e)

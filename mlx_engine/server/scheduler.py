@@ -34,7 +34,7 @@ import numpy as np
 from mlx_engine.errors import EngineError, InvalidRequestError, ServerBusyError
 from mlx_engine.ml import DType
 from mlx_engine.models.options import GenerationOptions
-from mlx_engine.models.runner import Runner, TextAssembler
+from mlx_engine.models.runner import Runner, TextAssembler, prompt_keys
 from mlx_engine.models.sampler import Sampler
 from mlx_engine.parallel import serving_peer_lost
 
@@ -73,6 +73,8 @@ class TextJob:
     def __init__(self, tokens: Sequence[int], options: GenerationOptions, emit: Emit):
         self.tokens = [int(t) for t in tokens]
         self.options = options
+        self.images = list(options.images)  # at their places of tokens
+        self.keys = prompt_keys(self.tokens, self.images)  # what the cache remembers (images by their pixels)
         self.emit = emit
         self.cancelled = False
         self.stats = JobStats(prompt_tokens=len(self.tokens))
@@ -205,7 +207,7 @@ class TextScheduler:
         runner, tokens = self.runner, job.tokens
         best, n = None, 0
         for s in self._slots:
-            k = min(runner.common_prefix(s.seq, tokens), len(tokens) - 1)
+            k = min(runner.common_prefix(s.seq, job.keys), len(tokens) - 1)
             if k > n:
                 best, n = s, k
         if best is not None and best.job is None:
@@ -214,16 +216,17 @@ class TextScheduler:
             # an empty slot first, else the least recently used finished one
             dst = min(free, key=lambda s: (runner.cached_length(s.seq) > 0, s.last_used))
             if best is not None:
-                runner.share_prefix(best.seq, dst.seq, tokens)
+                runner.share_prefix(best.seq, dst.seq, job.keys)
         dst.job, job.seq = job, dst.seq
         ctx = self.backend.new_context()
         job.sampler = Sampler(job.options.sampler, ctx)
         job.constraint = runner.constraint(job.options.request(tokens))
         job.text = TextAssembler(runner.tokenizer, job.options.stop)
         job.history = list(tokens) if job.options.sampler.uses_history else None
-        reused, job.chunks = runner.prefill_chunks(ctx, dst.seq, tokens)
+        reused, job.chunks = runner.prefill_chunks(ctx, dst.seq, tokens, job.images)
         job.ctx = ctx
-        job.chunks_left = len(runner.chunk_bounds(reused, len(tokens)))
+        job.chunks_left = len(runner.chunk_bounds(reused, len(tokens),
+                                                  [(im.start, im.start + im.count) for im in job.images]))
         job.stats.cached_tokens = reused
         job.t_start = time.perf_counter()
         job.stats.queued_s = job.t_start - job.t_submit
