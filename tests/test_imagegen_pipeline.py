@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 import mlx_engine  # noqa: E402
 from mlx_engine.imagegen.metadata import png_info, read_png_parameters  # noqa: E402
 from mlx_engine.imagegen.zimage import ZImagePipeline  # noqa: E402
-from mlx_engine import api  # noqa: E402
+from mlx_engine import api, image_api  # noqa: E402
 from mlx_engine.errors import InvalidRequestError, ModelNotFoundError, UnsupportedError, WeightsError  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402
 from tests.zimage_small import (build_folder, copy_folder, noise, reference_image_to_image,  # noqa: E402
@@ -350,7 +350,7 @@ def test_generate_image_api(folder):
 
 
 def test_generate_image_api_errors(tmp_path, monkeypatch):
-    monkeypatch.setattr(api, "DEFAULT_IMAGE_MODEL", None)
+    monkeypatch.setattr(image_api, "DEFAULT_IMAGE_MODEL", None)
     with pytest.raises(ModelNotFoundError, match="no image model given"):
         mlx_engine.generate_image(PROMPT)
     with pytest.raises(ModelNotFoundError, match="no such image model"):
