@@ -35,6 +35,9 @@ COVERAGE: list[tuple[str, str]] = [
     (r'^python3 -m venv \.venv && \.venv/bin/pip install -e "\.\[test\]" && \.venv/bin/python -m pytest$',
      "ci:.ci/run makes a fresh environment, installs .[test] and runs this very test command"),
     (r"^mlx-engine run .* --(format|json-schema|regex|grammar) ", "here:test_structured_output_examples"),
+    (r"^mlx-engine run \./gemma-3-4b-it .* --image ", "elsewhere:tests/test_vision.py::test_the_cli_reads_images (the "
+                                                    "same command on a small random Gemma 3 vision folder; the "
+                                                    "real one is an 8 GB download from the hub)"),
     (r"^(echo .* \| )?mlx-engine run ", "here:test_run_examples"),
     (r"^mlx-engine chat\b", "here:test_chat_examples"),
     (r"^mlx-engine pull hf:", "not run:needs the Hugging Face hub (the download code is tested against a fake hub in "
