@@ -228,6 +228,8 @@ def _sampling_options(f):
                      help="Device (default: $MLX_ENGINE_DEVICE, else the GPU where MLX has one, else the CPU)."),
         click.option("--context-length", "-c", type=click.IntRange(min=1), default=None,
                      help="Context length in tokens (default: the model's)."),
+        click.option("--mmproj", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
+                     help="llama.cpp's vision file for a Gemma 3 GGUF, so that the model reads images."),
         click.option("--verbose", "-v", is_flag=True,
                      help="Print the device and BLAS, and the speed after each answer, on stderr."),
         click.option("--parallel", type=click.Choice(["pipeline", "tensor"]), default=None,
@@ -273,7 +275,8 @@ def _load(model: str, kw: dict):
     from mlx_engine import api
 
     loaded = api.load(model, device=kw.get("device"), context_length=kw.get("context_length"), pull=True,
-                      progress=True, parallel=kw.get("parallel"), transport=kw.get("transport") or "any")
+                      progress=True, parallel=kw.get("parallel"), transport=kw.get("transport") or "any",
+                      mmproj=kw.get("mmproj"))
     if kw.get("verbose") and loaded.distributed is not None:
         for r in loaded.distributed.ranks:
             click.echo(f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, heads {r['heads'][0]}-"

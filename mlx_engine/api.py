@@ -77,7 +77,7 @@ class Model:
                  device: str | None = None, dtype: str | None = None, context_length: int | None = None,
                  kv_bits: int | None = None, requantize: int | None = None, max_sequences: int = 4,
                  prefill_chunk: int = 2048, reserve: bool = False, parallel: str | None = None,
-                 transport: str = "any"):
+                 transport: str = "any", mmproj: "str | Path | None" = None):
         t0 = time.perf_counter()
         _check_load_arguments(device=device, dtype=dtype, context_length=context_length, kv_bits=kv_bits,
                               max_sequences=max_sequences, prefill_chunk=prefill_chunk)
@@ -90,7 +90,7 @@ class Model:
             text, self.distributed = load_sharded(path, make_backend, parallel, transport,
                                                   {"dtype": dtype, "requantize": requantize})
         else:
-            text = load_text_checkpoint(path, make_backend)
+            text = load_text_checkpoint(path, make_backend, mmproj=Path(mmproj).expanduser() if mmproj else None)
         self.backend, self.tokenizer = text.backend, text.tokenizer
         self.text_model = self.distributed or text.model
         self.load_peak_bytes = self.backend.peak_memory() - getattr(self.backend, "memory_before_load", 0)
@@ -353,6 +353,8 @@ class Model:
     def close(self) -> None:
         if self.distributed is not None:
             self.distributed.stop()
+        if self.text_model.vision is not None:
+            self.text_model.vision.close()
         self.backend.close()
 
 
@@ -432,14 +434,16 @@ def _check_load_arguments(*, device: Any, dtype: Any, context_length: Any, kv_bi
 
 def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None,
          context_length: int | None = None, pull: bool = True, progress: bool = True, kv_bits: int | None = None,
-         requantize: int | None = None, parallel: str | None = None, transport: str = "any") -> Model:
+         requantize: int | None = None, parallel: str | None = None, transport: str = "any",
+         mmproj: "str | Path | None" = None) -> Model:
     """Load a model by catalog name (``smollm2:135m``, ``gemma3:270m``), GGUF path, Hugging Face folder,
     ``hf:org/repo`` or ollama name; pulls catalog models on first use.
 
     ``parallel="pipeline"`` or ``"tensor"`` splits the model over the ranks that ``mlx.launch`` started
     (``transport``: ``mx.distributed``'s backend, ``any``, ``ring``, ``jaccl``, ``mpi`` or ``nccl``): each rank
     reads only its share of the file. On rank 0 the model works as any other; on every other rank this call serves
-    rank 0 and then ends the process (``SystemExit(0)`` when rank 0 closes its model or exits).
+    rank 0 and then ends the process (``SystemExit(0)`` when rank 0 closes its model or exits). ``mmproj``: the
+    vision file llama.cpp ships beside a Gemma 3 GGUF, so that the model reads images.
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.
@@ -448,7 +452,7 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     resolved = Store().resolve(model, pull=pull, progress=progress)
     return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,
                  dtype=dtype, context_length=context_length, kv_bits=kv_bits, requantize=requantize,
-                 parallel=parallel, transport=transport)
+                 parallel=parallel, transport=transport, mmproj=mmproj)
 
 
 def memory_in_use() -> int:

@@ -71,11 +71,14 @@ class TextCheckpoint:
     tokenizer: Tokenizer
 
     def close(self) -> None:
+        if self.model.vision is not None:
+            self.model.vision.close()
         self.backend.close()
 
 
 def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
-                         tokenizer_folder: Path | None = None, part: Any = None) -> TextCheckpoint:
+                         tokenizer_folder: Path | None = None, part: Any = None,
+                         mmproj: Path | None = None) -> TextCheckpoint:
     """Load a text model and its tokenizer from a GGUF file or a Hugging Face folder.
 
     A GGUF file holds its tokenizer in its metadata (``tokenizer.ggml.*``, the chat template); a folder's tokenizer
@@ -85,22 +88,31 @@ def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
     Args:
         path: the ``.gguf`` file (an ollama blob has no extension) or the model folder.
         make_backend: ``make_backend(path) -> Backend`` (the API passes ``MLXBackend`` with its device and dtype).
+        mmproj: llama.cpp's separate vision file for a Gemma 3 GGUF (``models.vision.Gemma3Vision.from_mmproj``).
 
     Raises:
         WeightsError: a corrupt or incomplete checkpoint or tokenizer. UnsupportedError: an architecture we do not
         run. KeyError: a tensor the architecture needs is missing (callers name their folder in the message).
     """
+    from mlx_engine.models.vision import Gemma3Vision
+
     path = Path(path)
     backend = make_backend(path)
+    vision_backend = None
     try:
         model = load_text_model(backend, part)
-        if part is None:
-            from mlx_engine.models.vision import Gemma3Vision
-
-            model.vision = Gemma3Vision.from_backend(backend, model.config.hidden_size)
         tokenizer = (Tokenizer.from_gguf(backend.metadata) if path.is_file()
                      else Tokenizer.from_folder(tokenizer_folder if tokenizer_folder is not None else path))
+        if mmproj is not None:
+            if model.architecture != "gemma3":
+                raise UnsupportedError(f"an mmproj file goes with a Gemma 3 model, not {model.architecture}")
+            vision_backend = make_backend(Path(mmproj))
+            model.vision = Gemma3Vision.from_mmproj(vision_backend, model.config.hidden_size, tokenizer.token_to_id)
+        elif part is None:
+            model.vision = Gemma3Vision.from_backend(backend, model.config.hidden_size)
     except BaseException:
+        if vision_backend is not None:
+            vision_backend.close()
         backend.close()
         raise
     return TextCheckpoint(backend, model, tokenizer)

@@ -14,15 +14,23 @@ image goes in the prompt.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from mlx_engine.errors import InvalidRequestError, WeightsError
+from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
 from mlx_engine.models.images import ImageProcessor, PromptImage
 from mlx_engine.models.siglip import SiglipConfig, SiglipVision
+
+
+# llama.cpp's mmproj tensor names (gguf-py's MODEL_ARCH.MMPROJ map) to the Hugging Face SigLIP ones
+_MMPROJ_MAP = {"v.patch_embd.": "embeddings.patch_embedding.", "v.position_embd.": "embeddings.position_embedding.",
+               "v.post_ln.": "post_layernorm.", "v.blk.": "encoder.layers.", ".attn_q.": ".self_attn.q_proj.",
+               ".attn_k.": ".self_attn.k_proj.", ".attn_v.": ".self_attn.v_proj.", ".attn_out.": ".self_attn.out_proj.",
+               ".ln1.": ".layer_norm1.", ".ln2.": ".layer_norm2.", ".ffn_up.": ".mlp.fc1.", ".ffn_down.": ".mlp.fc2."}
+_MMPROJ_NAMES = re.compile("|".join(re.escape(k) for k in _MMPROJ_MAP))
 
 
 class Gemma3Vision:
@@ -38,41 +46,96 @@ class Gemma3Vision:
     eoi_text = "<end_of_image>"
     image_text = "<image_soft_token>"
 
-    def __init__(self, config: Any, weights: dict[str, Tensor], backend: Backend, text_width: int):
-        self.backend = backend
-        self.tower = SiglipVision(SiglipConfig.from_hf(config.get("vision_config") or {}),
-                                  {n.split("vision_tower.", 1)[1]: t for n, t in weights.items()
-                                   if "vision_tower." in n})
-        vc = self.tower.config
-        self.tokens_per_image = int(config.get("mm_tokens_per_image", 256))
-        side = int(round(self.tokens_per_image ** 0.5))
-        if side * side != self.tokens_per_image or vc.patches_per_side % side:
-            raise WeightsError(f"{self.tokens_per_image} tokens per image do not pool a {vc.patches_per_side}-patch "
+    def __init__(self, tower: SiglipVision, projection: Tensor, norm: Tensor, tokens_per_image: int,
+                 token_ids: tuple[int, int, int], backend: Backend, text_width: int, own_backend: bool = False):
+        """``projection [Dv, D]`` (``mm_input_projection_weight``), ``norm [Dv]`` the soft-embedding norm's full
+        scale (``1 + w``); ``token_ids``: the image placeholder, begin and end of image. ``own_backend``: the vision
+        weights came in a file of their own (an ``mmproj``), closed with :meth:`close`.
+
+        Raises:
+            WeightsError: a projector that does not fit the tower and the text model, or tokens per image that do
+                not pool the tower's patch grid.
+        """
+        self.tower, self.backend, self.own_backend = tower, backend, own_backend
+        vc = tower.config
+        self.tokens_per_image = tokens_per_image
+        side = int(round(tokens_per_image ** 0.5))
+        if side * side != tokens_per_image or vc.patches_per_side % side:
+            raise WeightsError(f"{tokens_per_image} tokens per image do not pool a {vc.patches_per_side}-patch "
                                "grid evenly")
         self.side, self.pool = side, vc.patches_per_side // side
-        self.image_token_id = int(config.get("image_token_index", config.get("image_token_id", 262144)))
-        self.boi_token_id = int(config.get("boi_token_index", 255999))
-        self.eoi_token_id = int(config.get("eoi_token_index", 256000))
-        proj = {n.split("multi_modal_projector.", 1)[1]: t for n, t in weights.items()
-                if "multi_modal_projector." in n}
-        w, norm = proj.get("mm_input_projection_weight"), proj.get("mm_soft_emb_norm.weight")
-        if w is None or norm is None:
-            raise WeightsError("the checkpoint has a vision tower but no multi_modal_projector weights")
-        if tuple(w.shape) != (vc.hidden_size, text_width) or tuple(norm.shape) != (vc.hidden_size,):
-            raise WeightsError(f"the multi-modal projector has shape {tuple(w.shape)}, but the vision tower is "
-                               f"{vc.hidden_size} wide and the text model {text_width}: they do not belong together")
-        self.projection = w.dequantize().transpose(1, 0)  # [D, Dv] for linear
-        self.norm = norm.dequantize() + 1.0               # Gemma's RMSNorm: x * (1 + w)
+        self.image_token_id, self.boi_token_id, self.eoi_token_id = token_ids
+        if tuple(projection.shape) != (vc.hidden_size, text_width) or tuple(norm.shape) != (vc.hidden_size,):
+            raise WeightsError(f"the multi-modal projector has shape {tuple(projection.shape)}, but the vision tower "
+                               f"is {vc.hidden_size} wide and the text model {text_width}: they do not belong "
+                               "together")
+        self.projection = projection.dequantize().transpose(1, 0)  # [D, Dv] for linear
+        self.norm = norm.dequantize()
         self.eps = vc.layer_norm_eps
         self.processor = ImageProcessor(vc.image_size)
 
     @classmethod
     def from_backend(cls, backend: Backend, text_width: int) -> "Gemma3Vision | None":
-        """The vision part of a loaded checkpoint, or None for a text-only one. Raises ``WeightsError``."""
+        """The vision part of a Hugging Face checkpoint (``Gemma3ForConditionalGeneration``), or None for a
+        text-only one. Raises ``WeightsError``."""
         meta = backend.metadata
         if "vision_config" not in meta or not any("vision_tower." in n for n in backend.weights):
             return None
-        return cls(meta, dict(backend.weights), backend, text_width)
+        weights = dict(backend.weights)
+        tower = SiglipVision(SiglipConfig.from_hf(meta.get("vision_config") or {}),
+                             {n.split("vision_tower.", 1)[1]: t for n, t in weights.items() if "vision_tower." in n})
+        proj = {n.split("multi_modal_projector.", 1)[1]: t for n, t in weights.items()
+                if "multi_modal_projector." in n}
+        w, norm = proj.get("mm_input_projection_weight"), proj.get("mm_soft_emb_norm.weight")
+        if w is None or norm is None:
+            raise WeightsError("the checkpoint has a vision tower but no multi_modal_projector weights")
+        ids = (int(meta.get("image_token_index", meta.get("image_token_id", 262144))),
+               int(meta.get("boi_token_index", 255999)), int(meta.get("eoi_token_index", 256000)))
+        return cls(tower, w, norm.dequantize() + 1.0, int(meta.get("mm_tokens_per_image", 256)), ids, backend,
+                   text_width)
+
+    @classmethod
+    def from_mmproj(cls, backend: Backend, text_width: int, token_id: Callable[[str], "int | None"]) -> "Gemma3Vision":
+        """The vision part from llama.cpp's separate ``mmproj`` GGUF (``convert_hf_to_gguf.py --mmproj``:
+        ``clip.projector_type`` ``gemma3``, ``clip.vision.*`` keys, ``v.*`` and ``mm.*`` tensors, the soft-embedding
+        norm already ``1 + w``). ``token_id(text)`` looks the image tokens up in the text model's vocabulary.
+
+        Raises:
+            UnsupportedError: an mmproj of another projector. WeightsError: missing keys or tensors, or one that
+                does not belong to the text model.
+        """
+        meta = backend.metadata
+        kind = meta.get("clip.projector_type")
+        if kind != "gemma3":
+            raise UnsupportedError(f"this mmproj file's projector is {kind!r}; only Gemma 3's (gemma3) is read")
+        try:
+            config = {"hidden_size": meta["clip.vision.embedding_length"],
+                      "intermediate_size": meta["clip.vision.feed_forward_length"],
+                      "num_hidden_layers": meta["clip.vision.block_count"],
+                      "num_attention_heads": meta["clip.vision.attention.head_count"],
+                      "image_size": meta["clip.vision.image_size"], "patch_size": meta["clip.vision.patch_size"],
+                      "layer_norm_eps": meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)}
+        except KeyError as e:
+            raise WeightsError(f"the mmproj file lacks the key {e}; is it a complete llama.cpp mmproj?") from None
+        config = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in config.items()}
+        weights = {_MMPROJ_NAMES.sub(lambda m: _MMPROJ_MAP[m.group(0)], n): t for n, t in backend.weights.items()}
+        tower = SiglipVision(SiglipConfig.from_hf(config), {n: t for n, t in weights.items()
+                                                            if not n.startswith("mm.")})
+        w, norm = weights.get("mm.input_projection.weight"), weights.get("mm.soft_emb_norm.weight")
+        if w is None or norm is None:
+            raise WeightsError("the mmproj file has no mm.input_projection / mm.soft_emb_norm tensors")
+        scale = int(meta.get("clip.vision.projector.scale_factor", 4))
+        tokens = (tower.config.patches_per_side // max(scale, 1)) ** 2
+        ids = tuple(token_id(t) for t in (cls.image_text, cls.boi_text, cls.eoi_text))
+        if None in ids:
+            raise WeightsError("the text model's vocabulary has no <image_soft_token> / <start_of_image> / "
+                               "<end_of_image>: this mmproj does not belong to it")
+        return cls(tower, w, norm, tokens, ids, backend, text_width, own_backend=True)
+
+    def close(self) -> None:
+        """Let go of the weights of a vision part read from a file of its own."""
+        if self.own_backend:
+            self.backend.close()
 
     def tower_output(self, ctx: Context, pixels: np.ndarray) -> Tensor:
         """The SigLIP tower's last hidden states ``[B, P, Dv]`` for ``pixels [B, S, S, 3]``."""

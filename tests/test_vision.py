@@ -224,3 +224,60 @@ def test_the_cli_reads_images(gemma3v, model, tmp_path, home):
     first = model.chat([{"role": "user", "content": "What is in this picture?", "images": [path]}], max_tokens=6,
                        temperature=0)
     assert f"Attached {path.name}" in r.output and first.strip() in r.output
+
+
+def test_a_text_model_with_llama_cpps_mmproj_file_reads_images(gemma3v, model, tmp_path):
+    from mlx_engine.errors import UnsupportedError, WeightsError
+    from tests.vision_small import mmproj_gguf, text_only_folder
+
+    folder, ref = gemma3v
+    text = text_only_folder(folder, tmp_path / "text")
+    mmproj = mmproj_gguf(ref, tmp_path / "mmproj.gguf")
+    assert mlx_engine.Model("text", text, dtype="float32").text_model.vision is None  # text alone reads no image
+    paired = mlx_engine.Model("paired", text, dtype="float32", context_length=1024, mmproj=mmproj)
+    pixels = np.stack([ImageProcessor(IMAGE_SIZE)(photo(50))])
+    with paired.text_model.backend.new_context() as ctx:
+        a = paired.text_model.vision.tower_output(ctx, pixels).numpy()
+    with model.text_model.backend.new_context() as ctx:
+        b = model.text_model.vision.tower_output(ctx, pixels).numpy()
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+    ask = dict(images=[photo(50)], max_tokens=12, temperature=0)
+    assert paired.generate("what is this?", **ask) == model.generate("what is this?", **ask)
+    paired.close()
+    from tests.test_cli import invoke
+
+    r = invoke("run", str(text), "what is this?", "--mmproj", str(mmproj), "--image", str(_png(tmp_path, 50)),
+               "--max-tokens", "12", "--temperature", "0")
+    assert r.exit_code == 0 and r.output.rstrip("\n") == model.generate("what is this?", **ask).rstrip("\n")
+    # an mmproj that does not belong to the text model, and one of another projector: refused, nothing loaded
+    with pytest.raises(UnsupportedError, match="goes with a Gemma 3 model"):
+        mlx_engine.Model("x", _qwen3_folder(tmp_path), mmproj=mmproj)
+    import gguf
+
+    reader = gguf.GGUFReader(str(mmproj))
+    narrow = tmp_path / "narrow.gguf"
+    w = gguf.GGUFWriter(str(narrow), "clip")
+    for name, f in reader.fields.items():
+        if not name.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in reader.tensors:
+        a = np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)])
+        w.add_tensor(t.name, a[:, :32] if t.name == "mm.input_projection.weight" else a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(WeightsError, match="do not belong together"):
+        mlx_engine.Model("x", text, mmproj=narrow)
+
+
+def _qwen3_folder(tmp_path):
+    from tests.test_distributed import _hf_folder
+
+    return _hf_folder(tmp_path)
+
+
+def _png(tmp_path, seed: int):
+    path = tmp_path / f"photo{seed}.png"
+    photo(seed).save(path)
+    return path

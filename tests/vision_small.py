@@ -90,3 +90,61 @@ def reference_pixels(images) -> "np.ndarray":
 
     proc = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     return np.asarray(proc(images=list(images), return_tensors="np")["pixel_values"], np.float32)
+
+
+def mmproj_gguf(model, path: Path) -> Path:
+    """The vision part of ``model`` as llama.cpp's ``convert_hf_to_gguf.py --mmproj`` writes it
+    (``Gemma3VisionModel``): ``clip.*`` keys, gguf-py's MMPROJ tensor names, ``soft_emb_norm`` with the one added."""
+    import gguf
+
+    v = model.config.vision_config
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_string("clip.projector_type", "gemma3")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_uint32("clip.vision.image_size", v.image_size)
+    w.add_uint32("clip.vision.patch_size", v.patch_size)
+    w.add_uint32("clip.vision.embedding_length", v.hidden_size)
+    w.add_uint32("clip.vision.feed_forward_length", v.intermediate_size)
+    w.add_uint32("clip.vision.block_count", v.num_hidden_layers)
+    w.add_uint32("clip.vision.attention.head_count", v.num_attention_heads)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", v.layer_norm_eps)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    scale = (v.image_size // v.patch_size) // int(model.config.mm_tokens_per_image ** 0.5)
+    if scale != 4:
+        w.add_uint32("clip.vision.projector.scale_factor", scale)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, v.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        if not name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) or ".head." in name:
+            continue
+        hf = name.replace("model.", "", 1).replace("vision_tower.", "vision_tower.vision_model.", 1)
+        hf = hf.replace("_weight", ".weight")
+        a = t.detach().float()
+        if "soft_emb_norm.weight" in hf:
+            a = a + 1
+        w.add_tensor(names.get_name(hf, try_suffixes=(".weight", ".bias")), a.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def text_only_folder(folder: Path, out: Path) -> Path:
+    """The text model of a saved vision checkpoint, alone (the language model's tensors, its text config, the
+    tokenizer): what an mmproj file is paired with."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    out.mkdir()
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({n.replace("language_model.", "", 1): a for n, a in tensors.items()
+               if n.startswith("language_model.")}, str(out / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config["text_config"], "architectures": ["Gemma3ForCausalLM"]}))
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    return out
