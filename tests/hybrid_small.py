@@ -16,20 +16,25 @@ LFM2_LAYERS = ["conv", "conv", "full_attention", "conv", "full_attention", "conv
 def char_tokenizer():
     """A byte-level BPE tokenizer without merges (one token per byte) and a ChatML template: text the model writes
     from single characters tokenizes back to the same ids, so a chat's next turn finds its history in the cache."""
+    from tests.zimage_small import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    return byte_tokenizer(SPECIAL_TOKENS, CHAT_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def byte_tokenizer(special: list[str], chat_template: str, **tokens: str):
+    """A transformers fast tokenizer over the 256 byte-level symbols and ``special`` tokens, no merges (``tokens``:
+    ``eos_token=`` and the like)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from tests.zimage_small import CHAT_TEMPLATE, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + len(SPECIAL_TOKENS), special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + len(special), special_tokens=special,
                                   show_progress=False, initial_alphabet=alphabet)
     tok.train_from_iterator(["no merges"], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, **tokens)
 
 
 def _randomize(model, seed: int) -> None:

@@ -27,18 +27,9 @@ IMAGE_SIZE = 32
 
 
 def tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tests.hybrid_small import byte_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + len(SPECIAL), special_tokens=SPECIAL,
-                                  show_progress=False, initial_alphabet=alphabet)
-    tok.train_from_iterator(["no merges"], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<end_of_turn>",
-                                   pad_token="<pad>", chat_template=CHAT_TEMPLATE)
+    return byte_tokenizer(SPECIAL, CHAT_TEMPLATE, bos_token="<bos>", eos_token="<end_of_turn>", pad_token="<pad>")
 
 
 def build_gemma3_vision(folder: Path, seed: int = 0):
