@@ -109,7 +109,7 @@ def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
             vision_backend = make_backend(Path(mmproj))
             model.vision = Gemma3Vision.from_mmproj(vision_backend, model.config.hidden_size, tokenizer.token_to_id)
         elif part is None:
-            model.vision = Gemma3Vision.from_backend(backend, model.config.hidden_size)
+            model.vision = Gemma3Vision.from_backend(backend, model.config.hidden_size, tokenizer.token_to_id)
     except BaseException:
         if vision_backend is not None:
             vision_backend.close()

@@ -33,6 +33,12 @@ _MMPROJ_MAP = {"v.patch_embd.": "embeddings.patch_embedding.", "v.position_embd.
 _MMPROJ_NAMES = re.compile("|".join(re.escape(k) for k in _MMPROJ_MAP))
 
 
+# ollama's Gemma 3 vision names (after ``v.``) to the Hugging Face SigLIP ones
+_OLLAMA_MAP = {"blk.": "encoder.layers.", ".attn_q.": ".self_attn.q_proj.", ".attn_k.": ".self_attn.k_proj.",
+               ".attn_v.": ".self_attn.v_proj.", ".attn_output.": ".self_attn.out_proj."}
+_OLLAMA_NAMES = re.compile("|".join(re.escape(k) for k in _OLLAMA_MAP))
+
+
 class Gemma3Vision:
     """The image encoder of a Gemma 3 checkpoint: ``encode`` gives an image's embedding rows ``[tokens, D]``.
 
@@ -75,10 +81,14 @@ class Gemma3Vision:
         self.processor = ImageProcessor(vc.image_size)
 
     @classmethod
-    def from_backend(cls, backend: Backend, text_width: int) -> "Gemma3Vision | None":
-        """The vision part of a Hugging Face checkpoint (``Gemma3ForConditionalGeneration``), or None for a
-        text-only one. Raises ``WeightsError``."""
+    def from_backend(cls, backend: Backend, text_width: int,
+                     token_id: Callable[[str], "int | None"]) -> "Gemma3Vision | None":
+        """The vision part of a Hugging Face checkpoint (``Gemma3ForConditionalGeneration``) or of an ollama Gemma 3
+        model file (one GGUF with the text model, ``v.*`` and ``mm.*`` tensors and ``gemma3.vision.*`` keys), or
+        None for a text-only one. Raises ``WeightsError``."""
         meta = backend.metadata
+        if "gemma3.vision.block_count" in meta:
+            return cls._from_ollama(backend, text_width, token_id)
         if "vision_config" not in meta or not any("vision_tower." in n for n in backend.weights):
             return None
         weights = dict(backend.weights)
@@ -131,6 +141,41 @@ class Gemma3Vision:
             raise WeightsError("the text model's vocabulary has no <image_soft_token> / <start_of_image> / "
                                "<end_of_image>: this mmproj does not belong to it")
         return cls(tower, w, norm, tokens, ids, backend, text_width, own_backend=True)
+
+    @classmethod
+    def _from_ollama(cls, backend: Backend, text_width: int,
+                     token_id: Callable[[str], "int | None"]) -> "Gemma3Vision":
+        """ollama's layout (``convert/convert_gemma3.go``): SigLIP's names under ``v.`` with ``encoder.layers`` as
+        ``blk`` and the attention projections as ``attn_q/k/v/output``; the projector as ``mm.mm_*``, its norm with
+        the one added (every ``*_norm.weight`` of ollama's Gemma converter)."""
+        meta = backend.metadata
+
+        def key(name: str) -> Any:
+            v = meta.get(f"gemma3.vision.{name}")
+            if v is None:
+                raise WeightsError(f"the model file lacks gemma3.vision.{name}; is its vision part complete?")
+            return v.item() if isinstance(v, np.generic) else v
+
+        config = {"hidden_size": key("embedding_length"), "intermediate_size": key("feed_forward_length"),
+                  "num_hidden_layers": key("block_count"), "num_attention_heads": key("attention.head_count"),
+                  "image_size": key("image_size"), "patch_size": key("patch_size"),
+                  "layer_norm_eps": meta.get("gemma3.vision.attention.layer_norm_epsilon", 1e-6)}
+        tower_w = {}
+        for n, t in backend.weights.items():
+            if n.startswith("v."):
+                n = "embeddings." + n[2:] if n.startswith(("v.patch_embedding.", "v.position_embedding.")) else n[2:]
+                tower_w[_OLLAMA_NAMES.sub(lambda m: _OLLAMA_MAP[m.group(0)], n)] = t
+        tower = SiglipVision(SiglipConfig.from_hf(config), tower_w)
+        weights = backend.weights
+        w, norm = weights.get("mm.mm_input_projection.weight"), weights.get("mm.mm_soft_emb_norm.weight")
+        if w is None or norm is None:
+            raise WeightsError("the model file has a vision tower but no mm.mm_input_projection / "
+                               "mm.mm_soft_emb_norm tensors")
+        ids = tuple(token_id(t) for t in (cls.image_text, cls.boi_text, cls.eoi_text))
+        if None in ids:
+            raise WeightsError("the model's vocabulary has no <image_soft_token> / <start_of_image> / <end_of_image>")
+        tokens = meta.get("gemma3.mm.tokens_per_image", 256)
+        return cls(tower, w, norm, int(tokens), ids, backend, text_width)
 
     def close(self) -> None:
         """Let go of the weights of a vision part read from a file of its own."""

@@ -281,3 +281,20 @@ def _png(tmp_path, seed: int):
     path = tmp_path / f"photo{seed}.png"
     photo(seed).save(path)
     return path
+
+
+def test_ollamas_vision_tensors_read_like_the_folder(gemma3v, model, tmp_path):
+    from mlx_engine.mlx import MLXBackend
+    from mlx_engine.models.vision import Gemma3Vision
+    from tests.vision_small import ollama_vision_gguf
+
+    _, ref = gemma3v
+    backend = MLXBackend(ollama_vision_gguf(ref, tmp_path / "blob.gguf"), dtype="float32")
+    vision = Gemma3Vision.from_backend(backend, model.text_model.config.hidden_size, model.tokenizer.token_to_id)
+    pixels = ImageProcessor(IMAGE_SIZE)(photo(60))
+    ours, want = vision.encode(pixels).numpy(), model.text_model.vision.encode(pixels).numpy()
+    assert np.abs(ours - want).max() <= 1e-5 * np.abs(want).max()
+    theirs = model.text_model.vision
+    assert (vision.image_token_id, vision.boi_token_id, vision.eoi_token_id, vision.tokens_per_image) == \
+        (theirs.image_token_id, theirs.boi_token_id, theirs.eoi_token_id, theirs.tokens_per_image)
+    backend.close()

@@ -139,3 +139,40 @@ def text_only_folder(folder: Path, out: Path) -> Path:
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, out / f.name)
     return out
+
+
+def ollama_vision_gguf(model, path: Path) -> Path:
+    """The vision part of ``model`` as ollama's converter names it inside a Gemma 3 model file
+    (``convert/convert_gemma3.go``'s replacements: ``v.`` + SigLIP names with ``blk`` and ``attn_q/k/v/output``,
+    ``mm.mm_*``, the one added to ``*_norm.weight``; ``gemma3.vision.*`` keys). Only the vision tensors: the text
+    model's are written as every Gemma 3 GGUF's."""
+    import gguf
+
+    v = model.config.vision_config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    for key, value in (("block_count", v.num_hidden_layers), ("embedding_length", v.hidden_size),
+                       ("feed_forward_length", v.intermediate_size), ("image_size", v.image_size),
+                       ("patch_size", v.patch_size), ("num_channels", 3), ("attention.head_count",
+                                                                            v.num_attention_heads)):
+        w.add_uint32(f"gemma3.vision.{key}", value)
+    w.add_float32("gemma3.vision.attention.layer_norm_epsilon", v.layer_norm_eps)
+    w.add_uint32("gemma3.mm.tokens_per_image", model.config.mm_tokens_per_image)
+    swaps = [("vision_tower.vision_model.embeddings", "v"), ("vision_tower.vision_model", "v"),
+             ("encoder.layers", "blk"), ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+             ("self_attn.v_proj", "attn_v"), ("self_attn.out_proj", "attn_output"),
+             ("input_projection_weight", "input_projection.weight"), ("multi_modal_projector", "mm")]
+    for name, t in model.state_dict().items():
+        if not name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) or ".head." in name:
+            continue
+        name = name.replace("model.", "", 1).replace("vision_tower.", "vision_tower.vision_model.", 1)
+        for a, b in swaps:
+            name = name.replace(a, b)
+        a = t.detach().float()
+        if name.endswith("_norm.weight"):
+            a = a + 1
+        w.add_tensor(name, a.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
