@@ -195,6 +195,21 @@ def may_be_tool_call(text: str, style: ToolStyle) -> bool:
     return head == "" or head.startswith(_HERMES_OPEN) or _HERMES_OPEN.startswith(head)
 
 
+def call_start(text: str, style: ToolStyle) -> int | None:
+    """Where in ``text`` (plain text already streamed past) a tool call may begin: the first ``<tool_call>`` tag, or
+    the start of a partial one at the very end; None when there is none. Llama 3's form is a whole answer, never a
+    call after text: None."""
+    if style.form == "llama3":
+        return None
+    i = text.find(_HERMES_OPEN)
+    if i >= 0:
+        return i
+    for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+        if _HERMES_OPEN.startswith(text[-k:]):
+            return len(text) - k
+    return None
+
+
 def parse_tool_calls(text: str, style: ToolStyle,
                      names: set[str] | None = None) -> tuple[str, list[ToolCall]]:
     """Split an answer into its plain text and the tool calls in it (``names``: the offered functions; a call to

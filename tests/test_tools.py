@@ -158,3 +158,26 @@ def test_server_tool_round_trip_with_the_real_clients(smollm2_server):
         {"role": "tool", "content": "18 degrees and sunny", "tool_name": "get_weather"}]
     final = o.chat(model="smollm2:135m", messages=back, options={"num_predict": 40})
     assert final.message.content
+
+
+def test_a_streamed_call_after_plain_text_is_held_and_parsed():
+    from mlx_engine.api import ToolPrompt
+    from mlx_engine.models.tools import ToolStyle
+    from mlx_engine.server.tool_stream import ToolStream
+
+    prompt = ToolPrompt([], None, ToolStyle("hermes", True), {"get_weather"})
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for cut in range(1, len(call)):  # the tag may arrive split anywhere
+        stream = ToolStream(prompt)
+        sent = [stream.feed("Let me check the weather. "), stream.feed("I will look it up "),
+                stream.feed(call[:cut]), stream.feed(call[cut:])]
+        text, calls = stream.finish()
+        assert "".join(sent) == "Let me check the weather. I will look it up " and text == ""
+        assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
+    # a "<" that starts no tag is passed on as soon as it is clear
+    stream = ToolStream(prompt)
+    assert stream.feed("a < b and ") + stream.feed("<tool") + stream.feed("box") == "a < b and <toolbox"
+    assert stream.finish() == ("", [])
+    # Llama 3's form is a whole answer: after plain text nothing is held
+    stream = ToolStream(ToolPrompt([], None, ToolStyle("llama3", True), {"get_weather"}))
+    assert stream.feed("Sure. ") + stream.feed('{"name": "x"}') == 'Sure. {"name": "x"}'

@@ -1,13 +1,12 @@
-"""Streaming an answer that may be a tool call: text is passed on as it comes, except an answer whose beginning may
-still turn into a call (``<tool_call>``, or a JSON object for Llama 3's form), which is held until it ends and then
-parsed into calls. (Calls after some plain text reach the client as text when streaming; the non-streamed answer
-parses them wherever they are.)"""
+"""Streaming an answer that may hold tool calls: text is passed on as it comes, except from where a call may begin
+(an answer's start for every form: ``<tool_call>``, or a JSON object for Llama 3's; and a ``<tool_call>`` tag after
+some plain text), which is held until the answer ends and then parsed into calls."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mlx_engine.models.tools import ToolCall, may_be_tool_call
+from mlx_engine.models.tools import ToolCall, call_start, may_be_tool_call
 
 
 class ToolStream:
@@ -15,18 +14,30 @@ class ToolStream:
 
     def __init__(self, prompt: Any):
         self.prompt = prompt
-        self.holding = prompt is not None and prompt.names is not None
+        self.tools = prompt is not None and prompt.names is not None
+        self.holding = self.tools  # the answer so far may still turn out to be a call
         self.held = ""
 
     def feed(self, text: str) -> str:
         """The text to send now (maybe ``""``)."""
-        if not self.holding:
+        if not self.tools:
             return text
         self.held += text
-        if may_be_tool_call(self.held, self.prompt.style):
-            return ""
-        self.holding = False
-        out, self.held = self.held, ""
+        out = ""
+        while self.held:
+            if self.holding:
+                if may_be_tool_call(self.held, self.prompt.style):
+                    break
+                self.holding = False
+            i = call_start(self.held, self.prompt.style)
+            if i is None:
+                out, self.held = out + self.held, ""
+                break
+            if i == 0 and not may_be_tool_call(self.held, self.prompt.style):
+                out, self.held = out + self.held[0], self.held[1:]  # a "<" that starts no tag: on past it
+                continue
+            out, self.held = out + self.held[:i], self.held[i:]
+            self.holding = True
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
