@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from mlx_engine.errors import WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
 from mlx_engine.models.base import DecoderModel, ModelPart, feed_forward
@@ -45,6 +47,75 @@ def _softplus(x: Tensor) -> Tensor:
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last axis (transformers' ``l2norm``, the FLA library's)."""
     return x / ((x * x).sum(axis=-1, keepdims=True) + eps).sqrt()
+
+
+#: Prefill runs of at least this many tokens use the chunked form of the delta rule (chunks of this size).
+DELTA_CHUNK = 64
+
+
+def delta_rule(ctx: Context, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor,
+               state: Tensor) -> tuple[Tensor, Tensor]:
+    """The gated delta rule token by token (transformers' ``torch_recurrent_gated_delta_rule``): ``q, k [S, L, H,
+    Dk]`` (normed, ``q`` scaled), ``v [S, L, H, Dv]``, ``log_decay, beta [S, L, H]``, ``state [S, H, Dk, Dv]``, all
+    float32. Per token: ``S = exp(g) S``, ``S += k (beta (v - k^T S))^T``, ``o = q^T S``. Returns ``(o [S, L, H, Dv],
+    state)``."""
+    s, n, h, dk = k.shape
+    dv = v.shape[-1]
+    decay = log_decay.exp()
+    outs = []
+    for t in range(n):
+        kt = k[:, t].reshape(s, h, 1, dk)
+        state = state * decay[:, t].reshape(s, h, 1, 1)
+        delta = (v[:, t].reshape(s, h, 1, dv) - kt @ state) * beta[:, t].reshape(s, h, 1, 1)
+        state = state + kt.reshape(s, h, dk, 1) * delta
+        outs.append((q[:, t].reshape(s, h, 1, dk) @ state).reshape(s, 1, h, dv))
+    return (outs[0] if n == 1 else ctx.concatenate(outs, axis=1)), state
+
+
+def delta_rule_chunked(ctx: Context, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor,
+                       state: Tensor, chunk: int = DELTA_CHUNK) -> tuple[Tensor, Tensor]:
+    """The same rule over chunks of ``chunk`` tokens (transformers' ``torch_chunk_gated_delta_rule``, the WY form of
+    Yang et al. 2024): within a chunk the updates are one unit-lower-triangular solve, here by the product
+    ``(I - L)^-1 = prod_k (I + L^(2^k))`` (``L`` strictly lower, so nilpotent: ``log2(chunk)`` factors), and only the
+    chunks run one after another. Same arguments and result as :func:`delta_rule`."""
+    s, n, h, dk = k.shape
+    pad = -n % chunk
+    c = chunk
+
+    def padded(x: Tensor) -> Tensor:  # [S, L, H, ...] -> [S, H, chunks, C, ...], zeros after the end
+        if pad:
+            x = ctx.concatenate([x, ctx.zeros([s, pad, *x.shape[2:]], x.dtype)], axis=1)
+        x = x.transpose(0, 2, 1, *range(3, x.ndim))
+        return x.reshape(s, h, (n + pad) // c, c, *x.shape[3:])
+
+    q, k, v, g, b = (padded(x) for x in (q, k, v, log_decay, beta))
+    cum = g.cumsum(axis=-1)                                             # [S, H, N, C]
+    lower = ctx.from_numpy(np.tril(np.ones((c, c), bool)))
+    pair = (cum.reshape(*cum.shape, 1) - cum.reshape(*cum.shape[:-1], 1, c))
+    pair = lower.where(pair, float("-inf")).exp()                       # exp(cum_i - cum_j) for j <= i, else 0
+    k_t = k.transpose(0, 1, 2, 4, 3)
+    k_beta = k * b.reshape(*b.shape, 1)
+    strict = ctx.from_numpy(np.tril(np.ones((c, c), np.float32), -1))
+    neg_l = (k_beta @ k_t) * pair * strict                              # the strictly lower part
+    eye = ctx.from_numpy(np.eye(c, dtype=np.float32))
+    power, inverse = -neg_l, eye - neg_l
+    for _ in range(int(np.log2(c)) - 1):
+        power = power @ power
+        inverse = inverse @ (eye + power)
+    new_values = inverse @ (v * b.reshape(*b.shape, 1))
+    k_cumdecay = inverse @ (k_beta * cum.exp().reshape(*cum.shape, 1))
+    intra = (q @ k_t) * pair
+    last = cum[..., c - 1:c]                                            # [S, H, N, 1]
+    q_decayed = q * cum.exp().reshape(*cum.shape, 1)
+    k_decayed = (k * (last - cum).exp().reshape(*cum.shape, 1)).transpose(0, 1, 2, 4, 3)
+    chunk_decay = last.exp().reshape(s, h, -1, 1, 1)
+    outs = []
+    for i in range((n + pad) // c):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        outs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i] @ v_new
+    o = (outs[0] if len(outs) == 1 else ctx.concatenate(outs, axis=2))[:, :, :n]  # [S, H, L, Dv]
+    return o.transpose(0, 2, 1, 3), state
 
 
 class Qwen3Next(DecoderModel):
@@ -247,18 +318,11 @@ class Qwen3Next(DecoderModel):
         q, k = q.reshape(s, n, hv, dk), k.reshape(s, n, hv, dk)
         v = conv[..., 2 * kd:].reshape(s, n, hv, dv)
         beta = ba[..., :r].reshape(s, n, hv).astype(DType.FLOAT32).sigmoid()
-        decay = (_softplus(ba[..., r:].reshape(s, n, hv).astype(DType.FLOAT32) + w["lin_dt_bias"])
-                 * w["lin_a"]).exp()
+        log_decay = _softplus(ba[..., r:].reshape(s, n, hv).astype(DType.FLOAT32) + w["lin_dt_bias"]) * w["lin_a"]
         rec = cache.get_state(ctx, layer, "recurrent", (hv, dk, dv))
-        outs = []
-        for t in range(n):  # the gated delta rule, one token at a time (transformers' recurrent form)
-            kt = k[:, t].reshape(s, hv, 1, dk)
-            rec = rec * decay[:, t].reshape(s, hv, 1, 1)
-            delta = (v[:, t].reshape(s, hv, 1, dv) - kt @ rec) * beta[:, t].reshape(s, hv, 1, 1)
-            rec = rec + kt.reshape(s, hv, dk, 1) * delta
-            outs.append((q[:, t].reshape(s, hv, 1, dk) @ rec).reshape(s, 1, hv, dv))
+        rule = delta_rule_chunked if n >= DELTA_CHUNK else delta_rule
+        o, rec = rule(ctx, q, k, v, log_decay, beta, rec)
         cache.set_state(ctx, layer, "recurrent", rec)
-        o = outs[0] if n == 1 else ctx.concatenate(outs, axis=1)  # [S, L, Hv, Dv]
         o = o.rms_norm(w["lin_norm"], c.rms_norm_eps) * z.astype(DType.FLOAT32).silu()
         y = o.astype(h.dtype).reshape(1, s * n, vd).linear(w["lin_out"])
         return feed_forward(c, h, y, w)

@@ -316,3 +316,25 @@ def test_a_hybrid_model_is_not_split_over_ranks(hybrid):
         for mode in ("pipeline", "tensor"):
             with pytest.raises(UnsupportedError, match="hybrid model .* one machine only"):
                 plan(wf, mode, 0, 2)
+
+
+def test_the_chunked_delta_rule_equals_the_token_by_token_one():
+    from mlx_engine.models.qwen3_next import delta_rule, delta_rule_chunked
+
+    rng = np.random.default_rng(3)
+    s, n, h, dk, dv = 2, 150, 3, 8, 5  # 150 tokens: two chunks of 64 and a padded third
+    backend = MLXBackend()
+    with backend.new_context() as ctx:
+        def t(*shape, scale=1.0):
+            return ctx.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32))
+
+        k = rng.standard_normal((s, n, h, dk)).astype(np.float32)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        q, v, state = t(s, n, h, dk, scale=dk ** -0.5), t(s, n, h, dv), t(s, h, dk, dv)
+        log_decay = ctx.from_numpy(-rng.uniform(0.0, 0.5, (s, n, h)).astype(np.float32))
+        beta = ctx.from_numpy(rng.uniform(0.0, 1.0, (s, n, h)).astype(np.float32))
+        a = delta_rule(ctx, q, ctx.from_numpy(k), v, log_decay, beta, state)
+        b = delta_rule_chunked(ctx, q, ctx.from_numpy(k), v, log_decay, beta, state)
+        for x, y in zip(a, b):
+            x, y = x.numpy(), y.numpy()
+            assert x.shape == y.shape and np.abs(x - y).max() <= 1e-4 * np.abs(x).max()
