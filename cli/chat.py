@@ -316,7 +316,7 @@ class ChatRepl:
         those of /image, then those found in the text (quoted or with backslash-escaped spaces, as terminals paste
         them). Only for a model that reads images; otherwise the text stays as typed."""
         images, self._images = list(self._images), []
-        if self.model.text_model.vision is None:
+        if not getattr(self.model, "reads_images", False):
             if images:
                 self.echo("Note: this model does not read images; the attached ones are dropped.", err=True)
             return text, []

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
 import click
 
 from mlx_engine.errors import InvalidRequestError
@@ -70,3 +74,9 @@ def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, con
             api.load(models[0], parallel=parallel, transport=transport, progress=False)
     click.echo(f"mlx-engine serving on http://{host}:{port} (OpenAI: /v1, ollama: /api); Ctrl-C stops", err=True)
     run_server(config)
+    # The server has stopped and its device thread has ended. MLX's threads and static destructors can race at
+    # interpreter exit (std::terminate, SIGABRT after a clean stop): end the process here, output flushed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

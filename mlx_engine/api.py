@@ -150,6 +150,11 @@ class Model:
         return sum(math.prod(s) for s in shapes)
 
     @property
+    def reads_images(self) -> bool:
+        """True for a model with a vision part (images in prompts)."""
+        return self.text_model.vision is not None
+
+    @property
     def has_chat_template(self) -> bool:
         """True for an instruction-tuned model that ships a chat template."""
         return self.tokenizer.has_chat_template

@@ -142,9 +142,10 @@ def test_request_errors(folder, workdir, args, message):
 
 
 def test_model_errors(folder, workdir, tmp_path, monkeypatch):
-    from mlx_engine import image_api
+    from mlx_engine import api, image_api
 
-    monkeypatch.setattr(image_api, "DEFAULT_IMAGE_MODEL", None)
+    monkeypatch.setattr(api, "DEFAULT_IMAGE_MODEL", None)  # what the CLI names
+    monkeypatch.setattr(image_api, "DEFAULT_IMAGE_MODEL", None)  # what loading falls back to
     r = invoke("image", PROMPT)
     assert r.exit_code == 1 and r.output.startswith("Error: no image model given")
     r = invoke("image", PROMPT, "--model", tmp_path / "missing")
