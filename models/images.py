@@ -41,6 +41,9 @@ def load_image(source: Any) -> Any:
     if isinstance(source, Image.Image):
         img = source
     else:
+        if isinstance(source, str) and source.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"{source[:100]}: image URLs are not fetched; give a file, bytes, base64 data "
+                                      "or a data: URL")
         if isinstance(source, (bytes, bytearray)):
             data = bytes(source)
         elif isinstance(source, str) and source.startswith("data:"):

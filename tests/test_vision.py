@@ -159,6 +159,8 @@ def test_bad_image_input(model, tmp_path, smollm2_model):
         model.generate("what is this?", images=[not_image])
     with pytest.raises(InvalidRequestError, match="no such image file"):
         model.generate("what is this?", images=[str(tmp_path / "missing.png")])
+    with pytest.raises(InvalidRequestError, match="URLs are not fetched"):
+        model.generate("what is this?", images=["https://example.com/cat.png"])
     with pytest.raises(InvalidRequestError, match="cannot read images"):
         smollm2_model.generate("what is this?", images=[photo(1)])
     buf = io.BytesIO()
@@ -173,6 +175,7 @@ def test_bad_image_input(model, tmp_path, smollm2_model):
 def test_the_server_reads_images_from_both_apis(gemma3v, model, tmp_path, monkeypatch):
     import base64
 
+    import httpx
     import ollama
     import openai
 
@@ -201,6 +204,21 @@ def test_the_server_reads_images_from_both_apis(gemma3v, model, tmp_path, monkey
         with pytest.raises(openai.BadRequestError, match="data: URL"):
             client.chat.completions.create(model=str(folder), max_tokens=2, messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]}])
+        # bad images: a 400 that says what is wrong, and the server goes on
+        from PIL import Image
+
+        huge = io.BytesIO()
+        Image.new("L", (9000, 8000)).save(huge, format="PNG")  # 72M pixels in a small file
+        bad = [("not base64 at all!" * 8, "neither a file path nor valid base64"),
+               (base64.b64encode(b"not an image" * 20).decode(), "not an image"),
+               (base64.b64encode(huge.getvalue()).decode(), "at most")]
+        for image, message in bad:
+            r = httpx.post(srv.url + "/api/chat", json={"model": str(folder), "stream": False, "messages": [
+                {"role": "user", "content": "what is this?", "images": [image]}]})
+            assert r.status_code == 400 and message in r.json()["error"], r.text
+        o = ollama.Client(host=srv.url).chat(model=str(folder), options={"num_predict": 8, "temperature": 0},
+                                             messages=[{"role": "user", "content": "what is this?", "images": [b64]}])
+        assert o.message.content == want
     finally:
         srv.stop()
 
