@@ -154,22 +154,47 @@ class LFM2(DecoderModel):
         conv = sum(t == "conv" for t in c.layer_types) * (c.conv_kernel - 1) * c.hidden_size * 4  # float32 states
         return conv * (2 + self.cache_options.get("checkpoint_count", CHECKPOINT_COUNT))  # now, one step back
 
+    _CONV_WEIGHTS = ("attn_norm", "conv_in", "conv_in_bias", "conv_out", "conv_out_bias", "conv_bias",
+                     "post_attn_norm", "gate", "up", "down")
+
     def recurrent_layer(self, ctx: Context, layer: int, w: dict[str, Tensor | None], h: Tensor,
                         cache: "Cache") -> Tensor:
         """A convolution layer (transformers' ``Lfm2ShortConv.slow_forward``): the state holds the last ``K - 1``
-        values of ``B * x`` before the batch."""
+        values of ``B * x`` before the batch. A decode step (one token per sequence) runs as one compiled graph."""
         c = self.config
-        d, k = c.hidden_size, c.conv_kernel
-        s, n = cache.layout
-        x = h.rms_norm(w["attn_norm"], c.rms_norm_eps).linear(w["conv_in"], w.get("conv_in_bias"))
-        bx = (x[..., :d] * x[..., 2 * d:]).reshape(s, n, d)
-        state = cache.get_state(ctx, layer, "conv", (k - 1, d))
-        full = ctx.concatenate([state.astype(bx.dtype), bx], axis=1)  # [S, K - 1 + L, D]
-        conv = full[:, 0:n] * w["conv_tap0"]
-        for j in range(1, k):
-            conv = conv + full[:, j:j + n] * w[f"conv_tap{j}"]
-        if w.get("conv_bias") is not None:
-            conv = conv + w["conv_bias"]
-        cache.set_state(ctx, layer, "conv", full[:, n:])
-        y = (x[..., d:2 * d] * conv.reshape(1, s * n, d)).linear(w["conv_out"], w.get("conv_out_bias"))
-        return feed_forward(c, h, y, w)
+        state = cache.get_state(ctx, layer, "conv", (c.conv_kernel - 1, c.hidden_size))
+        taps = [w[f"conv_tap{j}"] for j in range(c.conv_kernel)]
+        names = tuple(k for k in self._CONV_WEIGHTS if w.get(k) is not None)
+        if cache.layout[1] == 1 and self.compile_decode:
+            fn = self._compiled.get(("conv", names))
+            if fn is None:
+                joiner = self.backend.new_context()  # concatenation only: holds nothing between calls
+
+                def block(h: Tensor, state: Tensor, *ws: Tensor) -> tuple[Tensor, Tensor]:
+                    named = dict(zip(names, ws[:len(names)]))
+                    return conv_layer(c, joiner, h, state, named, list(ws[len(names):]))
+                fn = self._compiled[("conv", names)] = self.backend.compile(block)
+            h, state = fn(h, state, *[w[k] for k in names], *taps)
+        else:
+            h, state = conv_layer(c, ctx, h, state, w, taps)
+        cache.set_state(ctx, layer, "conv", state)
+        return h
+
+
+def conv_layer(c: DecoderConfig, ctx: Context, h: Tensor, state: Tensor, w: dict[str, Tensor | None],
+               taps: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """One LFM2 convolution layer on ``h [1, S * L, D]`` (``S`` sequences of ``L`` tokens) from ``state
+    [S, K - 1, D]``: returns the new ``h`` and the new state (the last ``K - 1`` values of ``B * x``)."""
+    d, k = c.hidden_size, c.conv_kernel
+    s = state.shape[0]
+    n = h.shape[1] // s
+    x = h.rms_norm(w["attn_norm"], c.rms_norm_eps).linear(w["conv_in"], w.get("conv_in_bias"))
+    bx = (x[..., :d] * x[..., 2 * d:]).reshape(s, n, d)
+    full = ctx.concatenate([state.astype(bx.dtype), bx], axis=1)  # [S, K - 1 + L, D]
+    conv = full[:, 0:n] * taps[0]
+    for j in range(1, k):
+        conv = conv + full[:, j:j + n] * taps[j]
+    if w.get("conv_bias") is not None:
+        conv = conv + w["conv_bias"]
+    y = (x[..., d:2 * d] * conv.reshape(1, s * n, d)).linear(w["conv_out"], w.get("conv_out_bias"))
+    return feed_forward(c, h, y, w), full[:, n:]
