@@ -37,6 +37,14 @@ def byte_tokenizer(special: list[str], chat_template: str, **tokens: str):
     return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, **tokens)
 
 
+def write_gguf(writer) -> None:
+    """Write a ``gguf.GGUFWriter``'s header, metadata and tensors to its file, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _randomize(model, seed: int) -> None:
     """Weights large enough that every layer matters (transformers initialises norms to 1 and projections tiny)."""
     import torch
@@ -147,10 +155,7 @@ def lfm2_gguf(model, path: Path) -> Path:
         for x, y in _LFM2_GGUF:
             name = name.replace(x, y)
         w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
     return path
 
 
@@ -235,8 +240,5 @@ def qwen3_next_gguf(model, path: Path) -> Path:
         if gguf_name is None:  # a dense MLP (mlp_only_layers): llama.cpp's qwen3next map has none; its generic names
             gguf_name = f"blk.{bid}.ffn_{name.split('.')[-2].split('_')[0]}.weight"
         w.add_tensor(gguf_name, t.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
     return path

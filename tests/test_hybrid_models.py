@@ -15,7 +15,7 @@ from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.registry import load_text_model
 from mlx_engine.models.runner import GenerationStats, Request, Runner, logits_for
 from mlx_engine.models.sampler import SamplerOptions
-from tests.hybrid_small import BUILDERS, greedy_reference, lfm2_gguf, qwen3_next_gguf
+from tests.hybrid_small import BUILDERS, greedy_reference, lfm2_gguf, qwen3_next_gguf, write_gguf
 
 pytest.importorskip("torch")
 
@@ -298,10 +298,7 @@ def test_a_gguf_with_inconsistent_hybrid_keys_is_refused(hybrid, tmp_path):
         writer.add_uint32(key, value)
     for t in reader.tensors:
         writer.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(writer)
     with pytest.raises(WeightsError, match=message):
         load_text_model(MLXBackend(tmp_path / "bad.gguf", dtype="float32"))
 

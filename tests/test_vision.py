@@ -14,6 +14,7 @@ from mlx_engine.errors import InvalidRequestError
 from mlx_engine.models.images import ImageProcessor, load_image
 from mlx_engine.models.options import GenerationOptions
 from mlx_engine.models.runner import prompt_keys
+from tests.hybrid_small import write_gguf
 from tests.vision_small import IMAGE_SIZE, build_gemma3_vision, photo, reference_pixels
 
 torch = pytest.importorskip("torch")
@@ -281,10 +282,7 @@ def test_a_text_model_with_llama_cpps_mmproj_file_reads_images(gemma3v, model, t
     for t in reader.tensors:
         a = np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)])
         w.add_tensor(t.name, a[:, :32] if t.name == "mm.input_projection.weight" else a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
     with pytest.raises(WeightsError, match="do not belong together"):
         mlx_engine.Model("x", text, mmproj=narrow)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.hybrid_small import byte_tokenizer, write_gguf
+
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
            "<image_soft_token>"]
 CHAT_TEMPLATE = (
@@ -27,8 +29,6 @@ IMAGE_SIZE = 32
 
 
 def tokenizer():
-    from tests.hybrid_small import byte_tokenizer
-
     return byte_tokenizer(SPECIAL, CHAT_TEMPLATE, bos_token="<bos>", eos_token="<end_of_turn>", pad_token="<pad>")
 
 
@@ -114,10 +114,7 @@ def mmproj_gguf(model, path: Path) -> Path:
         if "soft_emb_norm.weight" in hf:
             a = a + 1
         w.add_tensor(names.get_name(hf, try_suffixes=(".weight", ".bias")), a.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
     return path
 
 
@@ -171,8 +168,5 @@ def ollama_vision_gguf(model, path: Path) -> Path:
         if name.endswith("_norm.weight"):
             a = a + 1
         w.add_tensor(name, a.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
     return path
