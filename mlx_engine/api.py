@@ -201,40 +201,48 @@ class Model:
     def prompt_tokens(self, prompt: str, *, system: str | None = None, raw: bool | None = None) -> list[int]:
         """Token ids for a one-shot prompt: the chat template for instruct models, raw text for base models (or
         when ``raw``)."""
+        return self.prompt_inputs(prompt, system=system, raw=raw)[0]
+
+    def prompt_inputs(self, prompt: str, images: Any = None, *, system: str | None = None,
+                      raw: bool | None = None) -> tuple[list[int], list]:
+        """:meth:`prompt_tokens` and the ``images`` at their places (``PromptImage``): in the user message with the
+        chat template, else (raw) each image's marker before the text.
+
+        Raises:
+            InvalidRequestError: an empty prompt, images that are not a list, images for a model that reads none.
+        """
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"the prompt must be a string, not {type(prompt).__name__}")
         if not prompt.strip():
             raise InvalidRequestError("the prompt is empty; give some text")
+        if images is not None and not isinstance(images, (list, tuple)):
+            raise InvalidRequestError("images must be a list (of paths, bytes, base64 strings or PIL images)")
         if raw is None:
             raw = not self.has_chat_template
-        if raw:
-            return self._encode_text((system + "\n\n" if system else "") + prompt)
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return self._chat_ids(messages)
-
-    def _chat_prompt(self, messages: list[dict[str, Any]], **template_vars: Any) -> tuple[list[int], list]:
-        """:meth:`_chat_ids` and the images of the messages at their places (``models.vision.chat_prompt``)."""
-        self._check_messages(messages)
-        try:
-            return chat_prompt(self.tokenizer, self.text_model.vision, messages, **template_vars)
-        except ChatTemplateError as e:
-            raise ChatTemplateError(f"{self.name}'s chat template: {e}") from e
-
-    def _prompt(self, prompt: str, opts: GenerationOptions, images: Any) -> tuple[list[int], list]:
-        """A one-shot prompt's ids and images: in the user message with the chat template, else (raw) each image's
-        marker before the text."""
-        if not images:
-            return self.prompt_tokens(prompt, system=opts.system, raw=opts.raw), []
-        if not isinstance(images, (list, tuple)):
-            raise InvalidRequestError("images must be a list (of paths, bytes, base64 strings or PIL images)")
         vision = self.text_model.vision
-        if vision is not None and (opts.raw or not self.has_chat_template):
+        if raw and images and vision is not None:
             ids = self._encode_text(vision.expand(vision.boi_text * len(images) + prompt))
             return ids, vision.place(ids, images)
-        self.prompt_tokens(prompt)  # the same checks of the prompt
-        messages = ([{"role": "system", "content": opts.system}] if opts.system else []) + \
-            [{"role": "user", "content": prompt, "images": list(images)}]
-        return self._chat_prompt(messages)
+        if raw and not images:
+            return self._encode_text((system + "\n\n" if system else "") + prompt), []
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": prompt, **({"images": list(images)} if images else {})}]
+        return self.chat_inputs(messages)
+
+    def chat_inputs(self, messages: list[dict[str, Any]], **template_vars: Any) -> tuple[list[int], list]:
+        """Token ids of a conversation (the chat template applied, the assistant's turn opened) and the images of
+        its messages at their places (``PromptImage``; ``models.vision.chat_prompt``).
+
+        Raises:
+            InvalidRequestError: an empty conversation, a malformed message, images for a model that reads none.
+        """
+        self._check_messages(messages)
+        if not messages:
+            raise InvalidRequestError("the conversation is empty; give at least one user message")
+        try:
+            return chat_prompt(self.tokenizer, self.text_model.vision, list(messages), **template_vars)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"{self.name}'s chat template: {e}") from e
 
     def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation with the chat template applied and the assistant's turn opened.
@@ -242,10 +250,7 @@ class Model:
         Raises:
             InvalidRequestError: an empty conversation or a malformed message.
         """
-        self._check_messages(messages)
-        if not messages:
-            raise InvalidRequestError("the conversation is empty; give at least one user message")
-        return self._chat_ids(list(messages))
+        return self.chat_inputs(messages)[0]
 
     def text_tokens(self, text: str) -> list[int]:
         """Token ids of raw text (no chat template; BOS added as the model wants)."""
@@ -268,7 +273,7 @@ class Model:
         """Text chunks as they are generated, then one :class:`GenerationStats`. ``images``: images the prompt
         is about (paths, bytes, base64 strings, PIL images), for a model with a vision part."""
         opts = GenerationOptions.parse(options)
-        tokens, placed = self._prompt(prompt, opts, images)
+        tokens, placed = self.prompt_inputs(prompt, images, system=opts.system, raw=opts.raw)
         return self._serialized(self.runner.stream(opts.request(tokens, images=placed)))
 
     def _serialized(self, pieces: Iterator[Any]) -> Iterator[Any]:
@@ -295,8 +300,7 @@ class Model:
         """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``); structured output
         as in :meth:`generate`."""
         opts = GenerationOptions.parse(options)
-        self.chat_tokens(messages)  # the checks of a conversation
-        tokens, placed = self._chat_prompt(list(messages))
+        tokens, placed = self.chat_inputs(messages)
         return _whole(self._serialized(self.runner.stream(opts.request(tokens, images=placed))))
 
     def tool_prompt(self, messages: list[dict[str, Any]], tools: list | None = None,

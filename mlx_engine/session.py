@@ -76,7 +76,7 @@ class ChatSession:
             opts = {**self.options, **options}
             opts.pop("system", None)
             opts.pop("raw", None)
-            tokens, images = self.model._chat_prompt(self.messages)
+            tokens, images = self.model.chat_inputs(self.messages)
             req = GenerationOptions.parse(opts).request(tokens, self.sequence, images)
         except BaseException:
             self.messages = before
@@ -116,7 +116,7 @@ class ChatSession:
         """
         if not any(m["role"] != "system" for m in self.messages):
             return 0
-        tokens, images = self.model._chat_prompt(self.messages)
+        tokens, images = self.model.chat_inputs(self.messages)
         if len(tokens) >= self.model.context_length:
             raise InvalidRequestError(
                 f"the conversation takes {len(tokens)} tokens but the context holds {self.model.context_length}; "
@@ -132,7 +132,7 @@ class ChatSession:
         """Tokens the conversation takes in the context now (its templated messages; 0 when empty)."""
         if not any(m["role"] != "system" for m in self.messages):
             return 0
-        return len(self.model._chat_prompt(self.messages)[0])
+        return len(self.model.chat_inputs(self.messages)[0])
 
     #: the largest conversation file :meth:`load` reads (bytes): far more text than any context holds
     MAX_FILE_BYTES = 16 * 2**20

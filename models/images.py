@@ -15,6 +15,7 @@ import binascii
 import hashlib
 import io
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,7 @@ class PromptImage:
     count: int
     pixels: np.ndarray
 
-    @property
+    @cached_property
     def digest(self) -> str:
         return hashlib.sha256(np.ascontiguousarray(self.pixels).tobytes()).hexdigest()
 

@@ -12,7 +12,6 @@ import pytest
 import mlx_engine
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.models.images import ImageProcessor, load_image
-from mlx_engine.models.options import GenerationOptions
 from mlx_engine.models.runner import prompt_keys
 from tests.hybrid_small import write_gguf
 from tests.vision_small import IMAGE_SIZE, build_gemma3_vision, photo, reference_pixels
@@ -106,7 +105,7 @@ def test_tower_matches_transformers(gemma3v, model):
 def test_logits_and_greedy_tokens_match_transformers(gemma3v, model, count):
     _, ref = gemma3v
     images = [photo(10 + i, (40 + 8 * i, 36)) for i in range(count)]
-    tokens, placed = model._prompt("what is in these pictures?", GenerationOptions.parse({}), images)
+    tokens, placed = model.prompt_inputs("what is in these pictures?", images)
     assert [p.count for p in placed] == [16] * count
     ref_first, ref_tokens = _reference(ref, model, tokens, images, 32)
     first, got = _ours(model, tokens, placed, 32)
@@ -123,7 +122,7 @@ def test_a_chunk_boundary_inside_an_image_changes_nothing(gemma3v):
     folder, _ = gemma3v
     whole = mlx_engine.Model("g3v", folder, context_length=1024, dtype="float32", prefill_chunk=512)
     small = mlx_engine.Model("g3v", folder, context_length=1024, dtype="float32", prefill_chunk=12)
-    tokens, placed = small._prompt("look", GenerationOptions.parse({}), [photo(3)])
+    tokens, placed = small.prompt_inputs("look", [photo(3)])
     start = placed[0].start
     assert start % 12 != 0 and (start + 16) // 12 > start // 12  # a 12-token boundary falls inside the image
     bounds = small.runner.chunk_bounds(0, len(tokens), [(start, start + 16)])
@@ -140,7 +139,7 @@ def test_prefix_reuse_knows_images(model):
     "".join(p for p in session.send("describe it", images=[photo(20)]) if isinstance(p, str))
     first = session.last_stats
     held = model.runner.cached_length(session.sequence)
-    tokens, placed = model._chat_prompt(session.messages + [{"role": "user", "content": "and the colours?"}])
+    tokens, placed = model.chat_inputs(session.messages + [{"role": "user", "content": "and the colours?"}])
     assert model.runner.common_prefix(session.sequence, prompt_keys(tokens, placed)) == held  # image included
     "".join(p for p in session.send("and the colours?") if isinstance(p, str))
     second = session.last_stats
@@ -149,7 +148,7 @@ def test_prefix_reuse_knows_images(model):
     # the same words with another image at the same place: nothing from the image on is reused
     other = model.chat_session()
     other.messages = [{"role": "user", "content": "describe it", "images": [photo(21)]}]
-    tokens, placed = model._chat_prompt(other.messages)
+    tokens, placed = model.chat_inputs(other.messages)
     assert model.runner.common_prefix(session.sequence, prompt_keys(tokens, placed)) == placed[0].start
 
 

@@ -28,7 +28,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlx_engine.api import GenerationOptions
 from mlx_engine.errors import ModelNotFoundError
 from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, problem_from, read_json,
                                     text_events, validate, whole_answer)
@@ -252,8 +251,7 @@ def routes(state: ServerState) -> list[Route]:
                 tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools)  # ollama's: auto
                 tokens = tools.tokens
             else:
-                await asyncio.to_thread(loaded.obj.chat_tokens, messages)  # the checks of a conversation
-                tokens, images = await asyncio.to_thread(loaded.obj._chat_prompt, messages)
+                tokens, images = await asyncio.to_thread(loaded.obj.chat_inputs, messages)
             options = replace(_options(req, loaded, tokens), images=tuple(images if tools is None else ()))
             await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001
@@ -271,8 +269,8 @@ def routes(state: ServerState) -> list[Route]:
             loaded, load_s = await _load(req)
             images: list = []
             if req.images:
-                shape = GenerationOptions.parse({"raw": req.raw or None, "system": req.system})
-                tokens, images = await asyncio.to_thread(loaded.obj._prompt, req.prompt, shape, req.images)
+                tokens, images = await asyncio.to_thread(loaded.obj.prompt_inputs, req.prompt, req.images,
+                                                         system=req.system, raw=req.raw or None)
             elif req.raw:
                 tokens = await asyncio.to_thread(loaded.obj.text_tokens, req.prompt)
             else:

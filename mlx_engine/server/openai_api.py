@@ -195,8 +195,7 @@ def routes(state: ServerState) -> list[Route]:
                 tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools, req.tool_choice)
                 tokens = tools.tokens
             else:
-                await asyncio.to_thread(loaded.obj.chat_tokens, messages)  # the checks of a conversation
-                tokens, images = await asyncio.to_thread(loaded.obj._chat_prompt, messages)
+                tokens, images = await asyncio.to_thread(loaded.obj.chat_inputs, messages)
             options = req.options(remaining_context(loaded, tokens), req.max_completion_tokens,
                                   response_format=tools.response_format if tools else req.response_format)
             options = replace(options, images=tuple(images if tools is None else ()))
