@@ -95,6 +95,12 @@ class Cache(abc.ABC):
         is alive, the next ``put`` of the layer must copy the whole storage instead of updating it in place.
         """
 
+    def encoder_inputs(self) -> list[tuple[int, int, int]]:
+        """``(sequence, position, rows)`` of the encoder inputs whose keys the current layer's :meth:`get` returns,
+        in order (an :class:`~mlx_engine.kvcache.EncoderCache`, for cross-attention); ``[]`` for a cache of the
+        batch's own tokens."""
+        return []
+
     def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
         """Let the tokens of each ``[begin, end)`` range of the current batch see each other both ways, for this
         forward pass only (see :meth:`CausalCache.set_causal`). Raises ``CacheError`` where the cache has no causal

@@ -79,6 +79,9 @@ class WrapperCache(Cache):
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         return self._cur.get(ctx)
 
+    def encoder_inputs(self) -> list[tuple[int, int, int]]:
+        return self._cur.encoder_inputs()
+
     def reserve(self, ctx: Context, layer_shapes: Sequence[LayerShape]) -> None:
         for i, c in enumerate(self.caches):
             c.reserve(ctx, [s if s is not None and self.cache_index(layer) == i else None

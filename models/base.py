@@ -153,6 +153,11 @@ class DecoderModel(abc.ABC):
     architecture = ""
     #: The tokens of one image attend to each other both ways (Gemma 3); else causally, as text.
     images_both_ways = False
+    #: An image's rows take the places of its placeholder tokens (Gemma 3); False: the placeholder stays a token
+    #: and the rows are read through cross-attention (Llama 3.2 Vision).
+    images_in_stream = True
+    #: Rows of the token embedding beyond the output vocabulary (Llama 3.2 Vision's 8, its image token among them).
+    extra_token_rows = 0
 
     def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend,
                  part: "ModelPart | None" = None):
@@ -227,7 +232,7 @@ class DecoderModel(abc.ABC):
         want: dict[str, tuple[int, ...] | None] = {}
         optional: dict[str, tuple[int, ...]] = {"lm_head.weight": (c.vocab_size, d)}
         if part.embed:
-            want["model.embed_tokens.weight"] = (c.vocab_size, d)
+            want["model.embed_tokens.weight"] = (c.vocab_size + self.extra_token_rows, d)
         if part.head:
             want["model.norm.weight"] = (d,)
             if "lm_head.weight" not in self.w:
@@ -271,10 +276,11 @@ class DecoderModel(abc.ABC):
         raise WeightsError(f"layer {layer} of this {self.architecture} model is a {self.config.layer_types[layer]!r} "
                            "layer, which the architecture does not have")
 
-    def recurrent_layer(self, ctx: Context, layer: int, w: dict[str, Tensor | None], h: Tensor,
-                        cache: "Cache") -> Tensor:
-        """One recurrent layer on ``h [1, N, D]``, its state in the cache (a ``RecurrentCache``); returns the new
-        ``h``. Hybrid architectures implement it."""
+    def mixer_layer(self, ctx: Context, layer: int, w: dict[str, Tensor | None], h: Tensor, cache: "Cache",
+                    batch: Batch) -> Tensor:
+        """One layer whose token mixer is not self-attention through the KV cache, on ``h [1, N, D]`` of ``batch``;
+        returns the new ``h``: a recurrent layer, its state in the cache (a ``RecurrentCache``; hybrid
+        architectures), or a cross-attention layer over the encoder cache (Llama 3.2 Vision)."""
         raise WeightsError(f"layer {layer} of this {self.architecture} model is a {self.config.layer_types[layer]!r} "
                            "layer, which the architecture does not have")
 
@@ -385,7 +391,7 @@ class DecoderModel(abc.ABC):
             h = h.astype(self.dtype)
         if self.config.embed_scale is not None:
             h = h * self.config.embed_scale
-        if batch.images:  # image rows replace their placeholders, unscaled (transformers' masked_scatter)
+        if batch.images and self.images_in_stream:  # image rows replace their placeholders, unscaled (masked_scatter)
             parts, at = [], 0
             for start, rows in sorted(batch.images, key=lambda im: im[0]):
                 parts += [h[at:start], rows.astype(self.dtype)]
@@ -428,7 +434,7 @@ class DecoderModel(abc.ABC):
             if output_layer is not None and i > output_layer:
                 break
             if not self.is_attention(i):
-                h = self.recurrent_layer(ctx, i, lw, h, cache)
+                h = self.mixer_layer(ctx, i, lw, h, cache, batch)
                 continue
             cache.set_layer(i)
             if compiled:

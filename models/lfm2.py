@@ -25,6 +25,7 @@ from mlx_engine.models.config import DecoderConfig, check_rope_scaling, hf_rope_
     vocab_size_of
 
 if TYPE_CHECKING:
+    from mlx_engine.batch import Batch
     from mlx_engine.kvcache import Cache
 
 # Hugging Face LFM2 names -> the shared names of models/base.py (attention and MLP layers are Llama's).
@@ -157,8 +158,8 @@ class LFM2(DecoderModel):
     _CONV_WEIGHTS = ("attn_norm", "conv_in", "conv_in_bias", "conv_out", "conv_out_bias", "conv_bias",
                      "post_attn_norm", "gate", "up", "down")
 
-    def recurrent_layer(self, ctx: Context, layer: int, w: dict[str, Tensor | None], h: Tensor,
-                        cache: "Cache") -> Tensor:
+    def mixer_layer(self, ctx: Context, layer: int, w: dict[str, Tensor | None], h: Tensor, cache: "Cache",
+                    batch: "Batch") -> Tensor:
         """A convolution layer (transformers' ``Lfm2ShortConv.slow_forward``): the state holds the last ``K - 1``
         values of ``B * x`` before the batch. A decode step (one token per sequence) runs as one compiled graph."""
         c = self.config

@@ -33,6 +33,7 @@ from mlx_engine.models.config import DecoderConfig, check_rope_scaling, hf_rope_
     vocab_size_of
 
 if TYPE_CHECKING:
+    from mlx_engine.batch import Batch
     from mlx_engine.kvcache import Cache
 
 _ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
@@ -292,8 +293,8 @@ class Qwen3Next(DecoderModel):
         return layers * per_layer * (2 + self.cache_options.get("checkpoint_count", CHECKPOINT_COUNT))
 
     # ---- Gated DeltaNet --------------------------------------------------------------------------------------
-    def recurrent_layer(self, ctx: Context, layer: int, w: dict[str, Tensor | None], h: Tensor,
-                        cache: "Cache") -> Tensor:
+    def mixer_layer(self, ctx: Context, layer: int, w: dict[str, Tensor | None], h: Tensor, cache: "Cache",
+                    batch: "Batch") -> Tensor:
         c = self.config
         hk, hv, dk, dv = c.linear_heads
         r, kd, vd = hv // hk, hk * dk, hv * dv

@@ -14,6 +14,7 @@ from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.gemma3 import Gemma3
 from mlx_engine.models.lfm2 import LFM2
 from mlx_engine.models.llama import Llama
+from mlx_engine.models.mllama import Mllama
 from mlx_engine.models.qwen3 import Qwen3
 from mlx_engine.models.qwen3_next import Qwen3Next
 from mlx_engine.models.tokenizer import Tokenizer
@@ -21,7 +22,7 @@ from mlx_engine.models.tokenizer import Tokenizer
 # Names as GGUF's general.architecture and Hugging Face's model_type spell them.
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": Llama, "mistral": Llama, "gemma3": Gemma3, "gemma3_text": Gemma3, "qwen3": Qwen3, "lfm2": LFM2,
-    "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next,
+    "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
 }
 
 
@@ -94,6 +95,7 @@ def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
         WeightsError: a corrupt or incomplete checkpoint or tokenizer. UnsupportedError: an architecture we do not
         run. KeyError: a tensor the architecture needs is missing (callers name their folder in the message).
     """
+    from mlx_engine.models.mllama_vision import MllamaVision
     from mlx_engine.models.vision import Gemma3Vision
 
     path = Path(path)
@@ -109,7 +111,8 @@ def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
             vision_backend = make_backend(Path(mmproj))
             model.vision = Gemma3Vision.from_mmproj(vision_backend, model.config.hidden_size, tokenizer.token_to_id)
         elif part is None:
-            model.vision = Gemma3Vision.from_backend(backend, model.config.hidden_size, tokenizer.token_to_id)
+            vision_class = MllamaVision if model.architecture == "mllama" else Gemma3Vision
+            model.vision = vision_class.from_backend(backend, model.config.hidden_size, tokenizer.token_to_id)
     except BaseException:
         if vision_backend is not None:
             vision_backend.close()

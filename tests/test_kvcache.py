@@ -332,45 +332,97 @@ def test_wrapper_routes_layers(backend, ctx, routing):
 def test_encoder_cache(backend, ctx):
     rng = np.random.default_rng(3)
     cache = EncoderCache()
-    cache.init(backend, DType.FLOAT16, 1, 64, 16)
-    k0 = rng.standard_normal((1, 2, 7, 8)).astype(np.float32)
-    v0 = rng.standard_normal((1, 2, 7, 4)).astype(np.float32)
-    # the reserve pass makes storage but does not count as an encoder output
-    cache.start_forward(ctx, batch([0] * 3, [0, 1, 2]), reserve=True)
+    cache.init(backend, DType.FLOAT16, 3, 64, 16)
+
+    def kv(rows, shift=0.0):
+        k = rng.standard_normal((1, 2, rows, 8)).astype(np.float32) + shift
+        return k, rng.standard_normal((1, 2, rows, 4)).astype(np.float32)
+
+    def with_images(seqs, pos, images):
+        b = batch(seqs, pos)
+        b.images = [(i, ctx.zeros((rows, 5), DType.FLOAT32)) for i, rows in images]
+        return b
+
+    # a reserve pass records nothing and its puts store nothing
+    cache.start_forward(ctx, with_images([0] * 3, [0, 1, 2], [(0, 7)]), reserve=True)
     cache.set_layer(0)
-    cache.put(ctx, ctx.from_numpy(k0), ctx.from_numpy(v0))
-    assert not cache.encoder_cached()
-    cache.start_forward(ctx, batch([0] * 3, [5, 6, 7]))  # the encoder input enters at position 5
+    cache.put(ctx, *map(ctx.from_numpy, kv(7)))
+    assert cache.nbytes() == 0
+    with pytest.raises(CacheError, match="no encoder input"):
+        cache.get(ctx)
+    # an image enters sequence 0 at position 5 (batch index 0), 7 rows per layer
+    first = {layer: kv(7, layer) for layer in (0, 1)}
+    cache.start_forward(ctx, with_images([0] * 3, [5, 6, 7], [(0, 7)]))
     for layer in (0, 1):
         cache.set_layer(layer)
-        cache.put(ctx, ctx.from_numpy(k0 + layer), ctx.from_numpy(v0 - layer))
-    assert cache.encoder_cached()
+        cache.put(ctx, *map(ctx.from_numpy, first[layer]))
+    assert cache.encoder_inputs() == [(0, 5, 7)]
     cache.start_forward(ctx, batch([0], [8]))  # later steps only get
     for layer in (0, 1):
         cache.set_layer(layer)
         k, v, mask = cache.get(ctx)
         assert mask is None and k.dtype == DType.FLOAT16 and k.shape == (1, 2, 7, 8) and v.shape == (1, 2, 7, 4)
-        np.testing.assert_allclose(k.numpy(), (k0 + layer).astype(np.float16))
-        np.testing.assert_allclose(v.numpy(), (v0 - layer).astype(np.float16))
-    # a reserve pass (any sequences) neither replaces nor un-caches the stored output
-    cache.start_forward(ctx, batch([0, 1], [0, 0]), reserve=True)
+        np.testing.assert_allclose(k.numpy(), first[layer][0].astype(np.float16))
+        np.testing.assert_allclose(v.numpy(), first[layer][1].astype(np.float16))
+    # a second image (3 rows) at position 9, and one in sequence 1 at position 0 (2 rows), in one batch
+    second, other = kv(3), kv(2)
+    cache.start_forward(ctx, with_images([0, 0, 1], [9, 10, 0], [(0, 3), (2, 2)]))
     cache.set_layer(0)
-    cache.put(ctx, ctx.zeros((1, 2, 7, 8), DType.FLOAT32), ctx.zeros((1, 2, 7, 4), DType.FLOAT32))
-    assert cache.encoder_cached()
-    np.testing.assert_allclose(cache.get(ctx)[0].numpy(), k0.astype(np.float16))
-    assert cache.can_resume(0, 3)
-    with pytest.raises(CacheError, match="one sequence"):
-        cache.start_forward(ctx, batch([0, 1], [9, 0]))
-    with pytest.raises(CacheError, match="sequence 0, not 1"):
-        cache.start_forward(ctx, batch([1], [0]))
-    with pytest.raises(CacheError):
-        cache.copy_prefix(0, 1, 3)
-    cache.remove(0, 6, None)  # after the encoder input: kept
-    assert cache.encoder_cached()
-    cache.remove(0, 5, 6)  # over it: dropped
-    assert not cache.encoder_cached() and cache.nbytes() == 0
-    with pytest.raises(CacheError, match="holds nothing for layer 0"):
+    with pytest.raises(ValueError, match="4 rows of keys for the batch's encoder inputs of 5 rows"):
+        cache.put(ctx, *map(ctx.from_numpy, kv(4)))
+    cache.put(ctx, ctx.from_numpy(np.concatenate([second[0], other[0]], 2)),
+              ctx.from_numpy(np.concatenate([second[1], other[1]], 2)))
+    assert cache.encoder_inputs() == [(0, 5, 7), (0, 9, 3), (1, 0, 2)]
+    k, v, _ = cache.get(ctx)  # sequence 0's inputs by position, then sequence 1's
+    np.testing.assert_allclose(k.numpy(), np.concatenate([first[0][0], second[0], other[0]], 2).astype(np.float16))
+    np.testing.assert_allclose(v.numpy(), np.concatenate([first[0][1], second[1], other[1]], 2).astype(np.float16))
+    cache.start_forward(ctx, batch([1], [1]))
+    assert cache.encoder_inputs() == [(1, 0, 2)]
+    np.testing.assert_allclose(cache.get(ctx)[0].numpy(), other[0].astype(np.float16))
+    cache.set_layer(1)  # layer 1 has no keys of the later inputs
+    with pytest.raises(CacheError, match="nothing for layer 1"):
         cache.get(ctx)
+    with pytest.raises(CacheError, match="already holds an encoder input at position 9"):
+        cache.start_forward(ctx, with_images([0], [9], [(0, 3)]))
+    with pytest.raises(CacheError, match="sequence 3 out of range"):
+        cache.start_forward(ctx, batch([3], [0]))
+    # sharing a prefix shares the inputs that entered before its end
+    held = cache.nbytes()
+    cache.copy_prefix(0, 2, 9)
+    cache.start_forward(ctx, batch([2], [9]))
+    assert cache.encoder_inputs() == [(2, 5, 7)] and cache.nbytes() == held
+    # remove: an input after the range moves down with the positions; one inside it is dropped
+    cache.remove(0, 6, 8)
+    cache.start_forward(ctx, batch([0], [20]))
+    assert cache.encoder_inputs() == [(0, 5, 7), (0, 7, 3)]
+    cache.remove(0, 5, 6)
+    assert cache.can_resume(0, 5)
+    cache.start_forward(ctx, batch([0], [20]))
+    cache.set_layer(0)
+    assert cache.encoder_inputs() == [(0, 6, 3)]
+    np.testing.assert_allclose(cache.get(ctx)[0].numpy(), second[0].astype(np.float16))
+    cache.remove(0, 0, None)
+    cache.remove(1, 0, None)
+    cache.remove(2, 0, None)
+    assert cache.nbytes() == 0
+    cache.close()
+    with pytest.raises(CacheError, match="not initialized"):
+        cache.get(ctx)
+
+
+def test_wrapper_routes_encoder_inputs(backend, ctx):
+    enc, causal = EncoderCache(), CausalCache()
+    cache = WrapperCache([causal, enc], [0, 1])
+    cache.init(backend, DType.FLOAT32, 1, 64, 16)
+    b = batch([0, 0], [0, 1])
+    b.images = [(1, ctx.zeros((3, 4), DType.FLOAT32))]
+    cache.start_forward(ctx, b)
+    cache.set_layer(0)
+    assert cache.encoder_inputs() == []
+    cache.set_layer(1)
+    cache.put(ctx, ctx.zeros((1, 1, 3, 4), DType.FLOAT32), ctx.zeros((1, 1, 3, 4), DType.FLOAT32))
+    assert cache.encoder_inputs() == [(0, 1, 3)] and cache.get(ctx)[0].shape == (1, 1, 3, 4)
+    cache.close()
 
 
 # ---- interleaved sequences against a reference --------------------------------------------------------------------
