@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 
 from tests.hybrid_small import byte_tokenizer
 
