@@ -62,6 +62,18 @@ def test_qmatmul_shapes_dtypes_and_many_rows():
     np.testing.assert_allclose(np.array(y.astype(mx.float32)), want, rtol=2e-3, atol=2e-3)
 
 
+def test_qmatmul_takes_strided_views():
+    """Inputs in any layout: no graph node makes them row-major, the primitive gathers a strided one itself."""
+    key = mx.random.key(3)
+    q, s, b = mx.quantize(mx.random.normal((128, 256), key=key), group_size=32, bits=4)
+    x = mx.random.normal((256, 5), key=mx.random.key(4)).T  # [5, 256], column-major
+    qv, sv, bv = q[::2], s[::2], b[::2]  # every other row: strided views
+    for args in ((x, q, s, b), (x, qv, sv, bv), (mx.contiguous(x), qv, s[::2], b[::2])):
+        got = np.array(cpu_kernels.qmatmul(*args, 32, 4))
+        want = _reference(mx.contiguous(args[0]), *(mx.contiguous(a) for a in args[1:]), 32, 4)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max()))
+
+
 @pytest.mark.parametrize("args, message", [
     (dict(bits=7), "bits must be"),
     (dict(group_size=16), "group_size must be"),

@@ -244,6 +244,26 @@ const float* prepare_x(const float* x, int M, int K, int bits) {
   return xp.data();
 }
 
+// The data of `a` in row-major order: its own when it is row-major, else gathered element by element into `buf`.
+const void* row_major(const mx::array& a, std::vector<uint8_t>& buf) {
+  if (a.flags().row_contiguous) return a.data<uint8_t>();
+  const size_t item = a.itemsize();
+  const int nd = int(a.ndim());
+  buf.resize(a.size() * item);
+  const uint8_t* src = a.data<uint8_t>();
+  std::vector<int64_t> idx(nd, 0);
+  for (size_t i = 0, n = a.size(); i < n; ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) off += idx[d] * int64_t(a.strides()[d]);
+    std::memcpy(buf.data() + i * item, src + off * int64_t(item), item);
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < a.shape(d)) break;
+      idx[d] = 0;
+    }
+  }
+  return buf.data();
+}
+
 void qmatmul_run(Problem p) {
   p.x = prepare_x(p.x, p.M, p.K, p.bits);
   RowsFn rows = rows_for_cpu();
@@ -274,30 +294,32 @@ class QMatmul : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const mx::array& x = inputs[0];
-    const mx::array& w = inputs[1];
-    const mx::array& scales = inputs[2];
-    const mx::array& biases = inputs[3];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    Problem p;
-    p.x = x.data<float>();
-    p.w = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
-    p.scales = scales.data<uint8_t>();
-    p.biases = biases.data<uint8_t>();
-    p.out = out.data<float>();
-    p.M = x.shape(0);
-    p.N = w.shape(0);
-    p.K = x.shape(1);
-    p.group_size = group_size_;
-    p.bits = bits_;
-    p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_input_array(scales);
-    encoder.set_input_array(biases);
+    for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    encoder.dispatch([p]() { qmatmul_run(p); });
+    encoder.dispatch([inputs, out, gs = group_size_, bits = bits_]() mutable {
+      // Inputs in any layout (a graph node to make them row-major costs a dispatch per product; loaded weights
+      // and the outputs of nearly every operation are row-major already): a strided one is gathered first.
+      static thread_local std::vector<uint8_t> buffers[4];
+      const void* data[4];
+      for (int i = 0; i < 4; ++i) data[i] = row_major(inputs[i], buffers[i]);
+      const mx::array& x = inputs[0];
+      const mx::array& scales = inputs[2];
+      Problem p;
+      p.x = static_cast<const float*>(data[0]);
+      p.w = static_cast<const uint8_t*>(data[1]);
+      p.scales = data[2];
+      p.biases = data[3];
+      p.out = out.data<float>();
+      p.N = inputs[1].shape(0);
+      p.K = x.shape(-1);
+      p.M = int(x.size() / p.K);
+      p.group_size = gs;
+      p.bits = bits;
+      p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
+      qmatmul_run(p);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -312,7 +334,9 @@ class QMatmul : public mx::UnaryPrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
   }
 
  private:
@@ -337,13 +361,12 @@ mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scale
   if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16)
     throw std::invalid_argument("qmatmul: scales must be float32, float16 or bfloat16");
   mx::Stream s = mx::default_stream(mx::Device::cpu);
-  int M = int(x.size() / K);
-  mx::array x2 = mx::contiguous(mx::reshape(mx::astype(x, mx::float32, s), {M, K}, s), false, s);
-  mx::array y(mx::Shape{M, N}, mx::float32, std::make_shared<QMatmul>(s, group_size, bits),
-              {x2, mx::contiguous(w, false, s), mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)});
+  // No graph node beyond the product itself (the primitive takes its inputs in any layout).
   mx::Shape out_shape = x.shape();
   out_shape.back() = N;
-  return mx::astype(mx::reshape(y, out_shape, s), x.dtype(), s);
+  mx::array y(out_shape, mx::float32, std::make_shared<QMatmul>(s, group_size, bits),
+              {mx::astype(x, mx::float32, s), w, scales, biases});
+  return mx::astype(y, x.dtype(), s);
 }
 
 }  // namespace
