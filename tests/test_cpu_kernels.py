@@ -74,6 +74,46 @@ def test_qmatmul_takes_strided_views():
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max()))
 
 
+@pytest.mark.parametrize("traditional", [False, True])
+def test_rope_apply_is_mlx_rope_bit_for_bit(traditional):
+    """RoPE from the table equals mx.fast.rope exactly: consecutive positions, per-token positions (one token per
+    batch row, as the engine lays out a batch of sequences), partial dims, Llama 3's explicit frequencies."""
+    x = mx.random.normal((1, 4, 7, 64), key=mx.random.key(5))
+    freqs = mx.array(10000.0 ** (np.arange(0, 48, 2) / 48) * np.linspace(1, 8, 24), dtype=mx.float32)
+    for dims, base, scale, f in ((64, 10000.0, 1.0, None), (48, 1e6, 0.25, None), (48, None, 1.0, freqs)):
+        cos, sin = cpu_kernels.rope_table(7, 13, dims, base, scale, f)
+        want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=13, freqs=f)
+        assert mx.array_equal(cpu_kernels.rope_apply(x, cos, sin, dims, traditional), want).item()
+    per_token = x.transpose(2, 1, 0, 3)  # [7, 4, 1, 64], a strided view
+    pos = mx.array([3, 9, 0, 44, 5, 6, 1000], dtype=mx.int32)
+    cos, sin = cpu_kernels.rope_table(1, pos, 64, 10000.0, 1.0, None)
+    want = mx.fast.rope(per_token, 64, traditional=traditional, base=10000.0, scale=1.0, offset=pos)
+    assert mx.array_equal(cpu_kernels.rope_apply(per_token, cos, sin, 64, traditional), want).item()
+    with pytest.raises(ValueError, match="cos and sin"):
+        cpu_kernels.rope_apply(x, cos[:5], sin[:5], 64, traditional)  # 5 table rows for 7 tokens
+
+
+@pytest.mark.parametrize("heads, kv_heads, rows, dim", [(9, 3, 1, 64), (4, 1, 3, 256), (2, 2, 16, 80)])
+def test_attend_matches_mlx_attention(heads, kv_heads, rows, dim):
+    """Decode attention against MLX's: grouped heads, keys and values as views of a larger cache, with a mask that
+    hides some keys (and one row seeing a single key), and without one."""
+    k1, k2, k3 = mx.random.split(mx.random.key(heads * 100 + rows), 3)
+    q = mx.random.normal((1, heads, rows, dim), key=k1)
+    cache_k = mx.random.normal((1, kv_heads, 700, dim), key=k2)
+    cache_v = mx.random.normal((1, kv_heads, 700, dim), key=k3)
+    k, v = cache_k[:, :, :613], cache_v[:, :, :613]
+    visible = np.arange(613)[None, :] <= np.arange(613 - rows, 613)[:, None]
+    visible[0, :] = False
+    visible[0, 17] = True
+    mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+    for m in (None, mask):
+        got = cpu_kernels.attend(q, k, v, dim ** -0.5, m)
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5, mask=m)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="multiple of H_kv"):
+        cpu_kernels.attend(q, k[:, :, :, :dim - 1], v, 1.0, None)
+
+
 @pytest.mark.parametrize("args, message", [
     (dict(bits=7), "bits must be"),
     (dict(group_size=16), "group_size must be"),

@@ -109,6 +109,14 @@ def _compile_works() -> bool:
     return _COMPILE_WORKS
 
 
+def _decode_rows(q: "mx.array", k: "mx.array", v: "mx.array", m: Any) -> bool:
+    """Whether our CPU attention kernel runs: a few query rows (decode steps) in float32, no mask or an ``[N, S]``
+    one (prefill stays with MLX's attention, whose products OpenBLAS blocks)."""
+    return (runtime.on_cpu and cpu_kernels.attend is not None and q.ndim == 4 and q.shape[0] == 1
+            and q.shape[2] <= 16 and q.dtype == k.dtype == v.dtype == mx.float32
+            and (m is None or (not isinstance(m, str) and m.ndim == 2 and m.shape == (q.shape[2], k.shape[2]))))
+
+
 def _streams_one_query(q: "mx.array", k: "mx.array") -> bool:
     """Whether :func:`_one_query_attention` should run: one query per head, and products over the small-matrix
     limit (below it MLX's own attention is as fast)."""
@@ -166,6 +174,8 @@ class MLXContext(Context):
                 ka = mx.concatenate([ka[:, :, a:b] for a, b in runs], axis=2)
                 va = mx.concatenate([va[:, :, a:b] for a, b in runs], axis=2)
             return self.scaled_dot_product_attention(q, MLXTensor(ka), MLXTensor(va), scale)
+        if _decode_rows(q.a, k.a, v.a, m):
+            return MLXTensor(cpu_kernels.attend(q.a, k.a, v.a, scale, m))
         if m is None and _streams_one_query(q.a, k.a):
             return MLXTensor(_one_query_attention(q.a, k.a, v.a, scale, runtime.matvec_block))
         blocks = mask.blocks if isinstance(mask, MLXMask) else None

@@ -1,6 +1,7 @@
 """Our CPU kernels (``mlx_engine.mlx._kernels``, built from ``kernels/`` by setup.py at install), or why not.
 
-``qmatmul`` is None when the module is missing (not built: no compiler or CMake at install, or
+``qmatmul`` (quantized matrix products), ``rope_apply`` (RoPE from a table) and ``attend`` (attention of a few
+queries per head, decode steps) are None when the module is missing (not built: no compiler or CMake at install, or
 ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one installed, or fails its self-test; then
 quantized weights run through MLX's own operations and :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them
 off at run time.
@@ -15,6 +16,8 @@ from typing import Callable
 from mlx_engine.mlx.runtime import mx
 
 qmatmul: "Callable | None" = None
+rope_apply: "Callable | None" = None
+attend: "Callable | None" = None
 _status = "not loaded"
 
 
@@ -34,8 +37,48 @@ def _self_test(fn) -> str | None:
     return None
 
 
+def _rope_self_test(fn) -> str | None:
+    """RoPE from the table must be mx.fast.rope's, bit for bit, in both pair layouts."""
+    x = mx.random.normal((1, 3, 5, 16), key=mx.random.key(9))
+    for traditional in (False, True):
+        cos, sin = rope_table(5, 2, 12, 10000.0, 1.0, None)
+        want = mx.fast.rope(x, 12, traditional=traditional, base=10000.0, scale=1.0, offset=2)
+        if not mx.array_equal(fn(x, cos, sin, 12, traditional), want).item():
+            return "RoPE differs from mx.fast.rope"
+    return None
+
+
+def _attend_self_test(fn) -> str | None:
+    """Against MLX's own attention: grouped heads, a strided cache view, with and without a mask."""
+    k1, k2, k3 = mx.random.split(mx.random.key(11), 3)
+    q = mx.random.normal((1, 6, 2, 32), key=k1)
+    store = mx.random.normal((1, 2, 40, 32), key=k2)
+    k, v = store[:, :, :23], mx.random.normal((1, 2, 23, 32), key=k3)
+    mask = mx.where(mx.arange(23)[None] <= mx.array([[20], [22]]), 0.0, -mx.inf)
+    for m in (None, mask):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=m)
+        if not mx.allclose(fn(q, k, v, 0.3, m), want, rtol=1e-5, atol=1e-5).item():
+            return "attention differs from mx.fast.scaled_dot_product_attention"
+    return None
+
+
+def rope_table(tokens: int, positions, dims: int, base, scale: float, freqs) -> tuple:
+    """``(cos, sin)`` float32 ``[rows, dims / 2]``: the angles ``mx.fast.rope`` would use, taken from it (rotating
+    the unit vector ``(1, 0)`` of each pair gives ``(cos, sin)`` exactly), so that :data:`rope_apply` matches it bit
+    for bit. ``positions``: an int offset (rows = ``tokens`` consecutive positions) or int32 ``[N]`` (one per row)."""
+    half = dims // 2
+    if isinstance(positions, int):
+        unit = mx.concatenate([mx.ones((1, 1, tokens, half)), mx.zeros((1, 1, tokens, half))], axis=-1)
+    else:
+        unit = mx.concatenate([mx.ones((positions.size, 1, 1, half)), mx.zeros((positions.size, 1, 1, half))],
+                              axis=-1)
+    t = mx.fast.rope(unit, dims, traditional=False, base=base, scale=scale, offset=positions, freqs=freqs)
+    t = t.reshape(-1, dims)
+    return t[:, :half], t[:, half:]
+
+
 def _load() -> None:
-    global qmatmul, _status
+    global qmatmul, rope_apply, attend, _status
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
         return
@@ -52,13 +95,14 @@ def _load() -> None:
         return
     try:
         with mx.stream(mx.cpu):
-            problem = _self_test(_kernels.qmatmul)
+            problem = (_self_test(_kernels.qmatmul) or _rope_self_test(_kernels.rope_apply)
+                       or _attend_self_test(_kernels.attend))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
         problem = f"{type(e).__name__}: {e}"
     if problem:
         _status = f"failed their self-test ({problem})"
         return
-    qmatmul = _kernels.qmatmul
+    qmatmul, rope_apply, attend = _kernels.qmatmul, _kernels.rope_apply, _kernels.attend
     _status = f"{_kernels.isa()}, {_kernels.threads()} threads"
 
 

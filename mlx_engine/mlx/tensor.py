@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import threading
 
 import mlx.nn as nn
 import numpy as np
@@ -19,6 +20,10 @@ TO_MX = {
 FROM_MX = {v: k for k, v in TO_MX.items()}
 _COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq,
             "!=": operator.ne}
+
+
+_rope_memo = threading.local()  # per thread: the last RoPE table, with the positions and frequencies it was made
+# for (kept alive, so that their ids in its key stay theirs)
 
 
 def raw(x):
@@ -236,8 +241,16 @@ class MLXTensor(Tensor):
         return MLXTensor(y)
 
     def rope(self, positions, dims, base=10000.0, scale=1.0, traditional=False, freqs=None):
-        return MLXTensor(mx.fast.rope(self.a, dims, traditional=traditional, base=base, scale=scale,
-                                      offset=raw(positions), freqs=raw(freqs)))
+        a, pos, f = self.a, raw(positions), raw(freqs)
+        if runtime.on_cpu and cpu_kernels.rope_apply is not None and a.ndim == 4 and a.dtype == mx.float32:
+            # MLX runs RoPE on the CPU as ~25 small operations; ours is one, from a table that the queries and keys
+            # of a layer share (the same result, bit for bit)
+            key = (pos if isinstance(pos, int) else id(pos), a.shape[2], dims, base, scale, id(f))
+            memo = _rope_memo.__dict__
+            if memo.get("key") != key:
+                memo.update(key=key, refs=(pos, f), table=cpu_kernels.rope_table(a.shape[2], pos, dims, base, scale, f))
+            return MLXTensor(cpu_kernels.rope_apply(a, *memo["table"], dims, traditional))
+        return MLXTensor(mx.fast.rope(a, dims, traditional=traditional, base=base, scale=scale, offset=pos, freqs=f))
 
     def gelu(self, approximate=False):
         return MLXTensor(nn.gelu_approx(self.a) if approximate else nn.gelu(self.a))

@@ -371,11 +371,16 @@ mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scale
 
 }  // namespace
 
+void register_rope(nb::module_& m);       // rope.cpp
+void register_attention(nb::module_& m);  // attention.cpp
+
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"),
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream.");
+  register_rope(m);
+  register_attention(m);
   m.def("threads", [] { return pool().size(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +

@@ -1,0 +1,202 @@
+// Attention of a few queries per head (decode steps) over the KV cache, as one MLX primitive on the CPU.
+//
+// attend(q [1, H, N, D], k [1, H_kv, S, D], v [1, H_kv, S, Dv], scale, mask [N, S] or none) -> [1, H, N, Dv]:
+//     softmax(q k^T * scale + mask) v     (Vaswani et al. 2017), head h reading key/value head h / (H / H_kv)
+// in float32, the softmax with the row's maximum subtracted. Why our own: MLX runs attention on the CPU as about a
+// dozen operations per layer (the grouped heads' keys copied out, two OpenBLAS products that pack their operands,
+// a softmax), a third of a decode step at a 600-token context; this reads each key and value once, where the cache
+// keeps them (a strided view), and writes nothing but the output.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+
+struct View {  // a float32 [rows, cols] matrix with unit stride along cols
+  const float* p;
+  int64_t row_stride;
+  const float* row(int64_t r) const { return p + r * row_stride; }
+};
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PER_ISA __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define PER_ISA
+#endif
+
+// One query head over its key/value head: rows n of q and out, scores a buffer of S floats. Compiled for AVX-512,
+// AVX2 and the baseline, picked at load time.
+PER_ISA void attend_head(
+    View q, View k, View v, const float* mask, int64_t mask_stride, float* out, int64_t out_stride, int N, int S, int D,
+    int Dv, float scale, float* scores) {
+  const int D16 = D - D % 16, Dv16 = Dv - Dv % 16;
+  for (int n = 0; n < N; ++n) {
+    const float* qn = q.row(n);
+    float top = -std::numeric_limits<float>::infinity();
+    for (int s = 0; s < S; ++s) {
+      const float* ks = k.row(s);
+      f32x16 acc{};
+      int i = 0;
+      for (; i < D16; i += 16) {
+        f32x16 a, b;
+        std::memcpy(&a, qn + i, 64);
+        std::memcpy(&b, ks + i, 64);
+        acc += a * b;
+      }
+      float dot = 0.f;
+      for (int j = 0; j < 16; ++j) dot += acc[j];
+      for (; i < D; ++i) dot += qn[i] * ks[i];
+      float sc = dot * scale + (mask ? mask[n * mask_stride + s] : 0.f);
+      scores[s] = sc;
+      top = sc > top ? sc : top;
+    }
+    float total = 0.f;
+    for (int s = 0; s < S; ++s) {
+      float p = std::exp(scores[s] - top);
+      scores[s] = p;
+      total += p;
+    }
+    float* o = out + n * out_stride;
+    std::memset(o, 0, Dv * sizeof(float));
+    for (int s = 0; s < S; ++s) {
+      const float p = scores[s];
+      if (p == 0.f) continue;  // a hidden key (mask -inf)
+      const float* vs = v.row(s);
+      const f32x16 pv = f32x16{} + p;
+      int i = 0;
+      for (; i < Dv16; i += 16) {
+        f32x16 a, b;
+        std::memcpy(&a, o + i, 64);
+        std::memcpy(&b, vs + i, 64);
+        a += pv * b;
+        std::memcpy(o + i, &a, 64);
+      }
+      for (; i < Dv; ++i) o[i] += p * vs[i];
+    }
+    const float inv = 1.f / total;
+    for (int i = 0; i < Dv; ++i) o[i] *= inv;
+  }
+}
+
+// A float32 array whose last axis has unit stride: its own data, or a row-major copy in `buf`.
+const float* unit_last(const mx::array& a, std::vector<float>& buf, std::vector<int64_t>& strides) {
+  strides.assign(a.strides().begin(), a.strides().end());
+  if (a.ndim() == 0 || a.strides().back() == 1 || a.shape().back() == 1) return a.data<float>();
+  buf.resize(a.size());
+  const float* src = a.data<float>();
+  const int nd = int(a.ndim());
+  std::vector<int64_t> idx(nd, 0);
+  for (size_t i = 0, n = a.size(); i < n; ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) off += idx[d] * int64_t(a.strides()[d]);
+    buf[i] = src[off];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < a.shape(d)) break;
+      idx[d] = 0;
+    }
+  }
+  int64_t st = 1;
+  for (int d = nd - 1; d >= 0; --d) {
+    strides[d] = st;
+    st *= a.shape(d);
+  }
+  return buf.data();
+}
+
+class Attend : public mx::UnaryPrimitive {
+ public:
+  Attend(mx::Stream stream, float scale, bool masked) : mx::UnaryPrimitive(stream), scale_(scale), masked_(masked) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([inputs, out, scale = scale_, masked = masked_]() mutable {
+      static thread_local std::vector<float> bufs[4], scores;
+      std::vector<int64_t> st[4];
+      const float* data[4] = {};
+      for (size_t i = 0; i < inputs.size(); ++i) data[i] = unit_last(inputs[i], bufs[i], st[i]);
+      const mx::array& q = inputs[0];
+      const mx::array& k = inputs[1];
+      const int H = q.shape(1), N = q.shape(2), D = q.shape(3), Hkv = k.shape(1), S = k.shape(2);
+      const int Dv = inputs[2].shape(3), rep = H / Hkv;
+      scores.resize(S);
+      float* o = out.data<float>();
+      for (int h = 0; h < H; ++h) {
+        const int g = h / rep;
+        View qv{data[0] + h * st[0][1], st[0][2]};
+        View kv{data[1] + g * st[1][1], st[1][2]};
+        View vv{data[2] + g * st[2][1], st[2][2]};
+        attend_head(qv, kv, vv, masked ? data[3] : nullptr, masked ? st[3][0] : 0, o + int64_t(h) * N * Dv, Dv, N,
+                    S, D, Dv, scale, scores.data());
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlx_engine attend runs on the CPU only; use mx.fast.scaled_dot_product_attention");
+  }
+
+  const char* name() const override { return "MLXEngineAttend"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Attend&>(other);
+    return scale_ == o.scale_ && masked_ == o.masked_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[2].shape(3);
+    return {shape};
+  }
+
+ private:
+  float scale_;
+  bool masked_;
+};
+
+mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                 const std::optional<mx::array>& mask) {
+  auto f32 = [](const mx::array& a) { return a.dtype() == mx::float32; };
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(0) != 1 || k.shape(0) != 1 || v.shape(0) != 1 ||
+      !f32(q) || !f32(k) || !f32(v))
+    throw std::invalid_argument("attend: q, k, v must be float32 [1, heads, rows, dim]");
+  if (k.shape(3) != q.shape(3) || v.shape(1) != k.shape(1) || v.shape(2) != k.shape(2) || k.shape(1) == 0 ||
+      q.shape(1) % k.shape(1))
+    throw std::invalid_argument("attend: k must be [1, H_kv, S, D] and v [1, H_kv, S, Dv], H a multiple of H_kv");
+  std::vector<mx::array> inputs{q, k, v};
+  if (mask) {
+    if (mask->ndim() != 2 || mask->shape(0) != q.shape(2) || mask->shape(1) != k.shape(2) || !f32(*mask))
+      throw std::invalid_argument("attend: the mask must be float32 [N, S]");
+    inputs.push_back(*mask);
+  }
+  mx::Shape shape = q.shape();
+  shape.back() = v.shape(3);
+  mx::Stream s = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::float32, std::make_shared<Attend>(s, scale, bool(mask)), std::move(inputs));
+}
+
+}  // namespace
+
+void register_attention(nb::module_& m) {
+  m.def("attend", &attend, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("mask").none(),
+        "softmax(q k^T * scale + mask) v for q [1, H, N, D] over k, v [1, H_kv, S, D], on the CPU stream.");
+}

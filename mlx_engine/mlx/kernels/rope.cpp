@@ -1,0 +1,134 @@
+// RoPE from a table of cosines and sines, as one MLX primitive on the CPU.
+//
+// rope_apply(x [B, H, T, D], cos [R, dims / 2], sin [R, dims / 2], dims, traditional): the first `dims` features of
+// each row rotated by its angles (Su et al. 2021, "RoFormer"), row t of the table for token t (R == T), or row b for
+// batch b when each batch holds one token (R == B, T == 1: per-token positions). Pairs are (i, i + dims / 2), or
+// (2i, 2i + 1) with `traditional`. The arithmetic is MLX's own fallback's, operation for operation:
+//     out1 = x1 * cos - x2 * sin,   out2 = x1 * sin + x2 * cos   (float32, each product rounded, no fused multiply-add)
+// so with the table from mx.fast.rope itself the result is bit for bit mx.fast.rope's on the CPU. Why: MLX runs RoPE
+// on the CPU as that fallback, about 25 graph nodes per call (two per layer in a decode step); this is one.
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+__attribute__((optimize("fp-contract=off"))) void rotate(const float* x, const float* cs, const float* sn, float* out,
+                                                         int64_t B, int64_t H, int64_t T, int64_t D, int64_t R,
+                                                         int dims, bool traditional) {
+  const int half = dims / 2;
+  const bool per_batch = T == 1 && R == B && R != T;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t row = per_batch ? b : t;
+        const float* c = cs + row * half;
+        const float* s = sn + row * half;
+        const float* xi = x + ((b * H + h) * T + t) * D;
+        float* o = out + ((b * H + h) * T + t) * D;
+        if (traditional) {
+          for (int i = 0; i < half; ++i) {
+            const float x1 = xi[2 * i], x2 = xi[2 * i + 1];
+            const float a = x1 * c[i], b2 = x2 * s[i], e = x1 * s[i], f = x2 * c[i];
+            o[2 * i] = a - b2;
+            o[2 * i + 1] = e + f;
+          }
+        } else {
+          for (int i = 0; i < half; ++i) {
+            const float x1 = xi[i], x2 = xi[i + half];
+            const float a = x1 * c[i], b2 = x2 * s[i], e = x1 * s[i], f = x2 * c[i];
+            o[i] = a - b2;
+            o[i + half] = e + f;
+          }
+        }
+        if (dims < D) std::memcpy(o + dims, xi + dims, (D - dims) * sizeof(float));
+      }
+}
+
+// The data of `a` row-major: its own, or copied into `buf` when it is a strided view.
+const float* dense(const mx::array& a, std::vector<float>& buf) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  buf.resize(a.size());
+  const float* src = a.data<float>();
+  const int nd = int(a.ndim());
+  std::vector<int64_t> idx(nd, 0);
+  for (size_t i = 0, n = a.size(); i < n; ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) off += idx[d] * int64_t(a.strides()[d]);
+    buf[i] = src[off];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < a.shape(d)) break;
+      idx[d] = 0;
+    }
+  }
+  return buf.data();
+}
+
+class RopeApply : public mx::UnaryPrimitive {
+ public:
+  RopeApply(mx::Stream stream, int dims, bool traditional)
+      : mx::UnaryPrimitive(stream), dims_(dims), traditional_(traditional) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([inputs, out, dims = dims_, traditional = traditional_]() mutable {
+      static thread_local std::vector<float> bufs[3];
+      const mx::array& x = inputs[0];
+      rotate(dense(x, bufs[0]), dense(inputs[1], bufs[1]), dense(inputs[2], bufs[2]), out.data<float>(), x.shape(0),
+             x.shape(1), x.shape(2), x.shape(3), inputs[1].shape(0), dims, traditional);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlx_engine rope_apply runs on the CPU only; use mx.fast.rope on a GPU");
+  }
+
+  const char* name() const override { return "MLXEngineRopeApply"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const RopeApply&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int dims_;
+  bool traditional_;
+};
+
+mx::array rope_apply(const mx::array& x, const mx::array& cos, const mx::array& sin, int dims, bool traditional) {
+  if (x.ndim() != 4 || x.dtype() != mx::float32)
+    throw std::invalid_argument("rope_apply: x must be float32 [B, H, T, D]");
+  if (dims <= 0 || dims % 2 || dims > x.shape(3))
+    throw std::invalid_argument("rope_apply: dims must be even, positive and at most D, not " + std::to_string(dims));
+  const int rows = cos.ndim() == 2 ? cos.shape(0) : -1;
+  const bool fits = rows == x.shape(2) || (x.shape(2) == 1 && rows == x.shape(0));
+  if (!fits || cos.shape() != sin.shape() || cos.shape(1) != dims / 2 || cos.dtype() != mx::float32 ||
+      sin.dtype() != mx::float32)
+    throw std::invalid_argument("rope_apply: cos and sin must be float32 [T or B, dims / 2]");
+  mx::Stream s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RopeApply>(s, dims, traditional), {x, cos, sin});
+}
+
+}  // namespace
+
+void register_rope(nb::module_& m) {
+  m.def("rope_apply", &rope_apply, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("dims"),
+        nb::arg("traditional"),
+        "RoPE on x [B, H, T, D] float32 from a table cos, sin [T or B, dims / 2], on the CPU stream.");
+}
