@@ -130,7 +130,9 @@ class Pool {
   }
 
   int n_;
-  std::chrono::microseconds spin_{0};
+  // 30 us: about the gap between two products of a decode step once its other operations are kernels of ours too
+  // (measured: smollm2 decode +8 %, gemma3 +18 % over sleeping at once; longer spins take the core from Python)
+  std::chrono::microseconds spin_{30};
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> done_{0};
@@ -268,7 +270,7 @@ void qmatmul_run(Problem p) {
   p.x = prepare_x(p.x, p.M, p.K, p.bits);
   RowsFn rows = rows_for_cpu();
   Pool& tp = pool();
-  static const int64_t min_work = std::getenv("MLX_ENGINE_MIN_WORK") ? std::atoll(std::getenv("MLX_ENGINE_MIN_WORK")) : 1 << 20;
+  static const int64_t min_work = std::getenv("MLX_ENGINE_MIN_WORK") ? std::atoll(std::getenv("MLX_ENGINE_MIN_WORK")) : 1 << 17;
   int64_t work = int64_t(p.M) * p.N * p.K;
   int T = int(std::min<int64_t>({tp.size(), std::max(1, p.N / 16), std::max<int64_t>(1, work / min_work)}));
   if (T == 1) {
