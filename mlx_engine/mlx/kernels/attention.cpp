@@ -21,6 +21,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "strided.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -95,29 +96,17 @@ PER_ISA void attend_head(
   }
 }
 
-// A float32 array whose last axis has unit stride: its own data, or a row-major copy in `buf`.
-const float* unit_last(const mx::array& a, std::vector<float>& buf, std::vector<int64_t>& strides) {
+// A float32 array whose last axis has unit stride, with its strides: its own data, or a row-major copy in `buf`.
+const float* unit_last(const mx::array& a, std::vector<uint8_t>& buf, std::vector<int64_t>& strides) {
   strides.assign(a.strides().begin(), a.strides().end());
   if (a.ndim() == 0 || a.strides().back() == 1 || a.shape().back() == 1) return a.data<float>();
-  buf.resize(a.size());
-  const float* src = a.data<float>();
-  const int nd = int(a.ndim());
-  std::vector<int64_t> idx(nd, 0);
-  for (size_t i = 0, n = a.size(); i < n; ++i) {
-    int64_t off = 0;
-    for (int d = 0; d < nd; ++d) off += idx[d] * int64_t(a.strides()[d]);
-    buf[i] = src[off];
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < a.shape(d)) break;
-      idx[d] = 0;
-    }
-  }
+  const float* data = static_cast<const float*>(mlx_engine::row_major(a, buf));
   int64_t st = 1;
-  for (int d = nd - 1; d >= 0; --d) {
+  for (int d = int(a.ndim()) - 1; d >= 0; --d) {
     strides[d] = st;
     st *= a.shape(d);
   }
-  return buf.data();
+  return data;
 }
 
 class Attend : public mx::UnaryPrimitive {
@@ -130,7 +119,8 @@ class Attend : public mx::UnaryPrimitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     encoder.dispatch([inputs, out, scale = scale_, masked = masked_]() mutable {
-      static thread_local std::vector<float> bufs[4], scores;
+      static thread_local std::vector<uint8_t> bufs[4];
+      static thread_local std::vector<float> scores;
       std::vector<int64_t> st[4];
       const float* data[4] = {};
       for (size_t i = 0; i < inputs.size(); ++i) data[i] = unit_last(inputs[i], bufs[i], st[i]);

@@ -37,6 +37,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/version.h"
+#include "strided.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -246,26 +247,6 @@ const float* prepare_x(const float* x, int M, int K, int bits) {
   return xp.data();
 }
 
-// The data of `a` in row-major order: its own when it is row-major, else gathered element by element into `buf`.
-const void* row_major(const mx::array& a, std::vector<uint8_t>& buf) {
-  if (a.flags().row_contiguous) return a.data<uint8_t>();
-  const size_t item = a.itemsize();
-  const int nd = int(a.ndim());
-  buf.resize(a.size() * item);
-  const uint8_t* src = a.data<uint8_t>();
-  std::vector<int64_t> idx(nd, 0);
-  for (size_t i = 0, n = a.size(); i < n; ++i) {
-    int64_t off = 0;
-    for (int d = 0; d < nd; ++d) off += idx[d] * int64_t(a.strides()[d]);
-    std::memcpy(buf.data() + i * item, src + off * int64_t(item), item);
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < a.shape(d)) break;
-      idx[d] = 0;
-    }
-  }
-  return buf.data();
-}
-
 void qmatmul_run(Problem p) {
   p.x = prepare_x(p.x, p.M, p.K, p.bits);
   RowsFn rows = rows_for_cpu();
@@ -301,11 +282,9 @@ class QMatmul : public mx::UnaryPrimitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     encoder.dispatch([inputs, out, gs = group_size_, bits = bits_]() mutable {
-      // Inputs in any layout (a graph node to make them row-major costs a dispatch per product; loaded weights
-      // and the outputs of nearly every operation are row-major already): a strided one is gathered first.
-      static thread_local std::vector<uint8_t> buffers[4];
+      static thread_local std::vector<uint8_t> buffers[4];  // (strided.h)
       const void* data[4];
-      for (int i = 0; i < 4; ++i) data[i] = row_major(inputs[i], buffers[i]);
+      for (int i = 0; i < 4; ++i) data[i] = mlx_engine::row_major(inputs[i], buffers[i]);
       const mx::array& x = inputs[0];
       const mx::array& scales = inputs[2];
       Problem p;

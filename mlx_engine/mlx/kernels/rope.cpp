@@ -18,6 +18,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "strided.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -56,25 +57,6 @@ __attribute__((optimize("fp-contract=off"))) void rotate(const float* x, const f
       }
 }
 
-// The data of `a` row-major: its own, or copied into `buf` when it is a strided view.
-const float* dense(const mx::array& a, std::vector<float>& buf) {
-  if (a.flags().row_contiguous) return a.data<float>();
-  buf.resize(a.size());
-  const float* src = a.data<float>();
-  const int nd = int(a.ndim());
-  std::vector<int64_t> idx(nd, 0);
-  for (size_t i = 0, n = a.size(); i < n; ++i) {
-    int64_t off = 0;
-    for (int d = 0; d < nd; ++d) off += idx[d] * int64_t(a.strides()[d]);
-    buf[i] = src[off];
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < a.shape(d)) break;
-      idx[d] = 0;
-    }
-  }
-  return buf.data();
-}
-
 class RopeApply : public mx::UnaryPrimitive {
  public:
   RopeApply(mx::Stream stream, int dims, bool traditional)
@@ -86,10 +68,12 @@ class RopeApply : public mx::UnaryPrimitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     encoder.dispatch([inputs, out, dims = dims_, traditional = traditional_]() mutable {
-      static thread_local std::vector<float> bufs[3];
+      static thread_local std::vector<uint8_t> bufs[3];
+      const float* data[3];
+      for (int i = 0; i < 3; ++i) data[i] = static_cast<const float*>(mlx_engine::row_major(inputs[i], bufs[i]));
       const mx::array& x = inputs[0];
-      rotate(dense(x, bufs[0]), dense(inputs[1], bufs[1]), dense(inputs[2], bufs[2]), out.data<float>(), x.shape(0),
-             x.shape(1), x.shape(2), x.shape(3), inputs[1].shape(0), dims, traditional);
+      rotate(data[0], data[1], data[2], out.data<float>(), x.shape(0), x.shape(1), x.shape(2), x.shape(3),
+             inputs[1].shape(0), dims, traditional);
     });
   }
 
