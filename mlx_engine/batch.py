@@ -23,7 +23,9 @@ class Batch:
         embeddings: optional float Tensor ``[N, D]`` used instead of looking ``inputs`` up (input embeddings).
         images: multimodal inputs at explicit places of the batch: ``(index, rows)`` puts an image's embedding
             rows ``[k, D]`` at batch indices ``index .. index + k - 1`` (in place of their placeholder tokens). An
-            image's rows are never split across two batches.
+            image's rows are never split across two batches. For a model that reads images through cross-attention
+            (Llama 3.2 Vision) the token at ``index`` stays, and ``rows`` are the image's encoder output, which
+            enters the encoder cache at that token's position.
     """
 
     inputs: "np.ndarray | Tensor"
