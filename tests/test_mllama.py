@@ -22,7 +22,7 @@ from mlx_engine.models.mllama_vision import CLIP_MEAN, CLIP_STD, TiledImageProce
 from mlx_engine.models.runner import GenerationStats, Request, prompt_keys
 from mlx_engine.models.sampler import SamplerOptions
 from tests.mllama_small import TILE, build_mllama
-from tests.vision_small import photo
+from tests.vision_small import engine_logits_and_tokens, photo
 
 torch = pytest.importorskip("torch")
 
@@ -100,17 +100,6 @@ def _reference(folder, tokens, images, image_id, n):
     return out.logits[0][0].numpy(), out.sequences[0, len(tokens):].tolist()
 
 
-def _ours(model, tokens, placed, n):
-    runner = model.runner
-    runner.reset()
-    with model.text_model.backend.new_context() as ctx:
-        logits, _ = runner.prefill(ctx, 0, tokens, placed)
-        first = logits.numpy()[0]
-    runner.reset()
-    req = Request(tokens, SamplerOptions(temperature=0.0), max_tokens=n, images=placed)
-    return first, list(runner.generate_tokens(req, GenerationStats()))
-
-
 def test_tiling_equals_transformers():
     from transformers.models.mllama.image_processing_pil_mllama import (get_image_size_fit_to_canvas,
                                                                         get_optimal_tiled_canvas)
@@ -164,7 +153,7 @@ def test_chat_logits_and_greedy_tokens_match_transformers(mllama, model, count):
     assert [p.count for p in placed] == [1] * count and placed[0].start > 0  # text before the first image
     with _meta_rule():
         ref_first, ref_tokens = _reference(folder, tokens, images, model.text_model.vision.image_token_id, 32)
-    first, got = _ours(model, tokens, placed, 32)
+    first, got = engine_logits_and_tokens(model, tokens, placed, 32)
     assert np.abs(first - ref_first).max() <= 1e-3 * np.abs(ref_first).max()
     assert got == ref_tokens
 
@@ -179,7 +168,7 @@ def test_a_prompt_that_starts_with_its_image_matches_transformers_as_it_is(mllam
     placed = [type(p)(p.start - skip, p.count, p.pixels) for p in placed]
     assert tokens[:2] == [image_id, image_id]  # adjacent images: one group
     ref_first, ref_tokens = _reference(folder, tokens, images, image_id, 32)
-    first, got = _ours(model, tokens, placed, 32)
+    first, got = engine_logits_and_tokens(model, tokens, placed, 32)
     assert np.abs(first - ref_first).max() <= 1e-3 * np.abs(ref_first).max()
     assert got == ref_tokens
 
@@ -188,10 +177,11 @@ def test_text_without_images_matches_transformers(mllama, model):
     _, ref = mllama
     tokens = model.tokenizer.encode("a text prompt with no image at all")
     with torch.no_grad():
-        want = ref.generate(input_ids=torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+        want = ref.generate(input_ids=torch.tensor([tokens]),
+                            attention_mask=torch.ones(1, len(tokens), dtype=torch.long),  # (token 0 is no padding)
                             max_new_tokens=16, min_new_tokens=16, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
-    assert _ours(model, tokens, [], 16)[1] == want
+    assert engine_logits_and_tokens(model, tokens, [], 16)[1] == want
 
 
 def test_the_cross_attention_mask_is_the_processors():

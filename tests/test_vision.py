@@ -14,7 +14,7 @@ from mlx_engine.errors import InvalidRequestError
 from mlx_engine.models.images import ImageProcessor, load_image
 from mlx_engine.models.runner import prompt_keys
 from tests.hybrid_small import write_gguf
-from tests.vision_small import IMAGE_SIZE, build_gemma3_vision, photo, reference_pixels
+from tests.vision_small import IMAGE_SIZE, build_gemma3_vision, engine_logits_and_tokens, photo, reference_pixels
 
 torch = pytest.importorskip("torch")
 
@@ -74,23 +74,6 @@ def _reference(ref, model, tokens, images, n):
     return first, out[0, len(tokens):].tolist()
 
 
-def _ours(model, tokens, placed, n):
-    from mlx_engine.models.runner import GenerationStats, Request
-    from mlx_engine.models.sampler import SamplerOptions
-
-    runner = model.runner
-    runner.reset()
-    with model.text_model.backend.new_context() as ctx:
-        logits, _ = runner.prefill(ctx, 0, tokens, placed)
-        first = logits.numpy()[0]
-    runner.reset()
-    req = Request(tokens, SamplerOptions(temperature=0.0), max_tokens=n, images=placed)
-    out = []
-    for t in runner.generate_tokens(req, GenerationStats()):
-        out.append(t)
-    return first, out
-
-
 def test_tower_matches_transformers(gemma3v, model):
     _, ref = gemma3v
     pixels = np.stack([ImageProcessor(IMAGE_SIZE)(photo(i)) for i in (1, 2)])
@@ -108,7 +91,7 @@ def test_logits_and_greedy_tokens_match_transformers(gemma3v, model, count):
     tokens, placed = model.prompt_inputs("what is in these pictures?", images)
     assert [p.count for p in placed] == [16] * count
     ref_first, ref_tokens = _reference(ref, model, tokens, images, 32)
-    first, got = _ours(model, tokens, placed, 32)
+    first, got = engine_logits_and_tokens(model, tokens, placed, 32)
     assert np.abs(first - ref_first).max() <= 1e-3 * np.abs(ref_first).max()
     assert got == ref_tokens
 

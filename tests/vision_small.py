@@ -170,3 +170,19 @@ def ollama_vision_gguf(model, path: Path) -> Path:
         w.add_tensor(name, a.numpy())
     write_gguf(w)
     return path
+
+
+def engine_logits_and_tokens(model, tokens, placed, n):
+    """Our first-step logits (a fresh prefill of sequence 0) and ``n`` greedy tokens for ``tokens`` with the images
+    ``placed`` (``PromptImage``), through the model's runner: what the parity tests compare with transformers."""
+    from mlx_engine.models.runner import GenerationStats, Request
+    from mlx_engine.models.sampler import SamplerOptions
+
+    runner = model.runner
+    runner.reset()
+    with model.text_model.backend.new_context() as ctx:
+        logits, _ = runner.prefill(ctx, 0, tokens, placed)
+        first = logits.numpy()[0]
+    runner.reset()
+    req = Request(tokens, SamplerOptions(temperature=0.0), max_tokens=n, images=placed)
+    return first, list(runner.generate_tokens(req, GenerationStats()))
