@@ -21,6 +21,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "pool.h"
 #include "strided.h"
 
 namespace nb = nanobind;
@@ -29,6 +30,9 @@ namespace mx = mlx::core;
 namespace {
 
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 struct View {  // a float32 [rows, cols] matrix with unit stride along cols
   const float* p;
@@ -41,13 +45,49 @@ struct View {  // a float32 [rows, cols] matrix with unit stride along cols
 #else
 #define PER_ISA
 #endif
+#define INLINE inline __attribute__((always_inline))
 
-// One query head over its key/value head: rows n of q and out, scores a buffer of S floats. Compiled for AVX-512,
-// AVX2 and the baseline, picked at load time.
+INLINE float hsum(f32x16 a) {  // pairwise halves: a few shuffles, not 16 scalar adds
+  f32x8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// exp(x) for x <= 0 (scores less their maximum), 16 at once: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts,
+// Cody and Waite), exp(r) by Cephes' expf polynomial (relative error about 1e-7), times 2**n built in the exponent
+// bits; 0 below -87 (where 2**n would leave the normal range; -inf from the mask included).
+INLINE f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 t = x * 1.44269504088896341f;
+  const i32x16 n = __builtin_convertvector(t - 0.5f, i32x16);  // round half away from zero, t <= 0
+  const f32x16 nf = __builtin_convertvector(n, f32x16);
+  f32x16 r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const i32x16 bits = (n + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, 64);
+  const i32x16 keep = x >= -87.f;
+  f32x16 y = p * scale;
+  i32x16 yi;
+  std::memcpy(&yi, &y, 64);
+  yi &= keep;
+  std::memcpy(&y, &yi, 64);
+  return y;
+}
+
+// One query head over its key/value head: rows n of q and out, scores a buffer of S (rounded up to 16) floats.
+// Compiled for AVX-512, AVX2 and the baseline, picked at load time.
 PER_ISA void attend_head(
     View q, View k, View v, const float* mask, int64_t mask_stride, float* out, int64_t out_stride, int N, int S, int D,
     int Dv, float scale, float* scores) {
-  const int D16 = D - D % 16, Dv16 = Dv - Dv % 16;
+  const int D16 = D - D % 16, Dv16 = Dv - Dv % 16, S16 = (S + 15) / 16 * 16;
   for (int n = 0; n < N; ++n) {
     const float* qn = q.row(n);
     float top = -std::numeric_limits<float>::infinity();
@@ -61,19 +101,22 @@ PER_ISA void attend_head(
         std::memcpy(&b, ks + i, 64);
         acc += a * b;
       }
-      float dot = 0.f;
-      for (int j = 0; j < 16; ++j) dot += acc[j];
+      float dot = hsum(acc);
       for (; i < D; ++i) dot += qn[i] * ks[i];
       float sc = dot * scale + (mask ? mask[n * mask_stride + s] : 0.f);
       scores[s] = sc;
       top = sc > top ? sc : top;
     }
-    float total = 0.f;
-    for (int s = 0; s < S; ++s) {
-      float p = std::exp(scores[s] - top);
-      scores[s] = p;
-      total += p;
+    for (int s = S; s < S16; ++s) scores[s] = -std::numeric_limits<float>::infinity();
+    f32x16 sum{};
+    for (int s = 0; s < S16; s += 16) {
+      f32x16 e;
+      std::memcpy(&e, scores + s, 64);
+      e = exp_nonpositive(e - top);
+      std::memcpy(scores + s, &e, 64);
+      sum += e;
     }
+    const float total = hsum(sum);
     float* o = out + n * out_stride;
     std::memset(o, 0, Dv * sizeof(float));
     for (int s = 0; s < S; ++s) {
@@ -120,7 +163,6 @@ class Attend : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     encoder.dispatch([inputs, out, scale = scale_, masked = masked_]() mutable {
       static thread_local std::vector<uint8_t> bufs[4];
-      static thread_local std::vector<float> scores;
       std::vector<int64_t> st[4];
       const float* data[4] = {};
       for (size_t i = 0; i < inputs.size(); ++i) data[i] = unit_last(inputs[i], bufs[i], st[i]);
@@ -128,15 +170,22 @@ class Attend : public mx::UnaryPrimitive {
       const mx::array& k = inputs[1];
       const int H = q.shape(1), N = q.shape(2), D = q.shape(3), Hkv = k.shape(1), S = k.shape(2);
       const int Dv = inputs[2].shape(3), rep = H / Hkv;
-      scores.resize(S);
       float* o = out.data<float>();
-      for (int h = 0; h < H; ++h) {
+      auto head = [&](int h) {
+        static thread_local std::vector<float> scores;
+        scores.resize((S + 15) / 16 * 16);
         const int g = h / rep;
         View qv{data[0] + h * st[0][1], st[0][2]};
         View kv{data[1] + g * st[1][1], st[1][2]};
         View vv{data[2] + g * st[2][1], st[2][2]};
         attend_head(qv, kv, vv, masked ? data[3] : nullptr, masked ? st[3][0] : 0, o + int64_t(h) * N * Dv, Dv, N,
                     S, D, Dv, scale, scores.data());
+      };
+      // Heads over the kernels' threads once there is enough to share (a few microseconds a head).
+      if (int64_t(H) * N * S * (D + Dv) >= (int64_t(1) << 16)) {
+        mlx_engine::parallel_for(H, head);
+      } else {
+        for (int h = 0; h < H; ++h) head(h);
       }
     });
   }

@@ -11,32 +11,22 @@
 //
 // Vectorized with GCC/Clang vector extensions (16 float lanes: one AVX-512 register, two AVX2 registers, four NEON
 // registers); on x86-64 the row kernel is compiled for x86-64-v4 (AVX-512), v3 (AVX2 + FMA) and the baseline, and
-// the loader picks one at run time. Rows of the output are split over a small pool of threads (all the cores the
-// process may use, or $MLX_ENGINE_CPU_THREADS).
+// the loader picks one at run time. Rows of the output are split over the kernels' threads (pool.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
-
-#if defined(__linux__)
-#include <sched.h>
-#endif
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/version.h"
+#include "pool.h"
 #include "strided.h"
 
 #if defined(__x86_64__)
@@ -47,107 +37,6 @@ namespace nb = nanobind;
 namespace mx = mlx::core;
 
 namespace {
-
-// ------------------------------------------------------------------------------------------------ thread pool
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-int default_threads() {
-  if (const char* env = std::getenv("MLX_ENGINE_CPU_THREADS")) {
-    int n = std::atoi(env);
-    if (n > 0) return n;
-  }
-#if defined(__linux__)
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-#endif
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
-// A fixed set of workers, each given one static share of a job. Workers spin for a short while after a job (a
-// decode step runs a few hundred small products back to back, and waking a sleeping thread costs more than one of
-// them), then sleep on a condition variable.
-class Pool {
- public:
-  explicit Pool(int n) : n_(n) {
-    if (const char* env = std::getenv("MLX_ENGINE_SPIN_US")) spin_ = std::chrono::microseconds(std::atoi(env));
-    for (int t = 1; t < n_; ++t) threads_.emplace_back([this, t] { worker(t); });
-  }
-  ~Pool() {
-    stop_.store(true);
-    epoch_.fetch_add(1);
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      cv_.notify_all();
-    }
-    for (auto& t : threads_) t.join();
-  }
-  int size() const { return n_; }
-
-  // Runs f(0) .. f(size() - 1), one per thread, and returns when all are done. Not reentrant: MLX evaluates a
-  // stream's operations one at a time on its own thread.
-  void run(const std::function<void(int)>& f) {
-    if (n_ == 1) {
-      f(0);
-      return;
-    }
-    fn_ = &f;
-    done_.store(0, std::memory_order_relaxed);
-    epoch_.fetch_add(1, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lk(mu_);
-      cv_.notify_all();
-    }
-    f(0);
-    while (done_.load(std::memory_order_acquire) < n_ - 1) cpu_relax();
-  }
-
- private:
-  void worker(int t) {
-    uint64_t seen = 0;
-    for (;;) {
-      auto start = std::chrono::steady_clock::now();
-      int spins = 0;
-      while (epoch_.load(std::memory_order_acquire) == seen) {
-        cpu_relax();
-        if (++spins % 64) continue;
-        if (std::chrono::steady_clock::now() - start < spin_) continue;
-        std::unique_lock<std::mutex> lk(mu_);
-        sleepers_.fetch_add(1, std::memory_order_seq_cst);
-        cv_.wait(lk, [&] { return epoch_.load(std::memory_order_seq_cst) != seen; });
-        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-      }
-      seen = epoch_.load(std::memory_order_acquire);
-      if (stop_.load()) return;
-      (*fn_)(t);
-      done_.fetch_add(1, std::memory_order_release);
-    }
-  }
-
-  int n_;
-  // 30 us: about the gap between two products of a decode step once its other operations are kernels of ours too
-  // (measured: smollm2 decode +8 %, gemma3 +18 % over sleeping at once; longer spins take the core from Python)
-  std::chrono::microseconds spin_{30};
-  std::vector<std::thread> threads_;
-  std::atomic<uint64_t> epoch_{0};
-  std::atomic<int> done_{0};
-  std::atomic<int> sleepers_{0};
-  std::atomic<bool> stop_{false};
-  const std::function<void(int)>* fn_ = nullptr;
-  std::mutex mu_;
-  std::condition_variable cv_;
-};
-
-Pool& pool() {
-  static Pool p(default_threads());
-  return p;
-}
 
 // ------------------------------------------------------------------------------------------------ the kernel
 
@@ -250,23 +139,21 @@ const float* prepare_x(const float* x, int M, int K, int bits) {
 void qmatmul_run(Problem p) {
   p.x = prepare_x(p.x, p.M, p.K, p.bits);
   RowsFn rows = rows_for_cpu();
-  Pool& tp = pool();
-  static const int64_t min_work = std::getenv("MLX_ENGINE_MIN_WORK") ? std::atoll(std::getenv("MLX_ENGINE_MIN_WORK")) : 1 << 17;
-  int64_t work = int64_t(p.M) * p.N * p.K;
-  int T = int(std::min<int64_t>({tp.size(), std::max(1, p.N / 16), std::max<int64_t>(1, work / min_work)}));
-  if (T == 1) {
+  static const int64_t min_work =
+      std::getenv("MLX_ENGINE_MIN_WORK") ? std::atoll(std::getenv("MLX_ENGINE_MIN_WORK")) : 1 << 17;
+  const int64_t work = int64_t(p.M) * p.N * p.K;
+  const int threads = mlx_engine::pool_threads();
+  if (threads == 1 || p.N <= 16 || work < 2 * min_work) {
     rows(p, 0, p.N);
     return;
   }
-  // Shares in multiples of 16 rows.
-  int units = (p.N + 15) / 16;
-  std::function<void(int)> job = [&](int t) {
-    if (t >= T) return;
-    int u0 = units * t / T, u1 = units * (t + 1) / T;
-    int n0 = std::min(p.N, u0 * 16), n1 = std::min(p.N, u1 * 16);
+  // Chunks of whole 16-row units, four per thread (fewer for a small product), claimed by whichever thread is free.
+  const int units = (p.N + 15) / 16;
+  const int chunks = int(std::min<int64_t>({units, 4 * threads, work / min_work}));
+  mlx_engine::parallel_for(chunks, [&](int c) {
+    const int n0 = std::min(p.N, units * c / chunks * 16), n1 = std::min(p.N, units * (c + 1) / chunks * 16);
     if (n0 < n1) rows(p, n0, n1);
-  };
-  tp.run(job);
+  });
 }
 
 // ------------------------------------------------------------------------------------------------ the primitive
@@ -362,7 +249,7 @@ NB_MODULE(_kernels, m) {
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream.");
   register_rope(m);
   register_attention(m);
-  m.def("threads", [] { return pool().size(); }, "Threads the kernels use.");
+  m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);
