@@ -89,6 +89,15 @@ Scalar = Union[int, float, bool]
 Index = Any  # what NumPy accepts inside [...]: ints, slices, Ellipsis, None, or an integer Tensor
 
 
+@dataclass(frozen=True)
+class RopeAngles:
+    """RoPE's cosines and sines for the tokens of one forward pass (:meth:`Context.rope_angles`): ``cos`` and ``sin``
+    ``[N, dims / 2]`` float32, row ``i`` for token ``i``, column ``j`` for pair ``j``."""
+
+    cos: "Tensor"
+    sin: "Tensor"
+
+
 class Tensor(abc.ABC):
     """An n-dimensional array on the backend's device.
 
@@ -288,13 +297,15 @@ class Tensor(abc.ABC):
         """Group normalisation of a channels-last ``[B, ..., C]`` tensor (Wu & He 2018), as ``torch.nn.GroupNorm``."""
 
     @abc.abstractmethod
-    def rope(self, positions: "Tensor | int", dims: int, base: float | None = 10000.0, scale: float = 1.0,
-             traditional: bool = False, freqs: "Tensor | None" = None) -> "Tensor":
+    def rope(self, positions: "Tensor | int | RopeAngles", dims: int, base: float | None = 10000.0,
+             scale: float = 1.0, traditional: bool = False, freqs: "Tensor | None" = None) -> "Tensor":
         """Rotary position embedding (Su et al. 2021, RoFormer) on ``[B, H, L, Dh]``.
 
         Args:
-            positions: an int (the position of token 0; tokens follow contiguously) or an INT32 Tensor ``[B]`` of
-                start positions, one per batch row.
+            positions: an int (the position of token 0; tokens follow contiguously), an INT32 Tensor ``[B]`` of
+                start positions, one per batch row, or the :class:`RopeAngles` of the ``L`` tokens from
+                :meth:`Context.rope_angles` (then ``B == 1``, and ``base``, ``scale``, ``freqs`` are those it was made
+                with and are not read again).
             dims: how many leading features of ``Dh`` are rotated.
             base: the frequency base ``theta``; ``None`` when ``freqs`` is given.
             scale: positions are multiplied by it (linear scaling).
@@ -369,6 +380,15 @@ class Context(abc.ABC):
         attention), ``mask`` additive ``[L, S]`` (or broadcastable to ``[B, Hq, L, S]``), the string ``"causal"``
         (query ``i`` sees keys ``0..S-L+i``), or ``None``. Returns ``[B, Hq, L, Dh]``.
         """
+
+    def rope_angles(self, positions: "Tensor | int", tokens: int, dims: int, base: float | None, scale: float,
+                    freqs: "Tensor | None", dtype: DType) -> "RopeAngles | None":
+        """The angles :meth:`Tensor.rope` would compute for ``tokens`` tokens at ``positions`` (an int: consecutive
+        from it; an INT32 Tensor ``[tokens]``: one each), made once so that every layer with this RoPE shares them
+        (a decode step would otherwise make them again in each layer). ``None`` where the backend rotates from the
+        positions themselves (this default), or for a ``dtype`` it has no such path for; callers then pass the
+        positions."""
+        return None
 
     def attention_mask(self, visible: np.ndarray, dtype: DType) -> Tensor:
         """The additive mask for :meth:`scaled_dot_product_attention` from a host boolean matrix ``visible``

@@ -17,7 +17,7 @@ import numpy as np
 
 from mlx_engine.batch import Batch
 from mlx_engine.errors import WeightsError
-from mlx_engine.ml import Backend, Context, DType, Tensor
+from mlx_engine.ml import Backend, Context, DType, RopeAngles, Tensor
 from mlx_engine.models.config import ATTENTION_TYPES, DecoderConfig
 from mlx_engine.models.moe import moe_mlp
 
@@ -75,27 +75,37 @@ def rope_positions(ctx: Context, batch: Batch) -> "int | Tensor":
     return ctx.from_numpy(pos, DType.INT32)
 
 
-def apply_rope(x: Tensor, positions: "int | Tensor", dims: int, base: float | None, scale: float,
+def apply_rope(x: Tensor, positions: "int | Tensor | RopeAngles", dims: int, base: float | None, scale: float,
                traditional: bool, freqs: "Tensor | None") -> Tensor:
-    """RoPE on ``x [1, H, N, Dh]`` at ``positions`` (see :func:`rope_positions`). Per-token positions put the tokens
-    on the batch axis (``[N, H, 1, Dh]``), where MLX's RoPE takes one offset per row."""
-    if isinstance(positions, int):
+    """RoPE on ``x [1, H, N, Dh]`` at ``positions`` (see :func:`rope_positions`), or with the tokens' angles made
+    once for the forward pass (:meth:`Context.rope_angles`). Per-token positions put the tokens on the batch axis
+    (``[N, H, 1, Dh]``), where MLX's RoPE takes one offset per row."""
+    if isinstance(positions, (int, RopeAngles)):
         return x.rope(positions, dims, base=base, scale=scale, traditional=traditional, freqs=freqs)
     y = x.transpose(2, 1, 0, 3).rope(positions, dims, base=base, scale=scale, traditional=traditional, freqs=freqs)
     return y.transpose(2, 1, 0, 3)
 
 
+def _heads(x: Tensor, heads: int, dim: int) -> Tensor:
+    """``[1, N, heads * dim]`` -> ``[1, heads, N, dim]`` (one token: a reshape alone, no transpose node)."""
+    n = x.shape[1]
+    if n == 1:
+        return x.reshape(1, heads, 1, dim)
+    return x.reshape(1, n, heads, dim).transpose(0, 2, 1, 3)
+
+
 def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | None"], h: Tensor,
-                 positions: "int | Tensor", w: dict[str, Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
+                 positions: "int | Tensor | RopeAngles", w: dict[str, Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
     """One layer before attention: ``h [1, N, D]`` -> queries ``[1, H, N, Dh]``, keys and values
-    ``[1, H_kv, N, Dh]`` (input norm, projections, query/key norms, RoPE ``(base, scale, freqs)`` at ``positions``).
+    ``[1, H_kv, N, Dh]`` (input norm, projections, query/key norms, RoPE ``(base, scale, freqs)`` at ``positions``,
+    or by the tokens' angles made for this RoPE).
     ``w`` holds the layer's weights by the names of :meth:`DecoderModel._layer_weights`."""
     n = h.shape[1]
     eps = c.rms_norm_eps
     x = h.rms_norm(w["attn_norm"], eps)
-    q = x.linear(w["q"], w.get("q_bias")).reshape(1, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
-    k = x.linear(w["k"], w.get("k_bias")).reshape(1, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
-    v = x.linear(w["v"], w.get("v_bias")).reshape(1, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+    q = _heads(x.linear(w["q"], w.get("q_bias")), c.num_heads, c.head_dim)
+    k = _heads(x.linear(w["k"], w.get("k_bias")), c.num_kv_heads, c.head_dim)
+    v = _heads(x.linear(w["v"], w.get("v_bias")), c.num_kv_heads, c.head_dim)
     if c.qk_norm:
         q = q.rms_norm(w["q_norm"], eps)
         k = k.rms_norm(w["k_norm"], eps)
@@ -113,7 +123,7 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     sums the partial outputs of the two row-sharded projections (output and down) over the ranks, before the
     residual add and the sandwich norms (Megatron-LM's layout, Shoeybi et al. 2019)."""
     n = h.shape[1]
-    o = o.transpose(0, 2, 1, 3).reshape(1, n, c.num_heads * c.head_dim)
+    o = (o if n == 1 else o.transpose(0, 2, 1, 3)).reshape(1, n, c.num_heads * c.head_dim)
     if w.get("attn_gate") is not None:  # gated attention (Qwen3-Next): the gate reads the layer's normed input
         o = o * h.rms_norm(w["attn_gate_norm"], c.rms_norm_eps).linear(w["attn_gate"]).sigmoid()
     o = o.linear(w["o"])
@@ -357,21 +367,23 @@ class DecoderModel(abc.ABC):
                 "shared_down", "shared_expert_gate"),
     }
 
-    def _compiled_block(self, kind: str, layer: int) -> tuple[Any, tuple[str, ...]]:
-        """``(fn, names)``: :func:`attention_in` (``kind="in"``, called ``fn(h, positions, *weights)``) or
-        :func:`attention_out` (``"out"``, ``fn(h, o, *weights)``) through ``Backend.compile``, the layer's weights
-        ``names`` passed as arguments, so that alike layers share one trace. The traced functions hold the config
-        and the RoPE arguments, not the model (no reference cycle keeps a closed model's weights alive)."""
+    def _compiled_block(self, kind: str, layer: int, rope_args: int = 1) -> tuple[Any, tuple[str, ...]]:
+        """``(fn, names)``: :func:`attention_in` (``kind="in"``, called ``fn(h, *rope, *weights)``, ``rope`` the
+        positions or, with ``rope_args=2``, the cosines and sines of :class:`RopeAngles`) or :func:`attention_out`
+        (``"out"``, ``fn(h, o, *weights)``) through ``Backend.compile``, the layer's weights ``names`` passed as
+        arguments, so that alike layers share one trace. The traced functions hold the config and the RoPE arguments,
+        not the model (no reference cycle keeps a closed model's weights alive)."""
         lw = self.layers[layer]
         names = tuple(k for k in self._BLOCK_WEIGHTS[kind] if lw.get(k) is not None)
         rope = self._rope(layer) if kind == "in" else None
-        key = (kind, names, rope[:2] if rope else None)
+        key = (kind, names, rope[:2] if rope else None, rope_args)
         fn = self._compiled.get(key)
         if fn is None:
             c = self.config
             if kind == "in":
-                def block(h: Tensor, positions: Tensor, *ws: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-                    return attention_in(c, rope, h, positions, dict(zip(names, ws)))
+                def block(h: Tensor, *args: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                    at = RopeAngles(*args[:2]) if rope_args == 2 else args[0]
+                    return attention_in(c, rope, h, at, dict(zip(names, args[rope_args:])))
             else:
                 reduce = self.part.reduce
 
@@ -425,11 +437,20 @@ class DecoderModel(abc.ABC):
         """The layers this model holds (``part.layers``) on hidden states ``h [1, N, D]`` of ``batch``, after
         ``cache.start_forward``; returns the new ``h``. ``output_layer``: stop after that layer."""
         c = self.config
+        n = h.shape[1]
         positions = rope_positions(ctx, batch)
         # One token: the per-layer math before and after attention runs as two compiled graphs (Backend.compile).
-        compiled = h.shape[1] == 1 and self.compile_decode and isinstance(positions, int)
-        if compiled:
-            positions = ctx.from_numpy(np.array([positions], np.int32))
+        compiled = n == 1 and self.compile_decode and isinstance(positions, int)
+        pos_tensor = ctx.from_numpy(np.array([positions], np.int32)) if compiled else None
+        angles: dict[tuple, RopeAngles | None] = {}  # per distinct RoPE: made once for all its layers
+
+        def rope_at(layer: int) -> "int | Tensor | RopeAngles":
+            base, scale, freqs = self._rope(layer)
+            key = (base, scale, None if freqs is None else id(freqs))
+            if key not in angles:
+                angles[key] = ctx.rope_angles(positions, n, c.rope_dims or c.head_dim, base, scale, freqs, self.dtype)
+            return angles[key] or (pos_tensor if compiled else positions)
+
         for i, lw in self.layers.items():
             if output_layer is not None and i > output_layer:
                 break
@@ -437,11 +458,13 @@ class DecoderModel(abc.ABC):
                 h = self.mixer_layer(ctx, i, lw, h, cache, batch)
                 continue
             cache.set_layer(i)
+            at = rope_at(i)
             if compiled:
-                fn, names = self._compiled_block("in", i)
-                q, k, v = fn(h, positions, *[lw[name] for name in names])
+                rope_args = (at.cos, at.sin) if isinstance(at, RopeAngles) else (at,)
+                fn, names = self._compiled_block("in", i, len(rope_args))
+                q, k, v = fn(h, *rope_args, *[lw[name] for name in names])
             else:
-                q, k, v = attention_in(c, self._rope(i), h, positions, lw)
+                q, k, v = attention_in(c, self._rope(i), h, at, lw)
             cache.put(ctx, k, v)
             keys, values, mask = cache.get(ctx)
             o = ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_engine.ml import Backend, CacheConfig, Context, DType
+from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles
 from mlx_engine.mlx import cpu_kernels, runtime
 from mlx_engine.mlx.runtime import blas_description, mx, select_device
 from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
@@ -148,6 +148,15 @@ class MLXContext(Context):
 
     def stack(self, tensors, axis=0):
         return MLXTensor(mx.stack([t.a for t in tensors], axis=axis))
+
+    def rope_angles(self, positions, tokens, dims, base, scale, freqs, dtype):
+        # Only for our RoPE kernel, whose table this is (bit for bit mx.fast.rope's angles); MLX's own RoPE on a GPU
+        # computes them in the kernel.
+        if not (runtime.on_cpu and cpu_kernels.rope_apply is not None and dtype == DType.FLOAT32):
+            return None
+        pos = positions.a if isinstance(positions, MLXTensor) else positions
+        cos, sin = cpu_kernels.rope_table(tokens, pos, dims, base, scale, None if freqs is None else freqs.a)
+        return RopeAngles(MLXTensor(cos), MLXTensor(sin))
 
     def attention_mask(self, visible, dtype):
         visible = np.asarray(visible, dtype=np.bool_)

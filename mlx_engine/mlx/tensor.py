@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import operator
-import threading
 
 import mlx.nn as nn
 import numpy as np
 
 from mlx_engine.errors import UnsupportedError
-from mlx_engine.ml import DType, Tensor
+from mlx_engine.ml import DType, RopeAngles, Tensor
 from mlx_engine.mlx import cpu_kernels, runtime
 from mlx_engine.mlx.runtime import mx
 
@@ -20,10 +19,6 @@ TO_MX = {
 FROM_MX = {v: k for k, v in TO_MX.items()}
 _COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq,
             "!=": operator.ne}
-
-
-_rope_memo = threading.local()  # per thread: the last RoPE table, with the positions and frequencies it was made
-# for (kept alive, so that their ids in its key stay theirs)
 
 
 def raw(x):
@@ -241,15 +236,18 @@ class MLXTensor(Tensor):
         return MLXTensor(y)
 
     def rope(self, positions, dims, base=10000.0, scale=1.0, traditional=False, freqs=None):
-        a, pos, f = self.a, raw(positions), raw(freqs)
+        a = self.a
+        if isinstance(positions, RopeAngles):  # (MLXContext.rope_angles only makes them for the kernel)
+            if not (a.ndim == 4 and a.shape[0] == 1 and a.dtype == mx.float32 and cpu_kernels.rope_apply is not None):
+                raise ValueError(f"RoPE angles apply to float32 [1, H, L, Dh] on the CPU kernel, not {a.dtype} "
+                                 f"{list(a.shape)}")
+            return MLXTensor(cpu_kernels.rope_apply(a, positions.cos.a, positions.sin.a, dims, traditional))
+        pos, f = raw(positions), raw(freqs)
         if runtime.on_cpu and cpu_kernels.rope_apply is not None and a.ndim == 4 and a.dtype == mx.float32:
-            # MLX runs RoPE on the CPU as ~25 small operations; ours is one, from a table that the queries and keys
-            # of a layer share (the same result, bit for bit)
-            key = (pos if isinstance(pos, int) else id(pos), a.shape[2], dims, base, scale, id(f))
-            memo = _rope_memo.__dict__
-            if memo.get("key") != key:
-                memo.update(key=key, refs=(pos, f), table=cpu_kernels.rope_table(a.shape[2], pos, dims, base, scale, f))
-            return MLXTensor(cpu_kernels.rope_apply(a, *memo["table"], dims, traditional))
+            # MLX runs RoPE on the CPU as ~25 small operations; ours is one (the same result, bit for bit)
+            rows = a.shape[2] if isinstance(pos, int) else pos.size
+            table = cpu_kernels.rope_table(rows, pos, dims, base, scale, f)
+            return MLXTensor(cpu_kernels.rope_apply(a, *table, dims, traditional))
         return MLXTensor(mx.fast.rope(a, dims, traditional=traditional, base=base, scale=scale, offset=pos, freqs=f))
 
     def gelu(self, approximate=False):
