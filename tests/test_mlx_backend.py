@@ -106,6 +106,29 @@ def test_rope(ctx, traditional):
           _rope_ref(x, 3, 10000.0, traditional), 1e-4)
 
 
+def test_rope_angles_give_the_rotation_of_the_positions(ctx):
+    """Angles made once (Context.rope_angles, what every layer of a forward pass shares) rotate exactly as RoPE from
+    the positions does: consecutive positions from an offset, and one position per token (a batch of sequences)."""
+    from mlx_engine.mlx import cpu_kernels, runtime
+    runtime.select_device("cpu")
+    if cpu_kernels.rope_apply is None:  # no kernel: the backend makes no angles and callers pass the positions
+        assert ctx.rope_angles(3, 5, 8, 10000.0, 1.0, None, DType.FLOAT32) is None
+        return
+    x = ctx.from_numpy(r(1, 2, 5, 8))
+    for traditional in (False, True):
+        angles = ctx.rope_angles(3, 5, 8, 10000.0, 1.0, None, DType.FLOAT32)
+        assert np.array_equal(x.rope(angles, 8, traditional=traditional).numpy(),
+                              x.rope(3, 8, base=10000.0, traditional=traditional).numpy())
+        pos = np.array([7, 0, 2, 40, 3], np.int32)
+        angles = ctx.rope_angles(ctx.from_numpy(pos), 5, 8, 500.0, 0.5, None, DType.FLOAT32)
+        per_token = x.transpose(2, 1, 0, 3).rope(ctx.from_numpy(pos), 8, base=500.0, scale=0.5,
+                                                 traditional=traditional).transpose(2, 1, 0, 3)
+        assert np.array_equal(x.rope(angles, 8, traditional=traditional).numpy(), per_token.numpy())
+    assert ctx.rope_angles(3, 5, 8, 10000.0, 1.0, None, DType.BFLOAT16) is None  # the kernel is float32 only
+    with pytest.raises(ValueError, match="RoPE angles apply to float32"):
+        x.astype(DType.BFLOAT16).rope(angles, 8)
+
+
 def test_attention_with_mask_and_gqa(ctx):
     q, k, v = r(1, 4, 3, 8), r(1, 2, 5, 8), r(1, 2, 5, 8)
     mask = np.where(np.tril(np.ones((3, 5)), 2) > 0, 0, -np.inf).astype(np.float32)
