@@ -100,7 +100,6 @@ def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | No
     ``[1, H_kv, N, Dh]`` (input norm, projections, query/key norms, RoPE ``(base, scale, freqs)`` at ``positions``,
     or by the tokens' angles made for this RoPE).
     ``w`` holds the layer's weights by the names of :meth:`DecoderModel._layer_weights`."""
-    n = h.shape[1]
     eps = c.rms_norm_eps
     x = h.rms_norm(w["attn_norm"], eps)
     q = _heads(x.linear(w["q"], w.get("q_bias")), c.num_heads, c.head_dim)
