@@ -5,7 +5,9 @@ and one-row linear layers in OpenBLAS-sized blocks."""
 
 from __future__ import annotations
 
+import gc
 import json
+import threading
 import weakref
 
 import numpy as np
@@ -195,6 +197,41 @@ def test_backend_compile_matches_the_function(backend):
     assert np.abs(csingle(x, qw, b).numpy() - single(x, qw, b).numpy()).max() <= 1e-4
     x2 = ctx.from_numpy(rng.standard_normal((1, 5, 64), dtype=np.float32))
     assert csingle(x2, w, b).shape == (1, 5, 96)
+
+
+def test_compiled_functions_used_on_two_threads_never_inherit_a_dead_ones_graph(backend):
+    """MLX keeps traces per thread, keyed by the traced function's address, and erases a dead function's traces only
+    from the thread that called it last; a function called on the main thread and on a thread, then dropped, left a
+    trace on the main thread that the next function at the same address was handed (a KeyError, or another
+    function's result). Each function here adds its own constant, so an inherited graph shows as a wrong sum."""
+    ctx = backend.new_context()
+    x = ctx.from_numpy(np.zeros((1, 8), np.float32))
+    wrong = []
+    for k in range(40):
+        def add_k(t, k=k):
+            return t + float(k)
+
+        compiled = backend.compile(add_k)
+
+        def use(where, compiled=compiled, k=k):
+            try:
+                got = float(compiled(x).numpy()[0, 0])
+            except Exception as e:  # the failure being tested for, reported with its iteration
+                got = repr(e)
+            if got != k:
+                wrong.append((k, where, got))
+
+        order = ["main", "thread"] if k % 2 else ["thread", "main"]
+        for where in order:
+            if where == "main":
+                use(where)
+            else:
+                t = threading.Thread(target=use, args=(where,))
+                t.start()
+                t.join()
+        del compiled, use, add_k
+        gc.collect()
+    assert not wrong, wrong[:5]
 
 
 def test_backend_compile_defaults_to_the_function_itself(backend):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -340,7 +341,13 @@ class MLXBackend(Backend):
         packed words, scales and biases). One trace per pattern of dense / quantized arguments, and per shape.
 
         On the CPU, MLX builds fused kernels with the system C++ compiler (once per machine: they are kept in
-        ``$TMPDIR/mlx``); where that fails (no compiler), ``fn`` itself is returned and runs op by op."""
+        ``$TMPDIR/mlx``); where that fails (no compiler), ``fn`` itself is returned and runs op by op.
+
+        Each thread gets its own ``mx.compile`` object: MLX keeps traces in a per-thread cache keyed by the traced
+        function's address and, when a compiled function dies, erases them only from the cache of the thread that
+        called it last. A function called on two threads (a model warmed on the main thread, then served by a
+        scheduler thread) left its trace behind in the other, where a later function allocated at the same address
+        was handed the dead one's graph (MLX 0.32.4)."""
         if not _compile_works():
             return fn
         traced: dict[tuple, Any] = {}
@@ -349,7 +356,8 @@ class MLXBackend(Backend):
         def call(*tensors):
             spec = tuple((t.group_size, t.bits, t._dtype) if isinstance(t, MLXQuantizedTensor) else None
                          for t in tensors)
-            cfn = traced.get(spec)
+            key = (threading.get_ident(), spec)
+            cfn = traced.get(key)
             if cfn is None:
                 def raw(*arrays):
                     it = iter(arrays)
@@ -358,7 +366,7 @@ class MLXBackend(Backend):
                     out = fn(*args)
                     returns_tuple[spec] = isinstance(out, tuple)
                     return tuple(o.a for o in out) if isinstance(out, tuple) else (out.a,)
-                cfn = traced[spec] = mx.compile(raw)
+                cfn = traced[key] = mx.compile(raw)
             flat = []
             for t in tensors:
                 if isinstance(t, MLXQuantizedTensor):
