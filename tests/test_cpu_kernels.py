@@ -5,6 +5,7 @@ them (weights stay quantized on the CPU, and a model's tokens are those of the f
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -112,6 +113,37 @@ def test_attend_matches_mlx_attention(heads, kv_heads, rows, dim):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=2e-6)
     with pytest.raises(ValueError, match="multiple of H_kv"):
         cpu_kernels.attend(q, k[:, :, :, :dim - 1], v, 1.0, None)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 577), (600, 64), (1, 4, 1, 256)])
+def test_rms_norm_is_mlx_rms_norm(shape):
+    """RMSNorm against mx.fast.rms_norm (MLX's CPU fallback: the same steps; on x86-64 the same order of the sum of
+    squares too, so bit for bit there): with and without a weight, rows small enough for eps to count, a strided
+    view, 600 rows (split over the threads), and the gradient (training differentiates through it)."""
+    k1, k2, k3 = mx.random.split(mx.random.key(sum(shape)), 3)
+    d = shape[-1]
+    x = mx.random.normal(shape, key=k1) * mx.where(mx.arange(shape[-2])[:, None] % 2 == 0, 1.0, 1e-3)
+    w = mx.random.normal((d,), key=k2)
+    exact = platform.machine() in ("x86_64", "AMD64")
+    for weight in (w, None):
+        for eps in (1e-6, 1e-5):
+            got, want = cpu_kernels.rms_norm(x, weight, eps), mx.fast.rms_norm(x, weight, eps)
+            assert got.shape == want.shape and got.dtype == mx.float32
+            if exact:
+                assert mx.array_equal(got, want).item(), (weight is None, eps)
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-6, atol=0)
+    view = mx.random.normal((*shape[:-1], 2 * d), key=k3)[..., ::2]
+    np.testing.assert_allclose(np.array(cpu_kernels.rms_norm(view, w, 1e-5)),
+                               np.array(mx.fast.rms_norm(view, w, 1e-5)), rtol=2e-6, atol=0)
+    cot = mx.random.normal(shape, key=k3)
+    grads = mx.grad(lambda a, b: (cpu_kernels.rms_norm(a, b, 1e-5) * cot).sum(), argnums=(0, 1))(x, w)
+    wants = mx.grad(lambda a, b: (mx.fast.rms_norm(a, b, 1e-5) * cot).sum(), argnums=(0, 1))(x, w)
+    for got, want in zip(grads, wants):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weight must be float32"):
+        cpu_kernels.rms_norm(x, w[:-1], 1e-5)
+    with pytest.raises(ValueError, match="x must be float32"):
+        cpu_kernels.rms_norm(x.astype(mx.float16), w, 1e-5)
 
 
 @pytest.mark.parametrize("args, message", [

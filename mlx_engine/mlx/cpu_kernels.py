@@ -1,7 +1,7 @@
 """Our CPU kernels (``mlx_engine.mlx._kernels``, built from ``kernels/`` by setup.py at install), or why not.
 
-``qmatmul`` (quantized matrix products), ``rope_apply`` (RoPE from a table) and ``attend`` (attention of a few
-queries per head, decode steps) are None when the module is missing (not built: no compiler or CMake at install, or
+``qmatmul`` (quantized matrix products), ``rope_apply`` (RoPE from a table), ``attend`` (attention of a few
+queries per head, decode steps) and ``rms_norm`` (RMSNorm as one graph node) are None when the module is missing (not built: no compiler or CMake at install, or
 ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one installed, or fails its self-test; then
 quantized weights run through MLX's own operations and :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them
 off at run time.
@@ -18,6 +18,7 @@ from mlx_engine.mlx.runtime import mx
 qmatmul: "Callable | None" = None
 rope_apply: "Callable | None" = None
 attend: "Callable | None" = None
+rms_norm: "Callable | None" = None
 _status = "not loaded"
 
 
@@ -62,6 +63,17 @@ def _attend_self_test(fn) -> str | None:
     return None
 
 
+def _norm_self_test(fn) -> str | None:
+    """Against ``mx.fast.rms_norm``, with and without a weight, on rows small enough for ``eps`` to count (on x86-64
+    the two agree bit for bit; elsewhere MLX may sum the squares in another order)."""
+    x = mx.random.normal((2, 3, 40), key=mx.random.key(13)) * mx.array([1.0, 1e-3])[:, None, None]
+    w = mx.random.normal((40,), key=mx.random.key(14))
+    for weight in (w, None):
+        if not mx.allclose(fn(x, weight, 1e-5), mx.fast.rms_norm(x, weight, 1e-5), rtol=2e-6, atol=0).item():
+            return "RMSNorm differs from mx.fast.rms_norm"
+    return None
+
+
 def rope_table(tokens: int, positions, dims: int, base, scale: float, freqs) -> tuple:
     """``(cos, sin)`` float32 ``[rows, dims / 2]``: the angles ``mx.fast.rope`` would use, taken from it (rotating
     the unit vector ``(1, 0)`` of each pair gives ``(cos, sin)`` exactly), so that :data:`rope_apply` matches it bit
@@ -78,7 +90,7 @@ def rope_table(tokens: int, positions, dims: int, base, scale: float, freqs) -> 
 
 
 def _load() -> None:
-    global qmatmul, rope_apply, attend, _status
+    global qmatmul, rope_apply, attend, rms_norm, _status
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
         return
@@ -96,13 +108,13 @@ def _load() -> None:
     try:
         with mx.stream(mx.cpu):
             problem = (_self_test(_kernels.qmatmul) or _rope_self_test(_kernels.rope_apply)
-                       or _attend_self_test(_kernels.attend))
+                       or _attend_self_test(_kernels.attend) or _norm_self_test(_kernels.rms_norm))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
         problem = f"{type(e).__name__}: {e}"
     if problem:
         _status = f"failed their self-test ({problem})"
         return
-    qmatmul, rope_apply, attend = _kernels.qmatmul, _kernels.rope_apply, _kernels.attend
+    qmatmul, rope_apply, attend, rms_norm = _kernels.qmatmul, _kernels.rope_apply, _kernels.attend, _kernels.rms_norm
     _status = f"{_kernels.isa()}, {_kernels.threads()} threads"
 
 

@@ -215,7 +215,11 @@ class MLXTensor(Tensor):
         return MLXTensor(mx.softmax(self.a, axis=axis, precise=True))
 
     def rms_norm(self, weight, eps):
-        return MLXTensor(mx.fast.rms_norm(self.a, raw(weight), eps))
+        w = raw(weight)
+        if (runtime.on_cpu and cpu_kernels.rms_norm is not None and self.a.dtype == mx.float32
+                and (w is None or w.dtype == mx.float32)):
+            return MLXTensor(cpu_kernels.rms_norm(self.a, w, eps))  # one graph node, not MLX's four
+        return MLXTensor(mx.fast.rms_norm(self.a, w, eps))
 
     def layer_norm(self, weight, bias, eps):
         return MLXTensor(mx.fast.layer_norm(self.a, raw(weight), raw(bias), eps))

@@ -1,0 +1,124 @@
+// RMSNorm as one MLX primitive on the CPU.
+//
+// rms_norm(x [..., D], weight [D] or None, eps): each row times 1 / sqrt(mean(x ** 2) + eps), then times the weight
+// (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"). The arithmetic is MLX's CPU fallback of
+// mx.fast.rms_norm, step for step in float32: the mean of the squares, n = 1 / sqrt(mean + eps), (x * n) * w, each
+// product rounded (no fused multiply-add); only the order of the sum of squares differs (16 partial sums). Why: MLX
+// runs mx.fast.rms_norm on the CPU as that fallback, four graph nodes (square, sum, a fused rsqrt-multiply and the
+// broadcasts), and a decode step of a 30-layer model has 61 of them; the nodes cost more than the arithmetic.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "pool.h"
+#include "strided.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+// One row, in MLX's order: the squares summed left to right (MLX's CPU reduction on this kind of machine), the mean
+// as the sum times 1 / D, then 1 / sqrt in double rounded to float (MLX's rsqrt).
+__attribute__((optimize("fp-contract=off"))) void norm_row(const float* x, const float* w, float* out, int64_t D,
+                                                           float eps, float inv_d) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < D; ++i) sum += x[i] * x[i];
+  const float n = float(1.0 / double(std::sqrt(sum * inv_d + eps)));
+  if (w) {
+    for (int64_t k = 0; k < D; ++k) out[k] = (x[k] * n) * w[k];
+  } else {
+    for (int64_t k = 0; k < D; ++k) out[k] = x[k] * n;
+  }
+}
+
+class RMSNorm : public mx::UnaryPrimitive {
+ public:
+  RMSNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([inputs, out, eps = eps_]() mutable {
+      static thread_local std::vector<uint8_t> bufs[2];
+      const float* x = static_cast<const float*>(mlx_engine::row_major(inputs[0], bufs[0]));
+      const float* w = inputs.size() > 1 ? static_cast<const float*>(mlx_engine::row_major(inputs[1], bufs[1]))
+                                         : nullptr;
+      const int64_t D = inputs[0].shape(-1), rows = int64_t(inputs[0].size()) / D;
+      float* o = out.data<float>();
+      const float inv_d = float(1.0 / double(D));
+      // Rows over the threads only where there is enough of them (a prefill); one row of a decode step stays here.
+      const int64_t per_chunk = std::max<int64_t>(1, (1 << 15) / D);
+      const int chunks = int((rows + per_chunk - 1) / per_chunk);
+      auto run = [&](int c) {
+        for (int64_t r = c * per_chunk, e = std::min(rows, r + per_chunk); r < e; ++r)
+          norm_row(x + r * D, w, o + r * D, D, eps, inv_d);
+      };
+      if (chunks < 2) {
+        run(0);
+      } else {
+        mlx_engine::parallel_for(chunks, run);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlx_engine rms_norm runs on the CPU only; use mx.fast.rms_norm on a GPU");
+  }
+
+  // Training differentiates through the inference code (training/train_image.py): the gradient is that of
+  // mx.fast.rms_norm, whose result this primitive equals.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    const float eps = eps_;
+    auto fn = [eps](const std::vector<mx::array>& in) {
+      return std::vector<mx::array>{
+          mx::fast::rms_norm(in[0], in.size() > 1 ? std::optional<mx::array>(in[1]) : std::nullopt, eps)};
+    };
+    auto grads = mx::vjp(fn, primals, cotangents).second;
+    std::vector<mx::array> out;
+    for (int i : argnums) out.push_back(grads[i]);
+    return out;
+  }
+
+  const char* name() const override { return "MLXEngineRMSNorm"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RMSNorm&>(other).eps_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  float eps_;
+};
+
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps) {
+  if (x.ndim() < 1 || x.dtype() != mx::float32 || x.shape(-1) < 1)
+    throw std::invalid_argument("rms_norm: x must be float32 [..., D] with D >= 1");
+  if (weight && (weight->ndim() != 1 || weight->shape(0) != x.shape(-1) || weight->dtype() != mx::float32))
+    throw std::invalid_argument("rms_norm: weight must be float32 [" + std::to_string(x.shape(-1)) + "]");
+  mx::Stream s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{x};
+  if (weight) inputs.push_back(*weight);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(s, eps), std::move(inputs));
+}
+
+}  // namespace
+
+void register_norm(nb::module_& m) {
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"),
+        "RMSNorm of x [..., D] float32 over its last axis, times weight [D] (or None), on the CPU stream.");
+}
