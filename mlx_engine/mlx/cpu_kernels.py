@@ -1,9 +1,10 @@
 """Our CPU kernels (``mlx_engine.mlx._kernels``, built from ``kernels/`` by setup.py at install), or why not.
 
 ``qmatmul`` (quantized matrix products), ``rope_apply`` (RoPE from a table), ``attend`` (attention of a few
-queries per head, decode steps) and ``rms_norm`` (RMSNorm as one graph node) are None when the module is missing (not built: no compiler or CMake at install, or
-``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one installed, or fails its self-test; then
-quantized weights run through MLX's own operations and :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them
+queries per head, decode steps) and ``rms_norm`` (RMSNorm as one graph node) are None when the module is missing
+(not built: no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the
+one installed, or fails its self-test; then quantized weights run through MLX's own operations and :func:`status`
+says why. ``MLX_ENGINE_KERNELS=0`` turns them
 off at run time.
 """
 
