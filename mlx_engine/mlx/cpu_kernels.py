@@ -4,8 +4,7 @@
 queries per head, decode steps) and ``rms_norm`` (RMSNorm as one graph node) are None when the module is missing
 (not built: no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the
 one installed, or fails its self-test; then quantized weights run through MLX's own operations and :func:`status`
-says why. ``MLX_ENGINE_KERNELS=0`` turns them
-off at run time.
+says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time.
 """
 
 from __future__ import annotations
