@@ -146,6 +146,35 @@ def test_rms_norm_is_mlx_rms_norm(shape):
         cpu_kernels.rms_norm(x.astype(mx.float16), w, 1e-5)
 
 
+@pytest.mark.parametrize("kind", [0, 1])
+def test_activation_is_silu_and_gelu_tanh(kind):
+    """SiLU (0) and tanh-form GELU (1) against the functions in float64 (closer than MLX's own float32 forms), and
+    against mlx.nn's within float32 rounding: a range where they bend and far out (-inf, inf, saturation), 40000
+    elements (split over the threads), a strided view, and the gradient (MLX's)."""
+    import mlx.nn as nn
+
+    ref = nn.silu if kind == 0 else nn.gelu_approx
+    x = mx.concatenate([mx.random.normal((40000,), key=mx.random.key(kind)) * 5,
+                        mx.array([0.0, -0.0, 1e-8, -1e-8, 30.0, -30.0, 88.0, -88.0, 1e30, -1e30, np.inf, -np.inf])])
+    got = np.array(cpu_kernels.activation(x, kind))
+    xd = np.array(x, np.float64)[:-2]
+    with np.errstate(over="ignore"):
+        inner = xd if kind == 0 else 2 * np.sqrt(2 / np.pi) * (xd + 0.044715 * xd ** 3)
+        truth = xd / (1 + np.exp(-inner))
+    # float32 rounding of the argument z of exp(-z) moves the result by up to |z| * 2**-24 relative (|z| <= 90 here),
+    # so below 1e-9 only the absolute size is asked (MLX's own forms are off by up to 4e-5 relative here)
+    np.testing.assert_allclose(got[:-2], truth, rtol=2e-6, atol=1e-9)
+    np.testing.assert_allclose(got, np.array(ref(x)), rtol=1e-4, atol=1e-6)  # inf * sigmoid(-inf) is nan in both
+    view = x[:40000].reshape(200, 200)[:, ::3]
+    np.testing.assert_allclose(np.array(cpu_kernels.activation(view, kind)), np.array(ref(view)), rtol=1e-4,
+                               atol=1e-6)
+    small = x[:300]
+    np.testing.assert_allclose(np.array(mx.grad(lambda a: cpu_kernels.activation(a, kind).sum())(small)),
+                               np.array(mx.grad(lambda a: ref(a).sum())(small)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.activation(x.astype(mx.float16), kind)
+
+
 @pytest.mark.parametrize("args, message", [
     (dict(bits=7), "bits must be"),
     (dict(group_size=16), "group_size must be"),

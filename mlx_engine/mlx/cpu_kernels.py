@@ -1,10 +1,11 @@
 """Our CPU kernels (``mlx_engine.mlx._kernels``, built from ``kernels/`` by setup.py at install), or why not.
 
 ``qmatmul`` (quantized matrix products), ``rope_apply`` (RoPE from a table), ``attend`` (attention of a few
-queries per head, decode steps) and ``rms_norm`` (RMSNorm as one graph node) are None when the module is missing
-(not built: no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the
-one installed, or fails its self-test; then quantized weights run through MLX's own operations and :func:`status`
-says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time.
+queries per head, decode steps), ``rms_norm`` (RMSNorm as one graph node) and ``activation`` (SiLU and tanh-form
+GELU, vectorized) are None when the module is missing (not built: no compiler or CMake at install, or
+``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one installed, or fails its self-test; then
+quantized weights run through MLX's own operations and :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them
+off at run time.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ qmatmul: "Callable | None" = None
 rope_apply: "Callable | None" = None
 attend: "Callable | None" = None
 rms_norm: "Callable | None" = None
+activation: "Callable | None" = None
 _status = "not loaded"
 
 
@@ -74,6 +76,17 @@ def _norm_self_test(fn) -> str | None:
     return None
 
 
+def _activation_self_test(fn) -> str | None:
+    """SiLU and tanh-form GELU against mlx.nn's, over the range where they bend and far out."""
+    import mlx.nn as nn
+
+    x = mx.concatenate([mx.linspace(-12, 12, 97), mx.array([-90.0, -40.0, 0.0, 40.0, 90.0])])
+    for kind, ref in ((0, nn.silu), (1, nn.gelu_approx)):
+        if not mx.allclose(fn(x, kind), ref(x), rtol=1e-5, atol=1e-6).item():
+            return f"{ref.__name__} differs from mlx.nn's"
+    return None
+
+
 def rope_table(tokens: int, positions, dims: int, base, scale: float, freqs) -> tuple:
     """``(cos, sin)`` float32 ``[rows, dims / 2]``: the angles ``mx.fast.rope`` would use, taken from it (rotating
     the unit vector ``(1, 0)`` of each pair gives ``(cos, sin)`` exactly), so that :data:`rope_apply` matches it bit
@@ -90,7 +103,7 @@ def rope_table(tokens: int, positions, dims: int, base, scale: float, freqs) -> 
 
 
 def _load() -> None:
-    global qmatmul, rope_apply, attend, rms_norm, _status
+    global qmatmul, rope_apply, attend, rms_norm, activation, _status
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
         return
@@ -108,13 +121,15 @@ def _load() -> None:
     try:
         with mx.stream(mx.cpu):
             problem = (_self_test(_kernels.qmatmul) or _rope_self_test(_kernels.rope_apply)
-                       or _attend_self_test(_kernels.attend) or _norm_self_test(_kernels.rms_norm))
+                       or _attend_self_test(_kernels.attend) or _norm_self_test(_kernels.rms_norm)
+                       or _activation_self_test(_kernels.activation))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
         problem = f"{type(e).__name__}: {e}"
     if problem:
         _status = f"failed their self-test ({problem})"
         return
-    qmatmul, rope_apply, attend, rms_norm = _kernels.qmatmul, _kernels.rope_apply, _kernels.attend, _kernels.rms_norm
+    qmatmul, rope_apply, attend = _kernels.qmatmul, _kernels.rope_apply, _kernels.attend
+    rms_norm, activation = _kernels.rms_norm, _kernels.activation
     _status = f"{_kernels.isa()}, {_kernels.threads()} threads"
 
 

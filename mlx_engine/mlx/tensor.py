@@ -255,10 +255,18 @@ class MLXTensor(Tensor):
         return MLXTensor(mx.fast.rope(a, dims, traditional=traditional, base=base, scale=scale, offset=pos, freqs=f))
 
     def gelu(self, approximate=False):
+        if approximate and self._activation_kernel():
+            return MLXTensor(cpu_kernels.activation(self.a, 1))
         return MLXTensor(nn.gelu_approx(self.a) if approximate else nn.gelu(self.a))
 
     def silu(self):
+        if self._activation_kernel():
+            return MLXTensor(cpu_kernels.activation(self.a, 0))
         return MLXTensor(nn.silu(self.a))
+
+    def _activation_kernel(self) -> bool:
+        # MLX's CPU backend runs these through scalar expf / tanhf; ours is vectorized
+        return runtime.on_cpu and cpu_kernels.activation is not None and self.a.dtype == mx.float32
 
     def sigmoid(self):
         return MLXTensor(mx.sigmoid(self.a))

@@ -242,6 +242,7 @@ mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scale
 void register_rope(nb::module_& m);       // rope.cpp
 void register_attention(nb::module_& m);  // attention.cpp
 void register_norm(nb::module_& m);       // norm.cpp
+void register_activation(nb::module_& m);  // activation.cpp
 
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
@@ -251,6 +252,7 @@ NB_MODULE(_kernels, m) {
   register_rope(m);
   register_attention(m);
   register_norm(m);
+  register_activation(m);
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
