@@ -57,7 +57,6 @@ class Pool {
  public:
   explicit Pool(int n) : n_(n) {
     if (const char* env = std::getenv("MLX_ENGINE_SPIN_US")) spin_ = std::chrono::microseconds(std::atoi(env));
-    if (const char* env = std::getenv("MLX_ENGINE_YIELD_US")) yield_ = std::chrono::microseconds(std::atoi(env));
     for (int t = 1; t < n_; ++t) threads_.emplace_back([this] { worker(); });
   }
   ~Pool() {
@@ -112,12 +111,7 @@ class Pool {
       while (epoch_.load(std::memory_order_acquire) == seen) {
         cpu_relax();
         if (++spins % 64) continue;
-        const auto waited = std::chrono::steady_clock::now() - start;
-        if (waited < spin_) continue;
-        if (waited < yield_) {
-          std::this_thread::yield();  // a runnable thread (Python's) takes the core; else back at once
-          continue;
-        }
+        if (std::chrono::steady_clock::now() - start < spin_) continue;
         std::unique_lock<std::mutex> lk(mu_);
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
         cv_.wait(lk, [&] { return epoch_.load(std::memory_order_seq_cst) != seen; });
@@ -133,9 +127,6 @@ class Pool {
   // 30 us: about the gap between two products of a decode step once its other operations are kernels of ours too
   // (measured: smollm2 decode +8 %, gemma3 +18 % over sleeping at once; longer spins take the core from Python)
   std::chrono::microseconds spin_{30};
-  // then spinning on with sched_yield up to here: the gaps of a decode step (attention, norms, Python's turn) are
-  // often longer than the spin, and a sleeping worker starts its share late
-  std::chrono::microseconds yield_{0};
   std::vector<std::thread> threads_;
   uint64_t job_ = 0;
   std::atomic<uint64_t> claim_{0};
