@@ -68,12 +68,9 @@ class Activation : public mx::UnaryPrimitive {
       float* o = out.data<float>();
       const int64_t n = int64_t(out.size()), chunk = 1 << 14;
       const int chunks = int((n + chunk - 1) / chunk);
-      auto run = [&](int c) { activate(x + c * chunk, o + c * chunk, std::min(chunk, n - c * chunk), kind); };
-      if (chunks < 2) {
-        run(0);
-      } else {
-        mlx_engine::parallel_for(chunks, run);
-      }
+      mlx_engine::parallel_for(chunks, [&](int c) {  // one chunk (a decode step's) runs here, on this thread
+        activate(x + c * chunk, o + c * chunk, std::min(chunk, n - c * chunk), kind);
+      });
     });
   }
 

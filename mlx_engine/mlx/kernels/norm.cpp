@@ -59,18 +59,14 @@ class RMSNorm : public mx::UnaryPrimitive {
       const int64_t D = inputs[0].shape(-1), rows = int64_t(inputs[0].size()) / D;
       float* o = out.data<float>();
       const float inv_d = float(1.0 / double(D));
-      // Rows over the threads only where there is enough of them (a prefill); one row of a decode step stays here.
+      // Rows over the threads only where there is enough of them (a prefill); a single chunk (a decode step's) runs
+      // on this thread.
       const int64_t per_chunk = std::max<int64_t>(1, (1 << 15) / D);
       const int chunks = int((rows + per_chunk - 1) / per_chunk);
-      auto run = [&](int c) {
+      mlx_engine::parallel_for(chunks, [&](int c) {
         for (int64_t r = c * per_chunk, e = std::min(rows, r + per_chunk); r < e; ++r)
           norm_row(x + r * D, w, o + r * D, D, eps, inv_d);
-      };
-      if (chunks < 2) {
-        run(0);
-      } else {
-        mlx_engine::parallel_for(chunks, run);
-      }
+      });
     });
   }
 
