@@ -8,11 +8,10 @@
 // element; a decode step of smollm2 runs 46 thousand (3-7 % of the step), a prefill of 512 tokens 512 times that.
 #include <nanobind/nanobind.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"

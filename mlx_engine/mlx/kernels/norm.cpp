@@ -2,13 +2,14 @@
 //
 // rms_norm(x [..., D], weight [D] or None, eps): each row times 1 / sqrt(mean(x ** 2) + eps), then times the weight
 // (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"). The arithmetic is MLX's CPU fallback of
-// mx.fast.rms_norm, step for step in float32: the mean of the squares, n = 1 / sqrt(mean + eps), (x * n) * w, each
-// product rounded (no fused multiply-add); only the order of the sum of squares differs (16 partial sums). Why: MLX
+// mx.fast.rms_norm, step for step in float32 and in its order: the mean of the squares, n = 1 / sqrt(mean + eps),
+// (x * n) * w, each product rounded (no fused multiply-add), so on x86-64 the result is MLX's bit for bit. Why: MLX
 // runs mx.fast.rms_norm on the CPU as that fallback, four graph nodes (square, sum, a fused rsqrt-multiply and the
 // broadcasts), and a decode step of a 30-layer model has 61 of them; the nodes cost more than the arithmetic.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
