@@ -171,6 +171,13 @@ class Tensor(abc.ABC):
     def linear(self, weight: "Tensor", bias: "Tensor | None" = None) -> "Tensor":
         """``self @ weight.T + bias``: ``[..., in] x [out, in] -> [..., out]``. ``weight`` may be quantized."""
 
+    def linear_many(self, weights: "Sequence[Tensor]",
+                    biases: "Sequence[Tensor | None] | None" = None) -> "list[Tensor]":
+        """``[self.linear(w, b) for w, b in zip(weights, biases)]``: several projections of the same input (a
+        layer's queries, keys and values). A backend may run them as one operation; the results are the same."""
+        biases = biases if biases is not None else [None] * len(weights)
+        return [self.linear(w, b) for w, b in zip(weights, biases)]
+
     @abc.abstractmethod
     def exp(self) -> "Tensor": ...
 

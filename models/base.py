@@ -102,9 +102,10 @@ def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | No
     ``w`` holds the layer's weights by the names of :meth:`DecoderModel._layer_weights`."""
     eps = c.rms_norm_eps
     x = h.rms_norm(w["attn_norm"], eps)
-    q = _heads(x.linear(w["q"], w.get("q_bias")), c.num_heads, c.head_dim)
-    k = _heads(x.linear(w["k"], w.get("k_bias")), c.num_kv_heads, c.head_dim)
-    v = _heads(x.linear(w["v"], w.get("v_bias")), c.num_kv_heads, c.head_dim)
+    q, k, v = x.linear_many([w["q"], w["k"], w["v"]], [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")])
+    q = _heads(q, c.num_heads, c.head_dim)
+    k = _heads(k, c.num_kv_heads, c.head_dim)
+    v = _heads(v, c.num_kv_heads, c.head_dim)
     if c.qk_norm:
         q = q.rms_norm(w["q_norm"], eps)
         k = k.rms_norm(w["k_norm"], eps)
@@ -144,9 +145,9 @@ def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | N
         x = h.rms_norm(w["post_attn_norm"], eps)
     if w.get("router") is not None:
         return h + moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob)
-    g = x.linear(w["gate"])
+    g, u = x.linear_many([w["gate"], w["up"]])
     g = g.silu() if c.activation == "silu" else g.gelu(approximate=True)
-    m = (g * x.linear(w["up"])).linear(w["down"])
+    m = (g * u).linear(w["down"])
     if reduce is not None:
         m = reduce(m)
     return h + (m.rms_norm(w["post_ffn_norm"], eps) if c.sandwich_norm else m)
@@ -186,6 +187,7 @@ class DecoderModel(abc.ABC):
         self.vision: Any = None  # the image encoder of a multimodal checkpoint (models/vision.py), or None
         self.compile_decode = True  # single-token steps through Backend.compile (False: op by op, for comparison)
         self._compiled: dict[tuple, Any] = {}
+        self._block_of: dict[tuple, tuple[Any, tuple[str, ...]]] = {}  # (kind, layer, rope_args) -> _compiled_block
 
     # ---- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -372,6 +374,10 @@ class DecoderModel(abc.ABC):
         (``"out"``, ``fn(h, o, *weights)``) through ``Backend.compile``, the layer's weights ``names`` passed as
         arguments, so that alike layers share one trace. The traced functions hold the config and the RoPE arguments,
         not the model (no reference cycle keeps a closed model's weights alive)."""
+        at = (kind, layer, rope_args)
+        known = self._block_of.get(at)
+        if known is not None:  # one dict lookup per call: this runs twice per layer and decode step
+            return known
         lw = self.layers[layer]
         names = tuple(k for k in self._BLOCK_WEIGHTS[kind] if lw.get(k) is not None)
         rope = self._rope(layer) if kind == "in" else None
@@ -389,6 +395,7 @@ class DecoderModel(abc.ABC):
                 def block(h: Tensor, o: Tensor, *ws: Tensor) -> Tensor:
                     return attention_out(c, h, o, dict(zip(names, ws)), reduce)
             fn = self._compiled[key] = self.backend.compile(block)
+        self._block_of[at] = fn, names
         return fn, names
 
     def embed(self, ctx: Context, batch: Batch) -> Tensor:

@@ -175,6 +175,50 @@ def test_activation_is_silu_and_gelu_tanh(kind):
         cpu_kernels.activation(x.astype(mx.float16), kind)
 
 
+@pytest.mark.parametrize("m", [1, 5])
+def test_qmatmul_many_is_each_product_alone(m):
+    """Several weights of one x as one job (mixed bits, group sizes and scale dtypes; products big enough to be split
+    over the threads and small ones that would run on one alone, as a decode step's k and v) give bit for bit what
+    each product gives alone: every output row is computed the same way whichever thread and chunk it falls in."""
+    k = 576
+    specs = [(576, 4, 32, mx.float16), (192, 8, 32, mx.float16), (192, 5, 64, mx.float32), (1536, 6, 64, mx.bfloat16),
+             (3, 4, 32, mx.float32)]
+    weights = []
+    for i, (n, bits, gs, dt) in enumerate(specs):
+        q, s, b = mx.quantize(mx.random.normal((n, k), key=mx.random.key(i)), group_size=gs, bits=bits)
+        weights.append((q, s.astype(dt), b.astype(dt), gs, bits))
+    x = mx.random.normal((m, k), key=mx.random.key(99))
+    got = cpu_kernels.qmatmul_many(x, *[[w[i] for w in weights] for i in range(5)])
+    assert len(got) == len(weights)
+    for y, (q, s, b, gs, bits) in zip(got, weights):
+        assert y.shape == (m, q.shape[0])
+        assert np.array_equal(np.array(y), np.array(cpu_kernels.qmatmul(x, q, s, b, gs, bits)))
+        want = _reference(x, q, s, b, gs, bits)
+        np.testing.assert_allclose(np.array(y), want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max()))
+    with pytest.raises(ValueError, match="one or more weights"):
+        cpu_kernels.qmatmul_many(x, [weights[0][0]], [], [], [], [])
+
+
+def test_linear_many_is_linear_of_each():
+    """``Tensor.linear_many`` (one product on the CPU when every weight is quantized) equals ``linear`` per weight,
+    biases included, for quantized and dense weights alike."""
+    from mlx_engine.mlx.tensor import MLXQuantizedTensor, MLXTensor
+
+    q1 = MLXQuantizedTensor(*mx.quantize(mx.random.normal((64, 128), key=mx.random.key(1)), group_size=32, bits=4),
+                            32, 4)
+    q2 = MLXQuantizedTensor(*mx.quantize(mx.random.normal((32, 128), key=mx.random.key(2)), group_size=64, bits=8),
+                            64, 8)
+    dense = MLXTensor(mx.random.normal((16, 128), key=mx.random.key(3)))
+    bias = MLXTensor(mx.random.normal((32,), key=mx.random.key(4)))
+    x = MLXTensor(mx.random.normal((1, 3, 128), key=mx.random.key(5)))
+    for weights, biases in (([q1, q2], [None, bias]), ([q1, dense], None)):
+        got = x.linear_many(weights, biases)
+        want = [x.linear(w, b) for w, b in zip(weights, biases or [None] * len(weights))]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            assert np.array_equal(np.array(g.a), np.array(w.a))
+
+
 @pytest.mark.parametrize("args, message", [
     (dict(bits=7), "bits must be"),
     (dict(group_size=16), "group_size must be"),

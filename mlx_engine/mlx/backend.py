@@ -354,8 +354,15 @@ class MLXBackend(Backend):
         returns_tuple: dict[tuple, bool] = {}
 
         def call(*tensors):
-            spec = tuple((t.group_size, t.bits, t._dtype) if isinstance(t, MLXQuantizedTensor) else None
-                         for t in tensors)
+            spec, flat = [], []  # one pass: this runs twice per layer and decode step
+            for t in tensors:
+                if isinstance(t, MLXQuantizedTensor):
+                    spec.append((t.group_size, t.bits, t._dtype))
+                    flat += (t.w, t.scales, t.biases)
+                else:
+                    spec.append(None)
+                    flat.append(t.a)
+            spec = tuple(spec)
             key = (threading.get_ident(), spec)
             cfn = traced.get(key)
             if cfn is None:
@@ -367,12 +374,6 @@ class MLXBackend(Backend):
                     returns_tuple[spec] = isinstance(out, tuple)
                     return tuple(o.a for o in out) if isinstance(out, tuple) else (out.a,)
                 cfn = traced[key] = mx.compile(raw)
-            flat = []
-            for t in tensors:
-                if isinstance(t, MLXQuantizedTensor):
-                    flat += (t.w, t.scales, t.biases)
-                else:
-                    flat.append(t.a)
             out = cfn(*flat)
             if returns_tuple[spec]:
                 return tuple(MLXTensor(a) for a in out)

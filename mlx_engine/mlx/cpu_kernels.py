@@ -1,11 +1,11 @@
 """Our CPU kernels (``mlx_engine.mlx._kernels``, built from ``kernels/`` by setup.py at install), or why not.
 
-``qmatmul`` (quantized matrix products), ``rope_apply`` (RoPE from a table), ``attend`` (attention of a few
-queries per head, decode steps), ``rms_norm`` (RMSNorm as one graph node) and ``activation`` (SiLU and tanh-form
-GELU, vectorized) are None when the module is missing (not built: no compiler or CMake at install, or
-``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one installed, or fails its self-test; then
-quantized weights run through MLX's own operations and :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them
-off at run time.
+``qmatmul`` (quantized matrix products; ``qmatmul_many``: several of one x as one graph node and one parallel job),
+``rope_apply`` (RoPE from a table), ``attend`` (attention of a few queries per head, decode steps), ``rms_norm``
+(RMSNorm as one graph node) and ``activation`` (SiLU and tanh-form GELU, vectorized) are None when the module is
+missing (not built: no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX
+than the one installed, or fails its self-test; then quantized weights run through MLX's own operations and
+:func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Callable
 from mlx_engine.mlx.runtime import mx
 
 qmatmul: "Callable | None" = None
+qmatmul_many: "Callable | None" = None
 rope_apply: "Callable | None" = None
 attend: "Callable | None" = None
 rms_norm: "Callable | None" = None
@@ -24,19 +25,29 @@ activation: "Callable | None" = None
 _status = "not loaded"
 
 
-def _self_test(fn) -> str | None:
-    """Compare with MLX's dequantize + matmul on a small random problem for each bit width; None when all agree."""
+def _self_test(fn, many) -> str | None:
+    """Compare with MLX's dequantize + matmul on a small random problem for each bit width, one product at a time and
+    all of them in one ``many`` call; None when all agree."""
     key = mx.random.key(7)
+    k0, key = mx.random.split(key)
+    x = mx.random.normal((3, 96), key=k0)
+    weights, wants = [], []
     for bits in (2, 3, 4, 5, 6, 8):
-        k1, k2, key = mx.random.split(key, 3)
-        w = mx.random.normal((40, 96), key=k1)
-        x = mx.random.normal((3, 96), key=k2)
+        k1, key = mx.random.split(key)
+        w = mx.random.normal((40 + bits, 96), key=k1)
         q, s, b = mx.quantize(w, group_size=32, bits=bits)
         s, b = s.astype(mx.float16), b.astype(mx.float16)
         want = x @ mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=bits).T
         err = mx.abs(fn(x, q, s, b, 32, bits) - want).max().item()
         if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
             return f"{bits}-bit product off by {err:.3g}"
+        weights.append((q, s, b, bits))
+        wants.append(want)
+    got = many(x, *[[w[i] for w in weights] for i in range(3)], [32] * len(weights), [w[3] for w in weights])
+    for (*_, bits), g, want in zip(weights, got, wants):
+        err = mx.abs(g - want).max().item()
+        if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
+            return f"{bits}-bit product off by {err:.3g} among several of one x"
     return None
 
 
@@ -103,7 +114,7 @@ def rope_table(tokens: int, positions, dims: int, base, scale: float, freqs) -> 
 
 
 def _load() -> None:
-    global qmatmul, rope_apply, attend, rms_norm, activation, _status
+    global qmatmul, qmatmul_many, rope_apply, attend, rms_norm, activation, _status
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
         return
@@ -120,7 +131,7 @@ def _load() -> None:
         return
     try:
         with mx.stream(mx.cpu):
-            problem = (_self_test(_kernels.qmatmul) or _rope_self_test(_kernels.rope_apply)
+            problem = (_self_test(_kernels.qmatmul, _kernels.qmatmul_many) or _rope_self_test(_kernels.rope_apply)
                        or _attend_self_test(_kernels.attend) or _norm_self_test(_kernels.rms_norm)
                        or _activation_self_test(_kernels.activation))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
@@ -128,7 +139,8 @@ def _load() -> None:
     if problem:
         _status = f"failed their self-test ({problem})"
         return
-    qmatmul, rope_apply, attend = _kernels.qmatmul, _kernels.rope_apply, _kernels.attend
+    qmatmul, qmatmul_many, rope_apply, attend = (_kernels.qmatmul, _kernels.qmatmul_many, _kernels.rope_apply,
+                                                 _kernels.attend)
     rms_norm, activation = _kernels.rms_norm, _kernels.activation
     _status = f"{_kernels.isa()}, {_kernels.threads()} threads"
 

@@ -14,6 +14,7 @@
 // the loader picks one at run time. Rows of the output are split over the kernels' threads (pool.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -136,61 +137,83 @@ const float* prepare_x(const float* x, int M, int K, int bits) {
   return xp.data();
 }
 
-void qmatmul_run(Problem p) {
-  p.x = prepare_x(p.x, p.M, p.K, p.bits);
+// Products of one x with several weights (a layer's q, k and v share x) as one parallel job: output rows in units of
+// 16 over all the products, in chunks claimed by whichever thread is free (pool.h). A product too small to be worth a
+// second thread on its own (a decode step's k and v) is split with the rest.
+void qmatmul_run(std::vector<Problem>& ps) {
+  const int M = ps[0].M, K = ps[0].K;
+  const float* reordered = nullptr;
+  for (auto& p : ps) {
+    if (p.bits == 4 && !reordered) reordered = prepare_x(p.x, M, K, 4);
+    if (p.bits == 4) p.x = reordered;
+  }
   RowsFn rows = rows_for_cpu();
   static const int64_t min_work =
       std::getenv("MLX_ENGINE_MIN_WORK") ? std::atoll(std::getenv("MLX_ENGINE_MIN_WORK")) : 1 << 17;
-  const int64_t work = int64_t(p.M) * p.N * p.K;
+  std::vector<int> first(ps.size() + 1, 0);  // each product's first unit
+  int64_t work = 0;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    first[i + 1] = first[i] + (ps[i].N + 15) / 16;
+    work += int64_t(M) * ps[i].N * K;
+  }
+  const int units = first.back();
   const int threads = mlx_engine::pool_threads();
-  if (threads == 1 || p.N <= 16 || work < 2 * min_work) {
-    rows(p, 0, p.N);
+  if (threads == 1 || units <= 1 || work < 2 * min_work) {
+    for (auto& p : ps) rows(p, 0, p.N);
     return;
   }
-  // Chunks of whole 16-row units, four per thread (fewer for a small product), claimed by whichever thread is free.
-  const int units = (p.N + 15) / 16;
+  // four chunks per thread (fewer for a small job)
   const int chunks = int(std::min<int64_t>({units, 4 * threads, work / min_work}));
   mlx_engine::parallel_for(chunks, [&](int c) {
-    const int n0 = std::min(p.N, units * c / chunks * 16), n1 = std::min(p.N, units * (c + 1) / chunks * 16);
-    if (n0 < n1) rows(p, n0, n1);
+    const int u0 = int(int64_t(units) * c / chunks), u1 = int(int64_t(units) * (c + 1) / chunks);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const int a = std::max(u0, first[i]), b = std::min(u1, first[i + 1]);
+      if (a < b) rows(ps[i], (a - first[i]) * 16, std::min(ps[i].N, (b - first[i]) * 16));
+    }
   });
 }
 
 // ------------------------------------------------------------------------------------------------ the primitive
 
-class QMatmul : public mx::UnaryPrimitive {
+// y_i = x @ dequantize(w_i, scales_i, biases_i).T for one x and one or more weights: inputs x, then w, scales and
+// biases of each weight; one float32 output per weight.
+class QMatmul : public mx::Primitive {
  public:
-  QMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QMatmul(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits)
+      : mx::Primitive(stream), group_sizes_(std::move(group_sizes)), bits_(std::move(bits)) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([inputs, out, gs = group_size_, bits = bits_]() mutable {
-      static thread_local std::vector<uint8_t> buffers[4];  // (strided.h)
-      const void* data[4];
-      for (int i = 0; i < 4; ++i) data[i] = mlx_engine::row_major(inputs[i], buffers[i]);
+    for (auto& out : outputs) encoder.set_output_array(out);
+    encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_]() mutable {
+      static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
+      if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
+      std::vector<const void*> data(inputs.size());
+      for (size_t i = 0; i < inputs.size(); ++i) data[i] = mlx_engine::row_major(inputs[i], buffers[i]);
       const mx::array& x = inputs[0];
-      const mx::array& scales = inputs[2];
-      Problem p;
-      p.x = static_cast<const float*>(data[0]);
-      p.w = static_cast<const uint8_t*>(data[1]);
-      p.scales = data[2];
-      p.biases = data[3];
-      p.out = out.data<float>();
-      p.N = inputs[1].shape(0);
-      p.K = x.shape(-1);
-      p.M = int(x.size() / p.K);
-      p.group_size = gs;
-      p.bits = bits;
-      p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
-      qmatmul_run(p);
+      std::vector<Problem> ps(outputs.size());
+      for (size_t i = 0; i < ps.size(); ++i) {
+        Problem& p = ps[i];
+        const mx::array& scales = inputs[2 + 3 * i];
+        p.x = static_cast<const float*>(data[0]);
+        p.w = static_cast<const uint8_t*>(data[1 + 3 * i]);
+        p.scales = data[2 + 3 * i];
+        p.biases = data[3 + 3 * i];
+        p.out = outputs[i].data<float>();
+        p.N = inputs[1 + 3 * i].shape(0);
+        p.K = x.shape(-1);
+        p.M = int(x.size() / p.K);
+        p.group_size = gs[i];
+        p.bits = bits[i];
+        p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
+      }
+      qmatmul_run(ps);
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("mlx_engine qmatmul runs on the CPU only; use mx.quantized_matmul on a GPU");
   }
 
@@ -198,21 +221,26 @@ class QMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    mx::Shape shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(0);
-    return {shape};
+    std::vector<mx::Shape> shapes;
+    for (size_t i = 1; i < inputs.size(); i += 3) {
+      mx::Shape shape = inputs[0].shape();
+      shape.back() = inputs[i].shape(0);
+      shapes.push_back(shape);
+    }
+    return shapes;
   }
 
  private:
-  int group_size_, bits_;
+  std::vector<int> group_sizes_, bits_;
 };
 
-mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                  int group_size, int bits) {
+// The checks of one weight against x [..., K]; returns N.
+int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                 int group_size, int bits) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("qmatmul: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   if (group_size != 32 && group_size != 64 && group_size != 128)
@@ -228,13 +256,35 @@ mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scale
     throw std::invalid_argument("qmatmul: scales and biases must both be [N, K / group_size] of one dtype");
   if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16)
     throw std::invalid_argument("qmatmul: scales must be float32, float16 or bfloat16");
+  return N;
+}
+
+std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::array>& ws,
+                                    const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
+                                    const std::vector<int>& group_sizes, const std::vector<int>& bits) {
+  const size_t n = ws.size();
+  if (n == 0 || scales.size() != n || biases.size() != n || group_sizes.size() != n || bits.size() != n)
+    throw std::invalid_argument(
+        "qmatmul_many: give one or more weights, each with its scales, biases, group size and bits");
   mx::Stream s = mx::default_stream(mx::Device::cpu);
-  // No graph node beyond the product itself (the primitive takes its inputs in any layout).
-  mx::Shape out_shape = x.shape();
-  out_shape.back() = N;
-  mx::array y(out_shape, mx::float32, std::make_shared<QMatmul>(s, group_size, bits),
-              {mx::astype(x, mx::float32, s), w, scales, biases});
-  return mx::astype(y, x.dtype(), s);
+  std::vector<mx::array> inputs{mx::astype(x, mx::float32, s)};
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < n; ++i) {
+    mx::Shape shape = x.shape();
+    shape.back() = check_weight(x, ws[i], scales[i], biases[i], group_sizes[i], bits[i]);
+    shapes.push_back(shape);
+    inputs.insert(inputs.end(), {ws[i], scales[i], biases[i]});
+  }
+  // No graph node beyond the products themselves (the primitive takes its inputs in any layout).
+  auto ys = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(n, mx::float32),
+                                   std::make_shared<QMatmul>(s, group_sizes, bits), inputs);
+  for (auto& y : ys) y = mx::astype(y, x.dtype(), s);
+  return ys;
+}
+
+mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                  int group_size, int bits) {
+  return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits})[0];
 }
 
 }  // namespace
@@ -249,6 +299,9 @@ NB_MODULE(_kernels, m) {
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"),
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream.");
+  m.def("qmatmul_many", &qmatmul_many, nb::arg("x"), nb::arg("ws"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_sizes"), nb::arg("bits"),
+        "[x @ dequantize(w_i, scales_i, biases_i).T for each weight], as one graph node and one parallel job.");
   register_rope(m);
   register_attention(m);
   register_norm(m);
