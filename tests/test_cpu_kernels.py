@@ -94,7 +94,7 @@ def test_rope_apply_is_mlx_rope_bit_for_bit(traditional):
         cpu_kernels.rope_apply(x, cos[:5], sin[:5], 64, traditional)  # 5 table rows for 7 tokens
 
 
-@pytest.mark.parametrize("heads, kv_heads, rows, dim", [(9, 3, 1, 64), (4, 1, 3, 256), (2, 2, 16, 80)])
+@pytest.mark.parametrize("heads, kv_heads, rows, dim", [(9, 3, 1, 64), (4, 1, 3, 256), (2, 2, 16, 80), (3, 1, 2, 72)])
 def test_attend_matches_mlx_attention(heads, kv_heads, rows, dim):
     """Decode attention against MLX's: grouped heads, keys and values as views of a larger cache, with a mask that
     hides some keys (and one row seeing a single key), and without one."""

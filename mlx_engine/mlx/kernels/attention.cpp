@@ -36,60 +36,121 @@ struct View {  // a float32 [rows, cols] matrix with unit stride along cols
   const float* row(int64_t r) const { return p + r * row_stride; }
 };
 
+// q_n . k_s: 16 lanes, summed across at the end, then the tail.
+INLINE float dot_row(const float* q, const float* k, int D, int D16) {
+  f32x16 acc{};
+  int i = 0;
+  for (; i < D16; i += 16) {
+    f32x16 a, b;
+    std::memcpy(&a, q + i, 64);
+    std::memcpy(&b, k + i, 64);
+    acc += a * b;
+  }
+  float dot = hsum(acc);
+  for (; i < D; ++i) dot += q[i] * k[i];
+  return dot;
+}
+
 // One query head over its key/value head: rows n of q and out, scores a buffer of S (rounded up to 16) floats.
-// Compiled for AVX-512, AVX2 and the baseline, picked at load time.
+// Four keys at a time (four independent sums: one key's chain of FMAs and its sum across lanes had bounded the loop
+// by their latency), and the output's 64-float slices kept in registers over all keys (the loop had been bound by
+// storing and reloading them for every key). Every score and output element is summed in the same order as one key
+// and one value row at a time would. Compiled for AVX-512, AVX2 and the baseline, picked at load time.
 PER_ISA void attend_head(
     View q, View k, View v, const float* mask, int64_t mask_stride, float* out, int64_t out_stride, int N, int S, int D,
     int Dv, float scale, float* scores) {
   const int D16 = D - D % 16, Dv16 = Dv - Dv % 16, S16 = (S + 15) / 16 * 16;
   for (int n = 0; n < N; ++n) {
     const float* qn = q.row(n);
+    const float* mn = mask ? mask + n * mask_stride : nullptr;
     float top = -std::numeric_limits<float>::infinity();
-    for (int s = 0; s < S; ++s) {
-      const float* ks = k.row(s);
-      f32x16 acc{};
+    int s = 0;
+    for (; s + 4 <= S; s += 4) {
+      const float *k0 = k.row(s), *k1 = k.row(s + 1), *k2 = k.row(s + 2), *k3 = k.row(s + 3);
+      f32x16 a0{}, a1{}, a2{}, a3{};
       int i = 0;
       for (; i < D16; i += 16) {
-        f32x16 a, b;
+        f32x16 a, b0, b1, b2, b3;
         std::memcpy(&a, qn + i, 64);
-        std::memcpy(&b, ks + i, 64);
-        acc += a * b;
+        std::memcpy(&b0, k0 + i, 64);
+        std::memcpy(&b1, k1 + i, 64);
+        std::memcpy(&b2, k2 + i, 64);
+        std::memcpy(&b3, k3 + i, 64);
+        a0 += a * b0;
+        a1 += a * b1;
+        a2 += a * b2;
+        a3 += a * b3;
       }
-      float dot = hsum(acc);
-      for (; i < D; ++i) dot += qn[i] * ks[i];
-      float sc = dot * scale + (mask ? mask[n * mask_stride + s] : 0.f);
+      float d[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+      const float* ks[4] = {k0, k1, k2, k3};
+      for (int j = 0; j < 4; ++j) {
+        for (int t = i; t < D; ++t) d[j] += qn[t] * ks[j][t];
+        const float sc = d[j] * scale + (mn ? mn[s + j] : 0.f);
+        scores[s + j] = sc;
+        top = sc > top ? sc : top;
+      }
+    }
+    for (; s < S; ++s) {
+      const float sc = dot_row(qn, k.row(s), D, D16) * scale + (mn ? mn[s] : 0.f);
       scores[s] = sc;
       top = sc > top ? sc : top;
     }
-    for (int s = S; s < S16; ++s) scores[s] = -std::numeric_limits<float>::infinity();
+    for (int t = S; t < S16; ++t) scores[t] = -std::numeric_limits<float>::infinity();
     f32x16 sum{};
-    for (int s = 0; s < S16; s += 16) {
+    for (int t = 0; t < S16; t += 16) {
       f32x16 e;
-      std::memcpy(&e, scores + s, 64);
+      std::memcpy(&e, scores + t, 64);
       e = exp_nonpositive(e - top);
-      std::memcpy(scores + s, &e, 64);
+      std::memcpy(scores + t, &e, 64);
       sum += e;
     }
-    const float total = hsum(sum);
+    const float inv = 1.f / hsum(sum);
     float* o = out + n * out_stride;
-    std::memset(o, 0, Dv * sizeof(float));
-    for (int s = 0; s < S; ++s) {
-      const float p = scores[s];
-      if (p == 0.f) continue;  // a hidden key (mask -inf)
-      const float* vs = v.row(s);
-      const f32x16 pv = f32x16{} + p;
-      int i = 0;
-      for (; i < Dv16; i += 16) {
-        f32x16 a, b;
-        std::memcpy(&a, o + i, 64);
-        std::memcpy(&b, vs + i, 64);
-        a += pv * b;
-        std::memcpy(o + i, &a, 64);
+    int i = 0;
+    for (; i + 64 <= Dv; i += 64) {
+      f32x16 o0{}, o1{}, o2{}, o3{};
+      for (int t = 0; t < S; ++t) {
+        const float p = scores[t];
+        if (p == 0.f) continue;  // a hidden key (mask -inf)
+        const float* vs = v.row(t) + i;
+        const f32x16 pv = f32x16{} + p;
+        f32x16 b0, b1, b2, b3;
+        std::memcpy(&b0, vs, 64);
+        std::memcpy(&b1, vs + 16, 64);
+        std::memcpy(&b2, vs + 32, 64);
+        std::memcpy(&b3, vs + 48, 64);
+        o0 += pv * b0;
+        o1 += pv * b1;
+        o2 += pv * b2;
+        o3 += pv * b3;
       }
-      for (; i < Dv; ++i) o[i] += p * vs[i];
+      o0 *= inv;
+      o1 *= inv;
+      o2 *= inv;
+      o3 *= inv;
+      std::memcpy(o + i, &o0, 64);
+      std::memcpy(o + i + 16, &o1, 64);
+      std::memcpy(o + i + 32, &o2, 64);
+      std::memcpy(o + i + 48, &o3, 64);
     }
-    const float inv = 1.f / total;
-    for (int i = 0; i < Dv; ++i) o[i] *= inv;
+    for (; i < Dv16; i += 16) {
+      f32x16 acc{};
+      for (int t = 0; t < S; ++t) {
+        const float p = scores[t];
+        if (p == 0.f) continue;
+        f32x16 b;
+        std::memcpy(&b, v.row(t) + i, 64);
+        acc += (f32x16{} + p) * b;
+      }
+      acc *= inv;
+      std::memcpy(o + i, &acc, 64);
+    }
+    for (; i < Dv; ++i) {
+      float acc = 0.f;
+      for (int t = 0; t < S; ++t)
+        if (scores[t] != 0.f) acc += scores[t] * v.row(t)[i];
+      o[i] = acc * inv;
+    }
   }
 }
 
