@@ -178,6 +178,15 @@ class Tensor(abc.ABC):
         biases = biases if biases is not None else [None] * len(weights)
         return [self.linear(w, b) for w, b in zip(weights, biases)]
 
+    def gated(self, up: "Tensor", activation: str = "silu") -> "Tensor":
+        """A gated MLP's product ``act(self) * up`` (same shapes), ``act`` SiLU (``"silu"``, SwiGLU) or the tanh form
+        of GELU (``"gelu_tanh"``, GeGLU; Shazeer 2020). A backend may compute it as one operation; the values are the
+        same. Raises ValueError for another activation."""
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"gated: activation must be 'silu' or 'gelu_tanh', not {activation!r}")
+        g = self.silu() if activation == "silu" else self.gelu(approximate=True)
+        return g * up
+
     @abc.abstractmethod
     def exp(self) -> "Tensor": ...
 

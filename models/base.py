@@ -146,8 +146,7 @@ def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | N
     if w.get("router") is not None:
         return h + moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob)
     g, u = x.linear_many([w["gate"], w["up"]])
-    g = g.silu() if c.activation == "silu" else g.gelu(approximate=True)
-    m = (g * u).linear(w["down"])
+    m = g.gated(u, c.activation).linear(w["down"])
     if reduce is not None:
         m = reduce(m)
     return h + (m.rms_norm(w["post_ffn_norm"], eps) if c.sandwich_norm else m)

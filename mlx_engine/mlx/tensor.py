@@ -275,6 +275,12 @@ class MLXTensor(Tensor):
             return MLXTensor(cpu_kernels.activation(self.a, 0))
         return MLXTensor(nn.silu(self.a))
 
+    def gated(self, up, activation="silu"):
+        if (activation in ("silu", "gelu_tanh") and self._activation_kernel() and up.a.dtype == mx.float32
+                and up.shape == self.shape):
+            return MLXTensor(cpu_kernels.activation(self.a, 0 if activation == "silu" else 1, up.a))
+        return super().gated(up, activation)
+
     def _activation_kernel(self) -> bool:
         # MLX's CPU backend runs these through scalar expf / tanhf; ours is vectorized
         return runtime.on_cpu and cpu_kernels.activation is not None and self.a.dtype == mx.float32
