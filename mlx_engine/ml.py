@@ -171,12 +171,14 @@ class Tensor(abc.ABC):
     def linear(self, weight: "Tensor", bias: "Tensor | None" = None) -> "Tensor":
         """``self @ weight.T + bias``: ``[..., in] x [out, in] -> [..., out]``. ``weight`` may be quantized."""
 
-    def linear_many(self, weights: "Sequence[Tensor]",
-                    biases: "Sequence[Tensor | None] | None" = None) -> "list[Tensor]":
+    def linear_many(self, weights: "Sequence[Tensor]", biases: "Sequence[Tensor | None] | None" = None,
+                    shapes: "Sequence[tuple[int, ...]] | None" = None) -> "list[Tensor]":
         """``[self.linear(w, b) for w, b in zip(weights, biases)]``: several projections of the same input (a
-        layer's queries, keys and values). A backend may run them as one operation; the results are the same."""
+        layer's queries, keys and values). With ``shapes``, result ``i`` is reshaped to ``shapes[i]`` (the same
+        number of elements, row-major order). A backend may run them as one operation; the results are the same."""
         biases = biases if biases is not None else [None] * len(weights)
-        return [self.linear(w, b) for w, b in zip(weights, biases)]
+        ys = [self.linear(w, b) for w, b in zip(weights, biases)]
+        return ys if shapes is None else [y.reshape(*shape) for y, shape in zip(ys, shapes)]
 
     def gated(self, up: "Tensor", activation: str = "silu") -> "Tensor":
         """A gated MLP's product ``act(self) * up`` (same shapes), ``act`` SiLU (``"silu"``, SwiGLU) or the tanh form

@@ -102,10 +102,15 @@ def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | No
     ``w`` holds the layer's weights by the names of :meth:`DecoderModel._layer_weights`."""
     eps = c.rms_norm_eps
     x = h.rms_norm(w["attn_norm"], eps)
-    q, k, v = x.linear_many([w["q"], w["k"], w["v"]], [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")])
-    q = _heads(q, c.num_heads, c.head_dim)
-    k = _heads(k, c.num_kv_heads, c.head_dim)
-    v = _heads(v, c.num_kv_heads, c.head_dim)
+    biases = [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")]
+    if h.shape[1] == 1 and all(b is None for b in biases):  # one token: the heads' shape straight from the product
+        q, k, v = x.linear_many([w["q"], w["k"], w["v"]], shapes=[
+            (1, c.num_heads, 1, c.head_dim), (1, c.num_kv_heads, 1, c.head_dim), (1, c.num_kv_heads, 1, c.head_dim)])
+    else:
+        q, k, v = x.linear_many([w["q"], w["k"], w["v"]], biases)
+        q = _heads(q, c.num_heads, c.head_dim)
+        k = _heads(k, c.num_kv_heads, c.head_dim)
+        v = _heads(v, c.num_kv_heads, c.head_dim)
     if c.qk_norm:
         q = q.rms_norm(w["q_norm"], eps)
         k = k.rms_norm(w["k_norm"], eps)

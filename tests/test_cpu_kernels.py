@@ -226,6 +226,13 @@ def test_qmatmul_many_is_each_product_alone(m):
         np.testing.assert_allclose(np.array(y), want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max()))
     with pytest.raises(ValueError, match="one or more weights"):
         cpu_kernels.qmatmul_many(x, [weights[0][0]], [], [], [], [])
+    # outputs in the shapes asked for: the same elements in row-major order, no reshape node
+    shapes = [[m, 9, 1, 64], [1, m * 3, 64], [m * 192], [m, 2, 768], [m, 3]]
+    shaped = cpu_kernels.qmatmul_many(x, *[[w[i] for w in weights] for i in range(5)], shapes)
+    for y, want, shape in zip(shaped, got, shapes):
+        assert y.shape == tuple(shape) and np.array_equal(np.array(y).ravel(), np.array(want).ravel())
+    with pytest.raises(ValueError, match="output shape 0 has .* elements, the product has"):
+        cpu_kernels.qmatmul_many(x, *[[w[i] for w in weights[:1]] for i in range(5)], [[m, 10]])
 
 
 def test_linear_many_is_linear_of_each():
@@ -246,6 +253,9 @@ def test_linear_many_is_linear_of_each():
         for g, w in zip(got, want):
             assert g.shape == w.shape
             assert np.array_equal(np.array(g.a), np.array(w.a))
+        shapes = [(1, 3, 2, w.shape[0] // 2) for w in weights]  # with or without biases, quantized or not
+        for g, w, shape in zip(x.linear_many(weights, biases, shapes), want, shapes):
+            assert g.shape == shape and np.array_equal(np.array(g.a), np.array(w.a).reshape(shape))
 
 
 @pytest.mark.parametrize("args, message", [

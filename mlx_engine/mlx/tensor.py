@@ -115,16 +115,19 @@ class MLXTensor(Tensor):
             y = y + bias.a
         return MLXTensor(y)
 
-    def linear_many(self, weights, biases=None):
-        # On the CPU, quantized weights of one input run as one product (one graph node, one parallel job).
+    def linear_many(self, weights, biases=None, shapes=None):
+        # On the CPU, quantized weights of one input run as one product (one graph node, one parallel job), its
+        # outputs made in the shapes asked for (no reshape nodes) when there are no biases to add first.
         if (len(weights) > 1 and runtime.on_cpu and cpu_kernels.qmatmul_many is not None
-                and all(isinstance(w, MLXQuantizedTensor) for w in weights)):
+                and all(isinstance(w, MLXQuantizedTensor) for w in weights)
+                and (shapes is None or biases is None or all(b is None for b in biases))):
             ys = cpu_kernels.qmatmul_many(self.a, [w.w for w in weights], [w.scales for w in weights],
                                           [w.biases for w in weights], [w.group_size for w in weights],
-                                          [w.bits for w in weights])
+                                          [w.bits for w in weights],
+                                          None if shapes is None else [list(shape) for shape in shapes])
             biases = biases if biases is not None else [None] * len(weights)
             return [MLXTensor(y if b is None else y + b.a) for y, b in zip(ys, biases)]
-        return super().linear_many(weights, biases)
+        return super().linear_many(weights, biases, shapes)
 
     def exp(self):
         return MLXTensor(mx.exp(self.a))

@@ -14,11 +14,13 @@
 // the loader picks one at run time. Rows of the output are split over the kernels' threads (pool.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -179,8 +181,12 @@ void qmatmul_run(std::vector<Problem>& ps) {
 // biases of each weight; one float32 output per weight.
 class QMatmul : public mx::Primitive {
  public:
-  QMatmul(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits)
-      : mx::Primitive(stream), group_sizes_(std::move(group_sizes)), bits_(std::move(bits)) {}
+  // out_shapes: empty, or each output's shape as given to qmatmul_many
+  QMatmul(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, std::vector<mx::Shape> out_shapes)
+      : mx::Primitive(stream),
+        group_sizes_(std::move(group_sizes)),
+        bits_(std::move(bits)),
+        out_shapes_(std::move(out_shapes)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -221,10 +227,11 @@ class QMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_;
+    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && out_shapes_ == o.out_shapes_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    if (!out_shapes_.empty()) return out_shapes_;
     std::vector<mx::Shape> shapes;
     for (size_t i = 1; i < inputs.size(); i += 3) {
       mx::Shape shape = inputs[0].shape();
@@ -236,6 +243,7 @@ class QMatmul : public mx::Primitive {
 
  private:
   std::vector<int> group_sizes_, bits_;
+  std::vector<mx::Shape> out_shapes_;
 };
 
 // The checks of one weight against x [..., K]; returns N.
@@ -259,32 +267,51 @@ int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales
   return N;
 }
 
+// `out_shapes` (optional): the shape of each output, of the same size as x.shape[:-1] + [N_i] (its row-major
+// elements are those; a decode step's queries come out as [1, heads, 1, head_dim], with no reshape node).
 std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::array>& ws,
                                     const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
-                                    const std::vector<int>& group_sizes, const std::vector<int>& bits) {
+                                    const std::vector<int>& group_sizes, const std::vector<int>& bits,
+                                    const std::optional<std::vector<std::vector<int>>>& out_shapes) {
   const size_t n = ws.size();
-  if (n == 0 || scales.size() != n || biases.size() != n || group_sizes.size() != n || bits.size() != n)
+  if (n == 0 || scales.size() != n || biases.size() != n || group_sizes.size() != n || bits.size() != n ||
+      (out_shapes && out_shapes->size() != n))
     throw std::invalid_argument(
-        "qmatmul_many: give one or more weights, each with its scales, biases, group size and bits");
+        "qmatmul_many: give one or more weights, each with its scales, biases, group size and bits (and shape)");
   mx::Stream s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs{mx::astype(x, mx::float32, s)};
   std::vector<mx::Shape> shapes;
   for (size_t i = 0; i < n; ++i) {
     mx::Shape shape = x.shape();
     shape.back() = check_weight(x, ws[i], scales[i], biases[i], group_sizes[i], bits[i]);
+    if (out_shapes) {
+      mx::Shape given((*out_shapes)[i].begin(), (*out_shapes)[i].end());
+      int64_t want = 1, got = 1;
+      for (int d : shape) want *= d;
+      for (int d : given) {
+        if (d < 0) throw std::invalid_argument("qmatmul_many: an output shape has a negative size");
+        got *= d;
+      }
+      if (got != want)
+        throw std::invalid_argument("qmatmul_many: output shape " + std::to_string(i) + " has " + std::to_string(got) +
+                                    " elements, the product has " + std::to_string(want));
+      shape = given;
+    }
     shapes.push_back(shape);
     inputs.insert(inputs.end(), {ws[i], scales[i], biases[i]});
   }
   // No graph node beyond the products themselves (the primitive takes its inputs in any layout).
   auto ys = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(n, mx::float32),
-                                   std::make_shared<QMatmul>(s, group_sizes, bits), inputs);
+                                   std::make_shared<QMatmul>(s, group_sizes, bits,
+                                                             out_shapes ? shapes : std::vector<mx::Shape>{}),
+                                   inputs);
   for (auto& y : ys) y = mx::astype(y, x.dtype(), s);
   return ys;
 }
 
 mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                   int group_size, int bits) {
-  return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits})[0];
+  return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits}, std::nullopt)[0];
 }
 
 }  // namespace
@@ -300,8 +327,9 @@ NB_MODULE(_kernels, m) {
         nb::arg("group_size"), nb::arg("bits"),
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream.");
   m.def("qmatmul_many", &qmatmul_many, nb::arg("x"), nb::arg("ws"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_sizes"), nb::arg("bits"),
-        "[x @ dequantize(w_i, scales_i, biases_i).T for each weight], as one graph node and one parallel job.");
+        nb::arg("group_sizes"), nb::arg("bits"), nb::arg("out_shapes") = nb::none(),
+        "[x @ dequantize(w_i, scales_i, biases_i).T for each weight], as one graph node and one parallel job; "
+        "out_shapes: each result's shape (its elements in row-major order), instead of x.shape[:-1] + [N_i].");
   register_rope(m);
   register_attention(m);
   register_norm(m);
