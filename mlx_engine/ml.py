@@ -180,6 +180,12 @@ class Tensor(abc.ABC):
         ys = [self.linear(w, b) for w, b in zip(weights, biases)]
         return ys if shapes is None else [y.reshape(*shape) for y, shape in zip(ys, shapes)]
 
+    def add_rms_norm(self, residual: "Tensor", weight: "Tensor | None", eps: float) -> "tuple[Tensor, Tensor]":
+        """``(s, s.rms_norm(weight, eps))`` with ``s = self + residual`` (same shapes): a residual add and the norm
+        after it. A backend may compute both as one operation; the values are the same."""
+        s = self + residual
+        return s, s.rms_norm(weight, eps)
+
     def gated(self, up: "Tensor", activation: str = "silu") -> "Tensor":
         """A gated MLP's product ``act(self) * up`` (same shapes), ``act`` SiLU (``"silu"``, SwiGLU) or the tanh form
         of GELU (``"gelu_tanh"``, GeGLU; Shazeer 2020). A backend may compute it as one operation; the values are the

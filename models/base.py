@@ -143,11 +143,9 @@ def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | N
     the norms, and the gated MLP with its residual; returns the new ``h [1, N, D]``."""
     eps = c.rms_norm_eps
     if c.sandwich_norm:
-        h = h + o.rms_norm(w["post_attn_norm"], eps)
-        x = h.rms_norm(w["pre_ffn_norm"], eps)
+        h, x = h.add_rms_norm(o.rms_norm(w["post_attn_norm"], eps), w["pre_ffn_norm"], eps)
     else:
-        h = h + o
-        x = h.rms_norm(w["post_attn_norm"], eps)
+        h, x = h.add_rms_norm(o, w["post_attn_norm"], eps)
     if w.get("router") is not None:
         return h + moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob)
     g, u = x.linear_many([w["gate"], w["up"]])

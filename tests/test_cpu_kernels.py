@@ -175,6 +175,39 @@ def test_activation_is_silu_and_gelu_tanh(kind):
         cpu_kernels.activation(x.astype(mx.float16), kind)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 576), (600, 64)])
+def test_add_rms_norm_is_the_add_then_the_norm(shape):
+    """``add_rms_norm(x, r, w, eps)`` (a residual add and the norm after it, one graph node) returns the float32 sum
+    and its RMSNorm bit for bit as the two operations give them, with and without a weight, on a decode row and on
+    600 rows split over the threads, on strided views; gradients of all inputs are those of the composed form;
+    ``Tensor.add_rms_norm`` uses it and agrees with the backend-neutral form."""
+    from mlx_engine.ml import Tensor
+    from mlx_engine.mlx.tensor import MLXTensor
+
+    x = mx.random.normal(shape, key=mx.random.key(30))
+    r = mx.random.normal(shape, key=mx.random.key(31)) * 3
+    w = mx.random.normal((shape[-1],), key=mx.random.key(32))
+    for weight in (w, None):
+        s, n = cpu_kernels.add_rms_norm(x, r, weight, 1e-6)
+        assert np.array_equal(np.array(s), np.array(x + r))
+        assert np.array_equal(np.array(n), np.array(cpu_kernels.rms_norm(x + r, weight, 1e-6)))
+    big = mx.random.normal((600, 128), key=mx.random.key(33))
+    xv, rv = big[:, ::2], big[::-1, 1::2]
+    s, n = cpu_kernels.add_rms_norm(xv, rv, None, 1e-5)
+    assert np.array_equal(np.array(n), np.array(cpu_kernels.rms_norm(xv + rv, None, 1e-5)))
+    for arg in (0, 1, 2):
+        got = mx.grad(lambda a, b, c: sum(t.sum() * k for t, k in zip(cpu_kernels.add_rms_norm(a, b, c, 1e-5),
+                                                                     (0.5, 2.0))), argnums=arg)(x, r, w)
+        ref = mx.grad(lambda a, b, c: ((a + b).sum() * 0.5 + mx.fast.rms_norm(a + b, c, 1e-5).sum() * 2.0),
+                      argnums=arg)(x, r, w)
+        np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-5)
+    h, o, wt = MLXTensor(x), MLXTensor(r), MLXTensor(w)
+    for got, want in zip(h.add_rms_norm(o, wt, 1e-6), Tensor.add_rms_norm(h, o, wt, 1e-6)):
+        assert np.array_equal(np.array(got.a), np.array(want.a))
+    with pytest.raises(ValueError, match="residual must be float32 of x's shape"):
+        cpu_kernels.add_rms_norm(x, r[..., :5], None, 1e-5)
+
+
 @pytest.mark.parametrize("kind", [0, 1])
 def test_gated_activation_is_activation_times_up(kind):
     """``activation(x, kind, up)`` (a gated MLP's act(gate) * up as one operation) equals the activation times up bit

@@ -2,9 +2,10 @@
 
 ``qmatmul`` (quantized matrix products; ``qmatmul_many``: several of one x as one graph node and one parallel job),
 ``rope_apply`` (RoPE from a table), ``attend`` (attention of a few queries per head, decode steps), ``rms_norm``
-(RMSNorm as one graph node) and ``activation`` (SiLU and tanh-form GELU, vectorized) are None when the module is
-missing (not built: no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX
-than the one installed, or fails its self-test; then quantized weights run through MLX's own operations and
+(RMSNorm as one graph node; ``add_rms_norm``: a residual add and the norm after it as one) and ``activation`` (SiLU
+and tanh-form GELU, vectorized; times a gated MLP's up projection) are None when the module is missing (not built:
+no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one
+installed, or fails its self-test; then quantized weights run through MLX's own operations and
 :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time.
 """
 
@@ -21,6 +22,7 @@ qmatmul_many: "Callable | None" = None
 rope_apply: "Callable | None" = None
 attend: "Callable | None" = None
 rms_norm: "Callable | None" = None
+add_rms_norm: "Callable | None" = None
 activation: "Callable | None" = None
 _status = "not loaded"
 
@@ -76,14 +78,18 @@ def _attend_self_test(fn) -> str | None:
     return None
 
 
-def _norm_self_test(fn) -> str | None:
+def _norm_self_test(fn, add_fn) -> str | None:
     """Against ``mx.fast.rms_norm``, with and without a weight, on rows small enough for ``eps`` to count (on x86-64
-    the two agree bit for bit; elsewhere MLX may sum the squares in another order)."""
+    the two agree bit for bit; elsewhere MLX may sum the squares in another order); ``add_fn`` (a residual add, then
+    the norm) against the two done apart."""
     x = mx.random.normal((2, 3, 40), key=mx.random.key(13)) * mx.array([1.0, 1e-3])[:, None, None]
     w = mx.random.normal((40,), key=mx.random.key(14))
     for weight in (w, None):
         if not mx.allclose(fn(x, weight, 1e-5), mx.fast.rms_norm(x, weight, 1e-5), rtol=2e-6, atol=0).item():
             return "RMSNorm differs from mx.fast.rms_norm"
+        s, n = add_fn(x, x[::-1], weight, 1e-5)
+        if not (mx.array_equal(s, x + x[::-1]).item() and mx.array_equal(n, fn(x + x[::-1], weight, 1e-5)).item()):
+            return "the residual add and RMSNorm differ from the two done apart"
     return None
 
 
@@ -114,7 +120,7 @@ def rope_table(tokens: int, positions, dims: int, base, scale: float, freqs) -> 
 
 
 def _load() -> None:
-    global qmatmul, qmatmul_many, rope_apply, attend, rms_norm, activation, _status
+    global qmatmul, qmatmul_many, rope_apply, attend, rms_norm, add_rms_norm, activation, _status
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
         return
@@ -132,7 +138,8 @@ def _load() -> None:
     try:
         with mx.stream(mx.cpu):
             problem = (_self_test(_kernels.qmatmul, _kernels.qmatmul_many) or _rope_self_test(_kernels.rope_apply)
-                       or _attend_self_test(_kernels.attend) or _norm_self_test(_kernels.rms_norm)
+                       or _attend_self_test(_kernels.attend)
+                       or _norm_self_test(_kernels.rms_norm, _kernels.add_rms_norm)
                        or _activation_self_test(_kernels.activation))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
         problem = f"{type(e).__name__}: {e}"
@@ -141,7 +148,7 @@ def _load() -> None:
         return
     qmatmul, qmatmul_many, rope_apply, attend = (_kernels.qmatmul, _kernels.qmatmul_many, _kernels.rope_apply,
                                                  _kernels.attend)
-    rms_norm, activation = _kernels.rms_norm, _kernels.activation
+    rms_norm, add_rms_norm, activation = _kernels.rms_norm, _kernels.add_rms_norm, _kernels.activation
     _status = f"{_kernels.isa()}, {_kernels.threads()} threads"
 
 

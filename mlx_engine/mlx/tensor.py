@@ -235,6 +235,15 @@ class MLXTensor(Tensor):
             return MLXTensor(cpu_kernels.rms_norm(self.a, w, eps))  # one graph node, not MLX's four
         return MLXTensor(mx.fast.rms_norm(self.a, w, eps))
 
+    def add_rms_norm(self, residual, weight, eps):
+        w = raw(weight)
+        if (runtime.on_cpu and cpu_kernels.add_rms_norm is not None and self.a.dtype == mx.float32
+                and residual.a.dtype == mx.float32 and residual.shape == self.shape
+                and (w is None or w.dtype == mx.float32)):
+            s, n = cpu_kernels.add_rms_norm(self.a, residual.a, w, eps)  # one graph node, not two
+            return MLXTensor(s), MLXTensor(n)
+        return super().add_rms_norm(residual, weight, eps)
+
     def layer_norm(self, weight, bias, eps):
         return MLXTensor(mx.fast.layer_norm(self.a, raw(weight), raw(bias), eps))
 
