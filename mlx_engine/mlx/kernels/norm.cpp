@@ -44,6 +44,35 @@ __attribute__((optimize("fp-contract=off"))) void norm_row(const float* x, const
   }
 }
 
+// Rows of x [rows, D] (plus residual, into sum, when given) normed into out. Rows over the threads only where there
+// is enough of them (a prefill); a single chunk (a decode step's) runs on this thread.
+void norm_rows(const float* x, const float* residual, const float* w, float* sum, float* out, int64_t rows,
+               int64_t D, float eps) {
+  const float inv_d = float(1.0 / double(D));
+  const int64_t per_chunk = std::max<int64_t>(1, (1 << 15) / D);
+  const int chunks = int((rows + per_chunk - 1) / per_chunk);
+  mlx_engine::parallel_for(chunks, [&](int c) {
+    for (int64_t r = c * per_chunk, e = std::min(rows, r + per_chunk); r < e; ++r) {
+      const float* row = x + r * D;
+      if (residual) {
+        for (int64_t k = 0; k < D; ++k) sum[r * D + k] = row[k] + residual[r * D + k];
+        row = sum + r * D;
+      }
+      norm_row(row, w, out + r * D, D, eps, inv_d);
+    }
+  });
+}
+
+// The gradients asked for (argnums) of fn, a composition of MLX operations equal to the primitive.
+template <typename Fn>
+std::vector<mx::array> composed_vjp(Fn fn, const std::vector<mx::array>& primals,
+                                    const std::vector<mx::array>& cotangents, const std::vector<int>& argnums) {
+  auto grads = mx::vjp(fn, primals, cotangents).second;
+  std::vector<mx::array> out;
+  for (int i : argnums) out.push_back(grads[i]);
+  return out;
+}
+
 class RMSNorm : public mx::UnaryPrimitive {
  public:
   RMSNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
@@ -58,17 +87,8 @@ class RMSNorm : public mx::UnaryPrimitive {
       const float* x = static_cast<const float*>(mlx_engine::row_major(inputs[0], bufs[0]));
       const float* w = inputs.size() > 1 ? static_cast<const float*>(mlx_engine::row_major(inputs[1], bufs[1]))
                                          : nullptr;
-      const int64_t D = inputs[0].shape(-1), rows = int64_t(inputs[0].size()) / D;
-      float* o = out.data<float>();
-      const float inv_d = float(1.0 / double(D));
-      // Rows over the threads only where there is enough of them (a prefill); a single chunk (a decode step's) runs
-      // on this thread.
-      const int64_t per_chunk = std::max<int64_t>(1, (1 << 15) / D);
-      const int chunks = int((rows + per_chunk - 1) / per_chunk);
-      mlx_engine::parallel_for(chunks, [&](int c) {
-        for (int64_t r = c * per_chunk, e = std::min(rows, r + per_chunk); r < e; ++r)
-          norm_row(x + r * D, w, o + r * D, D, eps, inv_d);
-      });
+      const int64_t D = inputs[0].shape(-1);
+      norm_rows(x, nullptr, w, nullptr, out.data<float>(), int64_t(inputs[0].size()) / D, D, eps);
     });
   }
 
@@ -85,10 +105,7 @@ class RMSNorm : public mx::UnaryPrimitive {
       return std::vector<mx::array>{
           mx::fast::rms_norm(in[0], in.size() > 1 ? std::optional<mx::array>(in[1]) : std::nullopt, eps)};
     };
-    auto grads = mx::vjp(fn, primals, cotangents).second;
-    std::vector<mx::array> out;
-    for (int i : argnums) out.push_back(grads[i]);
-    return out;
+    return composed_vjp(fn, primals, cotangents, argnums);
   }
 
   const char* name() const override { return "MLXEngineRMSNorm"; }
@@ -121,18 +138,8 @@ class AddRMSNorm : public mx::Primitive {
       const float* r = static_cast<const float*>(mlx_engine::row_major(inputs[1], bufs[1]));
       const float* w = inputs.size() > 2 ? static_cast<const float*>(mlx_engine::row_major(inputs[2], bufs[2]))
                                          : nullptr;
-      const int64_t D = inputs[0].shape(-1), rows = int64_t(inputs[0].size()) / D;
-      float* sum = outputs[0].data<float>();
-      float* o = outputs[1].data<float>();
-      const float inv_d = float(1.0 / double(D));
-      const int64_t per_chunk = std::max<int64_t>(1, (1 << 15) / D);
-      const int chunks = int((rows + per_chunk - 1) / per_chunk);
-      mlx_engine::parallel_for(chunks, [&](int c) {
-        for (int64_t row = c * per_chunk, e = std::min(rows, row + per_chunk); row < e; ++row) {
-          for (int64_t k = 0; k < D; ++k) sum[row * D + k] = x[row * D + k] + r[row * D + k];
-          norm_row(sum + row * D, w, o + row * D, D, eps, inv_d);
-        }
-      });
+      const int64_t D = inputs[0].shape(-1);
+      norm_rows(x, r, w, outputs[0].data<float>(), outputs[1].data<float>(), int64_t(inputs[0].size()) / D, D, eps);
     });
   }
 
@@ -148,10 +155,7 @@ class AddRMSNorm : public mx::Primitive {
       return std::vector<mx::array>{
           s, mx::fast::rms_norm(s, in.size() > 2 ? std::optional<mx::array>(in[2]) : std::nullopt, eps)};
     };
-    auto grads = mx::vjp(fn, primals, cotangents).second;
-    std::vector<mx::array> out;
-    for (int i : argnums) out.push_back(grads[i]);
-    return out;
+    return composed_vjp(fn, primals, cotangents, argnums);
   }
 
   const char* name() const override { return "MLXEngineAddRMSNorm"; }
