@@ -4,11 +4,14 @@
 //     softmax(q k^T * scale + mask) v     (Vaswani et al. 2017), head h reading key/value head h / (H / H_kv)
 // in float32, the softmax with the row's maximum subtracted. Why our own: MLX runs attention on the CPU as about a
 // dozen operations per layer (the grouped heads' keys copied out, two OpenBLAS products that pack their operands,
-// a softmax), a third of a decode step at a 600-token context; this reads each key and value once, where the cache
-// keeps them (a strided view), and writes nothing but the output.
+// a softmax), a third of a decode step at a 600-token context; this reads each key and value once for all the query
+// heads that share it, where the cache keeps them (a strided view), and writes nothing but the output. The keys are
+// split in chunks over the kernels' threads, each chunk's softmax combined with the others' at the end (the online
+// softmax of Milakov and Gimelshein 2018, split over keys as flash-decoding does).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,7 +39,7 @@ struct View {  // a float32 [rows, cols] matrix with unit stride along cols
   const float* row(int64_t r) const { return p + r * row_stride; }
 };
 
-// q_n . k_s: 16 lanes, summed across at the end, then the tail.
+// q . k: 16 lanes, summed across at the end, then the tail.
 INLINE float dot_row(const float* q, const float* k, int D, int D16) {
   f32x16 acc{};
   int i = 0;
@@ -51,106 +54,152 @@ INLINE float dot_row(const float* q, const float* k, int D, int D16) {
   return dot;
 }
 
-// One query head over its key/value head: rows n of q and out, scores a buffer of S (rounded up to 16) floats.
-// Four keys at a time (four independent sums: one key's chain of FMAs and its sum across lanes had bounded the loop
-// by their latency), and the output's 64-float slices kept in registers over all keys (the loop had been bound by
-// storing and reloading them for every key). Every score and output element is summed in the same order as one key
-// and one value row at a time would. Compiled for AVX-512, AVX2 and the baseline, picked at load time.
-PER_ISA void attend_head(
-    View q, View k, View v, const float* mask, int64_t mask_stride, float* out, int64_t out_stride, int N, int S, int D,
-    int Dv, float scale, float* scores) {
-  const int D16 = D - D % 16, Dv16 = Dv - Dv % 16, S16 = (S + 15) / 16 * 16;
-  for (int n = 0; n < N; ++n) {
-    const float* qn = q.row(n);
-    const float* mn = mask ? mask + n * mask_stride : nullptr;
-    float top = -std::numeric_limits<float>::infinity();
-    int s = 0;
-    for (; s + 4 <= S; s += 4) {
-      const float *k0 = k.row(s), *k1 = k.row(s + 1), *k2 = k.row(s + 2), *k3 = k.row(s + 3);
-      f32x16 a0{}, a1{}, a2{}, a3{};
-      int i = 0;
-      for (; i < D16; i += 16) {
-        f32x16 a, b0, b1, b2, b3;
-        std::memcpy(&a, qn + i, 64);
-        std::memcpy(&b0, k0 + i, 64);
-        std::memcpy(&b1, k1 + i, 64);
-        std::memcpy(&b2, k2 + i, 64);
-        std::memcpy(&b3, k3 + i, 64);
-        a0 += a * b0;
-        a1 += a * b1;
-        a2 += a * b2;
-        a3 += a * b3;
-      }
-      float d[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
-      const float* ks[4] = {k0, k1, k2, k3};
-      for (int j = 0; j < 4; ++j) {
-        for (int t = i; t < D; ++t) d[j] += qn[t] * ks[j][t];
-        const float sc = d[j] * scale + (mn ? mn[s + j] : 0.f);
-        scores[s + j] = sc;
-        top = sc > top ? sc : top;
-      }
-    }
-    for (; s < S; ++s) {
-      const float sc = dot_row(qn, k.row(s), D, D16) * scale + (mn ? mn[s] : 0.f);
-      scores[s] = sc;
-      top = sc > top ? sc : top;
-    }
-    for (int t = S; t < S16; ++t) scores[t] = -std::numeric_limits<float>::infinity();
-    f32x16 sum{};
-    for (int t = 0; t < S16; t += 16) {
-      f32x16 e;
-      std::memcpy(&e, scores + t, 64);
-      e = exp_nonpositive(e - top);
-      std::memcpy(scores + t, &e, 64);
-      sum += e;
-    }
-    const float inv = 1.f / hsum(sum);
-    float* o = out + n * out_stride;
-    int i = 0;
-    for (; i + 64 <= Dv; i += 64) {
-      f32x16 o0{}, o1{}, o2{}, o3{};
-      for (int t = 0; t < S; ++t) {
-        const float p = scores[t];
-        if (p == 0.f) continue;  // a hidden key (mask -inf)
-        const float* vs = v.row(t) + i;
-        const f32x16 pv = f32x16{} + p;
-        f32x16 b0, b1, b2, b3;
-        std::memcpy(&b0, vs, 64);
-        std::memcpy(&b1, vs + 16, 64);
-        std::memcpy(&b2, vs + 32, 64);
-        std::memcpy(&b3, vs + 48, 64);
-        o0 += pv * b0;
-        o1 += pv * b1;
-        o2 += pv * b2;
-        o3 += pv * b3;
-      }
-      o0 *= inv;
-      o1 *= inv;
-      o2 *= inv;
-      o3 *= inv;
-      std::memcpy(o + i, &o0, 64);
-      std::memcpy(o + i + 16, &o1, 64);
-      std::memcpy(o + i + 32, &o2, 64);
-      std::memcpy(o + i + 48, &o3, 64);
-    }
-    for (; i < Dv16; i += 16) {
-      f32x16 acc{};
-      for (int t = 0; t < S; ++t) {
-        const float p = scores[t];
-        if (p == 0.f) continue;
+// Lane i of the result: the sum of the 16 lanes of a[i], added in the order of hsum (halves, then quarters...): a
+// transpose as it reduces, 30 shuffles and 15 adds for 16 sums instead of a reduction each.
+INLINE f32x16 hsum16(const f32x16* a) {
+  f32x16 r[8], t[4], w[2];
+  for (int j = 0; j < 8; ++j)
+    r[j] = __builtin_shufflevector(a[j], a[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[j], a[j + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 4; ++j)
+    t[j] = __builtin_shufflevector(r[j], r[j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(r[j], r[j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    w[j] = __builtin_shufflevector(t[j], t[j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(t[j], t[j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// The scores of one query over keys [s0, s0 + L) into `sc` (L rounded up to 16, the rest -inf), then exp(score - m)
+// in place; returns m, the largest score (-inf when the mask hides every key). Sixteen keys at a time: sixteen
+// independent sums, reduced across their lanes together (hsum16; a reduction per key had cost more than its dot
+// product at a head size of 64), each score summed in the same order as a key alone would be.
+INLINE float score_chunk(const float* qn, const float* mn, View k, int s0, int L, int D, float scale, float* sc,
+                         float& sum) {
+  const int D16 = D - D % 16, L16 = (L + 15) / 16 * 16;
+  float top = -std::numeric_limits<float>::infinity();
+  f32x16 tops = f32x16{} + top;
+  int s = 0;
+  for (; s + 16 <= L; s += 16) {
+    f32x16 acc[16] = {};
+    for (int i = 0; i < D16; i += 16) {
+      f32x16 a;
+      std::memcpy(&a, qn + i, 64);
+      for (int j = 0; j < 16; ++j) {
         f32x16 b;
-        std::memcpy(&b, v.row(t) + i, 64);
-        acc += (f32x16{} + p) * b;
+        std::memcpy(&b, k.row(s0 + s + j) + i, 64);
+        acc[j] += a * b;
       }
-      acc *= inv;
-      std::memcpy(o + i, &acc, 64);
     }
-    for (; i < Dv; ++i) {
+    f32x16 d = hsum16(acc);
+    if (D16 < D)
+      for (int j = 0; j < 16; ++j) {
+        float x = d[j];
+        const float* kj = k.row(s0 + s + j);
+        for (int t = D16; t < D; ++t) x += qn[t] * kj[t];
+        d[j] = x;
+      }
+    d *= scale;
+    if (mn) {
+      f32x16 m;
+      std::memcpy(&m, mn + s0 + s, 64);
+      d += m;
+    }
+    std::memcpy(sc + s, &d, 64);
+    tops = d > tops ? d : tops;
+  }
+  for (int j = 0; j < 16; ++j) top = tops[j] > top ? tops[j] : top;
+  for (; s < L; ++s) {
+    const float x = dot_row(qn, k.row(s0 + s), D, D16) * scale + (mn ? mn[s0 + s] : 0.f);
+    sc[s] = x;
+    top = x > top ? x : top;
+  }
+  for (int t = L; t < L16; ++t) sc[t] = -std::numeric_limits<float>::infinity();
+  f32x16 acc{};
+  if (top == -std::numeric_limits<float>::infinity()) {  // every key hidden: no weight at all
+    std::memset(sc, 0, sizeof(float) * L16);
+  } else {
+    for (int t = 0; t < L16; t += 16) {
+      f32x16 e;
+      std::memcpy(&e, sc + t, 64);
+      e = exp_nonpositive(e - top);
+      std::memcpy(sc + t, &e, 64);
+      acc += e;
+    }
+  }
+  sum = hsum(acc);
+  return top;
+}
+
+// o_j = sum over keys t of p_j[t] * v[s0 + t], for G queries at once: each value row is read once for all of them,
+// the outputs' 64-float slices kept in registers over all keys (storing and reloading them for every key had bound
+// the loop). Keys that no query sees (p = 0: masked) are skipped.
+template <int G>
+INLINE void weigh_values(const float* p, int L16, View v, int s0, int L, int Dv, float* const* o) {
+  int i = 0;
+  for (; i + 64 <= Dv; i += 64) {
+    f32x16 acc[G][4] = {};
+    for (int t = 0; t < L; ++t) {
+      float w[G];
+      bool any = false;
+      for (int j = 0; j < G; ++j) {
+        w[j] = p[j * L16 + t];
+        any |= w[j] != 0.f;
+      }
+      if (!any) continue;
+      const float* vs = v.row(s0 + t) + i;
+      f32x16 b0, b1, b2, b3;
+      std::memcpy(&b0, vs, 64);
+      std::memcpy(&b1, vs + 16, 64);
+      std::memcpy(&b2, vs + 32, 64);
+      std::memcpy(&b3, vs + 48, 64);
+      for (int j = 0; j < G; ++j) {
+        const f32x16 pv = f32x16{} + w[j];
+        acc[j][0] += pv * b0;
+        acc[j][1] += pv * b1;
+        acc[j][2] += pv * b2;
+        acc[j][3] += pv * b3;
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int r = 0; r < 4; ++r) std::memcpy(o[j] + i + 16 * r, &acc[j][r], 64);
+  }
+  for (; i + 16 <= Dv; i += 16) {
+    f32x16 acc[G] = {};
+    for (int t = 0; t < L; ++t) {
+      f32x16 b;
+      std::memcpy(&b, v.row(s0 + t) + i, 64);
+      for (int j = 0; j < G; ++j) acc[j] += (f32x16{} + p[j * L16 + t]) * b;
+    }
+    for (int j = 0; j < G; ++j) std::memcpy(o[j] + i, &acc[j], 64);
+  }
+  for (; i < Dv; ++i)
+    for (int j = 0; j < G; ++j) {
       float acc = 0.f;
-      for (int t = 0; t < S; ++t)
-        if (scores[t] != 0.f) acc += scores[t] * v.row(t)[i];
-      o[i] = acc * inv;
+      for (int t = 0; t < L; ++t) acc += p[j * L16 + t] * v.row(s0 + t)[i];
+      o[j][i] = acc;
     }
+}
+
+// Up to 4 queries of one key/value head over keys [s0, s0 + L): for query j, its largest score m (part[j][Dv]),
+// the sum l of exp(score - m) (part[j][Dv + 1]) and the unnormalized output sum exp(score - m) v (part[j][0, Dv)),
+// to be combined over the chunks of keys (Milakov and Gimelshein 2018, "Online normalizer calculation for softmax";
+// split over keys as in flash-decoding). `scores`: 4 * L rounded up to 16 floats. Compiled for AVX-512, AVX2 and the
+// baseline, picked at load time.
+PER_ISA void attend_chunk(const float* const* qs, const float* const* masks, int G, View k, View v, int s0, int L,
+                          int D, int Dv, float scale, float* scores, float* const* part) {
+  const int L16 = (L + 15) / 16 * 16;
+  for (int j = 0; j < G; ++j) {
+    float sum;
+    part[j][Dv] = score_chunk(qs[j], masks[j], k, s0, L, D, scale, scores + j * L16, sum);
+    part[j][Dv + 1] = sum;
+  }
+  switch (G) {
+    case 1: return weigh_values<1>(scores, L16, v, s0, L, Dv, part);
+    case 2: return weigh_values<2>(scores, L16, v, s0, L, Dv, part);
+    case 3: return weigh_values<3>(scores, L16, v, s0, L, Dv, part);
+    default: return weigh_values<4>(scores, L16, v, s0, L, Dv, part);
   }
 }
 
@@ -184,24 +233,77 @@ class Attend : public mx::UnaryPrimitive {
       const mx::array& q = inputs[0];
       const mx::array& k = inputs[1];
       const int H = q.shape(1), N = q.shape(2), D = q.shape(3), Hkv = k.shape(1), S = k.shape(2);
-      const int Dv = inputs[2].shape(3), rep = H / Hkv;
+      const int Dv = inputs[2].shape(3), rep = H / Hkv, Q = rep * N;  // Q: the queries of one key/value head
       float* o = out.data<float>();
-      auto head = [&](int h) {
+      // Tasks: (key/value head, chunk of keys), each chunk read once for all the head's queries. With enough work,
+      // at least 16 tasks (the threads share them evenly; one task per query head had left a core idle for a
+      // ninth of the work and read each key/value head once per query head) and chunks whose keys and values stay
+      // in L2 (about 128 KiB); never chunks under 32 keys.
+      int C = 1;
+      if (int64_t(H) * N * S * (D + Dv) >= (int64_t(1) << 16) && mlx_engine::pool_threads() > 1) {
+        C = std::max((16 + Hkv - 1) / Hkv, (S + 32767 / (D + Dv)) / std::max(1, 32768 / (D + Dv)));
+        C = std::max(1, std::min(C, S / 32));
+      }
+      const int L = (S + C - 1) / std::max(C, 1);
+      if (S > 0) C = (S + L - 1) / L;
+      const int64_t slot = Dv + 2;  // one query's partial result: Dv outputs, the maximum, the sum
+      static thread_local std::vector<float> partials;
+      partials.resize(size_t(Hkv) * C * Q * slot);
+      float* parts = partials.data();
+      auto task = [&](int t) {
         static thread_local std::vector<float> scores;
-        scores.resize((S + 15) / 16 * 16);
-        const int g = h / rep;
-        View qv{data[0] + h * st[0][1], st[0][2]};
+        scores.resize(4 * size_t((L + 15) / 16 * 16));
+        const int g = t / C, c = t % C, s0 = c * L, len = std::min(L, S - s0);
         View kv{data[1] + g * st[1][1], st[1][2]};
         View vv{data[2] + g * st[2][1], st[2][2]};
-        attend_head(qv, kv, vv, masked ? data[3] : nullptr, masked ? st[3][0] : 0, o + int64_t(h) * N * Dv, Dv, N,
-                    S, D, Dv, scale, scores.data());
+        for (int j0 = 0; j0 < Q; j0 += 4) {
+          const int G = std::min(4, Q - j0);
+          const float* qs[4];
+          const float* ms[4];
+          float* ps[4];
+          for (int j = 0; j < G; ++j) {
+            const int h = g * rep + (j0 + j) / N, n = (j0 + j) % N;
+            qs[j] = data[0] + h * st[0][1] + n * st[0][2];
+            ms[j] = masked ? data[3] + n * st[3][0] : nullptr;
+            ps[j] = parts + ((int64_t(g) * C + c) * Q + j0 + j) * slot;
+          }
+          attend_chunk(qs, ms, G, kv, vv, s0, len, D, Dv, scale, scores.data(), ps);
+        }
       };
-      // Heads over the kernels' threads once there is enough to share (a few microseconds a head).
-      if (int64_t(H) * N * S * (D + Dv) >= (int64_t(1) << 16)) {
-        mlx_engine::parallel_for(H, head);
-      } else {
-        for (int h = 0; h < H; ++h) head(h);
+      if (C * Hkv > 1) {
+        mlx_engine::parallel_for(Hkv * C, task);
+      } else if (S > 0) {
+        task(0);
       }
+      // Each query's chunks combined: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c.
+      for (int g = 0; g < Hkv; ++g)
+        for (int j = 0; j < Q; ++j) {
+          const int h = g * rep + j / N, n = j % N;
+          float* dst = o + (int64_t(h) * N + n) * Dv;
+          auto part = [&](int c) { return parts + ((int64_t(g) * C + c) * Q + j) * slot; };
+          float top = -std::numeric_limits<float>::infinity();
+          for (int c = 0; c < C && S > 0; ++c) top = std::max(top, part(c)[Dv]);
+          if (top == -std::numeric_limits<float>::infinity()) {  // no key seen
+            std::memset(dst, 0, sizeof(float) * Dv);
+            continue;
+          }
+          if (C == 1) {
+            const float inv = 1.f / part(0)[Dv + 1];
+            for (int i = 0; i < Dv; ++i) dst[i] = part(0)[i] * inv;
+            continue;
+          }
+          float den = 0.f;
+          std::memset(dst, 0, sizeof(float) * Dv);
+          for (int c = 0; c < C; ++c) {
+            const float* pc = part(c);
+            if (pc[Dv] == -std::numeric_limits<float>::infinity()) continue;
+            const float w = std::exp(pc[Dv] - top);
+            den += w * pc[Dv + 1];
+            for (int i = 0; i < Dv; ++i) dst[i] += w * pc[i];
+          }
+          const float inv = 1.f / den;
+          for (int i = 0; i < Dv; ++i) dst[i] *= inv;
+        }
     });
   }
 
