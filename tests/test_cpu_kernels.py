@@ -268,6 +268,40 @@ def test_qmatmul_many_is_each_product_alone(m):
         cpu_kernels.qmatmul_many(x, *[[w[i] for w in weights[:1]] for i in range(5)], [[m, 10]])
 
 
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("bits, scale_dtype", [(8, mx.float16), (4, mx.float32), (5, mx.float16), (4, mx.bfloat16)])
+def test_symmetric_weight_is_its_implied_biases(m, bits, scale_dtype):
+    """A weight given without biases (GGUF's Q8_0, Q4_0, Q5_0: a signed integer times its scale) is the weight whose
+    biases are -2**(bits - 1) * scales, bit for bit, on the decode path (m = 1) and the many-row path (m = 5), alone
+    and among others in one job; and an MLXQuantizedTensor without biases takes, dequantizes and multiplies as the one
+    that holds them, through Backend.compile too, holding fewer bytes."""
+    from mlx_engine.mlx import MLXBackend
+    from mlx_engine.mlx.tensor import MLXQuantizedTensor, MLXTensor
+
+    k = 576
+    q, s, _ = mx.quantize(mx.random.normal((200, k), key=mx.random.key(bits)), group_size=32, bits=bits)
+    s = s.astype(scale_dtype)
+    b = s * -(2 ** (bits - 1))
+    x = mx.random.normal((m, k), key=mx.random.key(3))
+    want = np.array(cpu_kernels.qmatmul(x, q, s, b, 32, bits))
+    assert np.array_equal(np.array(cpu_kernels.qmatmul(x, q, s, None, 32, bits)), want)
+    q2, s2, b2 = mx.quantize(mx.random.normal((48, k), key=mx.random.key(4)), group_size=32, bits=4)
+    both = cpu_kernels.qmatmul_many(x, [q2, q], [s2, s], [b2, None], [32, 32], [4, bits])
+    assert np.array_equal(np.array(both[1]), want)
+    assert np.array_equal(np.array(both[0]), np.array(cpu_kernels.qmatmul(x, q2, s2, b2, 32, 4)))
+
+    held = MLXQuantizedTensor(q, s, b, 32, bits, dtype=mx.float32)
+    implied = MLXQuantizedTensor(q, s, None, 32, bits, dtype=mx.float32)
+    assert implied.nbytes == held.nbytes - b.nbytes
+    assert np.array_equal(np.array(implied.a), np.array(held.a))
+    rows = MLXTensor(mx.array([3, 0, 199], mx.int32))
+    assert np.array_equal(np.array(implied.take(rows).a), np.array(held.take(rows).a))
+    xt = MLXTensor(x)
+    assert np.array_equal(np.array(xt.linear(implied).a), np.array(xt.linear(held).a))
+    compiled = MLXBackend.compile(None, lambda h, w: h.linear(w) * 2.0)
+    assert np.array_equal(np.array(compiled(xt, implied).a), np.array(compiled(xt, held).a))
+
+
 def test_linear_many_is_linear_of_each():
     """``Tensor.linear_many`` (one product on the CPU when every weight is quantized) equals ``linear`` per weight,
     biases included, for quantized and dense weights alike."""
@@ -329,6 +363,10 @@ def test_backend_keeps_gguf_weights_quantized_on_the_cpu(smollm2_gguf):
     try:
         w = backend.weights["blk.0.ffn_up.weight"]
         assert isinstance(w, MLXQuantizedTensor) and w.scales.dtype == mx.float16  # Q4_1: exact in float16
+        assert w.biases is not None  # Q4_1 has its own minimums
+        embed = backend.weights["token_embd.weight"]  # Q8_0: symmetric, held without biases (34 bytes per 32)
+        assert embed.bits == 8 and embed.biases is None
+        assert embed.nbytes == embed.w.nbytes + embed.scales.nbytes == embed.shape[0] * embed.shape[1] // 32 * 34
         assert "quantized kernels: " + cpu_kernels.status() in backend.name
         # resident weights: the file's tensor bytes and no more (Q4_1 with float16 scales is the same 5 bits)
         file_bytes = os.path.getsize(smollm2_gguf)

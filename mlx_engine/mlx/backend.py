@@ -234,6 +234,12 @@ def _cut(host: "np.ndarray | QuantizedArray", axis: int, start: int, stop: int) 
     return np.ascontiguousarray(host[tuple(index)])
 
 
+def _symmetric(host: QuantizedArray) -> bool:
+    """Whether every bias is ``-2**(bits - 1)`` times its scale, exactly (GGUF's Q8_0, Q4_0 and Q5_0 repacked: a
+    signed integer times its scale, stored as an unsigned one with that zero point)."""
+    return bool(np.array_equal(host.biases, host.scales * np.asarray(-(2 ** (host.bits - 1)), host.scales.dtype)))
+
+
 class MLXBackend(Backend):
     """Weights from a GGUF file, a safetensors file, or a Hugging Face folder, on an MLX device.
 
@@ -297,8 +303,10 @@ class MLXBackend(Backend):
             s, b = mx.array(host.scales), mx.array(host.biases)
             if self._device != "cpu":  # mx.quantized_matmul wants them in the compute dtype
                 s, b = s.astype(dt), b.astype(dt)
+            elif cpu_kernels.qmatmul is not None and _symmetric(host):
+                b = None  # our kernel makes them from the scales: Q8_0 held in its file's 34 bytes per 32, not 36
             t = MLXQuantizedTensor(mx.array(host.weight), s, b, host.group_size, host.bits, dtype=dt)
-            mx.eval(t.w, t.scales, t.biases)
+            mx.eval(t.w, t.scales, *([] if b is None else [b]))
             return t
         if isinstance(host, QuantizedArray):
             host = host.dequantize()  # on the host, so the device never holds both forms
@@ -357,8 +365,8 @@ class MLXBackend(Backend):
             spec, flat = [], []  # one pass: this runs twice per layer and decode step
             for t in tensors:
                 if isinstance(t, MLXQuantizedTensor):
-                    spec.append((t.group_size, t.bits, t._dtype))
-                    flat += (t.w, t.scales, t.biases)
+                    spec.append((t.group_size, t.bits, t._dtype, t.biases is None))
+                    flat += (t.w, t.scales) if t.biases is None else (t.w, t.scales, t.biases)
                 else:
                     spec.append(None)
                     flat.append(t.a)
@@ -369,7 +377,7 @@ class MLXBackend(Backend):
                 def raw(*arrays):
                     it = iter(arrays)
                     args = [MLXTensor(next(it)) if s is None else
-                            MLXQuantizedTensor(next(it), next(it), next(it), *s) for s in spec]
+                            MLXQuantizedTensor(next(it), next(it), None if s[3] else next(it), *s[:3]) for s in spec]
                     out = fn(*args)
                     returns_tuple[spec] = isinstance(out, tuple)
                     return tuple(o.a for o in out) if isinstance(out, tuple) else (out.a,)

@@ -325,7 +325,9 @@ class MLXQuantizedTensor(MLXTensor):
     ``linear`` runs our CPU kernel on the CPU (:mod:`mlx_engine.mlx.cpu_kernels`) and ``mx.quantized_matmul``
     elsewhere; ``take(axis=0)`` gathers rows and dequantizes them; any other operation works on the dequantized
     values. Scales and biases may be stored in a narrower dtype than ``dtype`` (float16 where that is exact); they
-    are widened to ``dtype`` before any arithmetic, so dequantized values are exact in ``dtype``.
+    are widened to ``dtype`` before any arithmetic, so dequantized values are exact in ``dtype``. ``biases`` None: a
+    symmetric weight (GGUF's Q8_0, Q4_0, Q5_0), whose biases are ``-2**(bits - 1) * scales`` (exact: a power of
+    two), made where needed instead of held (our CPU kernel makes them per row).
     """
 
     __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape", "_dtype")
@@ -341,10 +343,13 @@ class MLXQuantizedTensor(MLXTensor):
 
     def float_scales(self, rows=None):
         """Scales and biases (of ``rows``, an index, or all) in :attr:`dtype`."""
-        s, b = (self.scales, self.biases) if rows is None else (self.scales[rows], self.biases[rows])
+        s = self.scales if rows is None else self.scales[rows]
         if s.dtype != self._dtype:
-            s, b = s.astype(self._dtype), b.astype(self._dtype)
-        return s, b
+            s = s.astype(self._dtype)
+        if self.biases is None:
+            return s, s * -(2 ** (self.bits - 1))
+        b = self.biases if rows is None else self.biases[rows]
+        return s, (b if b.dtype == self._dtype else b.astype(self._dtype))
 
     @property
     def a(self):
@@ -364,7 +369,7 @@ class MLXQuantizedTensor(MLXTensor):
 
     @property
     def nbytes(self):
-        return self.w.nbytes + self.scales.nbytes + self.biases.nbytes
+        return self.w.nbytes + self.scales.nbytes + (0 if self.biases is None else self.biases.nbytes)
 
     def take(self, indices, axis=0):
         if axis != 0:

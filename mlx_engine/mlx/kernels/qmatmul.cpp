@@ -51,7 +51,7 @@ struct Problem {
   const float* x;  // [M, K], for 4-bit weights reordered per 32 elements (see prepare_x)
   const uint8_t* w;  // [N, K * bits / 8]
   const void* scales;  // [N, K / group_size]
-  const void* biases;  // [N, K / group_size]
+  const void* biases;  // [N, K / group_size], or null: the zero point 2**(bits - 1), bias = -2**(bits - 1) * scale
   float* out;  // [M, N]
   int M, N, K, group_size, bits, scale_type;
 };
@@ -182,10 +182,13 @@ void qmatmul_run(std::vector<Problem>& ps) {
 class QMatmul : public mx::Primitive {
  public:
   // out_shapes: empty, or each output's shape as given to qmatmul_many
-  QMatmul(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, std::vector<mx::Shape> out_shapes)
+  // symmetric[i]: weight i has no biases (its scales stand in their place among the inputs), see Problem::biases
+  QMatmul(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, std::vector<bool> symmetric,
+          std::vector<mx::Shape> out_shapes)
       : mx::Primitive(stream),
         group_sizes_(std::move(group_sizes)),
         bits_(std::move(bits)),
+        symmetric_(std::move(symmetric)),
         out_shapes_(std::move(out_shapes)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -193,7 +196,7 @@ class QMatmul : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     for (auto& out : outputs) encoder.set_output_array(out);
-    encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_]() mutable {
+    encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_, symmetric = symmetric_]() mutable {
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
       if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
       std::vector<const void*> data(inputs.size());
@@ -206,7 +209,7 @@ class QMatmul : public mx::Primitive {
         p.x = static_cast<const float*>(data[0]);
         p.w = static_cast<const uint8_t*>(data[1 + 3 * i]);
         p.scales = data[2 + 3 * i];
-        p.biases = data[3 + 3 * i];
+        p.biases = symmetric[i] ? nullptr : data[3 + 3 * i];
         p.out = outputs[i].data<float>();
         p.N = inputs[1 + 3 * i].shape(0);
         p.K = x.shape(-1);
@@ -227,7 +230,8 @@ class QMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && out_shapes_ == o.out_shapes_;
+    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ &&
+           out_shapes_ == o.out_shapes_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -243,12 +247,13 @@ class QMatmul : public mx::Primitive {
 
  private:
   std::vector<int> group_sizes_, bits_;
+  std::vector<bool> symmetric_;
   std::vector<mx::Shape> out_shapes_;
 };
 
 // The checks of one weight against x [..., K]; returns N.
 int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                 int group_size, int bits) {
+                 int group_size, int bits) {  // (biases: the scales again for a symmetric weight)
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("qmatmul: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   if (group_size != 32 && group_size != 64 && group_size != 128)
@@ -270,7 +275,8 @@ int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales
 // `out_shapes` (optional): the shape of each output, of the same size as x.shape[:-1] + [N_i] (its row-major
 // elements are those; a decode step's queries come out as [1, heads, 1, head_dim], with no reshape node).
 std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::array>& ws,
-                                    const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
+                                    const std::vector<mx::array>& scales,
+                                    const std::vector<std::optional<mx::array>>& biases,
                                     const std::vector<int>& group_sizes, const std::vector<int>& bits,
                                     const std::optional<std::vector<std::vector<int>>>& out_shapes) {
   const size_t n = ws.size();
@@ -281,9 +287,12 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
   mx::Stream s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs{mx::astype(x, mx::float32, s)};
   std::vector<mx::Shape> shapes;
+  std::vector<bool> symmetric(n);
   for (size_t i = 0; i < n; ++i) {
+    symmetric[i] = !biases[i].has_value();
+    const mx::array& b = biases[i] ? *biases[i] : scales[i];
     mx::Shape shape = x.shape();
-    shape.back() = check_weight(x, ws[i], scales[i], biases[i], group_sizes[i], bits[i]);
+    shape.back() = check_weight(x, ws[i], scales[i], b, group_sizes[i], bits[i]);
     if (out_shapes) {
       mx::Shape given((*out_shapes)[i].begin(), (*out_shapes)[i].end());
       int64_t want = 1, got = 1;
@@ -298,19 +307,19 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
       shape = given;
     }
     shapes.push_back(shape);
-    inputs.insert(inputs.end(), {ws[i], scales[i], biases[i]});
+    inputs.insert(inputs.end(), {ws[i], scales[i], b});
   }
   // No graph node beyond the products themselves (the primitive takes its inputs in any layout).
   auto ys = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(n, mx::float32),
-                                   std::make_shared<QMatmul>(s, group_sizes, bits,
+                                   std::make_shared<QMatmul>(s, group_sizes, bits, symmetric,
                                                              out_shapes ? shapes : std::vector<mx::Shape>{}),
                                    inputs);
   for (auto& y : ys) y = mx::astype(y, x.dtype(), s);
   return ys;
 }
 
-mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                  int group_size, int bits) {
+mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                  const std::optional<mx::array>& biases, int group_size, int bits) {
   return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits}, std::nullopt)[0];
 }
 
@@ -323,12 +332,14 @@ void register_activation(nb::module_& m);  // activation.cpp
 
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
-  m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+  m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(),
         nb::arg("group_size"), nb::arg("bits"),
-        "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream.");
+        "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream; biases None: "
+        "-2**(bits - 1) * scales (a symmetric weight).");
   m.def("qmatmul_many", &qmatmul_many, nb::arg("x"), nb::arg("ws"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_sizes"), nb::arg("bits"), nb::arg("out_shapes") = nb::none(),
-        "[x @ dequantize(w_i, scales_i, biases_i).T for each weight], as one graph node and one parallel job; "
+        "[x @ dequantize(w_i, scales_i, biases_i).T for each weight], as one graph node and one parallel job "
+        "(a biases_i of None: -2**(bits_i - 1) * scales_i); "
         "out_shapes: each result's shape (its elements in row-major order), instead of x.shape[:-1] + [N_i].");
   register_rope(m);
   register_attention(m);
