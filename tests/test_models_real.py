@@ -196,7 +196,10 @@ def test_stream_stop_strings_limits_and_seeds(pair):
 
 def test_8bit_kv_cache_on_a_real_model(smollm2_gguf, record_property):
     """8-bit affine KV storage (group 64) stays close to the float cache: measured 1.6% of the largest logit on this
-    prompt; the bound is 3%. It gives the same greedy answer."""
+    prompt; the bound is 3%. Along the float cache's greedy answer it makes the same choice at every token where that
+    choice is clear: a margin between the two best logits above twice the bound. (A closer choice may go either way:
+    the answer's first token, "The" over "L", leads by 0.3% of the largest logit, and which way the 8-bit cache takes
+    it depends on the BLAS's rounding in the prompt's attention: MLX's reference BLAS and OpenBLAS differ there.)"""
     from mlx_engine.models.runner import logits_for
 
     base = mlx_engine.load(str(smollm2_gguf), progress=False)
@@ -208,7 +211,19 @@ def test_8bit_kv_cache_on_a_real_model(smollm2_gguf, record_property):
     record_property("kv8_rel_logit_error", err)
     assert err <= 0.03 and a.argmax() == b.argmax()
     question = "What is the capital of France?"
-    assert "Paris" in quant.generate(question, max_tokens=16) == base.generate(question, max_tokens=16)
+    assert "Paris" in base.generate(question, max_tokens=16)
+    tokens, clear = base.prompt_tokens(question), 0
+    for _ in range(12):
+        a = logits_for(base.text_model, base.runner, tokens)
+        b = logits_for(quant.text_model, quant.runner, tokens)
+        top2 = np.sort(a)[-2:]
+        if top2[1] - top2[0] > 2 * 0.03 * np.abs(a).max():
+            clear += 1
+            assert b.argmax() == a.argmax(), base.tokenizer.decode(tokens[-8:])
+        tokens.append(int(a.argmax()))
+    record_property("kv8_clear_tokens", clear)
+    assert clear >= 6  # most of the answer's tokens are clear choices
+    assert quant.generate(question, max_tokens=16).strip()
     assert quant.runner.cache.nbytes() < 0.3 * base.runner.cache.nbytes()
 
 
