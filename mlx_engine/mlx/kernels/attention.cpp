@@ -241,7 +241,8 @@ class Attend : public mx::UnaryPrimitive {
       // in L2 (about 128 KiB); never chunks under 32 keys.
       int C = 1;
       if (int64_t(H) * N * S * (D + Dv) >= (int64_t(1) << 16) && mlx_engine::pool_threads() > 1) {
-        C = std::max((16 + Hkv - 1) / Hkv, (S + 32767 / (D + Dv)) / std::max(1, 32768 / (D + Dv)));
+        const int max_len = std::max(32, 32768 / (D + Dv));  // keys of 128 KiB of float32 keys and values
+        C = std::max((16 + Hkv - 1) / Hkv, (S + max_len - 1) / max_len);
         C = std::max(1, std::min(C, S / 32));
       }
       const int L = (S + C - 1) / std::max(C, 1);
@@ -275,7 +276,8 @@ class Attend : public mx::UnaryPrimitive {
       } else if (S > 0) {
         task(0);
       }
-      // Each query's chunks combined: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c.
+      // Each query's chunks combined: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c (one
+      // chunk: its weight is exactly 1, so out = o / l).
       for (int g = 0; g < Hkv; ++g)
         for (int j = 0; j < Q; ++j) {
           const int h = g * rep + j / N, n = j % N;
@@ -285,11 +287,6 @@ class Attend : public mx::UnaryPrimitive {
           for (int c = 0; c < C && S > 0; ++c) top = std::max(top, part(c)[Dv]);
           if (top == -std::numeric_limits<float>::infinity()) {  // no key seen
             std::memset(dst, 0, sizeof(float) * Dv);
-            continue;
-          }
-          if (C == 1) {
-            const float inv = 1.f / part(0)[Dv + 1];
-            for (int i = 0; i < Dv; ++i) dst[i] = part(0)[i] * inv;
             continue;
           }
           float den = 0.f;
