@@ -81,9 +81,13 @@ def test_quick_json_figures_are_consistent(quick_run, smollm2_gguf):
     # a decode step reads about every weight held (the embedding table is the tied output head)
     assert 0.95 * ours["weights_bytes"] <= ours["bytes_per_token"] <= 1.1 * ours["weights_bytes"]
     assert ours["peak_memory"] >= ours["weights_bytes"]
-    # perplexity: our float32 activations on the exact weights and mlx-lm's float32 model agree closely; llama.cpp
-    # (8-bit activations) is near
-    assert ours["perplexity"] == pytest.approx(d["peers"]["mlx-lm"]["perplexity"], rel=1e-3)
+    # perplexity: with float32 activations, ours on the exact weights and mlx-lm's float32 model agree closely; with
+    # int8 activations (llama.cpp's Q8 blocks; the default where AVX-512 VNNI runs them) ours moves about as far from
+    # the float model as llama.cpp does; both stay near llama.cpp
+    if "int8 activations" in d["device"]:
+        assert ours["perplexity"] == pytest.approx(d["peers"]["mlx-lm"]["perplexity"], rel=0.03)
+    else:
+        assert ours["perplexity"] == pytest.approx(d["peers"]["mlx-lm"]["perplexity"], rel=1e-3)
     assert ours["perplexity"] == pytest.approx(d["peers"]["llama.cpp"]["perplexity"], rel=0.05)
     assert ours["long_context_ratio"] == pytest.approx(ours["decode_ctx_long"] / ours["decode_ctx_short"], rel=1e-9)
     assert ours["chat_turn_ratio"] == pytest.approx(ours["chat_ttft_turn10"] / ours["chat_ttft_turn1"], rel=1e-9)

@@ -268,9 +268,15 @@ def test_qmatmul_many_is_each_product_alone(m):
         cpu_kernels.qmatmul_many(x, *[[w[i] for w in weights[:1]] for i in range(5)], [[m, 10]])
 
 
+@pytest.fixture
+def float_activations(monkeypatch):
+    """The engine's products with float32 activations (the exact product of x with the dequantized weight)."""
+    monkeypatch.setattr(cpu_kernels, "activations", "float32")
+
+
 @pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("bits, scale_dtype", [(8, mx.float16), (4, mx.float32), (5, mx.float16), (4, mx.bfloat16)])
-def test_symmetric_weight_is_its_implied_biases(m, bits, scale_dtype):
+def test_symmetric_weight_is_its_implied_biases(m, bits, scale_dtype, float_activations):
     """A weight given without biases (GGUF's Q8_0, Q4_0, Q5_0: a signed integer times its scale) is the weight whose
     biases are -2**(bits - 1) * scales, bit for bit, on the decode path (m = 1) and the many-row path (m = 5), alone
     and among others in one job; and an MLXQuantizedTensor without biases takes, dequantizes and multiplies as the one
@@ -302,6 +308,92 @@ def test_symmetric_weight_is_its_implied_biases(m, bits, scale_dtype):
     assert np.array_equal(np.array(compiled(xt, implied).a), np.array(compiled(xt, held).a))
 
 
+def _int8_reference(x, q, s, b, group_size, bits):
+    """float64 oracle of qmatmul's int8 activations, from its definition (qmatmul_int8.inc; llama.cpp's Q8_0
+    activations, ggml-quants.c quantize_row_q8_0): x per 32 elements as d = max|x| / 127, x_q = round(x / d); integer
+    sums of w_q * x_q per 32 (of (w_q - 2**(bits - 1)) * x_q for a symmetric weight, b None) times scale * d; plus
+    each bias times the sum of x's rounded values d * x_q over its group."""
+    x = np.array(x, np.float32)
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    d = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    xq = np.rint(blocks * inv[..., None]).astype(np.int64)
+    ones = mx.ones(s.shape, mx.float32)
+    wq = np.array(mx.dequantize(q, ones, 0 * ones, group_size=group_size, bits=bits)).astype(np.int64)
+    if b is None:
+        wq -= 2 ** (bits - 1)
+    sums = np.einsum("mbj,nbj->mnb", xq, wq.reshape(wq.shape[0], k // 32, 32)).astype(np.float64)
+    scale = np.repeat(np.array(s.astype(mx.float32), np.float64), group_size // 32, axis=1)
+    out = np.einsum("mnb,nb,mb->mn", sums, scale, d.astype(np.float64))
+    if b is not None:
+        rounded = (xq * d[..., None].astype(np.float64)).reshape(m, k // group_size, group_size)
+        out += rounded.sum(-1) @ np.array(b.astype(mx.float32), np.float64).T
+    return out
+
+
+int8_here = pytest.mark.skipif(
+    not __import__("importlib").import_module("mlx_engine.mlx._kernels").int8_supported(),
+    reason="the int8 kernel needs AVX-512 VNNI, which this CPU lacks")
+
+
+@int8_here
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", ["float32", "float16", "bfloat16"])
+def test_int8_activations_are_their_definition(bits, group_size, scale_dtype):
+    """activations="int8" against its float64 oracle: for every width, group size and scale dtype, with and without
+    biases, row lengths with and without a partial last register (576: 4.5 x 128; 160: 2.5 x 64), and rows of x for
+    decode (1, 3), the tiles (4, 8) and their remainders (9)."""
+    rng = np.random.default_rng(bits * 1000 + group_size)
+    dt = getattr(mx, scale_dtype)
+    for k in (640, 576 if group_size <= 64 else 384, 160 if group_size == 32 else 128):
+        w = mx.array(rng.standard_normal((37, k)).astype(np.float32))
+        q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+        s, b = s.astype(dt), b.astype(dt)
+        for m in (1, 3, 4, 9):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            x[0, :32] = 0  # a block of zeros (d = 0)
+            x = mx.array(x)
+            for biases in (b, None):
+                got = np.array(cpu_kernels.qmatmul(x, q, s, biases, group_size, bits, "int8"))
+                want = _int8_reference(x, q, s, biases, group_size, bits)
+                # float32 sums of exact integer sums: a few ulps of the largest partial sums
+                np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+@int8_here
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_int8_activations_stay_within_their_rounding(bits):
+    """Against the exact float product, the int8 result is off by at most what rounding x to its blocks' grids can
+    give: sum_j |w_j| * d(j) / 2, d(j) = max|x| / 127 over element j's block (plus float32 rounding)."""
+    rng = np.random.default_rng(bits)
+    k = 640
+    q, s, b = mx.quantize(mx.array(rng.standard_normal((64, k)).astype(np.float32)), group_size=32, bits=bits)
+    x = rng.standard_normal((5, k)).astype(np.float32) * np.exp(rng.standard_normal((5, k))).astype(np.float32)
+    want = _reference(mx.array(x), q, s, b, 32, bits)
+    got = np.array(cpu_kernels.qmatmul(mx.array(x), q, s, b, 32, bits, "int8"))
+    w = np.array(mx.dequantize(q, s, b, group_size=32, bits=bits), np.float64)
+    d = np.repeat(np.abs(x.reshape(5, k // 32, 32)).max(-1) / 127, 32, axis=1)
+    bound = (d / 2) @ np.abs(w).T + 1e-5 * np.abs(want).max()
+    assert np.all(np.abs(got - want) <= bound)
+    assert np.abs(got - want).max() > 0  # (x was rounded: the check above can fail)
+
+
+def test_engine_activations_follow_the_environment():
+    """float32 activations by default; MLX_ENGINE_ACTIVATIONS=int8 turns int8 on where the kernel runs."""
+    import importlib
+
+    int8 = importlib.import_module("mlx_engine.mlx._kernels").int8_supported()
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENGINE_ACTIVATIONS"}
+    out = subprocess.run([sys.executable, "-c", "from mlx_engine.mlx import cpu_kernels as k; print(k.status())"],
+                         env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().endswith(", float32 activations")
+    asked = _status_in_subprocess({"MLX_ENGINE_ACTIVATIONS": "int8"})
+    assert asked.endswith(", int8 activations" if int8 else ", float32 activations")
+    assert "is neither int8 nor float32" in _status_in_subprocess({"MLX_ENGINE_ACTIVATIONS": "fp8"})
+
+
 def test_linear_many_is_linear_of_each():
     """``Tensor.linear_many`` (one product on the CPU when every weight is quantized) equals ``linear`` per weight,
     biases included, for quantized and dense weights alike."""
@@ -330,6 +422,7 @@ def test_linear_many_is_linear_of_each():
     (dict(group_size=16), "group_size must be"),
     (dict(k=100), "last axis must be"),
     (dict(scale_shape=(5, 3)), "scales and biases"),
+    (dict(activations="bf16"), "activations must be"),
 ])
 def test_qmatmul_rejects_bad_arguments(args, message):
     q, s, b = mx.quantize(mx.ones((8, 64)), group_size=32, bits=4)
@@ -337,7 +430,8 @@ def test_qmatmul_rejects_bad_arguments(args, message):
     if "scale_shape" in args:
         s = mx.ones(args["scale_shape"])
     with pytest.raises(ValueError, match=message):
-        cpu_kernels.qmatmul(x, q, s, b, args.get("group_size", 32), args.get("bits", 4))
+        cpu_kernels.qmatmul(x, q, s, b, args.get("group_size", 32), args.get("bits", 4),
+                            args.get("activations", "float32"))
 
 
 def _status_in_subprocess(env: dict[str, str]) -> str:
@@ -352,7 +446,7 @@ def test_kernels_can_be_turned_off():
 
 
 def test_thread_count_follows_the_environment():
-    assert _status_in_subprocess({"MLX_ENGINE_CPU_THREADS": "1"}).endswith(", 1 threads")
+    assert ", 1 threads, " in _status_in_subprocess({"MLX_ENGINE_CPU_THREADS": "1"})
 
 
 def test_backend_keeps_gguf_weights_quantized_on_the_cpu(smollm2_gguf):

@@ -102,7 +102,8 @@ class MLXTensor(Tensor):
     def linear(self, weight, bias=None):
         if isinstance(weight, MLXQuantizedTensor):
             if runtime.on_cpu and cpu_kernels.qmatmul is not None:
-                y = cpu_kernels.qmatmul(self.a, weight.w, weight.scales, weight.biases, weight.group_size, weight.bits)
+                y = cpu_kernels.qmatmul(self.a, weight.w, weight.scales, weight.biases, weight.group_size, weight.bits,
+                                        cpu_kernels.activations)
             else:
                 y = mx.quantized_matmul(self.a, weight.w, *weight.float_scales(), transpose=True,
                                         group_size=weight.group_size, bits=weight.bits)
@@ -124,7 +125,8 @@ class MLXTensor(Tensor):
             ys = cpu_kernels.qmatmul_many(self.a, [w.w for w in weights], [w.scales for w in weights],
                                           [w.biases for w in weights], [w.group_size for w in weights],
                                           [w.bits for w in weights],
-                                          None if shapes is None else [list(shape) for shape in shapes])
+                                          None if shapes is None else [list(shape) for shape in shapes],
+                                          cpu_kernels.activations)
             biases = biases if biases is not None else [None] * len(weights)
             return [MLXTensor(y if b is None else y + b.a) for y, b in zip(ys, biases)]
         return super().linear_many(weights, biases, shapes)

@@ -17,6 +17,8 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -54,6 +56,7 @@ struct Problem {
   const void* biases;  // [N, K / group_size], or null: the zero point 2**(bits - 1), bias = -2**(bits - 1) * scale
   float* out;  // [M, N]
   int M, N, K, group_size, bits, scale_type;
+  const void* qx = nullptr;  // x quantized to int8 (vnni::QX), for the int8 kernel
 };
 
 // IEEE half -> float, exact for every value (the 2**112 product rescales normals and subnormals alike).
@@ -89,6 +92,12 @@ namespace avx2 {
 }
 #undef QMM_AVX2
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,fma,f16c,avx2,bmi2")
+namespace vnni {
+#include "qmatmul_int8.inc"
+}
+#pragma GCC pop_options
 #endif
 namespace generic {
 #include "qmatmul_rows.inc"
@@ -108,6 +117,15 @@ std::string isa() {
   return "neon";
 #else
   return "generic";
+#endif
+}
+
+// Whether this CPU has the int8 kernel (AVX-512 with VNNI).
+bool int8_supported() {
+#ifdef X86_KERNELS
+  return isa() == "avx512" && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
 #endif
 }
 
@@ -142,14 +160,25 @@ const float* prepare_x(const float* x, int M, int K, int bits) {
 // Products of one x with several weights (a layer's q, k and v share x) as one parallel job: output rows in units of
 // 16 over all the products, in chunks claimed by whichever thread is free (pool.h). A product too small to be worth a
 // second thread on its own (a decode step's k and v) is split with the rest.
-void qmatmul_run(std::vector<Problem>& ps) {
+// int8: x quantized to int8 and the int8 kernel, where the CPU has it.
+void qmatmul_run(std::vector<Problem>& ps, bool int8) {
   const int M = ps[0].M, K = ps[0].K;
-  const float* reordered = nullptr;
-  for (auto& p : ps) {
-    if (p.bits == 4 && !reordered) reordered = prepare_x(p.x, M, K, 4);
-    if (p.bits == 4) p.x = reordered;
-  }
   RowsFn rows = rows_for_cpu();
+#ifdef X86_KERNELS
+  static const bool vnni_here = int8_supported();
+  if (int8 && vnni_here) {
+    const void* qx = &vnni::quantize_x(ps[0].x, M, K);
+    for (auto& p : ps) p.qx = qx;
+    rows = &vnni::rows;
+  } else
+#endif
+  {
+    const float* reordered = nullptr;
+    for (auto& p : ps) {
+      if (p.bits == 4 && !reordered) reordered = prepare_x(p.x, M, K, 4);
+      if (p.bits == 4) p.x = reordered;
+    }
+  }
   static const int64_t min_work =
       std::getenv("MLX_ENGINE_MIN_WORK") ? std::atoll(std::getenv("MLX_ENGINE_MIN_WORK")) : 1 << 17;
   std::vector<int> first(ps.size() + 1, 0);  // each product's first unit
@@ -183,20 +212,23 @@ class QMatmul : public mx::Primitive {
  public:
   // out_shapes: empty, or each output's shape as given to qmatmul_many
   // symmetric[i]: weight i has no biases (its scales stand in their place among the inputs), see Problem::biases
+  // int8: x quantized to int8 (see qmatmul_int8.inc) where the CPU has the kernel
   QMatmul(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, std::vector<bool> symmetric,
-          std::vector<mx::Shape> out_shapes)
+          std::vector<mx::Shape> out_shapes, bool int8)
       : mx::Primitive(stream),
         group_sizes_(std::move(group_sizes)),
         bits_(std::move(bits)),
         symmetric_(std::move(symmetric)),
-        out_shapes_(std::move(out_shapes)) {}
+        out_shapes_(std::move(out_shapes)),
+        int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     for (auto& out : outputs) encoder.set_output_array(out);
-    encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_, symmetric = symmetric_]() mutable {
+    encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_, symmetric = symmetric_,
+                      int8 = int8_]() mutable {
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
       if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
       std::vector<const void*> data(inputs.size());
@@ -218,7 +250,7 @@ class QMatmul : public mx::Primitive {
         p.bits = bits[i];
         p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
       }
-      qmatmul_run(ps);
+      qmatmul_run(ps, int8);
     });
   }
 
@@ -231,7 +263,7 @@ class QMatmul : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
     return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ &&
-           out_shapes_ == o.out_shapes_;
+           out_shapes_ == o.out_shapes_ && int8_ == o.int8_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -249,6 +281,7 @@ class QMatmul : public mx::Primitive {
   std::vector<int> group_sizes_, bits_;
   std::vector<bool> symmetric_;
   std::vector<mx::Shape> out_shapes_;
+  bool int8_;
 };
 
 // The checks of one weight against x [..., K]; returns N.
@@ -278,7 +311,10 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
                                     const std::vector<mx::array>& scales,
                                     const std::vector<std::optional<mx::array>>& biases,
                                     const std::vector<int>& group_sizes, const std::vector<int>& bits,
-                                    const std::optional<std::vector<std::vector<int>>>& out_shapes) {
+                                    const std::optional<std::vector<std::vector<int>>>& out_shapes,
+                                    const std::string& activations) {
+  if (activations != "float32" && activations != "int8")
+    throw std::invalid_argument("qmatmul: activations must be \"float32\" or \"int8\", not \"" + activations + "\"");
   const size_t n = ws.size();
   if (n == 0 || scales.size() != n || biases.size() != n || group_sizes.size() != n || bits.size() != n ||
       (out_shapes && out_shapes->size() != n))
@@ -312,15 +348,16 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
   // No graph node beyond the products themselves (the primitive takes its inputs in any layout).
   auto ys = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(n, mx::float32),
                                    std::make_shared<QMatmul>(s, group_sizes, bits, symmetric,
-                                                             out_shapes ? shapes : std::vector<mx::Shape>{}),
+                                                             out_shapes ? shapes : std::vector<mx::Shape>{},
+                                                             activations == "int8"),
                                    inputs);
   for (auto& y : ys) y = mx::astype(y, x.dtype(), s);
   return ys;
 }
 
 mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                  const std::optional<mx::array>& biases, int group_size, int bits) {
-  return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits}, std::nullopt)[0];
+                  const std::optional<mx::array>& biases, int group_size, int bits, const std::string& activations) {
+  return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits}, std::nullopt, activations)[0];
 }
 
 }  // namespace
@@ -333,11 +370,13 @@ void register_activation(nb::module_& m);  // activation.cpp
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(),
-        nb::arg("group_size"), nb::arg("bits"),
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("activations") = "float32",
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream; biases None: "
-        "-2**(bits - 1) * scales (a symmetric weight).");
+        "-2**(bits - 1) * scales (a symmetric weight); activations \"int8\": x quantized per 32 elements to int8 "
+        "first (llama.cpp's Q8_0), where int8_supported().");
   m.def("qmatmul_many", &qmatmul_many, nb::arg("x"), nb::arg("ws"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_sizes"), nb::arg("bits"), nb::arg("out_shapes") = nb::none(),
+        nb::arg("activations") = "float32",
         "[x @ dequantize(w_i, scales_i, biases_i).T for each weight], as one graph node and one parallel job "
         "(a biases_i of None: -2**(bits_i - 1) * scales_i); "
         "out_shapes: each result's shape (its elements in row-major order), instead of x.shape[:-1] + [N_i].");
@@ -347,6 +386,7 @@ NB_MODULE(_kernels, m) {
   register_activation(m);
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
+  m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI).");
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);
 }
