@@ -6,7 +6,7 @@
 // number, its size and the next index, so a worker that wakes late can neither claim an index of a finished job nor
 // read the function of the next one before that job is published. Workers spin for a short while after a job (a
 // decode step runs a few hundred small jobs back to back, and waking a sleeping thread costs more than one of them),
-// then sleep on a condition variable.
+// yielding their core to any other thread that wants it, then sleep on a condition variable.
 #include "pool.h"
 
 #include <algorithm>
@@ -109,7 +109,10 @@ class Pool {
       auto start = std::chrono::steady_clock::now();
       int spins = 0;
       while (epoch_.load(std::memory_order_acquire) == seen) {
-        cpu_relax();
+        // yield, not pause: on a machine with as many threads as cores, Python's thread (building the next decode
+        // step) and MLX's wait for a core that a spinning worker holds (measured: smollm2 decode about a tenth
+        // faster, gemma3 unchanged)
+        std::this_thread::yield();
         if (++spins % 64) continue;
         if (std::chrono::steady_clock::now() - start < spin_) continue;
         std::unique_lock<std::mutex> lk(mu_);
