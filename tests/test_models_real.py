@@ -240,9 +240,9 @@ def _int8_supported() -> bool:
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_int8_activations_have_llama_cpps_perplexity(name, request, monkeypatch, record_property):
     """With int8 activations (MLX_ENGINE_ACTIVATIONS=int8: llama.cpp's Q8 blocks) the perplexity of the bench's fixed
-    text (its first 512 tokens, as the bench scores) is within 1 % of llama.cpp's on the same file (measured: smollm2 10.363 against 10.304, gemma3
-    2.4338 against 2.4170; with float32 activations 10.389 and 2.3305, as mlx-lm's float model), and greedy text
-    stays text."""
+    text (its first 512 tokens, as the bench scores) is within 1 % of llama.cpp's on the same file (measured: smollm2
+    10.363 against 10.304, gemma3 2.4338 against 2.4170; with float32 activations 10.389 and 2.3305, as mlx-lm's
+    float model), and greedy text stays text."""
     import math
 
     from mlx_engine.bench.llama_cpp_peer import LlamaCppPeer
