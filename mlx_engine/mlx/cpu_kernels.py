@@ -6,7 +6,8 @@
 and tanh-form GELU, vectorized; times a gated MLP's up projection) are None when the module is missing (not built:
 no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one
 installed, or fails its self-test; then quantized weights run through MLX's own operations and
-:func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time.
+:func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time. ``activations`` says what the
+engine's products do with x (float32, or int8 with ``MLX_ENGINE_ACTIVATIONS=int8``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,24 @@ def _self_test(fn, many) -> str | None:
         err = mx.abs(g - want).max().item()
         if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
             return f"{bits}-bit product off by {err:.3g} among several of one x"
+    return None
+
+
+def _int8_self_test(fn) -> str | None:
+    """int8 activations compute x_hat @ w.T, x_hat = d * round(x / d) per 32 elements (d = max|x| / 127): the
+    integer sums are exact, the biases meet x_hat's sums. Checked against MLX's float product with x_hat, with and
+    without biases; None when they agree."""
+    x = mx.random.normal((5, 160), key=mx.random.key(11))
+    d = mx.abs(x.reshape(5, 5, 32)).max(axis=-1, keepdims=True) / 127
+    x_hat = (mx.round(x.reshape(5, 5, 32) * (1 / d)) * d).reshape(5, 160)
+    for bits in (4, 5, 8):
+        q, s, b = mx.quantize(mx.random.normal((24, 160), key=mx.random.key(bits)), group_size=32, bits=bits)
+        for biases in (b, None):
+            w = mx.dequantize(q, s, s * -(2 ** (bits - 1)) if biases is None else biases, group_size=32, bits=bits)
+            want = x_hat @ w.T
+            err = mx.abs(fn(x, q, s, biases, 32, bits, "int8") - want).max().item()
+            if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
+                return f"{bits}-bit product with int8 activations off by {err:.3g}"
     return None
 
 
@@ -158,10 +177,17 @@ def _load() -> None:
                                                  _kernels.attend)
     rms_norm, add_rms_norm, activation = _kernels.rms_norm, _kernels.add_rms_norm, _kernels.activation
     asked = os.environ.get("MLX_ENGINE_ACTIVATIONS", "float32").lower()
-    activations = "int8" if asked == "int8" and _kernels.int8_supported() else "float32"
-    _status = f"{_kernels.isa()}, {_kernels.threads()} threads, {activations} activations"
-    if asked not in ("int8", "float32"):
-        _status += f" (MLX_ENGINE_ACTIVATIONS={asked!r} is neither int8 nor float32)"
+    note = ""
+    if asked == "int8" and not _kernels.int8_supported():
+        note = " (int8 needs AVX-512 VNNI, which this CPU lacks)"
+    elif asked == "int8":
+        with mx.stream(mx.cpu):
+            problem = _int8_self_test(_kernels.qmatmul)
+        note = f" (int8 failed its self-test: {problem})" if problem else ""
+        activations = "float32" if problem else "int8"
+    elif asked != "float32":
+        note = f" (MLX_ENGINE_ACTIVATIONS={asked!r} is neither int8 nor float32)"
+    _status = f"{_kernels.isa()}, {_kernels.threads()} threads, {activations} activations{note}"
 
 
 def status() -> str:
