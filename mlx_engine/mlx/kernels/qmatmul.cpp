@@ -7,8 +7,9 @@
 // By default the activations stay float32: the result is the float32 product of x with the exactly dequantized
 // weight (only the order of the sums differs from a dense matmul), so a lossless repack of a GGUF file gives the
 // tokens of the float path. With activations="int8" (where the CPU has AVX-512 VNNI) x is quantized as llama.cpp
-// quantizes it and the sums are integer ones (qmatmul_int8.inc). Why our own: MLX's CPU quantized_matmul is 2.4x slower than float32 for one row and 42x for 512 rows
-// (measured on this project's machines); a decode step reads every weight once, so its speed is the weight's bytes.
+// quantizes it and the sums are integer ones (qmatmul_int8.inc). Why our own: MLX's CPU quantized_matmul is 2.4x
+// slower than float32 for one row and 42x for 512 rows (measured on this project's machines); a decode step reads
+// every weight once, so its speed is the weight's bytes.
 //
 // Vectorized with GCC/Clang vector extensions (16 float lanes: one AVX-512 register, two AVX2 registers, four NEON
 // registers); on x86-64 the row kernel is compiled for x86-64-v4 (AVX-512), v3 (AVX2 + FMA) and the baseline, and
