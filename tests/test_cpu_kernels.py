@@ -17,6 +17,12 @@ mx = pytest.importorskip("mlx.core")
 from mlx_engine.mlx import cpu_kernels  # noqa: E402
 
 
+def _int8_supported() -> bool:
+    import importlib
+
+    return importlib.import_module("mlx_engine.mlx._kernels").int8_supported()
+
+
 def test_kernels_are_built_and_loaded():
     """setup.py builds them wherever a C++ compiler and CMake exist (CI installs both); a silent fallback would
     hide a 2-3x slowdown, so the suite insists."""
@@ -257,6 +263,10 @@ def test_qmatmul_many_is_each_product_alone(m):
         assert np.array_equal(np.array(y), np.array(cpu_kernels.qmatmul(x, q, s, b, gs, bits)))
         want = _reference(x, q, s, b, gs, bits)
         np.testing.assert_allclose(np.array(y), want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max()))
+    if _int8_supported():  # int8 too: x quantized once, in the layouts the job's widths read, as alone
+        got8 = cpu_kernels.qmatmul_many(x, *[[w[i] for w in weights] for i in range(5)], None, "int8")
+        for y, (q, s, b, gs, bits) in zip(got8, weights):
+            assert np.array_equal(np.array(y), np.array(cpu_kernels.qmatmul(x, q, s, b, gs, bits, "int8")))
     with pytest.raises(ValueError, match="one or more weights"):
         cpu_kernels.qmatmul_many(x, [weights[0][0]], [], [], [], [])
     # outputs in the shapes asked for: the same elements in row-major order, no reshape node
@@ -332,9 +342,7 @@ def _int8_reference(x, q, s, b, group_size, bits):
     return out
 
 
-int8_here = pytest.mark.skipif(
-    not __import__("importlib").import_module("mlx_engine.mlx._kernels").int8_supported(),
-    reason="the int8 kernel needs AVX-512 VNNI, which this CPU lacks")
+int8_here = pytest.mark.skipif(not _int8_supported(), reason="the int8 kernel needs AVX-512 VNNI, which this CPU lacks")
 
 
 @int8_here

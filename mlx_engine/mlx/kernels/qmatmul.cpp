@@ -97,6 +97,7 @@ namespace avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,fma,f16c,avx2,bmi2")
 namespace vnni {
+using avx512::scale_at;
 #include "qmatmul_int8.inc"
 }
 #pragma GCC pop_options
@@ -169,7 +170,9 @@ void qmatmul_run(std::vector<Problem>& ps, bool int8) {
 #ifdef X86_KERNELS
   static const bool vnni_here = int8_supported();
   if (int8 && vnni_here) {
-    const void* qx = &vnni::quantize_x(ps[0].x, M, K);
+    bool nib = false, own = false;  // the layouts of x_q these widths read
+    for (auto& p : ps) (p.bits == 4 ? nib : own) = true;
+    const void* qx = &vnni::quantize_x(ps[0].x, M, K, nib, own);
     for (auto& p : ps) p.qx = qx;
     rows = &vnni::rows;
   } else
