@@ -40,7 +40,7 @@ from mlx_engine.models.runner import GenerationStats, Runner
 from mlx_engine.models.tools import (ToolCall, ToolStyle, check_tools, parse_tool_calls, prepare_messages,
                                      tool_choice_format, tool_style)
 from mlx_engine.models.vision import chat_prompt
-from mlx_engine.parallel import launched_rank, load_sharded, peer_lost
+from mlx_engine.parallel import launched_rank, load_sharded
 from mlx_engine.session import ChatSession
 from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
 from mlx_engine.store.format import printable
@@ -286,7 +286,7 @@ class Model:
             except RuntimeError as e:
                 if self.distributed is None:
                     raise
-                raise peer_lost(0, e) from None
+                raise self.distributed.lost(e) from None
 
     def generate(self, prompt: str, *, images: Any = None, **options: Any) -> str:
         """The whole completion of ``prompt`` as one string.

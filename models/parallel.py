@@ -98,8 +98,16 @@ class DistributedModel:
         """Another rank: the next message from rank 0."""
         return json.loads(self.group.broadcast_bytes(None))
 
+    def lost(self, e: BaseException) -> PeerLostError:
+        """Rank 0: a collective failed because another rank is gone; the error to raise. No collective runs after
+        this, :meth:`stop` included: the ring transport ends its thread for a peer once it fails that peer's
+        transfers, so a later transfer to it would wait for ever."""
+        self.stopped = True
+        return peer_lost(self.group.rank, e)
+
     def stop(self) -> None:
-        """Rank 0: let the other ranks' :func:`follow` return (idempotent; a gone peer is ignored here)."""
+        """Rank 0: let the other ranks' :func:`follow` return (idempotent; a gone peer is ignored here, and nothing
+        is sent once :meth:`lost` has been called)."""
         if self.stopped or self.group.rank != 0:
             return
         self.stopped = True

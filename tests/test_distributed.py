@@ -217,11 +217,13 @@ def _cli(*args: str) -> list[str]:
 
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_rank_stops_the_others_with_a_clear_message(tmp_path, smollm2_gguf, victim):
-    cmd = _cli("run", str(smollm2_gguf), "Count from one to one thousand in words.", "--max-tokens", "2000",
+    # a raw count goes on for all 2000 tokens (an instruct answer may end before the kill)
+    cmd = _cli("run", str(smollm2_gguf), "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "--raw", "--max-tokens", "2000",
                "--temperature", "0", "--parallel", "pipeline", "--transport", "ring")
     procs = _launch(tmp_path, [cmd, cmd], bufsize=0)
     first = procs[0].stdout.read(1)  # rank 0 has streamed its first character: generation is under way
     assert first, procs[0].stderr.read()
+    assert all(p.poll() is None for p in procs), "a rank ended before the kill"
     procs[victim].send_signal(signal.SIGKILL)
     survivor = procs[1 - victim]
     t0 = time.monotonic()
