@@ -42,7 +42,7 @@ from typing import Optional
 
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError
-from mlx_engine.ml import Backend, CacheConfig, Context, DType, Tensor
+from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles, Tensor
 
 ShiftFn = Callable[[Context, int, Tensor, Tensor], Tensor]
 """``shift_fn(ctx, layer, keys, shift) -> keys``: re-rotate stored keys after their positions changed.
@@ -94,6 +94,17 @@ class Cache(abc.ABC):
         The keys and values are views of the cache's storage. Let go of them after the forward pass: while a view
         is alive, the next ``put`` of the layer must copy the whole storage instead of updating it in place.
         """
+
+    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: RopeAngles,
+               dims: int, traditional: bool) -> Optional[Tensor]:
+        """:meth:`put` and attention over :meth:`get` in one, with RoPE: ``q [1, H, N, Dk]`` and ``key`` (shaped as
+        for :meth:`put`) not yet rotated; ``angles`` are the batch's RoPE angles (``Context.rope_angles``), applied
+        to both as ``Tensor.rope(angles, dims, traditional=traditional)``. Returns the attention output
+        ``[1, H, N, Dv]`` (as ``Context.scaled_dot_product_attention`` of the rotated ``q`` over :meth:`get` with
+        ``scale``), the keys and values stored; or ``None`` with nothing stored where the cache or the backend has
+        no such path (this default): the caller then rotates, puts, gets and attends apart. A decode step so runs as
+        one graph node where it would run as seven."""
+        return None
 
     def encoder_inputs(self) -> list[tuple[int, int, int]]:
         """``(sequence, position, rows)`` of the encoder inputs whose keys the current layer's :meth:`get` returns,

@@ -39,7 +39,7 @@ import numpy as np
 from mlx_engine.kvcache.base import Cache, LayerShape, ShiftFn
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError, CacheFullError
-from mlx_engine.ml import Backend, CacheConfig, Context, DType, Tensor
+from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles, Tensor
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # the bit widths a quantized cache may use
 
@@ -452,6 +452,25 @@ class CausalCache(Cache):
                 self._write(fwd, dst, src)
             for dst, src in zip(st.v, ctx.quantize(value, self.kv_group_size, self.kv_bits)):
                 self._write(fwd, dst, src)
+
+    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: RopeAngles,
+               dims: int, traditional: bool) -> Optional[Tensor]:
+        fwd = self._fwd
+        if fwd is None:
+            raise CacheError("attend before start_forward")
+        ks, vs = key.shape, value.shape
+        # float storage, the batch's cells in one run, inputs in the cache's dtype; anything else goes apart
+        if (fwd.reserve or fwd.span is None or self.kv_bits is not None or key.dtype != self.dtype
+                or value.dtype != self.dtype or len(ks) != 4 or len(vs) != 4 or ks[0] != 1 or vs[0] != 1
+                or ks[1] != vs[1] or ks[2] != fwd.n or vs[2] != fwd.n):
+            return None
+        st = self._layer_storage(ctx, (ks[1], ks[3], vs[3]), fwd.used)
+        got = ctx.cached_attention(q, key, value, st.k[0], st.v[0], fwd.span[0], fwd.used, scale, fwd.mask, angles,
+                                   dims, traditional)
+        if got is None:
+            return None
+        o, st.k[0], st.v[0] = got
+        return o
 
     def _write(self, fwd: _Forward, dst: Tensor, src: Tensor) -> None:
         if fwd.span is not None:

@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 from mlx_engine.kvcache.base import Cache, LayerShape
 from mlx_engine.batch import Batch
-from mlx_engine.ml import Backend, CacheConfig, Context, DType, Tensor
+from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles, Tensor
 
 
 class WrapperCache(Cache):
@@ -78,6 +78,10 @@ class WrapperCache(Cache):
 
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         return self._cur.get(ctx)
+
+    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: RopeAngles,
+               dims: int, traditional: bool) -> Optional[Tensor]:
+        return self._cur.attend(ctx, q, key, value, scale, angles, dims, traditional)
 
     def encoder_inputs(self) -> list[tuple[int, int, int]]:
         return self._cur.encoder_inputs()

@@ -414,6 +414,21 @@ class Context(abc.ABC):
         positions."""
         return None
 
+    def cached_attention(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, start: int,
+                         used: int, scale: float, mask: "Tensor | None", angles: "RopeAngles", dims: int,
+                         traditional: bool) -> "tuple[Tensor, Tensor, Tensor] | None":
+        """A decode step's attention and its KV cache write in one: ``q [1, Hq, N, Dh]`` and the new keys
+        ``k [1, Hkv, N, Dh]`` rotated by ``angles`` (as :meth:`Tensor.rope` with ``dims`` and ``traditional``), ``k``
+        and ``v [1, Hkv, N, Dv]`` written to cells ``start .. start + N - 1`` of the layer's storage ``keys
+        [1, Hkv, C, Dh]`` and ``values [1, Hkv, C, Dv]``, and ``q`` attending to cells ``0 .. used - 1`` with ``mask``
+        (``[N, used]``, from :meth:`attention_mask`, or None) as :meth:`scaled_dot_product_attention` does.
+
+        Returns ``(o [1, Hq, N, Dv], keys', values')``: the storage after the write, which replaces ``keys`` and
+        ``values`` (a backend may write into their buffers: the caller must not use them again). ``None`` (this
+        default) where the backend has no such path for these tensors; the caller then rotates, writes and attends
+        apart, with the same result."""
+        return None
+
     def attention_mask(self, visible: np.ndarray, dtype: DType) -> Tensor:
         """The additive mask for :meth:`scaled_dot_product_attention` from a host boolean matrix ``visible``
         ``[L, S]`` (True where query ``i`` may see key ``j``): ``0`` where visible, ``-inf`` elsewhere, in ``dtype``.

@@ -95,10 +95,11 @@ def _heads(x: Tensor, heads: int, dim: int) -> Tensor:
 
 
 def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | None"], h: Tensor,
-                 positions: "int | Tensor | RopeAngles", w: dict[str, Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
+                 positions: "int | Tensor | RopeAngles | None", w: dict[str, Tensor | None]
+                 ) -> tuple[Tensor, Tensor, Tensor]:
     """One layer before attention: ``h [1, N, D]`` -> queries ``[1, H, N, Dh]``, keys and values
     ``[1, H_kv, N, Dh]`` (input norm, projections, query/key norms, RoPE ``(base, scale, freqs)`` at ``positions``,
-    or by the tokens' angles made for this RoPE).
+    or by the tokens' angles made for this RoPE; ``positions=None``: no RoPE, the caller's).
     ``w`` holds the layer's weights by the names of :meth:`DecoderModel._layer_weights`."""
     eps = c.rms_norm_eps
     x = h.rms_norm(w["attn_norm"], eps)
@@ -114,6 +115,8 @@ def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | No
     if c.qk_norm:
         q = q.rms_norm(w["q_norm"], eps)
         k = k.rms_norm(w["k_norm"], eps)
+    if positions is None:  # the caller rotates (the KV cache's fused attention)
+        return q, k, v
     base, scale, freqs = rope
     dims = c.rope_dims or c.head_dim
     q = apply_rope(q, positions, dims, base, scale, c.rope_traditional, freqs)
@@ -188,6 +191,7 @@ class DecoderModel(abc.ABC):
         self.cache_options: dict[str, Any] = {}  # keyword arguments of the cache a hybrid model makes (checkpoints)
         self.vision: Any = None  # the image encoder of a multimodal checkpoint (models/vision.py), or None
         self.compile_decode = True  # single-token steps through Backend.compile (False: op by op, for comparison)
+        self.fuse_attention = True  # compiled steps: Cache.attend (False: RoPE, put, get and attention apart)
         self._compiled: dict[tuple, Any] = {}
         self._block_of: dict[tuple, tuple[Any, tuple[str, ...]]] = {}  # (kind, layer, rope_args) -> _compiled_block
 
@@ -389,7 +393,7 @@ class DecoderModel(abc.ABC):
             c = self.config
             if kind == "in":
                 def block(h: Tensor, *args: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-                    at = RopeAngles(*args[:2]) if rope_args == 2 else args[0]
+                    at = RopeAngles(*args[:2]) if rope_args == 2 else args[0] if rope_args else None
                     return attention_in(c, rope, h, at, dict(zip(names, args[rope_args:])))
             else:
                 reduce = self.part.reduce
@@ -467,15 +471,25 @@ class DecoderModel(abc.ABC):
                 continue
             cache.set_layer(i)
             at = rope_at(i)
-            if compiled:
+            o = None
+            if compiled and isinstance(at, RopeAngles) and self.fuse_attention:
+                # RoPE, the cache write and attention as one node where the cache and backend can (7 nodes otherwise)
+                fn, names = self._compiled_block("in", i, 0)
+                q, k, v = fn(h, *[lw[name] for name in names])
+                dims = c.rope_dims or c.head_dim
+                o = cache.attend(ctx, q, k, v, c.query_scale, at, dims, c.rope_traditional)
+                if o is None:
+                    q, k = (x.rope(at, dims, traditional=c.rope_traditional) for x in (q, k))
+            elif compiled:
                 rope_args = (at.cos, at.sin) if isinstance(at, RopeAngles) else (at,)
                 fn, names = self._compiled_block("in", i, len(rope_args))
                 q, k, v = fn(h, *rope_args, *[lw[name] for name in names])
             else:
                 q, k, v = attention_in(c, self._rope(i), h, at, lw)
-            cache.put(ctx, k, v)
-            keys, values, mask = cache.get(ctx)
-            o = ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
+            if o is None:
+                cache.put(ctx, k, v)
+                keys, values, mask = cache.get(ctx)
+                o = ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
             if compiled:
                 fn, names = self._compiled_block("out", i)
                 h = fn(h, o, *[lw[name] for name in names])

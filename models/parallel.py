@@ -203,6 +203,10 @@ class MirroredCache(Cache):
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         return self.inner.get(ctx)
 
+    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: Any, dims: int,
+               traditional: bool) -> Optional[Tensor]:
+        return self.inner.attend(ctx, q, key, value, scale, angles, dims, traditional)
+
     def set_config(self, config: Any) -> None:
         self.inner.set_config(config)
 

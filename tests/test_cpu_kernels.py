@@ -121,6 +121,51 @@ def test_attend_matches_mlx_attention(heads, kv_heads, rows, dim):
         cpu_kernels.attend(q, k[:, :, :, :dim - 1], v, 1.0, None)
 
 
+@pytest.mark.parametrize("heads, kv_heads, rows, dim, dims, traditional, cells, start, lo, hi, masked", [
+    (9, 3, 1, 64, 64, False, 256, 40, 0, 41, False),       # smollm2's heads, a decode step
+    (4, 1, 1, 256, 256, False, 600, 500, 0, 501, False),   # gemma3's, split over the threads' key chunks
+    (8, 2, 1, 128, 64, True, 64, 63, 10, 64, True),        # partial, traditional RoPE; a window's run, masked
+    (8, 8, 3, 32, 16, False, 700, 600, 0, 603, True)])     # three rows of one sequence
+def test_attend_cached_is_rope_writes_and_attend_bit_for_bit(heads, kv_heads, rows, dim, dims, traditional, cells,
+                                                             start, lo, hi, masked):
+    """The fused decode step against rope_apply, the two slice updates and attend done apart: the output and the
+    cache after it, to the bit; a cache given as a strided view (which it copies, leaving the view's array alone)
+    the same; bad cells refused."""
+    rng = np.random.default_rng(heads * 1000 + cells)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    q, k, v = normal(1, heads, rows, dim), normal(1, kv_heads, rows, dim), normal(1, kv_heads, rows, dim + 16)
+    keys, values = normal(1, kv_heads, cells, dim), normal(1, kv_heads, cells, dim + 16)
+    cos, sin = cpu_kernels.rope_table(rows, start, dims, 10000.0, 1.0, None)
+    mask = None
+    if masked:
+        visible = rng.random((rows, hi - lo)) < 0.7
+        visible[:, -1] = True
+        mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+    mx.eval(q, k, v, keys, values, cos, sin)
+    want_k, want_v = mx.array(np.array(keys)), mx.array(np.array(values))
+    want_k[:, :, start:start + rows] = cpu_kernels.rope_apply(k, cos, sin, dims, traditional)
+    want_v[:, :, start:start + rows] = v
+    want = cpu_kernels.attend(cpu_kernels.rope_apply(q, cos, sin, dims, traditional), want_k[:, :, lo:hi],
+                              want_v[:, :, lo:hi], 0.125, mask)
+    mx.eval(want, want_k, want_v)
+    wide = mx.array(np.concatenate([np.array(keys)] * 2, axis=-1))  # keys as a strided view of a wider array
+    for ks in (mx.array(np.array(keys)), wide[..., :dim]):  # (fresh arrays: the kernel writes into a plain one)
+        o, k2, v2 = cpu_kernels.attend_cached(q, k, v, ks, mx.array(np.array(values)), cos, sin, start, lo, hi, 0.125,
+                                              dims, traditional, mask)
+        assert o.shape == (1, heads, rows, dim + 16) and k2.shape == keys.shape and v2.shape == values.shape
+        for got, exp in ((o, want), (k2, want_k), (v2, want_v)):
+            assert mx.array_equal(got, exp).item()
+    assert mx.array_equal(wide[..., :dim], keys).item()  # copied, not written through
+    with pytest.raises(ValueError, match="cells out of range"):
+        cpu_kernels.attend_cached(q, k, v, keys, values, cos, sin, cells, lo, hi, 0.125, dims, traditional, mask)
+    with pytest.raises(ValueError, match="multiple of H_kv"):
+        cpu_kernels.attend_cached(q, k[:, :, :, :dim - 1], v, keys, values, cos, sin, start, lo, hi, 0.125, dims,
+                                  traditional, mask)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 577), (600, 64), (1, 4, 1, 256)])
 def test_rms_norm_is_mlx_rms_norm(shape):
     """RMSNorm against mx.fast.rms_norm (MLX's CPU fallback: the same steps; on x86-64 the same order of the sum of

@@ -29,9 +29,9 @@ def backend():
 # ------------------------------------------------------------------------------------------- compiled decode steps
 
 
-def _decode(model, backend, tokens: list[int], steps: int) -> np.ndarray:
+def _decode(model, backend, tokens: list[int], steps: int, capacity: int = 512) -> np.ndarray:
     cache = model.make_cache()
-    cache.init(backend, model.dtype, 1, 512, 64)
+    cache.init(backend, model.dtype, 1, capacity, 64)
     ctx = backend.new_context()
     logits = model.forward(ctx, Batch.single(np.array(tokens), 0), cache).numpy()[0]
     out, tok, pos = [], int(logits.argmax()), len(tokens)
@@ -60,6 +60,38 @@ def test_compiled_decode_steps_match_op_by_op(kind, tmp_path):
     alive = weakref.ref(model)
     del model
     assert alive() is None
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma3"])
+def test_fused_decode_attention_gives_the_bits_of_the_steps_apart(kind, tmp_path, monkeypatch):
+    """``Cache.attend`` (RoPE, the cache write and attention as one node) against RoPE, put, get and attention apart:
+    the same logits to the bit over 240 steps. gemma3's sliding window (8, with 256 positions of memory) wraps its
+    ring on the way: a query that sees two runs of cells then goes apart."""
+    from mlx_engine.mlx import cpu_kernels
+
+    folder, _, _ = _make_folder(tmp_path, kind)
+    backend = MLXBackend(folder, dtype="float32")
+    model = load_text_model(backend)
+    tokens = [int(t) for t in np.random.default_rng(6).integers(0, VOCAB, 40)]
+    steps = 240
+    model.fuse_attention = False
+    apart = _decode(model, backend, tokens, steps, capacity=300)
+    calls = []
+    if cpu_kernels.attend_cached is not None:
+        real = cpu_kernels.attend_cached
+        monkeypatch.setattr(cpu_kernels, "attend_cached", lambda *a: calls.append(a[7:10]) or real(*a))
+    model.fuse_attention = True
+    fused = _decode(model, backend, tokens, steps, capacity=300)
+    assert np.array_equal(fused, apart)
+    if cpu_kernels.attend_cached is None:  # not built here: both ran apart
+        return
+    # (start, lo, hi): the new token's cell ends the run it sees, all of it or the window's last 8 positions
+    assert all(hi == start + 1 and lo in (0, start - 7) for start, lo, hi in calls)
+    layers = len(model.layers)
+    if kind == "gemma3":
+        assert steps * layers // 2 < len(calls) < steps * layers  # every global layer, the local ones until the wrap
+    else:
+        assert len(calls) == steps * layers
 
 
 # ------------------------------------------------------------------------------------ attention over visible blocks

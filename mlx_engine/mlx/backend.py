@@ -159,6 +159,28 @@ class MLXContext(Context):
         cos, sin = cpu_kernels.rope_table(tokens, pos, dims, base, scale, None if freqs is None else freqs.a)
         return RopeAngles(MLXTensor(cos), MLXTensor(sin))
 
+    def cached_attention(self, q, k, v, keys, values, start, used, scale, mask, angles, dims, traditional):
+        qa, ka, va, ks, vs = q.a, k.a, v.a, keys.a, values.a
+        if not (runtime.on_cpu and cpu_kernels.attend_cached is not None and qa.ndim == 4 and qa.shape[2] <= 16
+                and all(a.dtype == mx.float32 for a in (qa, ka, va, ks, vs, angles.cos.a))):
+            return None
+        lo, hi, m = 0, used, None
+        if mask is not None:
+            runs = mask.runs if isinstance(mask, MLXMask) else None
+            if runs is not None and qa.shape[2] == 1:
+                if len(runs) > 1:  # a wrapped ring: attention apart reads the runs alone, not every cell masked
+                    return None
+                (lo, hi), = runs  # one query that sees one run of cells: those alone, unmasked
+            else:
+                m = mask.a
+                if m.ndim != 2 or m.shape != (qa.shape[2], used):
+                    return None
+                if m.dtype != mx.float32:
+                    m = m.astype(mx.float32)
+        o, ks, vs = cpu_kernels.attend_cached(qa, ka, va, ks, vs, angles.cos.a, angles.sin.a, start, lo, hi, scale,
+                                              dims, traditional, m)
+        return MLXTensor(o), MLXTensor(ks), MLXTensor(vs)
+
     def attention_mask(self, visible, dtype):
         visible = np.asarray(visible, dtype=np.bool_)
         mask = mx.array(np.where(visible, np.float32(0.0), np.float32(-np.inf)))

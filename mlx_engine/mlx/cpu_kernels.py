@@ -1,7 +1,8 @@
 """Our CPU kernels (``mlx_engine.mlx._kernels``, built from ``kernels/`` by setup.py at install), or why not.
 
 ``qmatmul`` (quantized matrix products; ``qmatmul_many``: several of one x as one graph node and one parallel job),
-``rope_apply`` (RoPE from a table), ``attend`` (attention of a few queries per head, decode steps), ``rms_norm``
+``rope_apply`` (RoPE from a table), ``attend`` (attention of a few queries per head, decode steps;
+``attend_cached``: with the RoPE of the queries and new keys and their write into the KV cache), ``rms_norm``
 (RMSNorm as one graph node; ``add_rms_norm``: a residual add and the norm after it as one) and ``activation`` (SiLU
 and tanh-form GELU, vectorized; times a gated MLP's up projection) are None when the module is missing (not built:
 no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one
@@ -22,6 +23,7 @@ qmatmul: "Callable | None" = None
 qmatmul_many: "Callable | None" = None
 rope_apply: "Callable | None" = None
 attend: "Callable | None" = None
+attend_cached: "Callable | None" = None
 rms_norm: "Callable | None" = None
 add_rms_norm: "Callable | None" = None
 activation: "Callable | None" = None
@@ -105,6 +107,28 @@ def _attend_self_test(fn) -> str | None:
     return None
 
 
+def _attend_cached_self_test(fn, rope_apply, attend) -> str | None:
+    """The fused step against RoPE, the two slice updates and attention done apart (bit for bit), masked or not."""
+    k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(12), 5)
+    q, k, v = (mx.random.normal((1, 6, 1, 32), key=k1), mx.random.normal((1, 2, 1, 32), key=k2),
+               mx.random.normal((1, 2, 1, 32), key=k3))
+    cos, sin = rope_table(1, 17, 32, 10000.0, 1.0, None)
+    mask = mx.where(mx.arange(15)[None] != 3, 0.0, -mx.inf)
+    for m, lo in ((None, 0), (mask, 3)):
+        keys, values = mx.random.normal((1, 2, 40, 32), key=k4), mx.random.normal((1, 2, 40, 32), key=k5)
+        mx.eval(keys, values)
+        want_k = mx.array(keys)
+        want_k[:, :, 17:18] = rope_apply(k, cos, sin, 32, False)
+        want_v = mx.array(values)
+        want_v[:, :, 17:18] = v
+        want = attend(rope_apply(q, cos, sin, 32, False), want_k[:, :, lo:18], want_v[:, :, lo:18], 0.3, m)
+        mx.eval(want, want_k, want_v)
+        o, k_out, v_out = fn(q, k, v, mx.array(keys), mx.array(values), cos, sin, 17, lo, 18, 0.3, 32, False, m)
+        if not all(mx.array_equal(a, b).item() for a, b in ((o, want), (k_out, want_k), (v_out, want_v))):
+            return "the fused decode attention differs from RoPE, the cache writes and attention done apart"
+    return None
+
+
 def _norm_self_test(fn, add_fn) -> str | None:
     """Against ``mx.fast.rms_norm``, with and without a weight, on rows small enough for ``eps`` to count (on x86-64
     the two agree bit for bit; elsewhere MLX may sum the squares in another order); ``add_fn`` (a residual add, then
@@ -147,7 +171,7 @@ def rope_table(tokens: int, positions, dims: int, base, scale: float, freqs) -> 
 
 
 def _load() -> None:
-    global qmatmul, qmatmul_many, rope_apply, attend, rms_norm, add_rms_norm, activation, activations, _status
+    global qmatmul, qmatmul_many, rope_apply, attend, attend_cached, rms_norm, add_rms_norm, activation, activations, _status
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
         return
@@ -166,6 +190,7 @@ def _load() -> None:
         with mx.stream(mx.cpu):
             problem = (_self_test(_kernels.qmatmul, _kernels.qmatmul_many) or _rope_self_test(_kernels.rope_apply)
                        or _attend_self_test(_kernels.attend)
+                       or _attend_cached_self_test(_kernels.attend_cached, _kernels.rope_apply, _kernels.attend)
                        or _norm_self_test(_kernels.rms_norm, _kernels.add_rms_norm)
                        or _activation_self_test(_kernels.activation))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
@@ -175,6 +200,7 @@ def _load() -> None:
         return
     qmatmul, qmatmul_many, rope_apply, attend = (_kernels.qmatmul, _kernels.qmatmul_many, _kernels.rope_apply,
                                                  _kernels.attend)
+    attend_cached = _kernels.attend_cached
     rms_norm, add_rms_norm, activation = _kernels.rms_norm, _kernels.add_rms_norm, _kernels.activation
     asked = os.environ.get("MLX_ENGINE_ACTIVATIONS", "float32").lower()
     note = ""

@@ -10,6 +10,7 @@
 // softmax of Milakov and Gimelshein 2018, split over keys as flash-decoding does).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +26,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "pool.h"
+#include "rope.h"
 #include "strided.h"
 #include "vecmath.h"
 
@@ -216,6 +218,93 @@ const float* unit_last(const mx::array& a, std::vector<uint8_t>& buf, std::vecto
   return data;
 }
 
+// One attention: queries q [H, N, D] over keys [H_kv, S, D] and values [H_kv, S, Dv] (each with its own head and row
+// strides, unit stride along the features), an optional mask [N, S] (row stride mask_row), into o [H, N, Dv].
+struct AttendJob {
+  const float* q;
+  int64_t q_head, q_row;
+  const float* k;
+  int64_t k_head, k_row;
+  const float* v;
+  int64_t v_head, v_row;
+  const float* mask;
+  int64_t mask_row;
+  int H, N, D, Hkv, S, Dv;
+  float scale;
+  float* o;
+};
+
+void run_attention(const AttendJob& a) {
+  const int H = a.H, N = a.N, D = a.D, Hkv = a.Hkv, S = a.S, Dv = a.Dv;
+  const int rep = H / Hkv, Q = rep * N;  // Q: the queries of one key/value head
+  // Tasks: (key/value head, chunk of keys), each chunk read once for all the head's queries. With enough work, at
+  // least 16 tasks (the threads share them evenly; one task per query head had left a core idle for a ninth of the
+  // work and read each key/value head once per query head) and chunks whose keys and values stay in L2 (about
+  // 128 KiB); never chunks under 32 keys.
+  int C = 1;
+  if (int64_t(H) * N * S * (D + Dv) >= (int64_t(1) << 16) && mlx_engine::pool_threads() > 1) {
+    const int max_len = std::max(32, 32768 / (D + Dv));  // keys of 128 KiB of float32 keys and values
+    C = std::max((16 + Hkv - 1) / Hkv, (S + max_len - 1) / max_len);
+    C = std::max(1, std::min(C, S / 32));
+  }
+  const int L = (S + C - 1) / std::max(C, 1);
+  if (S > 0) C = (S + L - 1) / L;
+  const int64_t slot = Dv + 2;  // one query's partial result: Dv outputs, the maximum, the sum
+  static thread_local std::vector<float> partials;
+  partials.resize(size_t(Hkv) * C * Q * slot);
+  float* parts = partials.data();
+  auto task = [&](int t) {
+    static thread_local std::vector<float> scores;
+    scores.resize(4 * size_t((L + 15) / 16 * 16));
+    const int g = t / C, c = t % C, s0 = c * L, len = std::min(L, S - s0);
+    View kv{a.k + g * a.k_head, a.k_row};
+    View vv{a.v + g * a.v_head, a.v_row};
+    for (int j0 = 0; j0 < Q; j0 += 4) {
+      const int G = std::min(4, Q - j0);
+      const float* qs[4];
+      const float* ms[4];
+      float* ps[4];
+      for (int j = 0; j < G; ++j) {
+        const int h = g * rep + (j0 + j) / N, n = (j0 + j) % N;
+        qs[j] = a.q + h * a.q_head + n * a.q_row;
+        ms[j] = a.mask ? a.mask + n * a.mask_row : nullptr;
+        ps[j] = parts + ((int64_t(g) * C + c) * Q + j0 + j) * slot;
+      }
+      attend_chunk(qs, ms, G, kv, vv, s0, len, D, Dv, a.scale, scores.data(), ps);
+    }
+  };
+  if (C * Hkv > 1) {
+    mlx_engine::parallel_for(Hkv * C, task);
+  } else if (S > 0) {
+    task(0);
+  }
+  // Each query's chunks combined: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c (one
+  // chunk: its weight is exactly 1, so out = o / l).
+  for (int g = 0; g < Hkv; ++g)
+    for (int j = 0; j < Q; ++j) {
+      const int h = g * rep + j / N, n = j % N;
+      float* dst = a.o + (int64_t(h) * N + n) * Dv;
+      auto part = [&](int c) { return parts + ((int64_t(g) * C + c) * Q + j) * slot; };
+      float top = -std::numeric_limits<float>::infinity();
+      for (int c = 0; c < C && S > 0; ++c) top = std::max(top, part(c)[Dv]);
+      if (top == -std::numeric_limits<float>::infinity()) {  // no key seen
+        std::memset(dst, 0, sizeof(float) * Dv);
+        continue;
+      }
+      float den = 0.f;
+      std::memset(dst, 0, sizeof(float) * Dv);
+      for (int c = 0; c < C; ++c) {
+        const float* pc = part(c);
+        if (pc[Dv] == -std::numeric_limits<float>::infinity()) continue;
+        const float w = std::exp(pc[Dv] - top);
+        den += w * pc[Dv + 1];
+        for (int i = 0; i < Dv; ++i) dst[i] += w * pc[i];
+      }
+      const float inv = 1.f / den;
+      for (int i = 0; i < Dv; ++i) dst[i] *= inv;
+    }
+}
+
 class Attend : public mx::UnaryPrimitive {
  public:
   Attend(mx::Stream stream, float scale, bool masked) : mx::UnaryPrimitive(stream), scale_(scale), masked_(masked) {}
@@ -232,75 +321,9 @@ class Attend : public mx::UnaryPrimitive {
       for (size_t i = 0; i < inputs.size(); ++i) data[i] = unit_last(inputs[i], bufs[i], st[i]);
       const mx::array& q = inputs[0];
       const mx::array& k = inputs[1];
-      const int H = q.shape(1), N = q.shape(2), D = q.shape(3), Hkv = k.shape(1), S = k.shape(2);
-      const int Dv = inputs[2].shape(3), rep = H / Hkv, Q = rep * N;  // Q: the queries of one key/value head
-      float* o = out.data<float>();
-      // Tasks: (key/value head, chunk of keys), each chunk read once for all the head's queries. With enough work,
-      // at least 16 tasks (the threads share them evenly; one task per query head had left a core idle for a
-      // ninth of the work and read each key/value head once per query head) and chunks whose keys and values stay
-      // in L2 (about 128 KiB); never chunks under 32 keys.
-      int C = 1;
-      if (int64_t(H) * N * S * (D + Dv) >= (int64_t(1) << 16) && mlx_engine::pool_threads() > 1) {
-        const int max_len = std::max(32, 32768 / (D + Dv));  // keys of 128 KiB of float32 keys and values
-        C = std::max((16 + Hkv - 1) / Hkv, (S + max_len - 1) / max_len);
-        C = std::max(1, std::min(C, S / 32));
-      }
-      const int L = (S + C - 1) / std::max(C, 1);
-      if (S > 0) C = (S + L - 1) / L;
-      const int64_t slot = Dv + 2;  // one query's partial result: Dv outputs, the maximum, the sum
-      static thread_local std::vector<float> partials;
-      partials.resize(size_t(Hkv) * C * Q * slot);
-      float* parts = partials.data();
-      auto task = [&](int t) {
-        static thread_local std::vector<float> scores;
-        scores.resize(4 * size_t((L + 15) / 16 * 16));
-        const int g = t / C, c = t % C, s0 = c * L, len = std::min(L, S - s0);
-        View kv{data[1] + g * st[1][1], st[1][2]};
-        View vv{data[2] + g * st[2][1], st[2][2]};
-        for (int j0 = 0; j0 < Q; j0 += 4) {
-          const int G = std::min(4, Q - j0);
-          const float* qs[4];
-          const float* ms[4];
-          float* ps[4];
-          for (int j = 0; j < G; ++j) {
-            const int h = g * rep + (j0 + j) / N, n = (j0 + j) % N;
-            qs[j] = data[0] + h * st[0][1] + n * st[0][2];
-            ms[j] = masked ? data[3] + n * st[3][0] : nullptr;
-            ps[j] = parts + ((int64_t(g) * C + c) * Q + j0 + j) * slot;
-          }
-          attend_chunk(qs, ms, G, kv, vv, s0, len, D, Dv, scale, scores.data(), ps);
-        }
-      };
-      if (C * Hkv > 1) {
-        mlx_engine::parallel_for(Hkv * C, task);
-      } else if (S > 0) {
-        task(0);
-      }
-      // Each query's chunks combined: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c (one
-      // chunk: its weight is exactly 1, so out = o / l).
-      for (int g = 0; g < Hkv; ++g)
-        for (int j = 0; j < Q; ++j) {
-          const int h = g * rep + j / N, n = j % N;
-          float* dst = o + (int64_t(h) * N + n) * Dv;
-          auto part = [&](int c) { return parts + ((int64_t(g) * C + c) * Q + j) * slot; };
-          float top = -std::numeric_limits<float>::infinity();
-          for (int c = 0; c < C && S > 0; ++c) top = std::max(top, part(c)[Dv]);
-          if (top == -std::numeric_limits<float>::infinity()) {  // no key seen
-            std::memset(dst, 0, sizeof(float) * Dv);
-            continue;
-          }
-          float den = 0.f;
-          std::memset(dst, 0, sizeof(float) * Dv);
-          for (int c = 0; c < C; ++c) {
-            const float* pc = part(c);
-            if (pc[Dv] == -std::numeric_limits<float>::infinity()) continue;
-            const float w = std::exp(pc[Dv] - top);
-            den += w * pc[Dv + 1];
-            for (int i = 0; i < Dv; ++i) dst[i] += w * pc[i];
-          }
-          const float inv = 1.f / den;
-          for (int i = 0; i < Dv; ++i) dst[i] *= inv;
-        }
+      run_attention({data[0], st[0][1], st[0][2], data[1], st[1][1], st[1][2], data[2], st[2][1], st[2][2],
+                     masked ? data[3] : nullptr, masked ? st[3][0] : 0, q.shape(1), q.shape(2), q.shape(3),
+                     k.shape(1), k.shape(2), inputs[2].shape(3), scale, out.data<float>()});
     });
   }
 
@@ -347,9 +370,135 @@ mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, flo
   return mx::array(shape, mx::float32, std::make_shared<Attend>(s, scale, bool(mask)), std::move(inputs));
 }
 
+// A decode step's attention with its KV cache write, one node for what were seven (RoPE of the queries and of the
+// new keys, the writes of the keys and values into the cache, the views of its used cells, the attention):
+//   attend_cached(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, Dv], keys [1, H_kv, C, D], values [1, H_kv, C, Dv],
+//                 cos, sin [N, dims / 2], start, lo, hi, scale, dims, traditional, mask [N, hi - lo] or none)
+//     -> (o [1, H, N, Dv], keys', values')
+// q and k rotated as rope_apply rotates them, k and v written to cells [start, start + N) of keys' and values', and
+// q attending to their cells [lo, hi) as attend does: bit for bit rope_apply, two slice updates and attend in turn.
+// keys' and values' take over the buffers of keys and values (copied only when those are not plain row-major
+// arrays): the caller must hold no other reference to them and use keys' and values' from then on, as MLX's own
+// slice update does in place when its input is donated.
+class AttendCached : public mx::Primitive {
+ public:
+  AttendCached(mx::Stream stream, int start, int lo, int hi, float scale, int dims, bool traditional, bool masked)
+      : mx::Primitive(stream), start_(start), lo_(lo), hi_(hi), scale_(scale), dims_(dims), traditional_(traditional),
+        masked_(masked) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    bool copy[2];
+    for (int i = 0; i < 2; ++i) {
+      const mx::array& store = inputs[3 + i];
+      copy[i] = !store.flags().row_contiguous || store.data_size() != store.size();
+      if (copy[i]) {
+        outputs[1 + i].set_data(mx::allocator::malloc(outputs[1 + i].nbytes()));
+      } else {
+        outputs[1 + i].copy_shared_buffer(store);
+      }
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    encoder.dispatch([inputs, outputs, copy_k = copy[0], copy_v = copy[1], start = start_, lo = lo_, hi = hi_,
+                      scale = scale_, dims = dims_, traditional = traditional_, masked = masked_]() mutable {
+      static thread_local std::vector<uint8_t> bufs[8];
+      for (int i : {1, 2})
+        if (i == 1 ? copy_k : copy_v)
+          std::memcpy(outputs[i].data<uint8_t>(), mlx_engine::row_major(inputs[2 + i], bufs[2 + i]), outputs[i].nbytes());
+      auto f32 = [&](int i) { return static_cast<const float*>(mlx_engine::row_major(inputs[i], bufs[i])); };
+      const float *q = f32(0), *k = f32(1), *v = f32(2), *cs = f32(5), *sn = f32(6);
+      const int H = inputs[0].shape(1), N = inputs[0].shape(2), D = inputs[0].shape(3);
+      const int Hkv = inputs[1].shape(1), Dv = inputs[2].shape(3), C = inputs[3].shape(2), half = dims / 2;
+      static thread_local std::vector<float> rotated;
+      rotated.resize(size_t(H) * N * D);
+      mlx_engine::rotate(q, cs, sn, rotated.data(), 1, H, N, D, N, dims, traditional);
+      float* keys = outputs[1].data<float>();
+      float* values = outputs[2].data<float>();
+      for (int h = 0; h < Hkv; ++h)
+        for (int n = 0; n < N; ++n) {
+          const int64_t cell = int64_t(h) * C + start + n;
+          mlx_engine::rotate(k + (int64_t(h) * N + n) * D, cs + n * half, sn + n * half, keys + cell * D, 1, 1, 1, D,
+                             1, dims, traditional);
+          std::memcpy(values + cell * Dv, v + (int64_t(h) * N + n) * Dv, sizeof(float) * Dv);
+        }
+      std::vector<int64_t> mask_strides;
+      const float* mask = masked ? unit_last(inputs[7], bufs[7], mask_strides) : nullptr;
+      run_attention({rotated.data(), int64_t(N) * D, D, keys + int64_t(lo) * D, int64_t(C) * D, D,
+                     values + int64_t(lo) * Dv, int64_t(C) * Dv, Dv, mask, masked ? mask_strides[0] : 0, H, N, D, Hkv,
+                     hi - lo, Dv, scale, outputs[0].data<float>()});
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlx_engine attend_cached runs on the CPU only");
+  }
+
+  const char* name() const override { return "MLXEngineAttendCached"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const AttendCached&>(other);
+    return start_ == o.start_ && lo_ == o.lo_ && hi_ == o.hi_ && scale_ == o.scale_ && dims_ == o.dims_ &&
+           traditional_ == o.traditional_ && masked_ == o.masked_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape o = inputs[0].shape();
+    o.back() = inputs[2].shape(3);
+    return {o, inputs[3].shape(), inputs[4].shape()};
+  }
+
+ private:
+  int start_, lo_, hi_;
+  float scale_;
+  int dims_;
+  bool traditional_, masked_;
+};
+
+std::vector<mx::array> attend_cached(const mx::array& q, const mx::array& k, const mx::array& v,
+                                     const mx::array& keys, const mx::array& values, const mx::array& cos,
+                                     const mx::array& sin, int start, int lo, int hi, float scale, int dims,
+                                     bool traditional, const std::optional<mx::array>& mask) {
+  for (const mx::array* a : {&q, &k, &v, &keys, &values, &cos, &sin})
+    if (a->dtype() != mx::float32) throw std::invalid_argument("attend_cached: every array must be float32");
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4 || q.shape(0) != 1 ||
+      k.shape(0) != 1 || v.shape(0) != 1 || keys.shape(0) != 1 || values.shape(0) != 1)
+    throw std::invalid_argument("attend_cached: q, k, v, keys and values must be [1, heads, rows, dim]");
+  const int H = q.shape(1), N = q.shape(2), D = q.shape(3), Hkv = k.shape(1), C = keys.shape(2);
+  if (Hkv == 0 || H % Hkv || k.shape(2) != N || k.shape(3) != D || v.shape(1) != Hkv || v.shape(2) != N ||
+      keys.shape(1) != Hkv || keys.shape(3) != D || values.shape(1) != Hkv || values.shape(2) != C ||
+      values.shape(3) != v.shape(3))
+    throw std::invalid_argument("attend_cached: k [1, H_kv, N, D], v [1, H_kv, N, Dv], keys [1, H_kv, C, D] and values "
+                                "[1, H_kv, C, Dv] must match q [1, H, N, D], H a multiple of H_kv");
+  if (start < 0 || start + N > C || lo < 0 || lo >= hi || hi > C)
+    throw std::invalid_argument("attend_cached: cells out of range: start " + std::to_string(start) + ", lo " +
+                                std::to_string(lo) + ", hi " + std::to_string(hi) + ", cells " + std::to_string(C));
+  if (dims <= 0 || dims % 2 || dims > D || cos.ndim() != 2 || cos.shape(0) != N || cos.shape(1) != dims / 2 ||
+      sin.shape() != cos.shape())
+    throw std::invalid_argument("attend_cached: cos and sin must be [N, dims / 2], dims even and at most D");
+  std::vector<mx::array> inputs{q, k, v, keys, values, cos, sin};
+  if (mask) {
+    if (mask->ndim() != 2 || mask->shape(0) != N || mask->shape(1) != hi - lo || mask->dtype() != mx::float32)
+      throw std::invalid_argument("attend_cached: the mask must be float32 [N, hi - lo]");
+    inputs.push_back(*mask);
+  }
+  mx::Shape o = q.shape();
+  o.back() = v.shape(3);
+  mx::Stream s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays({o, keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<AttendCached>(s, start, lo, hi, scale, dims, traditional, bool(mask)),
+                                std::move(inputs));
+}
+
 }  // namespace
 
 void register_attention(nb::module_& m) {
   m.def("attend", &attend, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("mask").none(),
         "softmax(q k^T * scale + mask) v for q [1, H, N, D] over k, v [1, H_kv, S, D], on the CPU stream.");
+  m.def("attend_cached", &attend_cached, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("keys"), nb::arg("values"),
+        nb::arg("cos"), nb::arg("sin"), nb::arg("start"), nb::arg("lo"), nb::arg("hi"), nb::arg("scale"),
+        nb::arg("dims"), nb::arg("traditional"), nb::arg("mask").none(),
+        "RoPE on q and k, k and v written to cells [start, start + N) of keys and values, and q attending to their "
+        "cells [lo, hi): (o, keys', values'), keys' and values' taking over the buffers of keys and values.");
 }

@@ -18,44 +18,13 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "rope.h"
 #include "strided.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
 
 namespace {
-
-__attribute__((optimize("fp-contract=off"))) void rotate(const float* x, const float* cs, const float* sn, float* out,
-                                                         int64_t B, int64_t H, int64_t T, int64_t D, int64_t R,
-                                                         int dims, bool traditional) {
-  const int half = dims / 2;
-  const bool per_batch = T == 1 && R == B && R != T;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t row = per_batch ? b : t;
-        const float* c = cs + row * half;
-        const float* s = sn + row * half;
-        const float* xi = x + ((b * H + h) * T + t) * D;
-        float* o = out + ((b * H + h) * T + t) * D;
-        if (traditional) {
-          for (int i = 0; i < half; ++i) {
-            const float x1 = xi[2 * i], x2 = xi[2 * i + 1];
-            const float a = x1 * c[i], b2 = x2 * s[i], e = x1 * s[i], f = x2 * c[i];
-            o[2 * i] = a - b2;
-            o[2 * i + 1] = e + f;
-          }
-        } else {
-          for (int i = 0; i < half; ++i) {
-            const float x1 = xi[i], x2 = xi[i + half];
-            const float a = x1 * c[i], b2 = x2 * s[i], e = x1 * s[i], f = x2 * c[i];
-            o[i] = a - b2;
-            o[i + half] = e + f;
-          }
-        }
-        if (dims < D) std::memcpy(o + dims, xi + dims, (D - dims) * sizeof(float));
-      }
-}
 
 class RopeApply : public mx::UnaryPrimitive {
  public:
@@ -72,8 +41,8 @@ class RopeApply : public mx::UnaryPrimitive {
       const float* data[3];
       for (int i = 0; i < 3; ++i) data[i] = static_cast<const float*>(mlx_engine::row_major(inputs[i], bufs[i]));
       const mx::array& x = inputs[0];
-      rotate(data[0], data[1], data[2], out.data<float>(), x.shape(0), x.shape(1), x.shape(2), x.shape(3),
-             inputs[1].shape(0), dims, traditional);
+      mlx_engine::rotate(data[0], data[1], data[2], out.data<float>(), x.shape(0), x.shape(1), x.shape(2),
+                         x.shape(3), inputs[1].shape(0), dims, traditional);
     });
   }
 
