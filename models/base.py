@@ -95,14 +95,15 @@ def _heads(x: Tensor, heads: int, dim: int) -> Tensor:
 
 
 def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | None"], h: Tensor,
-                 positions: "int | Tensor | RopeAngles | None", w: dict[str, Tensor | None]
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+                 positions: "int | Tensor | RopeAngles | None", w: dict[str, Tensor | None],
+                 normed: "Tensor | None" = None) -> tuple[Tensor, Tensor, Tensor]:
     """One layer before attention: ``h [1, N, D]`` -> queries ``[1, H, N, Dh]``, keys and values
     ``[1, H_kv, N, Dh]`` (input norm, projections, query/key norms, RoPE ``(base, scale, freqs)`` at ``positions``,
-    or by the tokens' angles made for this RoPE; ``positions=None``: no RoPE, the caller's).
+    or by the tokens' angles made for this RoPE; ``positions=None``: no RoPE, the caller's). ``normed``: ``h``
+    through the input norm, where the caller has it already.
     ``w`` holds the layer's weights by the names of :meth:`DecoderModel._layer_weights`."""
     eps = c.rms_norm_eps
-    x = h.rms_norm(w["attn_norm"], eps)
+    x = h.rms_norm(w["attn_norm"], eps) if normed is None else normed
     biases = [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")]
     if h.shape[1] == 1 and all(b is None for b in biases):  # one token: the heads' shape straight from the product
         q, k, v = x.linear_many([w["q"], w["k"], w["v"]], shapes=[
@@ -125,11 +126,13 @@ def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | No
 
 
 def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None],
-                  reduce: "Callable[[Tensor], Tensor] | None" = None) -> Tensor:
+                  reduce: "Callable[[Tensor], Tensor] | None" = None, defer: bool = False
+                  ) -> "Tensor | tuple[Tensor, Tensor]":
     """One layer after attention: the attention output ``o [1, H, N, Dh]`` through the output projection, the
-    residual adds, the norms and the gated MLP; returns the new ``h [1, N, D]``. ``reduce`` (tensor parallelism)
-    sums the partial outputs of the two row-sharded projections (output and down) over the ranks, before the
-    residual add and the sandwich norms (Megatron-LM's layout, Shoeybi et al. 2019)."""
+    residual adds, the norms and the gated MLP; returns the new ``h [1, N, D]`` (``defer``: see
+    :func:`feed_forward`). ``reduce`` (tensor parallelism) sums the partial outputs of the two row-sharded
+    projections (output and down) over the ranks, before the residual add and the sandwich norms (Megatron-LM's
+    layout, Shoeybi et al. 2019)."""
     n = h.shape[1]
     o = (o if n == 1 else o.transpose(0, 2, 1, 3)).reshape(1, n, c.num_heads * c.head_dim)
     if w.get("attn_gate") is not None:  # gated attention (Qwen3-Next): the gate reads the layer's normed input
@@ -137,25 +140,30 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     o = o.linear(w["o"])
     if reduce is not None:
         o = reduce(o)
-    return feed_forward(c, h, o, w, reduce)
+    return feed_forward(c, h, o, w, reduce, defer)
 
 
 def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None],
-                 reduce: "Callable[[Tensor], Tensor] | None" = None) -> Tensor:
+                 reduce: "Callable[[Tensor], Tensor] | None" = None, defer: bool = False
+                 ) -> "Tensor | tuple[Tensor, Tensor]":
     """The second half of a layer: ``h + o`` (the token mixer's output ``o [1, N, D]``, attention or recurrent),
-    the norms, and the gated MLP with its residual; returns the new ``h [1, N, D]``."""
+    the norms, and the gated MLP with its residual; returns the new ``h [1, N, D]``, or with ``defer`` the two
+    terms of its last residual add, ``(h', m)`` with ``h = h' + m``, for the next layer's norm to add (one node)."""
     eps = c.rms_norm_eps
     if c.sandwich_norm:
         h, x = h.add_rms_norm(o.rms_norm(w["post_attn_norm"], eps), w["pre_ffn_norm"], eps)
     else:
         h, x = h.add_rms_norm(o, w["post_attn_norm"], eps)
     if w.get("router") is not None:
-        return h + moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob)
-    g, u = x.linear_many([w["gate"], w["up"]])
-    m = g.gated(u, c.activation).linear(w["down"])
-    if reduce is not None:
-        m = reduce(m)
-    return h + (m.rms_norm(w["post_ffn_norm"], eps) if c.sandwich_norm else m)
+        m = moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob)
+    else:
+        g, u = x.linear_many([w["gate"], w["up"]])
+        m = g.gated(u, c.activation).linear(w["down"])
+        if reduce is not None:
+            m = reduce(m)
+        if c.sandwich_norm:
+            m = m.rms_norm(w["post_ffn_norm"], eps)
+    return (h, m) if defer else h + m
 
 
 class DecoderModel(abc.ABC):
@@ -374,32 +382,41 @@ class DecoderModel(abc.ABC):
                 "shared_down", "shared_expert_gate"),
     }
 
-    def _compiled_block(self, kind: str, layer: int, rope_args: int = 1) -> tuple[Any, tuple[str, ...]]:
+    def _compiled_block(self, kind: str, layer: int, rope_args: int = 1,
+                        residual: bool = False) -> tuple[Any, tuple[str, ...]]:
         """``(fn, names)``: :func:`attention_in` (``kind="in"``, called ``fn(h, *rope, *weights)``, ``rope`` the
-        positions or, with ``rope_args=2``, the cosines and sines of :class:`RopeAngles`) or :func:`attention_out`
-        (``"out"``, ``fn(h, o, *weights)``) through ``Backend.compile``, the layer's weights ``names`` passed as
+        positions or, with ``rope_args=2``, the cosines and sines of :class:`RopeAngles`, none with 0; with
+        ``residual``, ``fn(h, m, *rope, *weights)`` adds the last layer's deferred ``m`` to ``h`` in its input norm
+        and returns the sum after ``q, k, v``) or :func:`attention_out` (``"out"``, ``fn(h, o, *weights)``, its
+        last residual add deferred: ``(h, m)``) through ``Backend.compile``, the layer's weights ``names`` passed as
         arguments, so that alike layers share one trace. The traced functions hold the config and the RoPE arguments,
         not the model (no reference cycle keeps a closed model's weights alive)."""
-        at = (kind, layer, rope_args)
+        at = (kind, layer, rope_args, residual)
         known = self._block_of.get(at)
         if known is not None:  # one dict lookup per call: this runs twice per layer and decode step
             return known
         lw = self.layers[layer]
         names = tuple(k for k in self._BLOCK_WEIGHTS[kind] if lw.get(k) is not None)
         rope = self._rope(layer) if kind == "in" else None
-        key = (kind, names, rope[:2] if rope else None, rope_args)
+        key = (kind, names, rope[:2] if rope else None, rope_args, residual)
         fn = self._compiled.get(key)
         if fn is None:
             c = self.config
-            if kind == "in":
+            if kind == "in" and residual:
+                def block(h: Tensor, m: Tensor, *args: Tensor) -> tuple[Tensor, ...]:
+                    at = RopeAngles(*args[:2]) if rope_args == 2 else args[0] if rope_args else None
+                    w = dict(zip(names, args[rope_args:]))
+                    h, x = h.add_rms_norm(m, w["attn_norm"], c.rms_norm_eps)
+                    return (*attention_in(c, rope, h, at, w, normed=x), h)
+            elif kind == "in":
                 def block(h: Tensor, *args: Tensor) -> tuple[Tensor, Tensor, Tensor]:
                     at = RopeAngles(*args[:2]) if rope_args == 2 else args[0] if rope_args else None
                     return attention_in(c, rope, h, at, dict(zip(names, args[rope_args:])))
             else:
                 reduce = self.part.reduce
 
-                def block(h: Tensor, o: Tensor, *ws: Tensor) -> Tensor:
-                    return attention_out(c, h, o, dict(zip(names, ws)), reduce)
+                def block(h: Tensor, o: Tensor, *ws: Tensor) -> tuple[Tensor, Tensor]:
+                    return attention_out(c, h, o, dict(zip(names, ws)), reduce, defer=True)
             fn = self._compiled[key] = self.backend.compile(block)
         self._block_of[at] = fn, names
         return fn, names
@@ -455,6 +472,8 @@ class DecoderModel(abc.ABC):
         compiled = n == 1 and self.compile_decode and isinstance(positions, int)
         pos_tensor = ctx.from_numpy(np.array([positions], np.int32)) if compiled else None
         angles: dict[tuple, RopeAngles | None] = {}  # per distinct RoPE: made once for all its layers
+        # compiled steps: the last layer's final residual term, added to h by the next layer's input norm (one node)
+        pending: Tensor | None = None
 
         def rope_at(layer: int) -> "int | Tensor | RopeAngles":
             base, scale, freqs = self._rope(layer)
@@ -467,35 +486,40 @@ class DecoderModel(abc.ABC):
             if output_layer is not None and i > output_layer:
                 break
             if not self.is_attention(i):
+                if pending is not None:
+                    h, pending = h + pending, None
                 h = self.mixer_layer(ctx, i, lw, h, cache, batch)
                 continue
             cache.set_layer(i)
             at = rope_at(i)
             o = None
+            res = () if pending is None else (pending,)
             if compiled and isinstance(at, RopeAngles) and self.fuse_attention:
                 # RoPE, the cache write and attention as one node where the cache and backend can (7 nodes otherwise)
-                fn, names = self._compiled_block("in", i, 0)
-                q, k, v = fn(h, *[lw[name] for name in names])
+                fn, names = self._compiled_block("in", i, 0, bool(res))
+                q, k, v, *hs = fn(h, *res, *[lw[name] for name in names])
                 dims = c.rope_dims or c.head_dim
                 o = cache.attend(ctx, q, k, v, c.query_scale, at, dims, c.rope_traditional)
                 if o is None:
                     q, k = (x.rope(at, dims, traditional=c.rope_traditional) for x in (q, k))
             elif compiled:
                 rope_args = (at.cos, at.sin) if isinstance(at, RopeAngles) else (at,)
-                fn, names = self._compiled_block("in", i, len(rope_args))
-                q, k, v = fn(h, *rope_args, *[lw[name] for name in names])
+                fn, names = self._compiled_block("in", i, len(rope_args), bool(res))
+                q, k, v, *hs = fn(h, *res, *rope_args, *[lw[name] for name in names])
             else:
                 q, k, v = attention_in(c, self._rope(i), h, at, lw)
+            if compiled and res:
+                h, = hs  # h with the last layer's residual term added
             if o is None:
                 cache.put(ctx, k, v)
                 keys, values, mask = cache.get(ctx)
                 o = ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
             if compiled:
                 fn, names = self._compiled_block("out", i)
-                h = fn(h, o, *[lw[name] for name in names])
+                h, pending = fn(h, o, *[lw[name] for name in names])
             else:
                 h = attention_out(c, h, o, lw, self.part.reduce)
-        return h
+        return h if pending is None else h + pending
 
     def logits(self, ctx: Context, batch: Batch, h: Tensor) -> Tensor:
         """Logits ``[K, vocab]`` of the batch's ``outputs`` from the last layer's ``h [1, N, D]`` (final norm, then
