@@ -12,6 +12,9 @@ device, allocated on the layer's first ``put`` and grown ``config.step`` cells a
   trimmed in the middle) and with one scatter otherwise;
 - ``get`` returns ``storage[:, :, :S]``, a slice of the contiguous storage (never a gather over the history), with
   ``S`` = highest used cell + 1 (rounded up to ``config.padding``);
+- ``attend`` does ``put``, ``get`` and attention (with RoPE) as one backend operation where the backend has one
+  (``Context.cached_attention``: our CPU kernel, float storage, the batch's cells in one run), and otherwise steps
+  aside for the caller to do them apart;
 - the mask is built on the host with NumPy once per ``start_forward``, uploaded once, and shared by every layer; it is
   ``None`` when nothing in ``0 .. S-1`` is hidden from any token, which a single-sequence decode step of a causal cache
   decides in O(1) from per-sequence counters.

@@ -508,8 +508,8 @@ class DecoderModel(abc.ABC):
                 q, k, v, *hs = fn(h, *res, *rope_args, *[lw[name] for name in names])
             else:
                 q, k, v = attention_in(c, self._rope(i), h, at, lw)
-            if compiled and res:
-                h, = hs  # h with the last layer's residual term added
+            if res:  # (a compiled step's): h with the last layer's residual term added
+                h, = hs
             if o is None:
                 cache.put(ctx, k, v)
                 keys, values, mask = cache.get(ctx)
