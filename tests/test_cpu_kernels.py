@@ -100,6 +100,18 @@ def test_rope_apply_is_mlx_rope_bit_for_bit(traditional):
         cpu_kernels.rope_apply(x, cos[:5], sin[:5], 64, traditional)  # 5 table rows for 7 tokens
 
 
+@pytest.mark.parametrize("dims, base, scale", [(64, 10000.0, 1.0), (256, 1000000.0, 1.0), (128, 10000.0, 0.125)])
+def test_rope_row_is_rope_table_bit_for_bit(dims, base, scale):
+    """A decode step's angles sliced from a table made for 1024 positions are the ones made for that position
+    alone, at the start, the end and across chunks, far out (131071) too; the tables kept stay bounded."""
+    for pos in (0, 1, 1023, 1024, 5000, 99999, 131071):
+        got, want = cpu_kernels.rope_row(pos, dims, base, scale), cpu_kernels.rope_table(1, pos, dims, base, scale,
+                                                                                          None)
+        for g, w in zip(got, want):
+            assert g.shape == (1, dims // 2) and mx.array_equal(g, w).item(), pos
+    assert len(cpu_kernels._rope_chunks) <= 8
+
+
 @pytest.mark.parametrize("heads, kv_heads, rows, dim", [(9, 3, 1, 64), (4, 1, 3, 256), (2, 2, 16, 80), (3, 1, 2, 72)])
 def test_attend_matches_mlx_attention(heads, kv_heads, rows, dim):
     """Decode attention against MLX's: grouped heads, keys and values as views of a larger cache, with a mask that

@@ -156,6 +156,9 @@ class MLXContext(Context):
         if not (runtime.on_cpu and cpu_kernels.rope_apply is not None and dtype == DType.FLOAT32):
             return None
         pos = positions.a if isinstance(positions, MLXTensor) else positions
+        if isinstance(pos, int) and tokens == 1 and freqs is None:  # a decode step: a row of a table made once
+            cos, sin = cpu_kernels.rope_row(pos, dims, base, scale)
+            return RopeAngles(MLXTensor(cos), MLXTensor(sin))
         cos, sin = cpu_kernels.rope_table(tokens, pos, dims, base, scale, None if freqs is None else freqs.a)
         return RopeAngles(MLXTensor(cos), MLXTensor(sin))
 

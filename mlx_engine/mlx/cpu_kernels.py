@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
+from collections import OrderedDict
 from typing import Callable
 
 from mlx_engine.mlx.runtime import mx
@@ -168,6 +170,31 @@ def rope_table(tokens: int, positions, dims: int, base, scale: float, freqs) -> 
     t = mx.fast.rope(unit, dims, traditional=False, base=base, scale=scale, offset=positions, freqs=freqs)
     t = t.reshape(-1, dims)
     return t[:, :half], t[:, half:]
+
+
+_ROPE_CHUNK = 1024  # positions per table of rope_row
+_rope_chunks: "OrderedDict[tuple, tuple]" = OrderedDict()
+_rope_lock = threading.Lock()
+
+
+def rope_row(position: int, dims: int, base, scale: float) -> tuple:
+    """``(cos, sin)`` float32 ``[1, dims / 2]`` of one ``position`` (a decode step): a row of a :func:`rope_table`
+    made for 1024 positions at a time (the last 8 such tables kept), so that a step slices its angles (a node each)
+    instead of making them (about 25 nodes). Bit for bit ``rope_table(1, position, ...)``: the angle of a position
+    does not depend on the table it is computed in (checked by the tests)."""
+    key = (dims, base, scale, position // _ROPE_CHUNK)
+    with _rope_lock:
+        table = _rope_chunks.get(key)
+        if table is None:
+            table = rope_table(_ROPE_CHUNK, key[3] * _ROPE_CHUNK, dims, base, scale, None)
+            mx.eval(*table)
+            _rope_chunks[key] = table
+            if len(_rope_chunks) > 8:
+                _rope_chunks.popitem(last=False)
+        else:
+            _rope_chunks.move_to_end(key)
+    r = position % _ROPE_CHUNK
+    return table[0][r:r + 1], table[1][r:r + 1]
 
 
 def _load() -> None:
