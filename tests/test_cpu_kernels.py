@@ -100,6 +100,29 @@ def test_rope_apply_is_mlx_rope_bit_for_bit(traditional):
         cpu_kernels.rope_apply(x, cos[:5], sin[:5], 64, traditional)  # 5 table rows for 7 tokens
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_qtake_is_mx_dequantize_of_the_rows_bit_for_bit(bits):
+    """The embedding lookup of a quantized weight against mx.dequantize of the gathered rows, to the bit: every group
+    size and scale dtype, with biases and symmetric, ids in any order, repeated, negative (from the end), 2-D."""
+    W = mx.random.normal((50, 256), key=mx.random.key(bits))
+    ids = mx.array([[3, 0, 49], [7, -1, 3]], dtype=mx.int32)
+    for gs in (32, 64, 128):
+        w, s, b = mx.quantize(W, group_size=gs, bits=bits)
+        for dtype in (mx.float32, mx.float16, mx.bfloat16):
+            s2, b2 = s.astype(dtype), b.astype(dtype)
+            for biases in (b2, None):
+                fs = s2.astype(mx.float32)
+                fb = fs * -(2 ** (bits - 1)) if biases is None else biases.astype(mx.float32)
+                want = mx.dequantize(w[ids], fs[ids], fb[ids], group_size=gs, bits=bits)
+                got = cpu_kernels.qtake(w, s2, biases, ids, gs, bits)
+                assert got.shape == (2, 3, 256) and got.dtype == mx.float32
+                assert mx.array_equal(got, want).item(), (gs, dtype, biases is None)
+    with pytest.raises(ValueError, match="bits must be"):
+        cpu_kernels.qtake(w, s, b, ids, 128, 7)
+    with pytest.raises(ValueError, match="ids must be integers"):
+        cpu_kernels.qtake(w, s, b, ids.astype(mx.float32), 128, bits)
+
+
 @pytest.mark.parametrize("dims, base, scale", [(64, 10000.0, 1.0), (256, 1000000.0, 1.0), (128, 10000.0, 0.125)])
 def test_rope_row_is_rope_table_bit_for_bit(dims, base, scale):
     """A decode step's angles sliced from a table made for 1024 positions are the ones made for that position

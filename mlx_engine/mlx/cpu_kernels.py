@@ -2,7 +2,8 @@
 
 ``qmatmul`` (quantized matrix products; ``qmatmul_many``: several of one x as one graph node and one parallel job),
 ``rope_apply`` (RoPE from a table), ``attend`` (attention of a few queries per head, decode steps;
-``attend_cached``: with the RoPE of the queries and new keys and their write into the KV cache), ``rms_norm``
+``attend_cached``: with the RoPE of the queries and new keys and their write into the KV cache), ``qtake`` (rows
+of a quantized weight, dequantized: an embedding lookup), ``rms_norm``
 (RMSNorm as one graph node; ``add_rms_norm``: a residual add and the norm after it as one) and ``activation`` (SiLU
 and tanh-form GELU, vectorized; times a gated MLP's up projection) are None when the module is missing (not built:
 no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one
@@ -26,6 +27,7 @@ qmatmul_many: "Callable | None" = None
 rope_apply: "Callable | None" = None
 attend: "Callable | None" = None
 attend_cached: "Callable | None" = None
+qtake: "Callable | None" = None
 rms_norm: "Callable | None" = None
 add_rms_norm: "Callable | None" = None
 activation: "Callable | None" = None
@@ -106,6 +108,22 @@ def _attend_self_test(fn) -> str | None:
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=m)
         if not mx.allclose(fn(q, k, v, 0.3, m), want, rtol=1e-5, atol=1e-5).item():
             return "attention differs from mx.fast.scaled_dot_product_attention"
+    return None
+
+
+def _qtake_self_test(fn) -> str | None:
+    """Against ``mx.dequantize`` of the gathered rows, bit for bit: 4 and 6 bits, float16 scales, with biases and
+    symmetric."""
+    ids = mx.array([3, 0, 19, 3], dtype=mx.int32)
+    for bits in (4, 6):
+        w, s, b = mx.quantize(mx.random.normal((20, 128), key=mx.random.key(15 + bits)), group_size=32, bits=bits)
+        s16 = s.astype(mx.float16)
+        for biases in (b.astype(mx.float16), None):
+            fs = s16.astype(mx.float32)
+            fb = fs * -(2 ** (bits - 1)) if biases is None else biases.astype(mx.float32)
+            want = mx.dequantize(w[ids], fs[ids], fb[ids], group_size=32, bits=bits)
+            if not mx.array_equal(fn(w, s16, biases, ids, 32, bits), want).item():
+                return "the quantized row lookup differs from mx.dequantize"
     return None
 
 
@@ -198,7 +216,7 @@ def rope_row(position: int, dims: int, base, scale: float) -> tuple:
 
 
 def _load() -> None:
-    global qmatmul, qmatmul_many, rope_apply, attend, attend_cached, rms_norm, add_rms_norm, activation, activations, _status
+    global qmatmul, qmatmul_many, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm, activation, activations, _status
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
         return
@@ -218,6 +236,7 @@ def _load() -> None:
             problem = (_self_test(_kernels.qmatmul, _kernels.qmatmul_many) or _rope_self_test(_kernels.rope_apply)
                        or _attend_self_test(_kernels.attend)
                        or _attend_cached_self_test(_kernels.attend_cached, _kernels.rope_apply, _kernels.attend)
+                       or _qtake_self_test(_kernels.qtake)
                        or _norm_self_test(_kernels.rms_norm, _kernels.add_rms_norm)
                        or _activation_self_test(_kernels.activation))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
@@ -227,7 +246,7 @@ def _load() -> None:
         return
     qmatmul, qmatmul_many, rope_apply, attend = (_kernels.qmatmul, _kernels.qmatmul_many, _kernels.rope_apply,
                                                  _kernels.attend)
-    attend_cached = _kernels.attend_cached
+    attend_cached, qtake = _kernels.attend_cached, _kernels.qtake
     rms_norm, add_rms_norm, activation = _kernels.rms_norm, _kernels.add_rms_norm, _kernels.activation
     asked = os.environ.get("MLX_ENGINE_ACTIVATIONS", "float32").lower()
     note = ""

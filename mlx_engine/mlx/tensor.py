@@ -377,6 +377,9 @@ class MLXQuantizedTensor(MLXTensor):
         if axis != 0:
             return super().take(indices, axis)
         i = raw(indices)
+        if runtime.on_cpu and cpu_kernels.qtake is not None and self._dtype == mx.float32 and isinstance(i, mx.array):
+            # one graph node, where MLX's CPU dequantize is about 20 (the same values, bit for bit)
+            return MLXTensor(cpu_kernels.qtake(self.w, self.scales, self.biases, i, self.group_size, self.bits))
         return MLXTensor(mx.dequantize(self.w[i], *self.float_scales(i), group_size=self.group_size, bits=self.bits))
 
     def dequantize(self):

@@ -33,6 +33,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/version.h"
+#include "half.h"
 #include "pool.h"
 #include "strided.h"
 
@@ -61,19 +62,7 @@ struct Problem {
   const void* qx = nullptr;  // x quantized to int8 (vnni::QX), for the int8 kernel
 };
 
-// IEEE half -> float, exact for every value (the 2**112 product rescales normals and subnormals alike).
-INLINE float half_to_float(uint16_t h) {
-  uint32_t em = uint32_t(h & 0x7fff) << 13;
-  float f;
-  if ((h & 0x7c00) == 0x7c00) {
-    em |= 0x7f800000;  // inf / nan
-    std::memcpy(&f, &em, 4);
-  } else {
-    std::memcpy(&f, &em, 4);
-    f *= 0x1p112f;
-  }
-  return (h & 0x8000) ? -f : f;
-}
+using mlx_engine::half_to_float;
 
 // One copy of the row kernel per instruction set; `rows_for_cpu` picks one once.
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -371,6 +360,7 @@ void register_rope(nb::module_& m);       // rope.cpp
 void register_attention(nb::module_& m);  // attention.cpp
 void register_norm(nb::module_& m);       // norm.cpp
 void register_activation(nb::module_& m);  // activation.cpp
+void register_qtake(nb::module_& m);       // qtake.cpp
 
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
@@ -389,6 +379,7 @@ NB_MODULE(_kernels, m) {
   register_attention(m);
   register_norm(m);
   register_activation(m);
+  register_qtake(m);
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
   m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI).");

@@ -1,0 +1,139 @@
+// Rows of a quantized weight, dequantized (an embedding lookup), as one MLX primitive on the CPU.
+//
+// qtake(w, scales, biases, ids, group_size, bits) -> float32 [*ids.shape, K]: row ids[i] of a weight in MLX's affine
+// layout (see qmatmul.cpp) as
+//     scales[r, j / group_size] * q[r, j] + biases[r, j / group_size]   (the product and the sum each rounded)
+// which is mx.dequantize's arithmetic, so the rows are bit for bit mx.dequantize(w[ids], ...)'s; biases None: a
+// symmetric weight, -2**(bits - 1) * scales (exact). Why: MLX dequantizes on the CPU as about 20 graph nodes of
+// shifts and masks, and a decode step looks up one row.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "half.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "strided.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+float scale_at(const void* base, mx::Dtype t, size_t i) {
+  if (t == mx::float32) return static_cast<const float*>(base)[i];
+  const uint16_t h = static_cast<const uint16_t*>(base)[i];
+  if (t == mx::float16) return mlx_engine::half_to_float(h);
+  const uint32_t u = uint32_t(h) << 16;  // bfloat16
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+__attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* row, const void* scales,
+                                                                  const void* biases, mx::Dtype st, size_t g0, int K,
+                                                                  int group_size, int bits, float* out) {
+  const uint32_t mask = (1u << bits) - 1;
+  const float zero_point = -float(1 << (bits - 1));
+  for (int g = 0; g < K / group_size; ++g) {
+    const float s = scale_at(scales, st, g0 + g);
+    const float b = biases ? scale_at(biases, st, g0 + g) : s * zero_point;
+    for (int j = g * group_size; j < (g + 1) * group_size; ++j) {
+      const size_t bit = size_t(j) * bits, byte = bit >> 3;
+      uint32_t v = row[byte];
+      if ((bit & 7) + bits > 8) v |= uint32_t(row[byte + 1]) << 8;  // the element runs into the next byte
+      const float q = float((v >> (bit & 7)) & mask);
+      const float p = q * s;
+      out[j] = p + b;
+    }
+  }
+}
+
+class QTake : public mx::UnaryPrimitive {
+ public:
+  QTake(mx::Stream stream, int group_size, int bits, bool symmetric)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), symmetric_(symmetric) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_]() mutable {
+      static thread_local std::vector<uint8_t> bufs[4];
+      const void* data[4] = {};
+      for (size_t i = 0; i < inputs.size(); ++i) data[i] = mlx_engine::row_major(inputs[i], bufs[i]);
+      const mx::array& w = inputs[0];
+      const mx::array& ids = inputs.back();
+      const int N = w.shape(0), K = int(int64_t(w.shape(1)) * 32 / bits), G = K / gs;
+      const size_t row_bytes = size_t(w.shape(1)) * 4;
+      const int32_t* id = static_cast<const int32_t*>(data[inputs.size() - 1]);
+      for (size_t i = 0; i < ids.size(); ++i) {
+        int64_t r = id[i] < 0 ? int64_t(id[i]) + N : id[i];  // negative ids count from the end, as mx.take's
+        r = r < 0 ? 0 : r >= N ? N - 1 : r;
+        dequantize_row(static_cast<const uint8_t*>(data[0]) + r * row_bytes, data[1], symmetric ? nullptr : data[2],
+                       inputs[1].dtype(), size_t(r) * G, K, gs, bits, out.data<float>() + i * size_t(K));
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlx_engine qtake runs on the CPU only; use mx.dequantize on a GPU");
+  }
+
+  const char* name() const override { return "MLXEngineQTake"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const QTake&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && symmetric_ == o.symmetric_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs.back().shape();
+    shape.push_back(int(int64_t(inputs[0].shape(1)) * 32 / bits_));
+    return {shape};
+  }
+
+ private:
+  int group_size_, bits_;
+  bool symmetric_;
+};
+
+mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional<mx::array>& biases,
+                const mx::array& ids, int group_size, int bits) {
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
+    throw std::invalid_argument("qtake: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    throw std::invalid_argument("qtake: group_size must be 32, 64 or 128, not " + std::to_string(group_size));
+  if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument("qtake: w must be 2-D uint32");
+  const int K = int(int64_t(w.shape(1)) * 32 / bits);
+  if (K % group_size) throw std::invalid_argument("qtake: the row length is not a multiple of group_size");
+  mx::Shape gshape{w.shape(0), K / group_size};
+  if (scales.shape() != gshape || (biases && (biases->shape() != gshape || biases->dtype() != scales.dtype())) ||
+      (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16))
+    throw std::invalid_argument("qtake: scales (and biases) must be float32, float16 or bfloat16 [N, K / group_size]");
+  if (!mx::issubdtype(ids.dtype(), mx::integer)) throw std::invalid_argument("qtake: ids must be integers");
+  mx::Stream s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{w, scales};
+  if (biases) inputs.push_back(*biases);
+  inputs.push_back(ids.dtype() == mx::int32 ? ids : mx::astype(ids, mx::int32, s));
+  mx::Shape shape = ids.shape();
+  shape.push_back(K);
+  return mx::array(shape, mx::float32, std::make_shared<QTake>(s, group_size, bits, !biases), std::move(inputs));
+}
+
+}  // namespace
+
+void register_qtake(nb::module_& m) {
+  m.def("qtake", &qtake, nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("ids"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "Rows ids of dequantize(w, scales, biases) -> float32 [*ids.shape, K] (biases None: -2**(bits - 1) * "
+        "scales), on the CPU stream.");
+}
