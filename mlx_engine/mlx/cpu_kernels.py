@@ -216,7 +216,8 @@ def rope_row(position: int, dims: int, base, scale: float) -> tuple:
 
 
 def _load() -> None:
-    global qmatmul, qmatmul_many, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm, activation, activations, _status
+    global qmatmul, qmatmul_many, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm, activation
+    global activations, _status
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
         return

@@ -401,12 +401,14 @@ class AttendCached : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     for (auto& a : outputs) encoder.set_output_array(a);
-    encoder.dispatch([inputs, outputs, copy_k = copy[0], copy_v = copy[1], start = start_, lo = lo_, hi = hi_,
-                      scale = scale_, dims = dims_, traditional = traditional_, masked = masked_]() mutable {
+    encoder.dispatch([inputs, outputs, copy, start = start_, lo = lo_, hi = hi_, scale = scale_, dims = dims_,
+                      traditional = traditional_, masked = masked_]() mutable {
       static thread_local std::vector<uint8_t> bufs[8];
-      for (int i : {1, 2})
-        if (i == 1 ? copy_k : copy_v)
-          std::memcpy(outputs[i].data<uint8_t>(), mlx_engine::row_major(inputs[2 + i], bufs[2 + i]), outputs[i].nbytes());
+      for (int i = 0; i < 2; ++i)
+        if (copy[i]) {
+          const void* store = mlx_engine::row_major(inputs[3 + i], bufs[3 + i]);
+          std::memcpy(outputs[1 + i].data<uint8_t>(), store, outputs[1 + i].nbytes());
+        }
       auto f32 = [&](int i) { return static_cast<const float*>(mlx_engine::row_major(inputs[i], bufs[i])); };
       const float *q = f32(0), *k = f32(1), *v = f32(2), *cs = f32(5), *sn = f32(6);
       const int H = inputs[0].shape(1), N = inputs[0].shape(2), D = inputs[0].shape(3);
