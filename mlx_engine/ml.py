@@ -186,6 +186,33 @@ class Tensor(abc.ABC):
         s = self + residual
         return s, s.rms_norm(weight, eps)
 
+    def norm_linear(self, weights: "Sequence[Tensor]", norm: "Tensor", eps: float, residual: "Tensor | None" = None,
+                    shapes: "Sequence[tuple[int, ...]] | None" = None,
+                    out_norms: "Sequence[Tensor | None] | None" = None) -> "tuple[Tensor, list[Tensor]]":
+        """A layer's input norm and the projections after it: ``s = self + residual`` (``self`` when ``residual`` is
+        None), ``x = s.rms_norm(norm, eps)``, ``ys = x.linear_many(weights, shapes=shapes)``, and each ``ys[i]``
+        whose ``out_norms[i]`` is not None RMSNorm-ed over its last axis with it (the per-head query and key norms
+        of Qwen3 and Gemma 3); returns ``(s, ys)``. A backend may run it as one operation; the values are the
+        same."""
+        s, x = (self, self.rms_norm(norm, eps)) if residual is None else self.add_rms_norm(residual, norm, eps)
+        ys = x.linear_many(weights, shapes=shapes)
+        if out_norms is not None:
+            ys = [y if w is None else y.rms_norm(w, eps) for y, w in zip(ys, out_norms)]
+        return s, ys
+
+    def gated_linear(self, up: "Tensor", activation: str, weight: "Tensor", out_norm: "Tensor | None" = None,
+                     eps: float = 0.0) -> "Tensor":
+        """A gated MLP's down projection: ``self.gated(up, activation).linear(weight)``, RMSNorm-ed with
+        ``out_norm`` and ``eps`` where given (Gemma 3's norm after the MLP). A backend may run it as one operation;
+        the values are the same. Raises ValueError for an activation :meth:`gated` does not know."""
+        y = self.gated(up, activation).linear(weight)
+        return y if out_norm is None else y.rms_norm(out_norm, eps)
+
+    def linear_norm(self, weight: "Tensor", norm: "Tensor", eps: float) -> "Tensor":
+        """``self.linear(weight).rms_norm(norm, eps)`` (Gemma 3's attention output projection and the norm after it).
+        A backend may run it as one operation; the values are the same."""
+        return self.linear(weight).rms_norm(norm, eps)
+
     def gated(self, up: "Tensor", activation: str = "silu") -> "Tensor":
         """A gated MLP's product ``act(self) * up`` (same shapes), ``act`` SiLU (``"silu"``, SwiGLU) or the tanh form
         of GELU (``"gelu_tanh"``, GeGLU; Shazeer 2020). A backend may compute it as one operation; the values are the

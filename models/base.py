@@ -96,33 +96,41 @@ def _heads(x: Tensor, heads: int, dim: int) -> Tensor:
 
 def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | None"], h: Tensor,
                  positions: "int | Tensor | RopeAngles | None", w: dict[str, Tensor | None],
-                 normed: "Tensor | None" = None) -> tuple[Tensor, Tensor, Tensor]:
-    """One layer before attention: ``h [1, N, D]`` -> queries ``[1, H, N, Dh]``, keys and values
-    ``[1, H_kv, N, Dh]`` (input norm, projections, query/key norms, RoPE ``(base, scale, freqs)`` at ``positions``,
-    or by the tokens' angles made for this RoPE; ``positions=None``: no RoPE, the caller's). ``normed``: ``h``
-    through the input norm, where the caller has it already.
+                 residual: "Tensor | None" = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One layer before attention: ``h [1, N, D]`` (plus ``residual``, the last layer's deferred residual term,
+    where given) -> queries ``[1, H, N, Dh]``, keys and values ``[1, H_kv, N, Dh]`` and the sum ``h``
+    (input norm, projections, query/key norms, RoPE ``(base, scale, freqs)`` at ``positions``, or by the tokens'
+    angles made for this RoPE; ``positions=None``: no RoPE, the caller's).
     ``w`` holds the layer's weights by the names of :meth:`DecoderModel._layer_weights`."""
     eps = c.rms_norm_eps
-    x = h.rms_norm(w["attn_norm"], eps) if normed is None else normed
     biases = [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")]
-    if h.shape[1] == 1 and all(b is None for b in biases):  # one token: the heads' shape straight from the product
-        q, k, v = x.linear_many([w["q"], w["k"], w["v"]], shapes=[
-            (1, c.num_heads, 1, c.head_dim), (1, c.num_kv_heads, 1, c.head_dim), (1, c.num_kv_heads, 1, c.head_dim)])
+    qkv, n = [w["q"], w["k"], w["v"]], h.shape[1]
+    if n == 1 and all(b is None for b in biases):
+        # one token: the norm, the products in the heads' shape and the query/key norms as one operation where the
+        # backend can
+        shapes = [(1, c.num_heads, 1, c.head_dim)] + [(1, c.num_kv_heads, 1, c.head_dim)] * 2
+        norms = [w["q_norm"], w["k_norm"], None] if c.qk_norm else None
+        h, (q, k, v) = h.norm_linear(qkv, w["attn_norm"], eps, residual, shapes, norms)
     else:
-        q, k, v = x.linear_many([w["q"], w["k"], w["v"]], biases)
+        if all(b is None for b in biases):
+            h, (q, k, v) = h.norm_linear(qkv, w["attn_norm"], eps, residual)
+        else:
+            h, x = (h, h.rms_norm(w["attn_norm"], eps)) if residual is None else h.add_rms_norm(
+                residual, w["attn_norm"], eps)
+            q, k, v = x.linear_many(qkv, biases)
         q = _heads(q, c.num_heads, c.head_dim)
         k = _heads(k, c.num_kv_heads, c.head_dim)
         v = _heads(v, c.num_kv_heads, c.head_dim)
-    if c.qk_norm:
-        q = q.rms_norm(w["q_norm"], eps)
-        k = k.rms_norm(w["k_norm"], eps)
+        if c.qk_norm:
+            q = q.rms_norm(w["q_norm"], eps)
+            k = k.rms_norm(w["k_norm"], eps)
     if positions is None:  # the caller rotates (the KV cache's fused attention)
-        return q, k, v
+        return q, k, v, h
     base, scale, freqs = rope
     dims = c.rope_dims or c.head_dim
     q = apply_rope(q, positions, dims, base, scale, c.rope_traditional, freqs)
     k = apply_rope(k, positions, dims, base, scale, c.rope_traditional, freqs)
-    return q, k, v
+    return q, k, v, h
 
 
 def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None],
@@ -137,6 +145,9 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     o = (o if n == 1 else o.transpose(0, 2, 1, 3)).reshape(1, n, c.num_heads * c.head_dim)
     if w.get("attn_gate") is not None:  # gated attention (Qwen3-Next): the gate reads the layer's normed input
         o = o * h.rms_norm(w["attn_gate_norm"], c.rms_norm_eps).linear(w["attn_gate"]).sigmoid()
+    if c.sandwich_norm and reduce is None:  # the product and the norm after it as one operation where it can
+        return feed_forward(c, h, o.linear_norm(w["o"], w["post_attn_norm"], c.rms_norm_eps), w, reduce, defer,
+                            normed=True)
     o = o.linear(w["o"])
     if reduce is not None:
         o = reduce(o)
@@ -144,25 +155,29 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
 
 
 def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None],
-                 reduce: "Callable[[Tensor], Tensor] | None" = None, defer: bool = False
+                 reduce: "Callable[[Tensor], Tensor] | None" = None, defer: bool = False, normed: bool = False
                  ) -> "Tensor | tuple[Tensor, Tensor]":
-    """The second half of a layer: ``h + o`` (the token mixer's output ``o [1, N, D]``, attention or recurrent),
-    the norms, and the gated MLP with its residual; returns the new ``h [1, N, D]``, or with ``defer`` the two
-    terms of its last residual add, ``(h', m)`` with ``h = h' + m``, for the next layer's norm to add (one node)."""
+    """The second half of a layer: ``h + o`` (the token mixer's output ``o [1, N, D]``, attention or recurrent;
+    ``normed``: through the sandwich norm already), the norms, and the gated MLP with its residual; returns the new
+    ``h [1, N, D]``, or with ``defer`` the two terms of its last residual add, ``(h', m)`` with ``h = h' + m``, for
+    the next layer's norm to add (one node)."""
     eps = c.rms_norm_eps
-    if c.sandwich_norm:
-        h, x = h.add_rms_norm(o.rms_norm(w["post_attn_norm"], eps), w["pre_ffn_norm"], eps)
-    else:
-        h, x = h.add_rms_norm(o, w["post_attn_norm"], eps)
+    if c.sandwich_norm and not normed:
+        o = o.rms_norm(w["post_attn_norm"], eps)
+    norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
     if w.get("router") is not None:
+        h, x = h.add_rms_norm(o, norm, eps)
         m = moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob)
     else:
-        g, u = x.linear_many([w["gate"], w["up"]])
-        m = g.gated(u, c.activation).linear(w["down"])
+        # the residual add, the norm and the products; the activation, the down projection and the norm after it:
+        # each as one operation where the backend can
+        h, (g, u) = h.norm_linear([w["gate"], w["up"]], norm, eps, o)
+        post = w["post_ffn_norm"] if c.sandwich_norm else None
+        m = g.gated_linear(u, c.activation, w["down"], post if reduce is None else None, eps)
         if reduce is not None:
             m = reduce(m)
-        if c.sandwich_norm:
-            m = m.rms_norm(w["post_ffn_norm"], eps)
+            if post is not None:
+                m = m.rms_norm(post, eps)
     return (h, m) if defer else h + m
 
 
@@ -406,12 +421,11 @@ class DecoderModel(abc.ABC):
                 def block(h: Tensor, m: Tensor, *args: Tensor) -> tuple[Tensor, ...]:
                     at = RopeAngles(*args[:2]) if rope_args == 2 else args[0] if rope_args else None
                     w = dict(zip(names, args[rope_args:]))
-                    h, x = h.add_rms_norm(m, w["attn_norm"], c.rms_norm_eps)
-                    return (*attention_in(c, rope, h, at, w, normed=x), h)
+                    return attention_in(c, rope, h, at, w, m)
             elif kind == "in":
                 def block(h: Tensor, *args: Tensor) -> tuple[Tensor, Tensor, Tensor]:
                     at = RopeAngles(*args[:2]) if rope_args == 2 else args[0] if rope_args else None
-                    return attention_in(c, rope, h, at, dict(zip(names, args[rope_args:])))
+                    return attention_in(c, rope, h, at, dict(zip(names, args[rope_args:])))[:3]
             else:
                 reduce = self.part.reduce
 
@@ -507,7 +521,7 @@ class DecoderModel(abc.ABC):
                 fn, names = self._compiled_block("in", i, len(rope_args), bool(res))
                 q, k, v, *hs = fn(h, *res, *rope_args, *[lw[name] for name in names])
             else:
-                q, k, v = attention_in(c, self._rope(i), h, at, lw)
+                q, k, v, _ = attention_in(c, self._rope(i), h, at, lw)
             if res:  # (a compiled step's): h with the last layer's residual term added
                 h, = hs
             if o is None:

@@ -358,6 +358,51 @@ def test_qmatmul_many_is_each_product_alone(m):
         cpu_kernels.qmatmul_many(x, *[[w[i] for w in weights[:1]] for i in range(5)], [[m, 10]])
 
 
+@pytest.mark.parametrize("m", [1, 70])
+def test_qmatmul_prologues_and_output_norms_are_the_operations_apart(m):
+    """The prologue of ``qmatmul_many`` (an input RMSNorm, a residual add and the norm, a gated activation) and its
+    output norms give bit for bit the kernels' own ``rms_norm``, ``add_rms_norm`` and ``activation`` followed by the
+    products and the norms apart, for one row (a decode step) and for rows over the threads (a prefill); a wrong
+    prologue, a missing input or a norm weight of the wrong size is a ValueError."""
+    k, eps = 96, 1e-6
+    specs = [(64, 4, mx.float16), (32, 8, mx.float32), (48, 6, mx.bfloat16)]
+    weights = []
+    for i, (n, bits, dt) in enumerate(specs):
+        q, s, b = mx.quantize(mx.random.normal((n, k), key=mx.random.key(30 + i)), group_size=32, bits=bits)
+        weights.append((q, s.astype(dt), b.astype(dt), 32, bits))
+    ws = [[w[i] for w in weights] for i in range(5)]
+    x, r, up = (mx.random.normal((1, m, k), key=mx.random.key(40 + i)) for i in range(3))
+    nw = mx.random.normal((k,), key=mx.random.key(43))
+    shapes = [[1, m * 4, 16], [1, m, 32], [1, m, 48]]
+    out_norms = [mx.random.normal((16,), key=mx.random.key(44)), None, mx.random.normal((48,), key=mx.random.key(45))]
+
+    def apart(x_in):
+        ys = cpu_kernels.qmatmul_many(x_in, *ws, shapes)
+        return [y if w is None else cpu_kernels.rms_norm(y, w, eps) for y, w in zip(ys, out_norms)]
+
+    def same(got, want):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and np.array_equal(np.array(g), np.array(w))
+
+    s, xn = cpu_kernels.add_rms_norm(x, r, nw, eps)
+    same(cpu_kernels.qmatmul_many(x, *ws, shapes, "float32", "add_norm", [r, nw], out_norms, eps), [s, *apart(xn)])
+    same(cpu_kernels.qmatmul_many(x, *ws, shapes, "float32", "norm", [nw], out_norms, eps),
+         apart(cpu_kernels.rms_norm(x, nw, eps)))
+    for kind, name in ((0, "silu"), (1, "gelu_tanh")):
+        same(cpu_kernels.qmatmul_many(x, *ws, shapes, "float32", name, [up], out_norms, eps),
+             apart(cpu_kernels.activation(x, kind, up)))
+    same(cpu_kernels.qmatmul_many(x, *ws, shapes, "float32", "none", [], out_norms, eps), apart(x))
+    with pytest.raises(ValueError, match="prologue add_norm takes 2 inputs, not 1"):
+        cpu_kernels.qmatmul_many(x, *ws, None, "float32", "add_norm", [r])
+    with pytest.raises(ValueError, match="prologue must be none, norm, add_norm, silu or gelu_tanh"):
+        cpu_kernels.qmatmul_many(x, *ws, None, "float32", "relu", [up])
+    with pytest.raises(ValueError, match="prologue norm's input 0 must be float32 of shape"):
+        cpu_kernels.qmatmul_many(x, *ws, None, "float32", "norm", [nw[:8]])
+    with pytest.raises(ValueError, match="output 0's norm weight must be float32 \\[16\\]"):
+        cpu_kernels.qmatmul_many(x, *ws, shapes, "float32", "none", [], [nw, None, None], eps)
+
+
 @pytest.fixture
 def float_activations(monkeypatch):
     """The engine's products with float32 activations (the exact product of x with the dequantized weight)."""

@@ -94,6 +94,44 @@ def test_fused_decode_attention_gives_the_bits_of_the_steps_apart(kind, tmp_path
         assert len(calls) == steps * layers
 
 
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma3"])
+def test_fused_products_give_the_bits_of_the_operations_apart(kind, tmp_path, monkeypatch):
+    """With quantized projections, a decode step's norms and activations run in the products' node (the prologue
+    and the output norms of ``qmatmul_many``): the same logits to the bit over 60 steps as the composed operations
+    of ``Tensor``'s defaults (each one our kernel apart), the compiled steps and the first, uncompiled prefill."""
+    from mlx_engine.ml import Tensor
+    from mlx_engine.mlx import cpu_kernels
+    from mlx_engine.mlx.tensor import MLXTensor
+
+    folder, _, _ = _make_folder(tmp_path, kind)
+    backend = MLXBackend(folder, dtype="float32")
+    model = load_text_model(backend)
+    for lw in model.layers.values():
+        for name in ("q", "k", "v", "o", "gate", "up", "down"):
+            lw[name] = lw[name].quantize_weight(group_size=32, bits=4)
+    tokens = [int(t) for t in np.random.default_rng(7).integers(0, VOCAB, 40)]
+    prologues = []
+    if cpu_kernels.qmatmul_many is not None:
+        real = cpu_kernels.qmatmul_many
+        monkeypatch.setattr(cpu_kernels, "qmatmul_many",
+                            lambda *a: prologues.append((a[8], a[10] is not None) if len(a) > 8 else ("none", False))
+                            or real(*a))
+    fused = _decode(model, backend, tokens, 60, capacity=128)
+    with monkeypatch.context() as apart:
+        for name in ("norm_linear", "gated_linear", "linear_norm"):
+            apart.setattr(MLXTensor, name, getattr(Tensor, name))
+        model._compiled.clear()
+        model._block_of.clear()
+        composed = _decode(model, backend, tokens, 60, capacity=128)
+    assert np.array_equal(fused, composed)
+    if cpu_kernels.qmatmul_many is None:  # not built here: both composed MLX's operations
+        return
+    # the first layer's input norm, the later ones' residual add and norm, the activation
+    assert {"norm", "add_norm", "gelu_tanh" if kind == "gemma3" else "silu"} <= {p for p, _ in prologues}
+    # the query and key norms per head, and Gemma 3's norms after the output and down projections
+    assert any(normed for _, normed in prologues) == (kind != "llama3")
+
+
 # ------------------------------------------------------------------------------------ attention over visible blocks
 
 

@@ -5,7 +5,8 @@
 ``attend_cached``: with the RoPE of the queries and new keys and their write into the KV cache), ``qtake`` (rows
 of a quantized weight, dequantized: an embedding lookup), ``rms_norm``
 (RMSNorm as one graph node; ``add_rms_norm``: a residual add and the norm after it as one) and ``activation`` (SiLU
-and tanh-form GELU, vectorized; times a gated MLP's up projection) are None when the module is missing (not built:
+and tanh-form GELU, vectorized; times a gated MLP's up projection; ``qmatmul_many`` runs these as the prologue of its
+products, and RMSNorms of its outputs, in the same node) are None when the module is missing (not built:
 no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one
 installed, or fails its self-test; then quantized weights run through MLX's own operations and
 :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time. ``activations`` says what the
@@ -164,6 +165,23 @@ def _norm_self_test(fn, add_fn) -> str | None:
     return None
 
 
+def _prologue_self_test(many, norm_fn, add_fn, act_fn) -> str | None:
+    """``qmatmul_many``'s prologues (a residual add and the input norm; a gated activation) and output norms against
+    the kernels apart: the same bits; None when they agree."""
+    x, r = mx.random.normal((2, 64), key=mx.random.key(15)), mx.random.normal((2, 64), key=mx.random.key(16))
+    w = mx.random.normal((64,), key=mx.random.key(17))
+    q, s, b = mx.quantize(mx.random.normal((32, 64), key=mx.random.key(18)), group_size=32, bits=4)
+    total, xn = add_fn(x, r, w, 1e-5)
+    got = many(x, [q], [s], [b], [32], [4], None, "float32", "add_norm", [r, w], [w[:32]], 1e-5)
+    if not (mx.array_equal(got[0], total).item()
+            and mx.array_equal(got[1], norm_fn(many(xn, [q], [s], [b], [32], [4])[0], w[:32], 1e-5)).item()):
+        return "a product's norm prologue or output norm differs from the kernels apart"
+    got = many(x, [q], [s], [b], [32], [4], None, "float32", "silu", [r])
+    if not mx.array_equal(got[0], many(act_fn(x, 0, r), [q], [s], [b], [32], [4])[0]).item():
+        return "a product's activation prologue differs from the kernels apart"
+    return None
+
+
 def _activation_self_test(fn) -> str | None:
     """SiLU and tanh-form GELU against mlx.nn's, over the range where they bend and far out."""
     import mlx.nn as nn
@@ -239,7 +257,9 @@ def _load() -> None:
                        or _attend_cached_self_test(_kernels.attend_cached, _kernels.rope_apply, _kernels.attend)
                        or _qtake_self_test(_kernels.qtake)
                        or _norm_self_test(_kernels.rms_norm, _kernels.add_rms_norm)
-                       or _activation_self_test(_kernels.activation))
+                       or _activation_self_test(_kernels.activation)
+                       or _prologue_self_test(_kernels.qmatmul_many, _kernels.rms_norm, _kernels.add_rms_norm,
+                                              _kernels.activation))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
         problem = f"{type(e).__name__}: {e}"
     if problem:

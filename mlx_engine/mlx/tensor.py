@@ -131,6 +131,41 @@ class MLXTensor(Tensor):
             return [MLXTensor(y if b is None else y + b.a) for y, b in zip(ys, biases)]
         return super().linear_many(weights, biases, shapes)
 
+    def _fused_qmatmul(self, weights, prologue, inputs, shapes=None, out_norms=None, eps=0.0):
+        """The products of ``weights`` with their prologue and output norms as one graph node of our CPU kernel
+        (``cpu_kernels.qmatmul_many``: each node of a decode step costs MLX about 5 us of scheduling), or None
+        where it does not run them: not on the CPU, a weight not quantized, something not float32."""
+        if not (runtime.on_cpu and cpu_kernels.qmatmul_many is not None and self.a.dtype == mx.float32
+                and all(isinstance(w, MLXQuantizedTensor) for w in weights)
+                and all(t is not None and t.a.dtype == mx.float32 for t in inputs)
+                and all(t is None or t.a.dtype == mx.float32 for t in out_norms or ())):
+            return None
+        return cpu_kernels.qmatmul_many(
+            self.a, [w.w for w in weights], [w.scales for w in weights], [w.biases for w in weights],
+            [w.group_size for w in weights], [w.bits for w in weights],
+            None if shapes is None else [list(shape) for shape in shapes], cpu_kernels.activations, prologue,
+            [t.a for t in inputs], None if out_norms is None else [raw(t) for t in out_norms], eps)
+
+    def norm_linear(self, weights, norm, eps, residual=None, shapes=None, out_norms=None):
+        if residual is None or residual.shape == self.shape:
+            prologue, inputs = ("norm", [norm]) if residual is None else ("add_norm", [residual, norm])
+            ys = self._fused_qmatmul(weights, prologue, inputs, shapes, out_norms, eps)
+            if ys is not None:
+                return (self, [MLXTensor(y) for y in ys]) if residual is None else (
+                    MLXTensor(ys[0]), [MLXTensor(y) for y in ys[1:]])
+        return super().norm_linear(weights, norm, eps, residual, shapes, out_norms)
+
+    def gated_linear(self, up, activation, weight, out_norm=None, eps=0.0):
+        if activation in ("silu", "gelu_tanh") and up.shape == self.shape:
+            ys = self._fused_qmatmul([weight], activation, [up], None, None if out_norm is None else [out_norm], eps)
+            if ys is not None:
+                return MLXTensor(ys[0])
+        return super().gated_linear(up, activation, weight, out_norm, eps)
+
+    def linear_norm(self, weight, norm, eps):
+        ys = self._fused_qmatmul([weight], "none", [], None, [norm], eps)
+        return super().linear_norm(weight, norm, eps) if ys is None else MLXTensor(ys[0])
+
     def exp(self):
         return MLXTensor(mx.exp(self.a))
 

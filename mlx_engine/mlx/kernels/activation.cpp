@@ -22,6 +22,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "pool.h"
+#include "rows.h"
 #include "strided.h"
 #include "vecmath.h"
 
@@ -61,6 +62,18 @@ PER_ISA void activate(const float* x, const float* up, float* out, int64_t n, in
   }
 }
 
+}  // namespace
+
+void mlx_engine::activate_all(const float* x, const float* up, float* out, int64_t n, int kind) {
+  const int64_t chunk = 1 << 14;
+  const int chunks = int((n + chunk - 1) / chunk);
+  parallel_for(chunks, [&](int c) {  // one chunk (a decode step's) runs here, on this thread
+    activate(x + c * chunk, up ? up + c * chunk : nullptr, out + c * chunk, std::min(chunk, n - c * chunk), kind);
+  });
+}
+
+namespace {
+
 class Activation : public mx::UnaryPrimitive {
  public:
   Activation(mx::Stream stream, int kind) : mx::UnaryPrimitive(stream), kind_(kind) {}
@@ -75,12 +88,7 @@ class Activation : public mx::UnaryPrimitive {
       const float* x = static_cast<const float*>(mlx_engine::row_major(inputs[0], buf));
       const float* up =
           inputs.size() > 1 ? static_cast<const float*>(mlx_engine::row_major(inputs[1], up_buf)) : nullptr;
-      float* o = out.data<float>();
-      const int64_t n = int64_t(out.size()), chunk = 1 << 14;
-      const int chunks = int((n + chunk - 1) / chunk);
-      mlx_engine::parallel_for(chunks, [&](int c) {  // one chunk (a decode step's) runs here, on this thread
-        activate(x + c * chunk, up ? up + c * chunk : nullptr, o + c * chunk, std::min(chunk, n - c * chunk), kind);
-      });
+      mlx_engine::activate_all(x, up, out.data<float>(), int64_t(out.size()), kind);
     });
   }
 

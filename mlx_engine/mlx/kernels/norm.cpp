@@ -23,6 +23,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "pool.h"
+#include "rows.h"
 #include "strided.h"
 
 namespace nb = nanobind;
@@ -44,6 +45,10 @@ __attribute__((optimize("fp-contract=off"))) void norm_row(const float* x, const
   }
 }
 
+}  // namespace
+
+namespace mlx_engine {
+
 // Rows of x [rows, D] (plus residual, into sum, when given) normed into out. Rows over the threads only where there
 // is enough of them (a prefill); a single chunk (a decode step's) runs on this thread.
 void norm_rows(const float* x, const float* residual, const float* w, float* sum, float* out, int64_t rows,
@@ -62,6 +67,10 @@ void norm_rows(const float* x, const float* residual, const float* w, float* sum
     }
   });
 }
+
+}  // namespace mlx_engine
+
+namespace {
 
 // The gradients asked for (argnums) of fn, a composition of MLX operations equal to the primitive.
 template <typename Fn>
@@ -88,7 +97,7 @@ class RMSNorm : public mx::UnaryPrimitive {
       const float* w = inputs.size() > 1 ? static_cast<const float*>(mlx_engine::row_major(inputs[1], bufs[1]))
                                          : nullptr;
       const int64_t D = inputs[0].shape(-1);
-      norm_rows(x, nullptr, w, nullptr, out.data<float>(), int64_t(inputs[0].size()) / D, D, eps);
+      mlx_engine::norm_rows(x, nullptr, w, nullptr, out.data<float>(), int64_t(inputs[0].size()) / D, D, eps);
     });
   }
 
@@ -139,7 +148,8 @@ class AddRMSNorm : public mx::Primitive {
       const float* w = inputs.size() > 2 ? static_cast<const float*>(mlx_engine::row_major(inputs[2], bufs[2]))
                                          : nullptr;
       const int64_t D = inputs[0].shape(-1);
-      norm_rows(x, r, w, outputs[0].data<float>(), outputs[1].data<float>(), int64_t(inputs[0].size()) / D, D, eps);
+      mlx_engine::norm_rows(x, r, w, outputs[0].data<float>(), outputs[1].data<float>(),
+                            int64_t(inputs[0].size()) / D, D, eps);
     });
   }
 

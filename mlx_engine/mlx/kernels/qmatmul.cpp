@@ -35,6 +35,7 @@
 #include "mlx/version.h"
 #include "half.h"
 #include "pool.h"
+#include "rows.h"
 #include "strided.h"
 
 #if defined(__x86_64__)
@@ -200,51 +201,97 @@ void qmatmul_run(std::vector<Problem>& ps, bool int8) {
 
 // ------------------------------------------------------------------------------------------------ the primitive
 
-// y_i = x @ dequantize(w_i, scales_i, biases_i).T for one x and one or more weights: inputs x, then w, scales and
-// biases of each weight; one float32 output per weight.
+// What a product does to x first (the operation before a decoder layer's products), in the same node: each graph
+// node of a decode step costs about 5 us of MLX's scheduling, more than a norm of one row. Computed by the code of
+// the operation's own primitive (rows.h), so the bits are those of the operations apart.
+enum Prologue {
+  kNone = 0,
+  kNorm = 1,  // x = rms_norm(x, weight): inputs x, weight
+  kAddNorm = 2,  // s = x + residual, x = rms_norm(s, weight): inputs x, residual, weight; s is the first output
+  kSiLU = 3,  // x = silu(x) * up (a gated MLP's down projection): inputs x, up
+  kGeluTanh = 4,  // x = gelu_tanh(x) * up
+};
+const char* const kPrologueNames[] = {"none", "norm", "add_norm", "silu", "gelu_tanh"};
+
+int prologue_inputs(int prologue) { return prologue == kNone ? 0 : prologue == kAddNorm ? 2 : 1; }
+
+// y_i = x @ dequantize(w_i, scales_i, biases_i).T for one x and one or more weights: inputs x and the prologue's,
+// then w, scales and biases of each weight, then the weight of each output's norm; one float32 output per weight
+// (after the prologue's sum, for kAddNorm). An output with a norm (out_norms[i]) is RMSNorm-ed over its last axis
+// in place after the product (a layer's query and key norms per head, Gemma 3's norms after its projections).
 class QMatmul : public mx::Primitive {
  public:
   // out_shapes: empty, or each output's shape as given to qmatmul_many
   // symmetric[i]: weight i has no biases (its scales stand in their place among the inputs), see Problem::biases
   // int8: x quantized to int8 (see qmatmul_int8.inc) where the CPU has the kernel
+  // prologue: see Prologue; out_norms[i]: output i is normed; eps: the norms' epsilon
   QMatmul(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, std::vector<bool> symmetric,
-          std::vector<mx::Shape> out_shapes, bool int8)
+          std::vector<mx::Shape> out_shapes, bool int8, int prologue = kNone, std::vector<bool> out_norms = {},
+          float eps = 0.f)
       : mx::Primitive(stream),
         group_sizes_(std::move(group_sizes)),
         bits_(std::move(bits)),
         symmetric_(std::move(symmetric)),
         out_shapes_(std::move(out_shapes)),
-        int8_(int8) {}
+        int8_(int8),
+        prologue_(prologue),
+        out_norms_(std::move(out_norms)),
+        eps_(eps) {
+    out_norms_.resize(bits_.size(), false);
+  }
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     for (auto& out : outputs) encoder.set_output_array(out);
-    encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_, symmetric = symmetric_,
-                      int8 = int8_]() mutable {
+    encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_, symmetric = symmetric_, int8 = int8_,
+                      prologue = prologue_, out_norms = out_norms_, eps = eps_]() mutable {
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
+      static thread_local std::vector<float> x_buf;  // x after the prologue
       if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
-      std::vector<const void*> data(inputs.size());
-      for (size_t i = 0; i < inputs.size(); ++i) data[i] = mlx_engine::row_major(inputs[i], buffers[i]);
+      std::vector<const float*> data(inputs.size());
+      for (size_t i = 0; i < inputs.size(); ++i)
+        data[i] = static_cast<const float*>(mlx_engine::row_major(inputs[i], buffers[i]));
       const mx::array& x = inputs[0];
-      std::vector<Problem> ps(outputs.size());
+      const int K = x.shape(-1), M = int(x.size() / K);
+      const float* xd = data[0];
+      if (prologue != kNone) {
+        x_buf.resize(size_t(M) * K);
+        if (prologue == kNorm)
+          mlx_engine::norm_rows(xd, nullptr, data[1], nullptr, x_buf.data(), M, K, eps);
+        else if (prologue == kAddNorm)
+          mlx_engine::norm_rows(xd, data[1], data[2], outputs[0].data<float>(), x_buf.data(), M, K, eps);
+        else
+          mlx_engine::activate_all(xd, data[1], x_buf.data(), int64_t(M) * K, prologue == kSiLU ? 0 : 1);
+        xd = x_buf.data();
+      }
+      const size_t w0 = 1 + prologue_inputs(prologue), y0 = prologue == kAddNorm;
+      std::vector<Problem> ps(bits.size());
       for (size_t i = 0; i < ps.size(); ++i) {
         Problem& p = ps[i];
-        const mx::array& scales = inputs[2 + 3 * i];
-        p.x = static_cast<const float*>(data[0]);
-        p.w = static_cast<const uint8_t*>(data[1 + 3 * i]);
-        p.scales = data[2 + 3 * i];
-        p.biases = symmetric[i] ? nullptr : data[3 + 3 * i];
-        p.out = outputs[i].data<float>();
-        p.N = inputs[1 + 3 * i].shape(0);
-        p.K = x.shape(-1);
-        p.M = int(x.size() / p.K);
+        const mx::array& scales = inputs[w0 + 1 + 3 * i];
+        p.x = xd;
+        p.w = reinterpret_cast<const uint8_t*>(data[w0 + 3 * i]);
+        p.scales = data[w0 + 1 + 3 * i];
+        p.biases = symmetric[i] ? nullptr : data[w0 + 2 + 3 * i];
+        p.out = outputs[y0 + i].data<float>();
+        p.N = inputs[w0 + 3 * i].shape(0);
+        p.K = K;
+        p.M = M;
         p.group_size = gs[i];
         p.bits = bits[i];
         p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
       }
       qmatmul_run(ps, int8);
+      size_t norm_at = w0 + 3 * ps.size();
+      for (size_t i = 0; i < ps.size(); ++i) {
+        if (!out_norms[i]) continue;
+        mx::array& y = outputs[y0 + i];
+        const int64_t D = y.shape(-1);
+        mlx_engine::norm_rows(y.data<float>(), nullptr, data[norm_at++], nullptr, y.data<float>(),
+                              int64_t(y.size()) / D, D, eps);
+      }
     });
   }
 
@@ -257,15 +304,20 @@ class QMatmul : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
     return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ &&
-           out_shapes_ == o.out_shapes_ && int8_ == o.int8_;
+           out_shapes_ == o.out_shapes_ && int8_ == o.int8_ && prologue_ == o.prologue_ &&
+           out_norms_ == o.out_norms_ && eps_ == o.eps_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    if (!out_shapes_.empty()) return out_shapes_;
     std::vector<mx::Shape> shapes;
-    for (size_t i = 1; i < inputs.size(); i += 3) {
+    if (prologue_ == kAddNorm) shapes.push_back(inputs[0].shape());
+    if (!out_shapes_.empty()) {
+      shapes.insert(shapes.end(), out_shapes_.begin(), out_shapes_.end());
+      return shapes;
+    }
+    for (size_t i = 0, w0 = 1 + prologue_inputs(prologue_); i < bits_.size(); ++i) {
       mx::Shape shape = inputs[0].shape();
-      shape.back() = inputs[i].shape(0);
+      shape.back() = inputs[w0 + 3 * i].shape(0);
       shapes.push_back(shape);
     }
     return shapes;
@@ -276,6 +328,9 @@ class QMatmul : public mx::Primitive {
   std::vector<bool> symmetric_;
   std::vector<mx::Shape> out_shapes_;
   bool int8_;
+  int prologue_;
+  std::vector<bool> out_norms_;
+  float eps_;
 };
 
 // The checks of one weight against x [..., K]; returns N.
@@ -299,23 +354,52 @@ int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales
   return N;
 }
 
+// The checks of a prologue's inputs (see Prologue) against x [..., K]; returns the Prologue.
+int check_prologue(const mx::array& x, const std::string& name, const std::vector<mx::array>& in) {
+  int prologue = -1;
+  for (int i = 0; i < 5; ++i)
+    if (name == kPrologueNames[i]) prologue = i;
+  if (prologue < 0)
+    throw std::invalid_argument("qmatmul_many: prologue must be none, norm, add_norm, silu or gelu_tanh, not " + name);
+  if (int(in.size()) != prologue_inputs(prologue))
+    throw std::invalid_argument("qmatmul_many: prologue " + name + " takes " +
+                                std::to_string(prologue_inputs(prologue)) + " inputs, not " + std::to_string(in.size()));
+  if (prologue == kNone) return prologue;
+  if (x.dtype() != mx::float32) throw std::invalid_argument("qmatmul_many: a prologue needs float32 x");
+  const mx::Shape norm_shape{x.shape(-1)};
+  for (size_t i = 0; i < in.size(); ++i) {
+    const bool is_weight = prologue == kNorm || (prologue == kAddNorm && i == 1);
+    if (in[i].dtype() != mx::float32 || in[i].shape() != (is_weight ? norm_shape : x.shape()))
+      throw std::invalid_argument("qmatmul_many: prologue " + name + "'s input " + std::to_string(i) +
+                                  " must be float32 of shape " + (is_weight ? "[K]" : "x's"));
+  }
+  return prologue;
+}
+
 // `out_shapes` (optional): the shape of each output, of the same size as x.shape[:-1] + [N_i] (its row-major
 // elements are those; a decode step's queries come out as [1, heads, 1, head_dim], with no reshape node).
+// `prologue` and its inputs, `out_norms` and `eps`: see Prologue and QMatmul.
 std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::array>& ws,
                                     const std::vector<mx::array>& scales,
                                     const std::vector<std::optional<mx::array>>& biases,
                                     const std::vector<int>& group_sizes, const std::vector<int>& bits,
                                     const std::optional<std::vector<std::vector<int>>>& out_shapes,
-                                    const std::string& activations) {
+                                    const std::string& activations, const std::string& prologue_name,
+                                    const std::vector<mx::array>& prologue_in,
+                                    const std::optional<std::vector<std::optional<mx::array>>>& out_norms,
+                                    float eps) {
   if (activations != "float32" && activations != "int8")
     throw std::invalid_argument("qmatmul: activations must be \"float32\" or \"int8\", not \"" + activations + "\"");
   const size_t n = ws.size();
   if (n == 0 || scales.size() != n || biases.size() != n || group_sizes.size() != n || bits.size() != n ||
-      (out_shapes && out_shapes->size() != n))
+      (out_shapes && out_shapes->size() != n) || (out_norms && out_norms->size() != n))
     throw std::invalid_argument(
-        "qmatmul_many: give one or more weights, each with its scales, biases, group size and bits (and shape)");
+        "qmatmul_many: give one or more weights, each with its scales, biases, group size and bits (and shape, and "
+        "norm)");
+  const int prologue = check_prologue(x, prologue_name, prologue_in);
   mx::Stream s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs{mx::astype(x, mx::float32, s)};
+  inputs.insert(inputs.end(), prologue_in.begin(), prologue_in.end());
   std::vector<mx::Shape> shapes;
   std::vector<bool> symmetric(n);
   for (size_t i = 0; i < n; ++i) {
@@ -339,11 +423,23 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
     shapes.push_back(shape);
     inputs.insert(inputs.end(), {ws[i], scales[i], b});
   }
+  std::vector<bool> normed(n, false);
+  for (size_t i = 0; out_norms && i < n; ++i) {
+    const auto& w = (*out_norms)[i];
+    if (!w) continue;
+    if (w->dtype() != mx::float32 || w->shape() != mx::Shape{shapes[i].back()})
+      throw std::invalid_argument("qmatmul_many: output " + std::to_string(i) + "'s norm weight must be float32 [" +
+                                  std::to_string(shapes[i].back()) + "]");
+    normed[i] = true;
+    inputs.push_back(*w);
+  }
+  std::vector<mx::Shape> all_shapes = shapes;
+  if (prologue == kAddNorm) all_shapes.insert(all_shapes.begin(), x.shape());
   // No graph node beyond the products themselves (the primitive takes its inputs in any layout).
-  auto ys = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(n, mx::float32),
+  auto ys = mx::array::make_arrays(all_shapes, std::vector<mx::Dtype>(all_shapes.size(), mx::float32),
                                    std::make_shared<QMatmul>(s, group_sizes, bits, symmetric,
                                                              out_shapes ? shapes : std::vector<mx::Shape>{},
-                                                             activations == "int8"),
+                                                             activations == "int8", prologue, normed, eps),
                                    inputs);
   for (auto& y : ys) y = mx::astype(y, x.dtype(), s);
   return ys;
@@ -351,7 +447,8 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
 
 mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                   const std::optional<mx::array>& biases, int group_size, int bits, const std::string& activations) {
-  return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits}, std::nullopt, activations)[0];
+  return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits}, std::nullopt, activations, "none", {},
+                      std::nullopt, 0.f)[0];
 }
 
 }  // namespace
@@ -371,10 +468,17 @@ NB_MODULE(_kernels, m) {
         "first (llama.cpp's Q8_0), where int8_supported().");
   m.def("qmatmul_many", &qmatmul_many, nb::arg("x"), nb::arg("ws"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_sizes"), nb::arg("bits"), nb::arg("out_shapes") = nb::none(),
-        nb::arg("activations") = "float32",
+        nb::arg("activations") = "float32", nb::arg("prologue") = "none",
+        nb::arg("prologue_inputs") = std::vector<mx::array>{}, nb::arg("out_norms") = nb::none(),
+        nb::arg("eps") = 0.f,
         "[x @ dequantize(w_i, scales_i, biases_i).T for each weight], as one graph node and one parallel job "
         "(a biases_i of None: -2**(bits_i - 1) * scales_i); "
-        "out_shapes: each result's shape (its elements in row-major order), instead of x.shape[:-1] + [N_i].");
+        "out_shapes: each result's shape (its elements in row-major order), instead of x.shape[:-1] + [N_i]; "
+        "prologue, on float32 x first: \"norm\" (inputs [w]: x = rms_norm(x, w, eps)), \"add_norm\" "
+        "([residual, w]: s = x + residual, x = rms_norm(s, w, eps), s returned first), \"silu\" or "
+        "\"gelu_tanh\" ([up]: x = act(x) * up); out_norms[i] (a float32 weight or None): result i "
+        "rms_norm-ed over its last axis with it. The same bits as the operations apart (rms_norm, add_rms_norm, "
+        "activation).");
   register_rope(m);
   register_attention(m);
   register_norm(m);
