@@ -151,8 +151,8 @@ class MLXTensor(Tensor):
             prologue, inputs = ("norm", [norm]) if residual is None else ("add_norm", [residual, norm])
             ys = self._fused_qmatmul(weights, prologue, inputs, shapes, out_norms, eps)
             if ys is not None:
-                return (self, [MLXTensor(y) for y in ys]) if residual is None else (
-                    MLXTensor(ys[0]), [MLXTensor(y) for y in ys[1:]])
+                ys = [MLXTensor(y) for y in ys]
+                return (self, ys) if residual is None else (ys[0], ys[1:])
         return super().norm_linear(weights, norm, eps, residual, shapes, out_norms)
 
     def gated_linear(self, up, activation, weight, out_norm=None, eps=0.0):

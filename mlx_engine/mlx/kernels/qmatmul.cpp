@@ -248,7 +248,9 @@ class QMatmul : public mx::Primitive {
     encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_, symmetric = symmetric_, int8 = int8_,
                       prologue = prologue_, out_norms = out_norms_, eps = eps_]() mutable {
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
-      static thread_local std::vector<float> x_buf;  // x after the prologue
+      // x after the prologue: a decode step's in a buffer kept per thread, a prefill's freed after it
+      static thread_local std::vector<float> row_buf;
+      std::vector<float> rows_buf;
       if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
       std::vector<const float*> data(inputs.size());
       for (size_t i = 0; i < inputs.size(); ++i)
@@ -257,14 +259,15 @@ class QMatmul : public mx::Primitive {
       const int K = x.shape(-1), M = int(x.size() / K);
       const float* xd = data[0];
       if (prologue != kNone) {
-        x_buf.resize(size_t(M) * K);
+        std::vector<float>& buf = M <= 16 ? row_buf : rows_buf;
+        buf.resize(size_t(M) * K);
         if (prologue == kNorm)
-          mlx_engine::norm_rows(xd, nullptr, data[1], nullptr, x_buf.data(), M, K, eps);
+          mlx_engine::norm_rows(xd, nullptr, data[1], nullptr, buf.data(), M, K, eps);
         else if (prologue == kAddNorm)
-          mlx_engine::norm_rows(xd, data[1], data[2], outputs[0].data<float>(), x_buf.data(), M, K, eps);
+          mlx_engine::norm_rows(xd, data[1], data[2], outputs[0].data<float>(), buf.data(), M, K, eps);
         else
-          mlx_engine::activate_all(xd, data[1], x_buf.data(), int64_t(M) * K, prologue == kSiLU ? 0 : 1);
-        xd = x_buf.data();
+          mlx_engine::activate_all(xd, data[1], buf.data(), int64_t(M) * K, prologue == kSiLU ? 0 : 1);
+        xd = buf.data();
       }
       const size_t w0 = 1 + prologue_inputs(prologue), y0 = prologue == kAddNorm;
       std::vector<Problem> ps(bits.size());
