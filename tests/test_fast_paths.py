@@ -338,6 +338,27 @@ def test_openblas_on_the_cpu_sets_the_matvec_block():
     assert runtime.matvec_block == (10**6 if runtime.blas_description().startswith("OpenBLAS") else 0)
 
 
+
+@pytest.mark.parametrize("given", [None, "12"])
+def test_openblas_threads_sleep_after_a_call_unless_told_otherwise(given):
+    """OPENBLAS_THREAD_TIMEOUT is 4 (OpenBLAS's threads sleep at once after a call) when mlx_engine loads OpenBLAS,
+    or what the user gave; read by OpenBLAS as it loads, so checked in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if given is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    code = ("import os, mlx_engine.mlx.runtime as r; "
+            "print(r.blas_description().startswith('OpenBLAS'), os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    loaded, value = out.stdout.split()
+    if loaded == "True":
+        assert value == (given or "4")
+    else:  # no OpenBLAS here (or MLX_ENGINE_OPENBLAS=0): nothing set unless the user did
+        assert value == str(given)
+
 _DECODE_SCRIPT = """
 import json, sys
 import numpy as np
