@@ -51,12 +51,27 @@ def test_qmatmul_matches_dequantize_matmul(bits, group_size, scale_dtype):
     q, s, b = mx.quantize(mx.random.normal((n, k), key=k1), group_size=group_size, bits=bits)
     dt = getattr(mx, scale_dtype)
     s, b = s.astype(dt), b.astype(dt)
-    for m in (1, 3, 4, 9):  # one row (decode), tiles of 4 and the rest
+    for m in (1, 3, 4, 9, 32, 45):  # one row (decode), tiles of 4 and the rest; panels (a prefill): 12s and the rest
         x = mx.random.normal((m, k), key=k2)
         got = np.array(cpu_kernels.qmatmul(x, q, s, b, group_size, bits))
         want = _reference(x, q, s, b, group_size, bits)
         # float32 sums in another order: a few ulps of the largest partial sums
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize("bits, n", [(4, 77), (6, 40), (8, 16)])
+def test_qmatmul_panel_rows_do_not_depend_on_their_neighbours(bits, n):
+    """From 32 rows of x on (a prefill) the weights are dequantized into panels and each output is a sum over k in
+    order: a row's outputs are the same bits whichever other rows share the call (a prompt's tokens give the same
+    values prefilled in one chunk or several of 32 or more), across partial panels of output rows (77, 40) and the
+    row blocks' remainders."""
+    q, s, b = mx.quantize(mx.random.normal((n, 192), key=mx.random.key(50 + bits)), group_size=64, bits=bits)
+    x = mx.random.normal((90, 192), key=mx.random.key(60))
+    whole = np.array(cpu_kernels.qmatmul(x, q, s, b, 64, bits))
+    for a, e in ((0, 32), (17, 90), (40, 77)):
+        assert np.array_equal(np.array(cpu_kernels.qmatmul(x[a:e], q, s, b, 64, bits)), whole[a:e])
+    np.testing.assert_allclose(whole, _reference(x, q, s, b, 64, bits), rtol=0,
+                               atol=2e-5 * max(1.0, np.abs(whole).max()))
 
 
 def test_qmatmul_shapes_dtypes_and_many_rows():
