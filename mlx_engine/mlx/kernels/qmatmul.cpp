@@ -252,21 +252,21 @@ class QMatmul : public mx::Primitive {
       static thread_local std::vector<float> row_buf;
       std::vector<float> rows_buf;
       if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
-      std::vector<const float*> data(inputs.size());
-      for (size_t i = 0; i < inputs.size(); ++i)
-        data[i] = static_cast<const float*>(mlx_engine::row_major(inputs[i], buffers[i]));
+      std::vector<const void*> data(inputs.size());
+      for (size_t i = 0; i < inputs.size(); ++i) data[i] = mlx_engine::row_major(inputs[i], buffers[i]);
+      auto f32 = [&](size_t i) { return static_cast<const float*>(data[i]); };
       const mx::array& x = inputs[0];
       const int K = x.shape(-1), M = int(x.size() / K);
-      const float* xd = data[0];
+      const float* xd = f32(0);
       if (prologue != kNone) {
         std::vector<float>& buf = M <= 16 ? row_buf : rows_buf;
         buf.resize(size_t(M) * K);
         if (prologue == kNorm)
-          mlx_engine::norm_rows(xd, nullptr, data[1], nullptr, buf.data(), M, K, eps);
+          mlx_engine::norm_rows(xd, nullptr, f32(1), nullptr, buf.data(), M, K, eps);
         else if (prologue == kAddNorm)
-          mlx_engine::norm_rows(xd, data[1], data[2], outputs[0].data<float>(), buf.data(), M, K, eps);
+          mlx_engine::norm_rows(xd, f32(1), f32(2), outputs[0].data<float>(), buf.data(), M, K, eps);
         else
-          mlx_engine::activate_all(xd, data[1], buf.data(), int64_t(M) * K, prologue == kSiLU ? 0 : 1);
+          mlx_engine::activate_all(xd, f32(1), buf.data(), int64_t(M) * K, prologue == kSiLU ? 0 : 1);
         xd = buf.data();
       }
       const size_t w0 = 1 + prologue_inputs(prologue), y0 = prologue == kAddNorm;
@@ -275,7 +275,7 @@ class QMatmul : public mx::Primitive {
         Problem& p = ps[i];
         const mx::array& scales = inputs[w0 + 1 + 3 * i];
         p.x = xd;
-        p.w = reinterpret_cast<const uint8_t*>(data[w0 + 3 * i]);
+        p.w = static_cast<const uint8_t*>(data[w0 + 3 * i]);
         p.scales = data[w0 + 1 + 3 * i];
         p.biases = symmetric[i] ? nullptr : data[w0 + 2 + 3 * i];
         p.out = outputs[y0 + i].data<float>();
@@ -292,7 +292,7 @@ class QMatmul : public mx::Primitive {
         if (!out_norms[i]) continue;
         mx::array& y = outputs[y0 + i];
         const int64_t D = y.shape(-1);
-        mlx_engine::norm_rows(y.data<float>(), nullptr, data[norm_at++], nullptr, y.data<float>(),
+        mlx_engine::norm_rows(y.data<float>(), nullptr, f32(norm_at++), nullptr, y.data<float>(),
                               int64_t(y.size()) / D, D, eps);
       }
     });
