@@ -35,7 +35,7 @@ from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.config import ATTENTION_TYPES
 from mlx_engine.models.images import IMAGE_SUFFIXES, load_image
 from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
-from mlx_engine.models.registry import load_text_checkpoint
+from mlx_engine.models.registry import half_dtype, load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner
 from mlx_engine.models.tools import (ToolCall, ToolStyle, check_tools, parse_tool_calls, prepare_messages,
                                      tool_choice_format, tool_style)
@@ -82,8 +82,13 @@ class Model:
         _check_load_arguments(device=device, dtype=dtype, context_length=context_length, kv_bits=kv_bits,
                               max_sequences=max_sequences, prefill_chunk=prefill_chunk)
 
+        half = half_dtype(path)
+        if dtype is not None and DType.parse(dtype) == DType.FLOAT16 and half != DType.FLOAT16:
+            raise InvalidRequestError(f"{path.name} cannot compute in float16: its architecture's activations outgrow "
+                                      f"float16's range (the output would be NaN); use dtype {half.value} or float32")
+
         def make_backend(p: Path, shard: Any = None) -> MLXBackend:
-            return MLXBackend(p, device=device, dtype=dtype, requantize=requantize, shard=shard)
+            return MLXBackend(p, device=device, dtype=dtype, requantize=requantize, shard=shard, half_dtype=half)
 
         self.distributed = None
         if parallel is not None:
@@ -452,11 +457,14 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     (``transport``: ``mx.distributed``'s backend, ``any``, ``ring``, ``jaccl``, ``mpi`` or ``nccl``): each rank
     reads only its share of the file. On rank 0 the model works as any other; on every other rank this call serves
     rank 0 and then ends the process (``SystemExit(0)`` when rank 0 closes its model or exits). ``mmproj``: the
-    vision file llama.cpp ships beside a Gemma 3 GGUF, so that the model reads images.
+    vision file llama.cpp ships beside a Gemma 3 GGUF, so that the model reads images. ``dtype``: the compute
+    dtype; default float32 on the CPU, and on a GPU float16, or bfloat16 for Gemma 3 (whose activations outgrow
+    float16).
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.
         UnsupportedError: an architecture we do not run (the message lists those we do).
+        InvalidRequestError: float16 for an architecture whose activations outgrow it.
     """
     resolved = Store().resolve(model, pull=pull, progress=progress)
     return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,

@@ -196,6 +196,9 @@ class DecoderModel(abc.ABC):
     images_in_stream = True
     #: Rows of the token embedding beyond the output vocabulary (Llama 3.2 Vision's 8, its image token among them).
     extra_token_rows = 0
+    #: The 16-bit dtype a GPU computes in unless the load names one: float16, or bfloat16 for an architecture whose
+    #: activations outgrow float16's range (65504), for which float16 is then refused.
+    half_dtype = DType.FLOAT16
 
     def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend,
                  part: "ModelPart | None" = None):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.errors import UnsupportedError
-from mlx_engine.ml import Backend
+from mlx_engine.errors import EngineError, UnsupportedError
+from mlx_engine.ml import Backend, DType
 from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.gemma3 import Gemma3
 from mlx_engine.models.lfm2 import LFM2
@@ -49,6 +49,20 @@ def architecture_class(checkpoint: "Backend | Any") -> tuple[type[DecoderModel],
         raise UnsupportedError(f"unknown model architecture {arch!r}; supported: "
                                f"{', '.join(sorted(set(ARCHITECTURES)))}")
     return cls, source
+
+
+def half_dtype(path: Path) -> DType:
+    """The 16-bit dtype the checkpoint at ``path`` computes in on a GPU (:attr:`DecoderModel.half_dtype`), read from
+    its metadata alone; float16 where the file cannot be read or its architecture is unknown (the load itself then
+    says what is wrong)."""
+    from mlx_engine.weights import open_weights
+
+    try:
+        with open_weights(path) as wf:
+            cls, _ = architecture_class(wf)
+    except EngineError:
+        return DType.FLOAT16
+    return cls.half_dtype
 
 
 def load_text_model(backend: Backend, part: Any = None) -> DecoderModel:

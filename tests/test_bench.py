@@ -110,3 +110,26 @@ def test_table_says_which_way_is_better(quick_run):
 def test_bench_rejects_an_unknown_peer():
     r = CliRunner().invoke(main, ["bench", "smollm2:135m", "--compare", "vllm"])
     assert r.exit_code == 2 and "llama.cpp" in r.output and "mlx-lm" in r.output
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_llama_cpp_runs_where_the_engine_runs(on_gpu, monkeypatch):
+    """Where this engine runs on a GPU, llama.cpp offloads every layer to its GPU build (``n_gpu_layers=-1``), so
+    that the two are compared on the same device; on the CPU it offloads none. Checked on the arguments llama.cpp
+    receives (a GPU build is not needed to see them)."""
+    import sys
+    import types
+
+    from mlx_engine.bench.run import _load_peer
+
+    seen = []
+
+    class FakeLlama:
+        def __init__(self, path, **kw):
+            seen.append(kw)
+            self.model = None
+
+    fake = types.SimpleNamespace(Llama=FakeLlama, llama_model_size=lambda m: 1, __version__="fake")
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    peer = _load_peer("llama.cpp", "model.gguf", 256, lambda _m: None, on_gpu=on_gpu)
+    assert seen[-1]["n_gpu_layers"] == (-1 if on_gpu else 0) and peer.gpu_layers == (-1 if on_gpu else 0)

@@ -70,7 +70,7 @@ def test_fused_decode_attention_gives_the_bits_of_the_steps_apart(kind, tmp_path
     from mlx_engine.mlx import cpu_kernels
 
     folder, _, _ = _make_folder(tmp_path, kind)
-    backend = MLXBackend(folder, dtype="float32")
+    backend = MLXBackend(folder, device="cpu", dtype="float32")  # CPU kernels
     model = load_text_model(backend)
     tokens = [int(t) for t in np.random.default_rng(6).integers(0, VOCAB, 40)]
     steps = 240
@@ -104,7 +104,7 @@ def test_fused_products_give_the_bits_of_the_operations_apart(kind, tmp_path, mo
     from mlx_engine.mlx.tensor import MLXTensor
 
     folder, _, _ = _make_folder(tmp_path, kind)
-    backend = MLXBackend(folder, dtype="float32")
+    backend = MLXBackend(folder, device="cpu", dtype="float32")  # CPU kernels
     model = load_text_model(backend)
     for lw in model.layers.values():
         for name in ("q", "k", "v", "o", "gate", "up", "down"):

@@ -20,7 +20,8 @@ from mlx_engine.models.runner import sum_nll
 
 class LlamaCppPeer:
     """One llama.cpp context on ``path`` with ``n_ctx`` cells and ``threads`` threads (default: the CPUs this
-    process may use). ``weights_bytes`` is llama.cpp's own count of the model's tensor bytes.
+    process may use), ``gpu_layers`` layers offloaded to a GPU build's device (-1: all; 0, the default: the CPU).
+    ``weights_bytes`` is llama.cpp's own count of the model's tensor bytes.
 
     Raises:
         RuntimeError: llama-cpp-python is not installed (the message says how to install it).
@@ -28,7 +29,7 @@ class LlamaCppPeer:
 
     name = "llama.cpp"
 
-    def __init__(self, path: "str | Path", n_ctx: int, threads: int | None = None):
+    def __init__(self, path: "str | Path", n_ctx: int, threads: int | None = None, gpu_layers: int = 0):
         try:
             import llama_cpp
         except ImportError as e:
@@ -38,8 +39,9 @@ class LlamaCppPeer:
         self.path = str(path)
         self.threads = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                    else os.cpu_count() or 1)
+        self.gpu_layers = gpu_layers
         self.llm = llama_cpp.Llama(self.path, n_ctx=n_ctx, n_batch=512, n_threads=self.threads,
-                                   n_threads_batch=self.threads, verbose=False)
+                                   n_threads_batch=self.threads, n_gpu_layers=gpu_layers, verbose=False)
         self.weights_bytes = float(llama_cpp.llama_model_size(self.llm.model))
         self.version = getattr(llama_cpp, "__version__", "?")
 
@@ -67,7 +69,8 @@ class LlamaCppPeer:
         """``exp`` of the mean negative log-likelihood of ``tokens[1:]`` given their prefixes, from llama.cpp's
         logits for every position (a second context that keeps them all)."""
         llm = self._llama_cpp.Llama(self.path, n_ctx=max(len(tokens), 8), n_batch=512, n_threads=self.threads,
-                                    n_threads_batch=self.threads, logits_all=True, verbose=False)
+                                    n_threads_batch=self.threads, n_gpu_layers=self.gpu_layers, logits_all=True,
+                                    verbose=False)
         try:
             llm.eval(list(tokens))
             logits = np.asarray(llm.scores[:len(tokens) - 1])

@@ -16,7 +16,7 @@ order flips every repetition, so that a busy machine slows both alike):
   output head included, plus the keys and values it attends to at the middle of the run), over the memory bandwidth
   measured on the spot with a large copy (read + written bytes over its time, as STREAM counts a copy);
 - ``file_limit_share``: the figure a user compares: decode tokens/s times the bytes of the file's weight tensors,
-  over the read bandwidth measured on the spot (a sum over a large array); 1.0 is the limit the file's own bytes set,
+  over the read bandwidth of the engine's device measured on the spot (a sum over a large array); 1.0 is the limit the file's own bytes set,
   whatever engine reads them;
 - ``weights_over_file``: the bytes of weights this engine holds over the file's tensor bytes;
 - ``perplexity``: of a fixed English text (the first ``perplexity_tokens`` tokens of ``PERPLEXITY_TEXT``), every
@@ -298,6 +298,25 @@ class EngineSide:
         ctx.close()
         return 2 * x.nbytes / _median(times[1:])
 
+    def read_bandwidth(self, nbytes: int, reps: int = 5) -> float:
+        """Memory read bandwidth in bytes/s of the device this engine runs on: on the CPU, :func:`read_bandwidth`;
+        on a GPU, a sum over ``nbytes`` of float32 through the backend (one pass over device memory), median of
+        ``reps``."""
+        if getattr(self.backend, "device", "cpu") == "cpu":
+            return read_bandwidth(nbytes, reps)
+        ctx = self.backend.new_context()
+        x = ctx.full((max(1, nbytes // 4),), 1.0, DType.FLOAT32)
+        ctx.evaluate(x)
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            y = x.sum()
+            ctx.evaluate(y)
+            times.append(time.perf_counter() - t0)
+            del y
+        ctx.close()
+        return x.nbytes / _median(times[1:])
+
 
 # --------------------------------------------------------------------------------------------------- OpenBLAS probe
 
@@ -378,7 +397,9 @@ def file_weight_bytes(path: Any) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def _load_peer(name: str, path: Any, n_ctx: int, say: Callable[[str], None]) -> Any:
+def _load_peer(name: str, path: Any, n_ctx: int, say: Callable[[str], None], on_gpu: bool = False) -> Any:
+    """The peer engine ``name`` on ``path``; with ``on_gpu`` (this engine runs on a GPU) llama.cpp offloads every
+    layer to its GPU build (mlx-lm runs on MLX's default device either way)."""
     if name == "mlx-lm":
         from mlx_engine.bench.mlx_lm_peer import MLXLMPeer
 
@@ -386,8 +407,8 @@ def _load_peer(name: str, path: Any, n_ctx: int, say: Callable[[str], None]) -> 
         return MLXLMPeer(path)
     from mlx_engine.bench.llama_cpp_peer import LlamaCppPeer
 
-    say("loading llama.cpp on the same GGUF file")
-    return LlamaCppPeer(path, n_ctx)
+    say("loading llama.cpp on the same GGUF file" + (", every layer on the GPU" if on_gpu else ""))
+    return LlamaCppPeer(path, n_ctx, gpu_layers=-1 if on_gpu else 0)
 
 
 def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str, ...] | str | None" = None,
@@ -421,7 +442,7 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
     peers = []
     for n in names:
         try:
-            peers.append(_load_peer(n, model.path, n_ctx, say))
+            peers.append(_load_peer(n, model.path, n_ctx, say, on_gpu=model.backend.device != "cpu"))
         except RuntimeError as e:
             raise EngineError(str(e)) from None
     vocab = model.text_model.config.vocab_size
@@ -457,7 +478,7 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
 
     say("measuring the memory bandwidth")
     bw = ours.copy_bandwidth(sizes.copy_bytes)
-    read_bw = read_bandwidth(sizes.copy_bytes)
+    read_bw = ours.read_bandwidth(sizes.copy_bytes)
     file_bytes = file_weight_bytes(model.path)
     bpt = ours.bytes_per_token(sizes.decode_prompt + sizes.decode_tokens // 2)
 

@@ -272,7 +272,7 @@ class MLXBackend(Backend):
         path: the model file or folder.
         device: ``cpu``, ``gpu``, ``metal``, ``cuda`` or None (automatic; see ``mlx_engine.mlx.runtime``).
         dtype: the compute dtype; float weights are cast to it. Default: float32 on CPU (MLX's CPU backend has no
-            fast half-precision matmul), float16 on GPUs.
+            fast half-precision matmul), ``half_dtype`` on GPUs.
         requantize: re-quantize tensors of quantized types that have no exact affine form (Q6_K, Q3_K, Q2_K, IQ*...)
             to this many bits (4 or 8, group size 32); 0 keeps them dequantized (float). Default: 8 where weights stay
             quantized (the closest MLX form: an 8-bit grid is 4x finer than Q6_K's own), else 0.
@@ -284,6 +284,7 @@ class MLXBackend(Backend):
             tensor to load, None (all of it) or ``(axis, start, stop)`` (that range of rows or columns); tensors it
             leaves out are not read. Each tensor is read, cut and uploaded alone, so the host never holds more
             than one whole tensor.
+        half_dtype: the GPU's default compute dtype (the architecture's :attr:`DecoderModel.half_dtype`).
 
     Raises:
         WeightsError: the file is missing, truncated or corrupt (the message names it).
@@ -291,7 +292,8 @@ class MLXBackend(Backend):
 
     def __init__(self, path: "str | Path | None" = None, *, device: str | None = None, dtype: "DType | str | None" = None,
                  requantize: int | None = None, quantized: bool | None = None,
-                 shard: "Callable[[Any], Mapping[str, tuple[int, int, int] | None]] | None" = None):
+                 shard: "Callable[[Any], Mapping[str, tuple[int, int, int] | None]] | None" = None,
+                 half_dtype: "DType | str" = DType.FLOAT16):
         self._device = select_device(device)
         if quantized is None:
             quantized = self._device != "cpu" or cpu_kernels.qmatmul is not None
@@ -299,7 +301,8 @@ class MLXBackend(Backend):
         if requantize is None:
             requantize = 8 if quantized else 0
         requantize = requantize or None
-        self._dtype = DType.parse(dtype) if dtype else (DType.FLOAT32 if self._device == "cpu" else DType.FLOAT16)
+        self._dtype = DType.parse(dtype) if dtype else (DType.FLOAT32 if self._device == "cpu" else
+                                                         DType.parse(half_dtype))
         self._weights: dict[str, MLXTensor] = {}
         self._metadata: Mapping[str, Any] = {}
         self.path = Path(path) if path is not None else None
