@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -112,24 +113,67 @@ def test_bench_rejects_an_unknown_peer():
     assert r.exit_code == 2 and "llama.cpp" in r.output and "mlx-lm" in r.output
 
 
-@pytest.mark.parametrize("on_gpu", [False, True])
-def test_llama_cpp_runs_where_the_engine_runs(on_gpu, monkeypatch):
-    """Where this engine runs on a GPU, llama.cpp offloads every layer to its GPU build (``n_gpu_layers=-1``), so
-    that the two are compared on the same device; on the CPU it offloads none. Checked on the arguments llama.cpp
-    receives (a GPU build is not needed to see them)."""
-    import sys
-    import types
+_FAKE_LLAMA_CPP = """
+import json, os
+__version__ = "fake"
+class Llama:
+    def __init__(self, path, **kw):
+        with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+            f.write(json.dumps(kw) + "\\n")
+        if os.environ.get("FAKE_LLAMA_FAIL") == "open":
+            raise ValueError("cannot read the model")
+        self.model = self.ctx = None
+    def generate(self, tokens, temp=0.0, reset=True):
+        print("llama.cpp chatter on standard output")
+        if os.environ.get("FAKE_LLAMA_FAIL") == "crash":
+            os._exit(3)
+        while True:
+            yield 1
+    def close(self):
+        pass
+def llama_model_size(model):
+    return 1000
+def llama_state_get_size(ctx):
+    return 24
+"""
 
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_llama_cpp_runs_where_the_engine_runs_in_its_own_process(on_gpu, tmp_path, monkeypatch):
+    """llama.cpp runs in a child process (its CUDA build crashed in a process that had loaded MLX first), which
+    offloads every layer to the GPU where this engine runs on one (``n_gpu_layers=-1``) and none on the CPU. A fake
+    ``llama_cpp`` on the child's path records what it is given; what it prints cannot break the replies."""
     from mlx_engine.bench.run import _load_peer
 
-    seen = []
-
-    class FakeLlama:
-        def __init__(self, path, **kw):
-            seen.append(kw)
-            self.model = None
-
-    fake = types.SimpleNamespace(Llama=FakeLlama, llama_model_size=lambda m: 1, __version__="fake")
-    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(_FAKE_LLAMA_CPP)
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
     peer = _load_peer("llama.cpp", "model.gguf", 256, lambda _m: None, on_gpu=on_gpu)
-    assert seen[-1]["n_gpu_layers"] == (-1 if on_gpu else 0) and peer.gpu_layers == (-1 if on_gpu else 0)
+    try:
+        r = peer.run([5, 6, 7], 4)
+    finally:
+        peer.close()
+    assert json.loads(log.read_text())["n_gpu_layers"] == (-1 if on_gpu else 0)
+    assert peer.version == "fake" and peer.weights_bytes == 1000.0
+    assert r["tokens"] == 4.0 and r["peak_bytes"] == 1024.0 and r["ttft_s"] >= 0 and r["decode_tps"] > 0
+
+
+@pytest.mark.parametrize("fail", ["open", "crash"])
+def test_a_failing_llama_cpp_is_a_clear_error(fail, tmp_path, monkeypatch):
+    """An error in llama.cpp, or its process dying, comes back as a RuntimeError that says so (the bench turns it
+    into its error message), never a hang."""
+    from mlx_engine.bench.llama_cpp_peer import LlamaCppPeer
+
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(_FAKE_LLAMA_CPP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("FAKE_LLAMA_FAIL", fail)
+    with pytest.raises(RuntimeError, match="cannot read the model" if fail == "open" else r"process ended \(exit 3\)"):
+        peer = LlamaCppPeer("model.gguf", 256)
+        try:
+            peer.run([1, 2], 2)
+        finally:
+            peer.close()

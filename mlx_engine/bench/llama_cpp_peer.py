@@ -4,79 +4,159 @@ builds it at install; the ``bench`` extra), on as many threads as this engine us
 Used by ``mlx-engine bench --compare llama.cpp``: the same runs as for this engine (a prompt of random token ids, then
 greedy tokens) and the perplexity of a fixed text, scored the same way as :meth:`Runner.perplexity` (every token after
 the first, one window). llama.cpp quantizes activations to 8 bits for its quantized products; we keep them float32.
+
+llama.cpp runs in a process of its own, which imports it before any other native library: its CUDA build crashed
+(a segmentation fault as it read the model's vocabulary) in a process that had loaded MLX, or NumPy, first, on an
+H100 machine whose llama.cpp was built with another C++ compiler than its Python's libraries. Its own process also
+keeps its memory and threads out of this engine's figures. Requests and replies are lines of JSON on the child's
+standard input and on a copy of its standard output (its own standard output goes to its standard error, so that
+nothing llama.cpp prints can break a reply).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-from mlx_engine.models.runner import sum_nll
+# The child: llama.cpp first, then this module's serve() (which imports NumPy and the scorer).
+_CHILD = "import llama_cpp  # noqa: F401\nfrom mlx_engine.bench.llama_cpp_peer import serve\nserve()\n"
 
 
 class LlamaCppPeer:
     """One llama.cpp context on ``path`` with ``n_ctx`` cells and ``threads`` threads (default: the CPUs this
-    process may use), ``gpu_layers`` layers offloaded to a GPU build's device (-1: all; 0, the default: the CPU).
-    ``weights_bytes`` is llama.cpp's own count of the model's tensor bytes.
+    process may use), ``gpu_layers`` layers offloaded to a GPU build's device (-1: all; 0, the default: the CPU),
+    in a child process. ``weights_bytes`` is llama.cpp's own count of the model's tensor bytes.
 
     Raises:
-        RuntimeError: llama-cpp-python is not installed (the message says how to install it).
+        RuntimeError: llama-cpp-python is not installed (the message says how to install it), or llama.cpp's
+            process failed (the message ends with what it printed).
     """
 
     name = "llama.cpp"
 
     def __init__(self, path: "str | Path", n_ctx: int, threads: int | None = None, gpu_layers: int = 0):
-        try:
-            import llama_cpp
-        except ImportError as e:
+        if importlib.util.find_spec("llama_cpp") is None:
             raise RuntimeError("llama.cpp is not installed; pip install 'mlx-engine[bench]' (it builds llama.cpp "
-                               f"from the llama-cpp-python source distribution, ~15 minutes on 2 cores): {e}") from None
-        self._llama_cpp = llama_cpp
+                               "from the llama-cpp-python source distribution, ~15 minutes on 2 cores)")
         self.path = str(path)
         self.threads = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                    else os.cpu_count() or 1)
         self.gpu_layers = gpu_layers
-        self.llm = llama_cpp.Llama(self.path, n_ctx=n_ctx, n_batch=512, n_threads=self.threads,
-                                   n_threads_batch=self.threads, n_gpu_layers=gpu_layers, verbose=False)
-        self.weights_bytes = float(llama_cpp.llama_model_size(self.llm.model))
-        self.version = getattr(llama_cpp, "__version__", "?")
+        self._log = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log, text=True)
+        info = self._ask(op="open", path=self.path, n_ctx=n_ctx, threads=self.threads, gpu_layers=gpu_layers)
+        self.weights_bytes = float(info["weights_bytes"])
+        self.version = info["version"]
+
+    def _ask(self, **request: Any) -> dict[str, Any]:
+        try:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        reply = json.loads(line) if line.strip() else {"error": f"its process ended (exit {self._proc.wait()})"}
+        if "error" in reply:
+            self._log.seek(0)
+            printed = self._log.read().decode("utf-8", "replace").strip().splitlines()[-5:]
+            raise RuntimeError(f"llama.cpp failed: {reply['error']}" + ("; it printed: " + " | ".join(printed)
+                                                                        if printed else ""))
+        return reply
 
     def run(self, tokens: list[int], max_tokens: int) -> dict[str, float]:
         """Prefill ``tokens`` on an empty cache and generate ``max_tokens`` greedy tokens (never stopping early).
-        Same contract as :meth:`mlx_engine.bench.run.EngineSide.run`, except ``peak_bytes``: llama.cpp's weights
-        plus its context state after the run (KV cache and logits, as ``llama_state_get_size`` counts them); its
-        compute buffers are not counted (it shares this process with the other engines, so its resident memory
-        cannot be told apart)."""
-        t0 = time.perf_counter()
-        first = None
-        n = 0
-        for _ in self.llm.generate(list(tokens), temp=0.0, reset=True):
-            n += 1
-            if first is None:
-                first = time.perf_counter()
-            if n >= max_tokens:
-                break
-        end = time.perf_counter()
-        return {"ttft_s": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else 0.0,
-                "peak_bytes": self.weights_bytes + float(self._llama_cpp.llama_state_get_size(self.llm.ctx)),
-                "tokens": float(n)}
+        Same contract as :meth:`mlx_engine.bench.run.EngineSide.run` (timed in llama.cpp's process), except
+        ``peak_bytes``: llama.cpp's weights plus its context state after the run (KV cache and logits, as
+        ``llama_state_get_size`` counts them); its compute buffers are not counted."""
+        return self._ask(op="run", tokens=[int(t) for t in tokens], max_tokens=int(max_tokens))["result"]
 
     def perplexity(self, tokens: list[int]) -> float:
         """``exp`` of the mean negative log-likelihood of ``tokens[1:]`` given their prefixes, from llama.cpp's
         logits for every position (a second context that keeps them all)."""
-        llm = self._llama_cpp.Llama(self.path, n_ctx=max(len(tokens), 8), n_batch=512, n_threads=self.threads,
-                                    n_threads_batch=self.threads, n_gpu_layers=self.gpu_layers, logits_all=True,
-                                    verbose=False)
-        try:
-            llm.eval(list(tokens))
-            logits = np.asarray(llm.scores[:len(tokens) - 1])
-        finally:
-            llm.close()
-        return math.exp(sum_nll(logits, np.asarray(tokens[1:], np.int64)) / (len(tokens) - 1))
+        return float(self._ask(op="perplexity", tokens=[int(t) for t in tokens])["perplexity"])
 
     def close(self) -> None:
-        self.llm.close()
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.write(json.dumps({"op": "close"}) + "\n")
+                self._proc.stdin.close()
+                self._proc.wait(timeout=30)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._proc.stdout.close()
+        self._log.close()
+
+
+def serve() -> None:
+    """The child's loop: one JSON request per line on standard input, one JSON reply per line (``{"error": ...}``
+    for a failed request) until ``close`` or the end of input."""
+    import llama_cpp
+    import numpy as np
+
+    from mlx_engine.models.runner import sum_nll
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever llama.cpp prints goes to standard error
+    llm, opened = None, {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        if op == "close":
+            break
+        try:
+            if op == "open":
+                opened = request
+                llm = llama_cpp.Llama(request["path"], n_ctx=request["n_ctx"], n_batch=512,
+                                      n_threads=request["threads"], n_threads_batch=request["threads"],
+                                      n_gpu_layers=request["gpu_layers"], verbose=False)
+                reply = {"weights_bytes": float(llama_cpp.llama_model_size(llm.model)),
+                         "version": getattr(llama_cpp, "__version__", "?")}
+            elif op == "run":
+                reply = {"result": _timed_run(llm, request["tokens"], request["max_tokens"])}
+                reply["result"]["peak_bytes"] = (float(llama_cpp.llama_model_size(llm.model))
+                                                 + float(llama_cpp.llama_state_get_size(llm.ctx)))
+            elif op == "perplexity":
+                tokens = request["tokens"]
+                scorer = llama_cpp.Llama(opened["path"], n_ctx=max(len(tokens), 8), n_batch=512,
+                                         n_threads=opened["threads"], n_threads_batch=opened["threads"],
+                                         n_gpu_layers=opened["gpu_layers"], logits_all=True, verbose=False)
+                try:
+                    scorer.eval(list(tokens))
+                    logits = np.asarray(scorer.scores[:len(tokens) - 1])
+                finally:
+                    scorer.close()
+                nll = sum_nll(logits, np.asarray(tokens[1:], np.int64)) / (len(tokens) - 1)
+                reply = {"perplexity": math.exp(nll)}
+            else:
+                reply = {"error": f"unknown request {op!r}"}
+        except Exception as e:  # noqa: BLE001 - any failure goes back to the bench as a message
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    if llm is not None:
+        llm.close()
+
+
+def _timed_run(llm: Any, tokens: list[int], max_tokens: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for _ in llm.generate(list(tokens), temp=0.0, reset=True):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+        if n >= max_tokens:
+            break
+    end = time.perf_counter()
+    return {"ttft_s": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else 0.0,
+            "tokens": float(n)}
