@@ -138,38 +138,41 @@ def llama_state_get_size(ctx):
 """
 
 
+@pytest.fixture
+def fake_llama_cpp(tmp_path, monkeypatch):
+    """``_FAKE_LLAMA_CPP`` first on the path of the processes started from here; returns the file its ``Llama``
+    writes its arguments to."""
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(_FAKE_LLAMA_CPP)
+    path = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "calls.jsonl"))
+    return tmp_path / "calls.jsonl"
+
+
 @pytest.mark.parametrize("on_gpu", [False, True])
-def test_llama_cpp_runs_where_the_engine_runs_in_its_own_process(on_gpu, tmp_path, monkeypatch):
+def test_llama_cpp_runs_where_the_engine_runs_in_its_own_process(on_gpu, fake_llama_cpp):
     """llama.cpp runs in a child process (its CUDA build crashed in a process that had loaded MLX first), which
     offloads every layer to the GPU where this engine runs on one (``n_gpu_layers=-1``) and none on the CPU. A fake
     ``llama_cpp`` on the child's path records what it is given; what it prints cannot break the replies."""
     from mlx_engine.bench.run import _load_peer
 
-    (tmp_path / "llama_cpp").mkdir()
-    (tmp_path / "llama_cpp" / "__init__.py").write_text(_FAKE_LLAMA_CPP)
-    log = tmp_path / "calls.jsonl"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
     peer = _load_peer("llama.cpp", "model.gguf", 256, lambda _m: None, on_gpu=on_gpu)
     try:
         r = peer.run([5, 6, 7], 4)
     finally:
         peer.close()
-    assert json.loads(log.read_text())["n_gpu_layers"] == (-1 if on_gpu else 0)
+    assert json.loads(fake_llama_cpp.read_text())["n_gpu_layers"] == (-1 if on_gpu else 0)
     assert peer.version == "fake" and peer.weights_bytes == 1000.0
     assert r["tokens"] == 4.0 and r["peak_bytes"] == 1024.0 and r["ttft_s"] >= 0 and r["decode_tps"] > 0
 
 
 @pytest.mark.parametrize("fail", ["open", "crash"])
-def test_a_failing_llama_cpp_is_a_clear_error(fail, tmp_path, monkeypatch):
+def test_a_failing_llama_cpp_is_a_clear_error(fail, fake_llama_cpp, monkeypatch):
     """An error in llama.cpp, or its process dying, comes back as a RuntimeError that says so (the bench turns it
     into its error message), never a hang."""
     from mlx_engine.bench.llama_cpp_peer import LlamaCppPeer
 
-    (tmp_path / "llama_cpp").mkdir()
-    (tmp_path / "llama_cpp" / "__init__.py").write_text(_FAKE_LLAMA_CPP)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "calls.jsonl"))
     monkeypatch.setenv("FAKE_LLAMA_FAIL", fail)
     with pytest.raises(RuntimeError, match="cannot read the model" if fail == "open" else r"process ended \(exit 3\)"):
         peer = LlamaCppPeer("model.gguf", 256)

@@ -53,7 +53,11 @@ class LlamaCppPeer:
         self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._log, text=True)
-        info = self._ask(op="open", path=self.path, n_ctx=n_ctx, threads=self.threads, gpu_layers=gpu_layers)
+        try:
+            info = self._ask(op="open", path=self.path, n_ctx=n_ctx, threads=self.threads, gpu_layers=gpu_layers)
+        except RuntimeError:
+            self.close()  # the child and its log go with the failed load
+            raise
         self.weights_bytes = float(info["weights_bytes"])
         self.version = info["version"]
 

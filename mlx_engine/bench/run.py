@@ -16,8 +16,8 @@ order flips every repetition, so that a busy machine slows both alike):
   output head included, plus the keys and values it attends to at the middle of the run), over the memory bandwidth
   measured on the spot with a large copy (read + written bytes over its time, as STREAM counts a copy);
 - ``file_limit_share``: the figure a user compares: decode tokens/s times the bytes of the file's weight tensors,
-  over the read bandwidth of the engine's device measured on the spot (a sum over a large array); 1.0 is the limit the file's own bytes set,
-  whatever engine reads them;
+  over the read bandwidth of the engine's device measured on the spot (a sum over a large array); 1.0 is the limit
+  the file's own bytes set, whatever engine reads them;
 - ``weights_over_file``: the bytes of weights this engine holds over the file's tensor bytes;
 - ``perplexity``: of a fixed English text (the first ``perplexity_tokens`` tokens of ``PERPLEXITY_TEXT``), every
   engine's own logits, scored the same way;
@@ -286,17 +286,8 @@ class EngineSide:
                 np.copyto(dst, src)
                 times.append(time.perf_counter() - t0)
             return 2 * src.nbytes / _median(times[1:])
-        ctx = self.backend.new_context()
-        x = ctx.full((max(1, nbytes // 4),), 1.0, DType.FLOAT32)
-        ctx.evaluate(x)
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            y = x + 1.0
-            ctx.evaluate(y)
-            times.append(time.perf_counter() - t0)
-            del y
-        ctx.close()
-        return 2 * x.nbytes / _median(times[1:])
+        n, seconds = self._device_pass(nbytes, reps, lambda x: x + 1.0)
+        return 2 * n / seconds
 
     def read_bandwidth(self, nbytes: int, reps: int = 5) -> float:
         """Memory read bandwidth in bytes/s of the device this engine runs on: on the CPU, :func:`read_bandwidth`;
@@ -304,18 +295,24 @@ class EngineSide:
         ``reps``."""
         if getattr(self.backend, "device", "cpu") == "cpu":
             return read_bandwidth(nbytes, reps)
+        n, seconds = self._device_pass(nbytes, reps, lambda x: x.sum())
+        return n / seconds
+
+    def _device_pass(self, nbytes: int, reps: int, op: Callable[[Any], Any]) -> tuple[int, float]:
+        """``op`` over ``nbytes`` of float32 on the backend's device: the array's bytes and the median seconds of
+        ``reps`` evaluations after one untimed."""
         ctx = self.backend.new_context()
         x = ctx.full((max(1, nbytes // 4),), 1.0, DType.FLOAT32)
         ctx.evaluate(x)
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            y = x.sum()
+            y = op(x)
             ctx.evaluate(y)
             times.append(time.perf_counter() - t0)
             del y
         ctx.close()
-        return x.nbytes / _median(times[1:])
+        return x.nbytes, _median(times[1:])
 
 
 # --------------------------------------------------------------------------------------------------- OpenBLAS probe
