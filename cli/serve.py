@@ -35,7 +35,9 @@ def _size(value: str | None) -> int | None:
               help="Memory all loaded models may use together, e.g. 12GiB (default: 3/4 of the machine's memory).")
 @click.option("--api-key", default=None, envvar="MLX_ENGINE_API_KEY", show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every request.")
-@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Quantize the KV cache.")
+@click.option("--kv-bits", type=click.Choice(["4", "8", "16"]), default=None,
+              help="Keep the KV cache as 4- or 8-bit affine groups, or as 16-bit floats (16: half the bytes of a "
+                   "float32 cache on the CPU; llama.cpp's and ollama's default).")
 @click.option("--max-queue", default=64, show_default=True, type=int,
               help="Requests that may wait for a sequence; beyond that HTTP 429.")
 @click.option("--prefill-chunk", default=512, show_default=True, type=int,

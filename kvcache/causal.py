@@ -29,7 +29,10 @@ ollama). A memory of at least the capacity means nothing is ever trimmed.
 
 Quantized storage (``kv_bits`` 4 or 8): keys and values are stored affine-quantized along the head dimension
 (``Context.quantize``, groups of ``kv_group_size``, scales and biases in the cache dtype), and ``get`` returns them
-dequantized; ``Dk`` and ``Dv`` must be multiples of the group size.
+dequantized; ``Dk`` and ``Dv`` must be multiples of the group size. Half storage (``kv_bits`` 16): keys and values
+are stored as float16 (bfloat16 where the compute dtype is bfloat16; nothing changes where it is float16), rounded to
+nearest even as they are written (llama.cpp's and ollama's default cache type), half the bytes a float32 decode step
+reads; ``get`` returns them in the compute dtype.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from mlx_engine.errors import CacheError, CacheFullError
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles, Tensor
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # the bit widths a quantized cache may use
+HALF_KV_BITS = 16  # kv_bits for a cache of 16-bit floats
 
 
 def _round_up(n: int, k: int) -> int:
@@ -82,8 +86,8 @@ class CausalCache(Cache):
     Args:
         shift_fn: re-rotates keys when :meth:`remove` renumbers positions (see :data:`mlx_engine.kvcache.base.ShiftFn`); without
             it such a ``remove`` raises ``CacheError``.
-        kv_bits: store keys and values quantized to this many bits (4 or 8; MLX also allows 2, 3, 5, 6), or ``None``
-            for the init dtype.
+        kv_bits: store keys and values quantized to this many bits (4 or 8; MLX also allows 2, 3, 5, 6), as 16-bit
+            floats (16), or ``None`` for the init dtype.
         kv_group_size: elements per quantization group (32, 64 or 128).
         window: sliding window ``W`` (the token at ``p`` sees ``p - W .. p``), or ``None``.
         memory: positions kept before the lowest batch position of a sequence (``>= window``); default ``window``.
@@ -94,8 +98,8 @@ class CausalCache(Cache):
 
     def __init__(self, shift_fn: Optional[ShiftFn] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  *, window: Optional[int] = None, memory: Optional[int] = None, chunk: Optional[int] = None):
-        if kv_bits is not None and kv_bits not in KV_BITS:
-            raise ValueError(f"kv_bits must be one of {KV_BITS} or None, not {kv_bits!r}")
+        if kv_bits is not None and kv_bits not in KV_BITS + (HALF_KV_BITS,):
+            raise ValueError(f"kv_bits must be one of {KV_BITS + (HALF_KV_BITS,)} or None, not {kv_bits!r}")
         if kv_group_size not in (32, 64, 128):
             raise ValueError(f"kv_group_size must be 32, 64 or 128, not {kv_group_size!r}")
         if window is not None and window < 0:
@@ -112,6 +116,7 @@ class CausalCache(Cache):
                 raise ValueError("a cache has either a sliding window or chunked attention, not both")
         self.shift_fn = shift_fn
         self.kv_bits = kv_bits
+        self._quantized = kv_bits is not None and kv_bits != HALF_KV_BITS
         self.kv_group_size = kv_group_size
         self.window = window
         self.memory = (window if memory is None else memory) if window is not None else None
@@ -129,9 +134,13 @@ class CausalCache(Cache):
             raise ValueError(f"max_sequences ({max_sequences}), capacity ({capacity}) and max_batch ({max_batch}) "
                              "must all be >= 1")
         if self.kv_bits is not None and not dtype.is_floating:
-            raise ValueError(f"a quantized cache needs a float dtype for its scales, not {dtype.value}")
+            raise ValueError(f"a quantized or 16-bit cache needs a float dtype, not {dtype.value}")
         self._backend = backend
         self.dtype = dtype
+        # what keys and values are kept as (quantized storage: the dtype of its scales and biases)
+        self.store_dtype = dtype
+        if self.kv_bits == HALF_KV_BITS and dtype not in (DType.FLOAT16, DType.BFLOAT16):
+            self.store_dtype = DType.FLOAT16
         self.max_sequences = max_sequences
         self.capacity = capacity
         self.max_batch = max_batch
@@ -397,8 +406,8 @@ class CausalCache(Cache):
     # ---- put / get -------------------------------------------------------------------------------------------------
     def _alloc(self, ctx: Context, shape: tuple[int, int, int], size: int) -> tuple[list[Tensor], list[Tensor]]:
         hk, dk, dv = shape
-        if self.kv_bits is None:
-            return ([ctx.zeros((1, hk, size, dk), self.dtype)], [ctx.zeros((1, hk, size, dv), self.dtype)])
+        if not self._quantized:
+            return ([ctx.zeros((1, hk, size, dk), self.store_dtype)], [ctx.zeros((1, hk, size, dv), self.store_dtype)])
         b, g = self.kv_bits, self.kv_group_size
         for name, d in (("key", dk), ("value", dv)):
             if d % g or (d * b) % 32:
@@ -441,13 +450,13 @@ class CausalCache(Cache):
             ctx.evaluate(*st.tensors())
             return
         st = self._layer_storage(ctx, (ks[1], ks[3], vs[3]), fwd.used)
-        if key.dtype != self.dtype:
-            key = key.astype(self.dtype)
-        if value.dtype != self.dtype:
-            value = value.astype(self.dtype)
+        if key.dtype != self.store_dtype:
+            key = key.astype(self.store_dtype)
+        if value.dtype != self.store_dtype:
+            value = value.astype(self.store_dtype)
         if fwd.span is None and fwd.loc_tensor is None:
             fwd.loc_tensor = ctx.from_numpy(fwd.locs.astype(np.int32), DType.INT32)
-        if self.kv_bits is None:
+        if not self._quantized:
             self._write(fwd, st.k[0], key)
             self._write(fwd, st.v[0], value)
         else:
@@ -463,7 +472,7 @@ class CausalCache(Cache):
             raise CacheError("attend before start_forward")
         ks, vs = key.shape, value.shape
         # float storage, the batch's cells in one run, inputs in the cache's dtype; anything else goes apart
-        if (fwd.reserve or fwd.span is None or self.kv_bits is not None or key.dtype != self.dtype
+        if (fwd.reserve or fwd.span is None or self._quantized or key.dtype != self.dtype
                 or value.dtype != self.dtype or len(ks) != 4 or len(vs) != 4 or ks[0] != 1 or vs[0] != 1
                 or ks[1] != vs[1] or ks[2] != fwd.n or vs[2] != fwd.n):
             return None
@@ -489,10 +498,12 @@ class CausalCache(Cache):
         if st is None:
             raise CacheError(f"get before put for layer {self._layer}")
         used = fwd.used
-        if self.kv_bits is None:
+        if not self._quantized:
             k, v = st.k[0], st.v[0]
             if used != st.size:
                 k, v = k[:, :, :used, :], v[:, :, :used, :]
+            if self.store_dtype != self.dtype:
+                k, v = k.astype(self.dtype), v.astype(self.dtype)
             return k, v, fwd.mask
         g, b = self.kv_group_size, self.kv_bits
         k = ctx.dequantize(*(t[:, :, :used, :] for t in st.k), g, b)
@@ -615,14 +626,16 @@ class CausalCache(Cache):
                         t[:, :, a:b, :] = x
                     else:
                         t[:, :, it, :] = x
-                if self.kv_bits is None:
+                if not self._quantized:
                     keys = read(st.k[0])
+                    if keys.dtype != self.dtype:
+                        keys = keys.astype(self.dtype)
                 else:
                     keys = ctx.dequantize(*(read(t) for t in st.k), self.kv_group_size, self.kv_bits)
                 new = self.shift_fn(ctx, layer, keys, shift)
-                if new.dtype != self.dtype:
-                    new = new.astype(self.dtype)
-                if self.kv_bits is None:
+                if new.dtype != self.store_dtype:
+                    new = new.astype(self.store_dtype)
+                if not self._quantized:
                     write(st.k[0], new)
                 else:
                     for t, x in zip(st.k, ctx.quantize(new, self.kv_group_size, self.kv_bits)):

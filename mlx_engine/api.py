@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_engine.errors import ChatTemplateError, IncompleteOutputError, InvalidRequestError, MemoryBudgetError
-from mlx_engine.kvcache.causal import KV_BITS
+from mlx_engine.kvcache.causal import HALF_KV_BITS, KV_BITS
 from mlx_engine.image_api import (generate_image, load_image_model, open_init_image, read_image_parameters,
                                   save_image)
 from mlx_engine.ml import DType
@@ -106,6 +106,7 @@ class Model:
             raise InvalidRequestError(f"context_length must be at least 2, got {ctx_len}")
         self.kv_cache_bytes = self._check_kv_memory(ctx_len, max_sequences, prefill_chunk, kv_bits)
         self.context_length = ctx_len
+        self.kv_bits = kv_bits
         self.runner = Runner(self.text_model, self.tokenizer, context_length=ctx_len, max_sequences=max_sequences,
                              prefill_chunk=prefill_chunk, kv_bits=kv_bits, reserve=reserve)
         self.load_seconds = time.perf_counter() - t0
@@ -131,7 +132,12 @@ class Model:
         """
         c = self.text_model.config
         item = self.text_model.dtype.itemsize
-        per_value = item if kv_bits is None else kv_bits / 8 + 2 * item / 32  # values, plus scales and biases
+        if kv_bits is None:
+            per_value = item
+        elif kv_bits == HALF_KV_BITS:
+            per_value = min(item, 2)
+        else:
+            per_value = kv_bits / 8 + 2 * item / 64  # values, plus a scale and a bias per group of 64
         cells = 0
         for kind in c.layer_types:
             if kind not in ATTENTION_TYPES:
@@ -441,8 +447,8 @@ def _check_load_arguments(*, device: Any, dtype: Any, context_length: Any, kv_bi
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
             raise InvalidRequestError(f"{name} must be an integer from {low} to 2**31 - 1, not {value!r}")
-    if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
-        raise InvalidRequestError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} or None, "
+    if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS + (HALF_KV_BITS,)):
+        raise InvalidRequestError(f"kv_bits must be one of {', '.join(map(str, KV_BITS + (HALF_KV_BITS,)))} or None, "
                                   f"not {kv_bits!r}")
 
 
@@ -459,7 +465,9 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     rank 0 and then ends the process (``SystemExit(0)`` when rank 0 closes its model or exits). ``mmproj``: the
     vision file llama.cpp ships beside a Gemma 3 GGUF, so that the model reads images. ``dtype``: the compute
     dtype; default float32 on the CPU, and on a GPU float16, or bfloat16 for Gemma 3 (whose activations outgrow
-    float16).
+    float16). ``kv_bits``: the KV cache's keys and values as 8- or 4-bit affine groups (of 64), or as 16-bit floats
+    (16: float16, bfloat16 under a bfloat16 compute dtype; on the CPU half the bytes a float32 cache reads per
+    decode step, as llama.cpp's and ollama's default f16 cache); None (the default): the compute dtype.
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.

@@ -449,6 +449,8 @@ class Context(abc.ABC):
         and ``v [1, Hkv, N, Dv]`` written to cells ``start .. start + N - 1`` of the layer's storage ``keys
         [1, Hkv, C, Dh]`` and ``values [1, Hkv, C, Dv]``, and ``q`` attending to cells ``0 .. used - 1`` with ``mask``
         (``[N, used]``, from :meth:`attention_mask`, or None) as :meth:`scaled_dot_product_attention` does.
+        ``keys`` and ``values`` may be of a narrower float dtype than ``q`` (a 16-bit cache): ``k`` and ``v`` are
+        rounded to it as they are written (as ``astype``), and read back widened.
 
         Returns ``(o [1, Hq, N, Dv], keys', values')``: the storage after the write, which replaces ``keys`` and
         ``values`` (a backend may write into their buffers: the caller must not use them again). ``None`` (this

@@ -226,6 +226,61 @@ def test_attend_cached_is_rope_writes_and_attend_bit_for_bit(heads, kv_heads, ro
                                   traditional, mask)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("heads, kv_heads, rows, dim, cells, start, lo, hi, masked", [
+    (9, 3, 1, 64, 256, 40, 0, 41, False),        # smollm2's heads, a decode step
+    (4, 1, 1, 256, 600, 500, 0, 501, False),     # gemma3's, split over the threads' key chunks
+    (8, 2, 3, 72, 64, 60, 10, 63, True)])        # three rows, a head size with a tail past 64, masked
+def test_attend_cached_reads_and_writes_a_16_bit_cache(dtype, heads, kv_heads, rows, dim, cells, start, lo, hi,
+                                                        masked):
+    """Keys and values kept as float16 or bfloat16: the new ones rounded as MLX's astype rounds them (to the bit,
+    values beyond float16's range included), and the output that of attend on the stored cache widened to float32,
+    to the bit; mixed or other dtypes refused."""
+    rng = np.random.default_rng(heads * 1000 + cells)
+    half = getattr(mx, dtype)
+
+    def normal(*shape, scale=1.0):
+        return mx.array((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    q, k = normal(1, heads, rows, dim), normal(1, kv_heads, rows, dim)
+    # some beyond float16's 65504 (inf, as astype makes them), some below its normals, and its rounding's ties
+    v = rng.standard_normal((1, kv_heads, rows, dim)).astype(np.float32) * 3e4
+    v[0, 0, 0, :16] = [65504, 65519.99, 65520, -65520, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -14 - 2.0 ** -25,
+                       1e-7, -3e-6, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 2.0 ** -126, -0.0, 1e-45, 2049, 2051]
+    v[0, -1, -1, :8] *= 1e-9
+    v = mx.array(v)
+    keys, values = normal(1, kv_heads, cells, dim).astype(half), normal(1, kv_heads, cells, dim).astype(half)
+    cos, sin = cpu_kernels.rope_table(rows, start, dim, 10000.0, 1.0, None)
+    mask = None
+    if masked:
+        visible = rng.random((rows, hi - lo)) < 0.7
+        visible[:, -1] = True
+        mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+    mx.eval(q, k, v, keys, values, cos, sin)
+    want_k, want_v = mx.array(keys), mx.array(values)
+    want_k[:, :, start:start + rows] = cpu_kernels.rope_apply(k, cos, sin, dim, False).astype(half)
+    want_v[:, :, start:start + rows] = v.astype(half)
+    want = cpu_kernels.attend(cpu_kernels.rope_apply(q, cos, sin, dim, False),
+                              want_k[:, :, lo:hi].astype(mx.float32), want_v[:, :, lo:hi].astype(mx.float32), 0.125,
+                              mask)
+    mx.eval(want, want_k, want_v)
+    o, k2, v2 = cpu_kernels.attend_cached(q, k, v, mx.array(keys), mx.array(values), cos, sin, start, lo, hi, 0.125,
+                                          dim, False, mask)
+    assert o.dtype == mx.float32 and k2.dtype == half and v2.dtype == half
+    if dtype == "float16":
+        assert not np.isfinite(np.array(v2.astype(mx.float32))).all()  # the overflow did happen
+    for name, got, exp in (("o", o, want), ("k", k2, want_k), ("v", v2, want_v)):
+        g, e = np.array(got.astype(mx.float32)), np.array(exp.astype(mx.float32))
+        bad = ~((g == e) | (np.isnan(g) & np.isnan(e)))
+        assert not bad.any(), (name, np.argwhere(bad)[:5], g[bad][:5], e[bad][:5])
+    with pytest.raises(ValueError, match="keys and values must both be"):
+        cpu_kernels.attend_cached(q, k, v, keys, values.astype(mx.float32), cos, sin, start, lo, hi, 0.125, dim, False,
+                                  mask)
+    with pytest.raises(ValueError, match="q, k, v, cos and sin must be float32"):
+        cpu_kernels.attend_cached(q.astype(half), k, v, keys, values, cos, sin, start, lo, hi, 0.125, dim, False,
+                                  mask)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 577), (600, 64), (1, 4, 1, 256)])
 def test_rms_norm_is_mlx_rms_norm(shape):
     """RMSNorm against mx.fast.rms_norm (MLX's CPU fallback: the same steps; on x86-64 the same order of the sum of

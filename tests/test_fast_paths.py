@@ -29,8 +29,9 @@ def backend():
 # ------------------------------------------------------------------------------------------- compiled decode steps
 
 
-def _decode(model, backend, tokens: list[int], steps: int, capacity: int = 512) -> np.ndarray:
-    cache = model.make_cache()
+def _decode(model, backend, tokens: list[int], steps: int, capacity: int = 512, kv_bits: int | None = None
+            ) -> np.ndarray:
+    cache = model.make_cache(kv_bits)
     cache.init(backend, model.dtype, 1, capacity, 64)
     ctx = backend.new_context()
     logits = model.forward(ctx, Batch.single(np.array(tokens), 0), cache).numpy()[0]
@@ -62,11 +63,13 @@ def test_compiled_decode_steps_match_op_by_op(kind, tmp_path):
     assert alive() is None
 
 
+@pytest.mark.parametrize("kv_bits", [None, 16])
 @pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma3"])
-def test_fused_decode_attention_gives_the_bits_of_the_steps_apart(kind, tmp_path, monkeypatch):
+def test_fused_decode_attention_gives_the_bits_of_the_steps_apart(kind, kv_bits, tmp_path, monkeypatch):
     """``Cache.attend`` (RoPE, the cache write and attention as one node) against RoPE, put, get and attention apart:
-    the same logits to the bit over 240 steps. gemma3's sliding window (8, with 256 positions of memory) wraps its
-    ring on the way: a query that sees two runs of cells then goes apart."""
+    the same logits to the bit over 240 steps, with a float32 cache and with a float16 one (``kv_bits=16``: the
+    kernel rounds the new keys and values as ``astype`` does). gemma3's sliding window (8, with 256 positions of
+    memory) wraps its ring on the way: a query that sees two runs of cells then goes apart."""
     from mlx_engine.mlx import cpu_kernels
 
     folder, _, _ = _make_folder(tmp_path, kind)
@@ -75,13 +78,15 @@ def test_fused_decode_attention_gives_the_bits_of_the_steps_apart(kind, tmp_path
     tokens = [int(t) for t in np.random.default_rng(6).integers(0, VOCAB, 40)]
     steps = 240
     model.fuse_attention = False
-    apart = _decode(model, backend, tokens, steps, capacity=300)
+    apart = _decode(model, backend, tokens, steps, capacity=300, kv_bits=kv_bits)
+    if kv_bits:  # the float16 cache does change the numbers: it is used
+        assert not np.array_equal(apart, _decode(model, backend, tokens, steps, capacity=300))
     calls = []
     if cpu_kernels.attend_cached is not None:
         real = cpu_kernels.attend_cached
         monkeypatch.setattr(cpu_kernels, "attend_cached", lambda *a: calls.append(a[7:10]) or real(*a))
     model.fuse_attention = True
-    fused = _decode(model, backend, tokens, steps, capacity=300)
+    fused = _decode(model, backend, tokens, steps, capacity=300, kv_bits=kv_bits)
     assert np.array_equal(fused, apart)
     if cpu_kernels.attend_cached is None:  # not built here: both ran apart
         return

@@ -609,13 +609,46 @@ def test_quantized_memory_saving(backend, ctx, dtype):
         assert ratio8 == pytest.approx(0.53125) and ratio4 == pytest.approx(0.28125)
 
 
+@pytest.mark.parametrize("dtype, stored", [(DType.FLOAT32, DType.FLOAT16), (DType.FLOAT16, DType.FLOAT16),
+                                           (DType.BFLOAT16, DType.BFLOAT16)])
+def test_half_cache_stores_16_bit_floats(backend, ctx, dtype, stored):
+    """kv_bits=16: keys and values kept as float16 (bfloat16 under a bfloat16 compute dtype), rounded as astype
+    rounds them; get returns them in the compute dtype; storage is 2 bytes a value, reserved in full, measured."""
+    h, d, cells, n = 2, 64, 256, 40
+    rng = np.random.default_rng(3)
+    kk = (rng.standard_normal((1, h, n, d)) * 100).astype(np.float32)
+    vv = rng.standard_normal((1, h, n, d)).astype(np.float32)
+    c = CausalCache(kv_bits=16)
+    c.init(backend, dtype, 1, cells, 64)
+    assert c.store_dtype == stored
+    c.set_layer(0)
+    c.start_forward(ctx, batch([0] * n, range(n)))
+    c.put(ctx, ctx.from_numpy(kk).astype(dtype), ctx.from_numpy(vv).astype(dtype))
+    k, v, mask = c.get(ctx)
+    assert k.dtype == dtype and v.dtype == dtype and k.shape == (1, h, n, d)
+    for got, want in ((k, kk), (v, vv)):
+        exact = ctx.from_numpy(want).astype(dtype).astype(stored).astype(DType.FLOAT32).numpy()
+        assert np.array_equal(got.astype(DType.FLOAT32).numpy(), exact)
+    if dtype == DType.FLOAT32:
+        assert not np.array_equal(k.numpy(), kk)  # rounded: the narrower type is the one stored
+    c.close()
+    gc.collect()
+    backend.clear_cache()
+    before = backend.active_memory()
+    c = CausalCache(kv_bits=16)
+    c.init(backend, dtype, 1, cells, 64)
+    c.reserve(ctx, [(h, d, d)] * 3)
+    assert c.nbytes() == 3 * 2 * h * cells * d * 2 == backend.active_memory() - before
+    c.close()
+
+
 def test_quantized_needs_group_multiple(backend, ctx):
     c = CausalCache(kv_bits=8)
     c.init(backend, DType.FLOAT32, 1, 16, 4)
     c.start_forward(ctx, batch([0], [0]))
     with pytest.raises(ValueError, match="multiple of 64"):
         c.put(ctx, ctx.zeros((1, 1, 1, 48), DType.FLOAT32), ctx.zeros((1, 1, 1, 48), DType.FLOAT32))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="kv_bits must be one of"):
         CausalCache(kv_bits=7)
 
 

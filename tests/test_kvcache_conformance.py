@@ -5,7 +5,7 @@ A forward step stores one scalar per token as both key and value (one layer, one
 that the keys its mask leaves visible are exactly the expected ones (as a multiset), and that values match keys cell by
 cell. Float caches use head size 1. Quantized variants (kv_bits=8, group size 32) use head size 32 with the scalar
 repeated across the head, a group that affine quantization stores exactly (scale 0, bias = the value), so the same
-exact comparison holds for them.
+exact comparison holds for them; float16 variants (kv_bits=16) hold the scenarios' small integers exactly.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ SHIFTS = {"add": shift_add, "none": shift_none, None: None}
 def variants(spec: dict) -> list[str]:
     kind = spec["kind"]
     return {
-        "causal": ["causal", "causal_q8", "causal_q4", "swa_huge", "chunked_huge", "wrapper"],
-        "swa": ["swa", "swa_as_mem", "swa_q8", "wrapper"],
-        "swa_mem": ["swa_mem", "swa_mem_q8", "wrapper"],
-        "chunked": ["chunked", "chunked_q8", "wrapper"],
+        "causal": ["causal", "causal_q8", "causal_q4", "causal_f16", "swa_huge", "chunked_huge", "wrapper"],
+        "swa": ["swa", "swa_as_mem", "swa_q8", "swa_f16", "wrapper"],
+        "swa_mem": ["swa_mem", "swa_mem_q8", "swa_mem_f16", "wrapper"],
+        "chunked": ["chunked", "chunked_q8", "chunked_f16", "wrapper"],
     }[kind]
 
 
@@ -53,6 +53,8 @@ def make_cache(spec: dict, variant: str, shift):
         q = {"kv_bits": 8, "kv_group_size": 32}
     elif variant.endswith("_q4"):
         q = {"kv_bits": 4, "kv_group_size": 32}
+    elif variant.endswith("_f16"):
+        q = {"kv_bits": 16}
 
     def base():
         if kind == "causal":

@@ -160,7 +160,8 @@ class EngineSide:
         from mlx_engine.models.runner import Runner
 
         m = self.model
-        return Runner(m.text_model, m.tokenizer, context_length=m.context_length, max_sequences=max_sequences)
+        return Runner(m.text_model, m.tokenizer, context_length=m.context_length, max_sequences=max_sequences,
+                      kv_bits=m.kv_bits)
 
     def run(self, tokens: list[int], max_tokens: int) -> dict[str, float]:
         """Same contract as :meth:`mlx_engine.bench.mlx_lm_peer.MLXLMPeer.run`."""

@@ -165,7 +165,8 @@ class MLXContext(Context):
     def cached_attention(self, q, k, v, keys, values, start, used, scale, mask, angles, dims, traditional):
         qa, ka, va, ks, vs = q.a, k.a, v.a, keys.a, values.a
         if not (runtime.on_cpu and cpu_kernels.attend_cached is not None and qa.ndim == 4 and qa.shape[2] <= 16
-                and all(a.dtype == mx.float32 for a in (qa, ka, va, ks, vs, angles.cos.a))):
+                and all(a.dtype == mx.float32 for a in (qa, ka, va, angles.cos.a))
+                and ks.dtype in (mx.float32, mx.float16, mx.bfloat16) and vs.dtype == ks.dtype):
             return None
         lo, hi, m = 0, used, None
         if mask is not None:

@@ -22,9 +22,14 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "half.h"
 #include "pool.h"
 #include "rope.h"
 #include "strided.h"
@@ -34,6 +39,85 @@ namespace nb = nanobind;
 namespace mx = mlx::core;
 
 namespace {
+
+// What the cached keys and values are kept as: float32, or float16 / bfloat16 (half the bytes a decode step reads),
+// rounded to nearest even as they are written (as MLX's astype rounds) and widened exactly, a chunk of keys at a time,
+// into float32 for the kernel below.
+enum KvType { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx,f16c"))) void halves_f16c(const uint16_t* h, float* f, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < n; ++i) f[i] = mlx_engine::half_to_float(h[i]);
+}
+#endif
+
+// n float16 values as float32 (exact): F16C where the CPU has it (checked once).
+void halves_to_floats(const uint16_t* h, float* f, int n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  if (f16c) return halves_f16c(h, f, n);
+#endif
+  for (int i = 0; i < n; ++i) f[i] = mlx_engine::half_to_float(h[i]);
+}
+
+// `rows` rows of `cols` stored values (row stride `stride` elements) from src into dst [rows, cols], as float32.
+void widen_rows(int type, const void* src, int64_t stride, int rows, int cols, float* dst) {
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  if (stride == cols) {  // one run (a cache's cells follow one another)
+    cols *= rows;
+    rows = 1;
+  }
+  for (int r = 0; r < rows; ++r, h += stride, dst += cols) {
+    if (type == kKvF16) {
+      halves_to_floats(h, dst, cols);
+    } else {
+      for (int i = 0; i < cols; ++i) {
+        const uint32_t w = uint32_t(h[i]) << 16;
+        std::memcpy(dst + i, &w, 4);
+      }
+    }
+  }
+}
+
+// n float32 values into a row stored as `type`, rounded to nearest even (NaN kept a NaN).
+void narrow_row(int type, const float* x, void* dst, int n) {
+  if (type == kKvF32) {
+    std::memcpy(dst, x, sizeof(float) * n);
+    return;
+  }
+  uint16_t* h = static_cast<uint16_t*>(dst);
+  for (int i = 0; i < n; ++i) {
+    uint32_t w;
+    std::memcpy(&w, x + i, 4);
+    if (type == kKvBF16) {
+      h[i] = (w & 0x7fffffff) > 0x7f800000 ? uint16_t((w >> 16) | 0x40) : uint16_t((w + 0x7fff + ((w >> 16) & 1)) >> 16);
+      continue;
+    }
+    // float16: the exponent rebased from 127 to 15; below 2**-14 a subnormal (the float's value in units of 2**-24,
+    // rounded to nearest even by the float addition), above 65504 (after rounding) infinity
+    const uint32_t sign = (w >> 16) & 0x8000, a = w & 0x7fffffff;
+    uint16_t out;
+    if (a > 0x7f800000) {
+      out = uint16_t(0x7e00);
+    } else if (a >= 0x477ff000) {  // rounds to 65536 or more
+      out = 0x7c00;
+    } else if (a < 0x38800000) {  // below 2**-14
+      float f;
+      std::memcpy(&f, &a, 4);
+      const float units = f * 0x1p24f + 0x1p23f;  // the subnormal's count of 2**-24, rounded to nearest even
+      uint32_t u;
+      std::memcpy(&u, &units, 4);
+      out = uint16_t(u - 0x4b000000);
+    } else {
+      const uint32_t r = a + 0xfff + ((a >> 13) & 1);  // round the 13 dropped bits to nearest even
+      out = uint16_t((r - (uint32_t(127 - 15) << 23)) >> 13);
+    }
+    h[i] = uint16_t(sign | out);
+  }
+}
 
 struct View {  // a float32 [rows, cols] matrix with unit stride along cols
   const float* p;
@@ -218,20 +302,22 @@ const float* unit_last(const mx::array& a, std::vector<uint8_t>& buf, std::vecto
   return data;
 }
 
-// One attention: queries q [H, N, D] over keys [H_kv, S, D] and values [H_kv, S, Dv] (each with its own head and row
-// strides, unit stride along the features), an optional mask [N, S] (row stride mask_row), into o [H, N, Dv].
+// One attention: queries q [H, N, D] over keys [H_kv, S, D] and values [H_kv, S, Dv] (kept as kv_type, each with its
+// own head and row strides in elements, unit stride along the features), an optional mask [N, S] (row stride
+// mask_row), into o [H, N, Dv].
 struct AttendJob {
   const float* q;
   int64_t q_head, q_row;
-  const float* k;
+  const void* k;
   int64_t k_head, k_row;
-  const float* v;
+  const void* v;
   int64_t v_head, v_row;
   const float* mask;
   int64_t mask_row;
   int H, N, D, Hkv, S, Dv;
   float scale;
   float* o;
+  int kv_type = kKvF32;
 };
 
 void run_attention(const AttendJob& a) {
@@ -256,9 +342,23 @@ void run_attention(const AttendJob& a) {
   auto task = [&](int t) {
     static thread_local std::vector<float> scores;
     scores.resize(4 * size_t((L + 15) / 16 * 16));
-    const int g = t / C, c = t % C, s0 = c * L, len = std::min(L, S - s0);
-    View kv{a.k + g * a.k_head, a.k_row};
-    View vv{a.v + g * a.v_head, a.v_row};
+    const int g = t / C, c = t % C, len = std::min(L, S - c * L);
+    int s0 = c * L;
+    View kv, vv;
+    if (a.kv_type == kKvF32) {
+      kv = {static_cast<const float*>(a.k) + g * a.k_head, a.k_row};
+      vv = {static_cast<const float*>(a.v) + g * a.v_head, a.v_row};
+    } else {  // the chunk's keys and values widened into float32 rows here (in L2: chunks are sized for it)
+      static thread_local std::vector<float> wide;
+      wide.resize(size_t(len) * (D + Dv));
+      const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + g * a.k_head + int64_t(s0) * a.k_row;
+      const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + g * a.v_head + int64_t(s0) * a.v_row;
+      widen_rows(a.kv_type, k16, a.k_row, len, D, wide.data());
+      widen_rows(a.kv_type, v16, a.v_row, len, Dv, wide.data() + size_t(len) * D);
+      kv = {wide.data(), D};
+      vv = {wide.data() + size_t(len) * D, Dv};
+      s0 = 0;
+    }
     for (int j0 = 0; j0 < Q; j0 += 4) {
       const int G = std::min(4, Q - j0);
       const float* qs[4];
@@ -377,6 +477,8 @@ mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, flo
 //     -> (o [1, H, N, Dv], keys', values')
 // q and k rotated as rope_apply rotates them, k and v written to cells [start, start + N) of keys' and values', and
 // q attending to their cells [lo, hi) as attend does: bit for bit rope_apply, two slice updates and attend in turn.
+// All float32 but keys and values, which may be float16 or bfloat16 (both the same): k and v are rounded to their type
+// as they are written (as astype rounds), and widened exactly as they are read.
 // keys' and values' take over the buffers of keys and values (copied only when those are not plain row-major
 // arrays): the caller must hold no other reference to them and use keys' and values' from then on, as MLX's own
 // slice update does in place when its input is donated.
@@ -416,20 +518,26 @@ class AttendCached : public mx::Primitive {
       static thread_local std::vector<float> rotated;
       rotated.resize(size_t(H) * N * D);
       mlx_engine::rotate(q, cs, sn, rotated.data(), 1, H, N, D, N, dims, traditional);
-      float* keys = outputs[1].data<float>();
-      float* values = outputs[2].data<float>();
+      const mx::Dtype kv = outputs[1].dtype();
+      const int type = kv == mx::float16 ? kKvF16 : kv == mx::bfloat16 ? kKvBF16 : kKvF32;
+      const size_t item = outputs[1].itemsize();
+      uint8_t* keys = outputs[1].data<uint8_t>();
+      uint8_t* values = outputs[2].data<uint8_t>();
+      static thread_local std::vector<float> key_row;
+      key_row.resize(D);
       for (int h = 0; h < Hkv; ++h)
         for (int n = 0; n < N; ++n) {
           const int64_t cell = int64_t(h) * C + start + n;
-          mlx_engine::rotate(k + (int64_t(h) * N + n) * D, cs + n * half, sn + n * half, keys + cell * D, 1, 1, 1, D,
-                             1, dims, traditional);
-          std::memcpy(values + cell * Dv, v + (int64_t(h) * N + n) * Dv, sizeof(float) * Dv);
+          mlx_engine::rotate(k + (int64_t(h) * N + n) * D, cs + n * half, sn + n * half, key_row.data(), 1, 1, 1, D, 1,
+                             dims, traditional);
+          narrow_row(type, key_row.data(), keys + cell * D * item, D);
+          narrow_row(type, v + (int64_t(h) * N + n) * Dv, values + cell * Dv * item, Dv);
         }
       std::vector<int64_t> mask_strides;
       const float* mask = masked ? unit_last(inputs[7], bufs[7], mask_strides) : nullptr;
-      run_attention({rotated.data(), int64_t(N) * D, D, keys + int64_t(lo) * D, int64_t(C) * D, D,
-                     values + int64_t(lo) * Dv, int64_t(C) * Dv, Dv, mask, masked ? mask_strides[0] : 0, H, N, D, Hkv,
-                     hi - lo, Dv, scale, outputs[0].data<float>()});
+      run_attention({rotated.data(), int64_t(N) * D, D, keys + int64_t(lo) * D * item, int64_t(C) * D, D,
+                     values + int64_t(lo) * Dv * item, int64_t(C) * Dv, Dv, mask, masked ? mask_strides[0] : 0, H, N,
+                     D, Hkv, hi - lo, Dv, scale, outputs[0].data<float>(), type});
     });
   }
 
@@ -462,8 +570,11 @@ std::vector<mx::array> attend_cached(const mx::array& q, const mx::array& k, con
                                      const mx::array& keys, const mx::array& values, const mx::array& cos,
                                      const mx::array& sin, int start, int lo, int hi, float scale, int dims,
                                      bool traditional, const std::optional<mx::array>& mask) {
-  for (const mx::array* a : {&q, &k, &v, &keys, &values, &cos, &sin})
-    if (a->dtype() != mx::float32) throw std::invalid_argument("attend_cached: every array must be float32");
+  for (const mx::array* a : {&q, &k, &v, &cos, &sin})
+    if (a->dtype() != mx::float32) throw std::invalid_argument("attend_cached: q, k, v, cos and sin must be float32");
+  const mx::Dtype kv = keys.dtype();
+  if ((kv != mx::float32 && kv != mx::float16 && kv != mx::bfloat16) || values.dtype() != kv)
+    throw std::invalid_argument("attend_cached: keys and values must both be float32, float16 or bfloat16");
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4 || q.shape(0) != 1 ||
       k.shape(0) != 1 || v.shape(0) != 1 || keys.shape(0) != 1 || values.shape(0) != 1)
     throw std::invalid_argument("attend_cached: q, k, v, keys and values must be [1, heads, rows, dim]");
@@ -488,7 +599,7 @@ std::vector<mx::array> attend_cached(const mx::array& q, const mx::array& k, con
   mx::Shape o = q.shape();
   o.back() = v.shape(3);
   mx::Stream s = mx::default_stream(mx::Device::cpu);
-  return mx::array::make_arrays({o, keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
+  return mx::array::make_arrays({o, keys.shape(), values.shape()}, {mx::float32, kv, kv},
                                 std::make_shared<AttendCached>(s, start, lo, hi, scale, dims, traditional, bool(mask)),
                                 std::move(inputs));
 }
