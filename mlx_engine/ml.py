@@ -1,7 +1,8 @@
 """The interfaces every model, cache and pipeline is written against: ``Backend``, ``Context``, ``Tensor``.
 
-This module imports nothing of ours (the layer rule of the design note). ``mlx_engine/mlx/`` implements it on MLX;
-``models/``, ``kvcache/`` and ``imagegen/`` see only these classes.
+This module imports nothing of ours but :class:`DType` (``mlx_engine.dtype``: the layer rule of the design note).
+``mlx_engine/mlx/`` implements it on MLX; ``models/``, ``kvcache/`` and ``imagegen/`` see only these classes (and
+:class:`mlx_engine.group.Group` for a distributed run).
 
 Conventions (fixed here for every implementation):
 
@@ -18,56 +19,13 @@ Conventions (fixed here for every implementation):
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
 
-
-class DType(enum.Enum):
-    """Element types. ``itemsize`` is in bytes."""
-
-    FLOAT32 = "float32"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-    INT64 = "int64"
-    INT32 = "int32"
-    UINT32 = "uint32"
-    INT8 = "int8"
-    UINT8 = "uint8"
-    BOOL = "bool"
-
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[self]
-
-    @property
-    def is_floating(self) -> bool:
-        return self in (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16)
-
-    @classmethod
-    def parse(cls, name: "str | DType") -> "DType":
-        """``DType.parse("fp16")`` -> ``DType.FLOAT16``. Raises ``ValueError`` naming the accepted spellings."""
-        if isinstance(name, DType):
-            return name
-        key = str(name).lower().strip()
-        key = _ALIASES.get(key, key)
-        try:
-            return cls(key)
-        except ValueError:
-            raise ValueError(
-                f"unknown dtype {name!r}; use one of {', '.join(d.value for d in cls)} (or f32, f16, bf16)"
-            ) from None
-
-
-_ITEMSIZE = {
-    DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.INT64: 8, DType.INT32: 4, DType.UINT32: 4,
-    DType.INT8: 1, DType.UINT8: 1, DType.BOOL: 1,
-}
-_ALIASES = {"f32": "float32", "fp32": "float32", "f16": "float16", "fp16": "float16", "half": "float16",
-            "bf16": "bfloat16", "i32": "int32", "i64": "int64"}
+from mlx_engine.dtype import DType
 
 
 @dataclass(frozen=True)
@@ -611,55 +569,3 @@ class Backend(abc.ABC):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.weights)
-
-
-class Group(abc.ABC):
-    """The processes of one distributed run (``mlx.launch``), as a model shard sees them.
-
-    Collective operations are lazy, like every other operation: they run when a tensor that depends on them is
-    evaluated, and every rank must evaluate the same collectives in the same order. A peer that is gone makes the
-    evaluation raise ``RuntimeError`` (the transport's message), never hang on a closed connection.
-    """
-
-    @property
-    @abc.abstractmethod
-    def rank(self) -> int:
-        """This process's rank, ``0 .. size - 1``; rank 0 talks to the user."""
-
-    @property
-    @abc.abstractmethod
-    def size(self) -> int:
-        """How many processes there are."""
-
-    @abc.abstractmethod
-    def all_sum(self, x: Tensor) -> Tensor:
-        """The elementwise sum of ``x`` over every rank (every rank passes the same shape and dtype)."""
-
-    @abc.abstractmethod
-    def all_gather(self, x: Tensor) -> Tensor:
-        """Every rank's ``x`` concatenated along axis 0 in rank order: ``[size * n, ...]`` for ``x [n, ...]``."""
-
-    @abc.abstractmethod
-    def send(self, x: Tensor, dst: int) -> Tensor:
-        """Send ``x`` to rank ``dst``; returns ``x``, which performs the send when evaluated."""
-
-    @abc.abstractmethod
-    def recv(self, shape: Sequence[int], dtype: DType, src: int) -> Tensor:
-        """The tensor of ``shape`` and ``dtype`` that rank ``src`` sends."""
-
-    @abc.abstractmethod
-    def depends(self, x: Tensor, *deps: Tensor) -> Tensor:
-        """``x``, computed only after ``deps`` (so that evaluating ``x`` also performs a send among them)."""
-
-    @abc.abstractmethod
-    def exchange(self, data: bytes, capacity: int = 1024) -> list[bytes]:
-        """Every rank's ``data`` (at most ``capacity`` bytes), in rank order, on every rank, now (evaluated).
-        Raises ``ValueError`` for more than ``capacity`` bytes, ``RuntimeError`` when a peer is gone."""
-
-    @abc.abstractmethod
-    def broadcast_bytes(self, data: "bytes | None", capacity: int = 4096) -> bytes:
-        """Rank 0's ``data`` on every rank, now (evaluated): rank 0 passes the bytes, the others None.
-
-        One collective of ``capacity`` bytes when the message fits it (a 4-byte length, then the payload), a second
-        one for the rest otherwise. Raises ``RuntimeError`` when a peer is gone.
-        """

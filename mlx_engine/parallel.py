@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlx_engine.errors import InvalidRequestError, WeightsError
-from mlx_engine.ml import Group
+from mlx_engine.group import Group
 from mlx_engine.mlx.distributed import init_group
 from mlx_engine.models.parallel import DistributedModel, PeerLostError, follow, peer_lost
 from mlx_engine.models.registry import TextCheckpoint, load_text_checkpoint

@@ -28,7 +28,8 @@ import numpy as np
 from mlx_engine.batch import Batch
 from mlx_engine.errors import EngineError, UnsupportedError
 from mlx_engine.kvcache import Cache
-from mlx_engine.ml import Backend, Context, DType, Group, Tensor
+from mlx_engine.group import Group
+from mlx_engine.ml import Backend, Context, DType, Tensor
 from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.sharding import Plan, stage_rank
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mlx_engine.errors import InvalidRequestError
-from mlx_engine.ml import Group
+from mlx_engine.group import Group
 from mlx_engine.mlx.runtime import mx
 from mlx_engine.mlx.tensor import TO_MX, MLXTensor
 
