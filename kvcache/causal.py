@@ -84,8 +84,8 @@ class CausalCache(Cache):
     """A causal KV cache: each token sees the earlier positions of its own sequence (and itself).
 
     Args:
-        shift_fn: re-rotates keys when :meth:`remove` renumbers positions (see :data:`mlx_engine.kvcache.base.ShiftFn`); without
-            it such a ``remove`` raises ``CacheError``.
+        shift_fn: re-rotates keys when :meth:`remove` renumbers positions (see
+            :data:`mlx_engine.kvcache.base.ShiftFn`); without it such a ``remove`` raises ``CacheError``.
         kv_bits: store keys and values quantized to this many bits (4 or 8; MLX also allows 2, 3, 5, 6), as 16-bit
             floats (16), or ``None`` for the init dtype.
         kv_group_size: elements per quantization group (32, 64 or 128).

@@ -93,7 +93,8 @@ void narrow_row(int type, const float* x, void* dst, int n) {
     uint32_t w;
     std::memcpy(&w, x + i, 4);
     if (type == kKvBF16) {
-      h[i] = (w & 0x7fffffff) > 0x7f800000 ? uint16_t((w >> 16) | 0x40) : uint16_t((w + 0x7fff + ((w >> 16) & 1)) >> 16);
+      const bool nan = (w & 0x7fffffff) > 0x7f800000;
+      h[i] = nan ? uint16_t((w >> 16) | 0x40) : uint16_t((w + 0x7fff + ((w >> 16) & 1)) >> 16);
       continue;
     }
     // float16: the exponent rebased from 127 to 15; below 2**-14 a subnormal (the float's value in units of 2**-24,
