@@ -181,6 +181,13 @@ def test_attend_matches_mlx_attention(heads, kv_heads, rows, dim):
         cpu_kernels.attend(q, k[:, :, :, :dim - 1], v, 1.0, None)
 
 
+def _random_mask(rng, rows: int, width: int):
+    """An additive float32 mask [rows, width]: about 70 % of the keys visible, each row's last one always."""
+    visible = rng.random((rows, width)) < 0.7
+    visible[:, -1] = True
+    return mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+
+
 @pytest.mark.parametrize("heads, kv_heads, rows, dim, dims, traditional, cells, start, lo, hi, masked", [
     (9, 3, 1, 64, 64, False, 256, 40, 0, 41, False),       # smollm2's heads, a decode step
     (4, 1, 1, 256, 256, False, 600, 500, 0, 501, False),   # gemma3's, split over the threads' key chunks
@@ -199,11 +206,7 @@ def test_attend_cached_is_rope_writes_and_attend_bit_for_bit(heads, kv_heads, ro
     q, k, v = normal(1, heads, rows, dim), normal(1, kv_heads, rows, dim), normal(1, kv_heads, rows, dim + 16)
     keys, values = normal(1, kv_heads, cells, dim), normal(1, kv_heads, cells, dim + 16)
     cos, sin = cpu_kernels.rope_table(rows, start, dims, 10000.0, 1.0, None)
-    mask = None
-    if masked:
-        visible = rng.random((rows, hi - lo)) < 0.7
-        visible[:, -1] = True
-        mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+    mask = _random_mask(rng, rows, hi - lo) if masked else None
     mx.eval(q, k, v, keys, values, cos, sin)
     want_k, want_v = mx.array(np.array(keys)), mx.array(np.array(values))
     want_k[:, :, start:start + rows] = cpu_kernels.rope_apply(k, cos, sin, dims, traditional)
@@ -251,11 +254,7 @@ def test_attend_cached_reads_and_writes_a_16_bit_cache(dtype, heads, kv_heads, r
     v = mx.array(v)
     keys, values = normal(1, kv_heads, cells, dim).astype(half), normal(1, kv_heads, cells, dim).astype(half)
     cos, sin = cpu_kernels.rope_table(rows, start, dim, 10000.0, 1.0, None)
-    mask = None
-    if masked:
-        visible = rng.random((rows, hi - lo)) < 0.7
-        visible[:, -1] = True
-        mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+    mask = _random_mask(rng, rows, hi - lo) if masked else None
     mx.eval(q, k, v, keys, values, cos, sin)
     want_k, want_v = mx.array(keys), mx.array(values)
     want_k[:, :, start:start + rows] = cpu_kernels.rope_apply(k, cos, sin, dim, False).astype(half)
