@@ -233,7 +233,8 @@ def test_attend_cached_is_rope_writes_and_attend_bit_for_bit(heads, kv_heads, ro
 @pytest.mark.parametrize("heads, kv_heads, rows, dim, cells, start, lo, hi, masked", [
     (9, 3, 1, 64, 256, 40, 0, 41, False),        # smollm2's heads, a decode step
     (4, 1, 1, 256, 600, 500, 0, 501, False),     # gemma3's, split over the threads' key chunks
-    (8, 2, 3, 72, 64, 60, 10, 63, True)])        # three rows, a head size with a tail past 64, masked
+    (8, 2, 3, 72, 64, 60, 10, 63, True),         # three rows, a head size with a tail past 64, masked
+    (8, 8, 3, 32, 700, 600, 0, 603, True)])      # masked, split over the threads' key chunks
 def test_attend_cached_reads_and_writes_a_16_bit_cache(dtype, heads, kv_heads, rows, dim, cells, start, lo, hi,
                                                         masked):
     """Keys and values kept as float16 or bfloat16: the new ones rounded as MLX's astype rounds them (to the bit,

@@ -368,7 +368,8 @@ void run_attention(const AttendJob& a) {
       for (int j = 0; j < G; ++j) {
         const int h = g * rep + (j0 + j) / N, n = (j0 + j) % N;
         qs[j] = a.q + h * a.q_head + n * a.q_row;
-        ms[j] = a.mask ? a.mask + n * a.mask_row : nullptr;
+        // the mask's columns follow the keys of the view: a widened chunk's start at 0, the cache's at c * L
+        ms[j] = a.mask ? a.mask + n * a.mask_row + (int64_t(c) * L - s0) : nullptr;
         ps[j] = parts + ((int64_t(g) * C + c) * Q + j0 + j) * slot;
       }
       attend_chunk(qs, ms, G, kv, vv, s0, len, D, Dv, a.scale, scores.data(), ps);
