@@ -27,12 +27,8 @@ the chunk of its last token). Freed cells are reused, a ring, so storage stays a
 least ``W + 1``, so that a sequence can still resume one token back (the stop token) after other sequences ran (as
 ollama). A memory of at least the capacity means nothing is ever trimmed.
 
-Quantized storage (``kv_bits`` 4 or 8): keys and values are stored affine-quantized along the head dimension
-(``Context.quantize``, groups of ``kv_group_size``, scales and biases in the cache dtype), and ``get`` returns them
-dequantized; ``Dk`` and ``Dv`` must be multiples of the group size. Half storage (``kv_bits`` 16): keys and values
-are stored as float16 (bfloat16 where the compute dtype is bfloat16; nothing changes where it is float16), rounded to
-nearest even as they are written (llama.cpp's and ollama's default cache type), half the bytes a float32 decode step
-reads; ``get`` returns them in the compute dtype.
+Storage (``kv_bits``): float in the compute dtype, 16-bit floats or affine-quantized, kept by
+:class:`mlx_engine.kvcache.storage.KVStorage`; ``get`` returns keys and values in the compute dtype.
 """
 
 from __future__ import annotations
@@ -46,25 +42,7 @@ from mlx_engine.kvcache.base import Cache, LayerShape, ShiftFn
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError, CacheFullError
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles, Tensor
-
-KV_BITS = (2, 3, 4, 5, 6, 8)  # the bit widths a quantized cache may use
-HALF_KV_BITS = 16  # kv_bits for a cache of 16-bit floats
-
-
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
-class _Layer:
-    """Device storage of one layer: ``k`` and ``v`` are ``[tensor]`` (float) or ``[packed, scales, biases]``."""
-
-    __slots__ = ("k", "v", "size", "shape")
-
-    def __init__(self, k: list[Tensor], v: list[Tensor], size: int, shape: tuple[int, int, int]):
-        self.k, self.v, self.size, self.shape = k, v, size, shape
-
-    def tensors(self) -> list[Tensor]:
-        return self.k + self.v
+from mlx_engine.kvcache.storage import KVStorage, LayerStorage, round_up as _round_up
 
 
 class _Forward:
@@ -98,10 +76,7 @@ class CausalCache(Cache):
 
     def __init__(self, shift_fn: Optional[ShiftFn] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  *, window: Optional[int] = None, memory: Optional[int] = None, chunk: Optional[int] = None):
-        if kv_bits is not None and kv_bits not in KV_BITS + (HALF_KV_BITS,):
-            raise ValueError(f"kv_bits must be one of {KV_BITS + (HALF_KV_BITS,)} or None, not {kv_bits!r}")
-        if kv_group_size not in (32, 64, 128):
-            raise ValueError(f"kv_group_size must be 32, 64 or 128, not {kv_group_size!r}")
+        self._kv = KVStorage(kv_bits, kv_group_size)  # raises for a kv_bits or group size it cannot keep
         if window is not None and window < 0:
             raise ValueError(f"window must be >= 0, not {window}")
         if memory is not None:
@@ -116,7 +91,6 @@ class CausalCache(Cache):
                 raise ValueError("a cache has either a sliding window or chunked attention, not both")
         self.shift_fn = shift_fn
         self.kv_bits = kv_bits
-        self._quantized = kv_bits is not None and kv_bits != HALF_KV_BITS
         self.kv_group_size = kv_group_size
         self.window = window
         self.memory = (window if memory is None else memory) if window is not None else None
@@ -126,21 +100,15 @@ class CausalCache(Cache):
         self._backend: Optional[Backend] = None
         self._layer = 0
         self._fwd: Optional[_Forward] = None
-        self._store: dict[int, _Layer] = {}
 
     # ---- set-up ----------------------------------------------------------------------------------------------------
     def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int) -> None:
         if max_sequences < 1 or capacity < 1 or max_batch < 1:
             raise ValueError(f"max_sequences ({max_sequences}), capacity ({capacity}) and max_batch ({max_batch}) "
                              "must all be >= 1")
-        if self.kv_bits is not None and not dtype.is_floating:
-            raise ValueError(f"a quantized or 16-bit cache needs a float dtype, not {dtype.value}")
+        self._kv.configure(dtype)
         self._backend = backend
         self.dtype = dtype
-        # what keys and values are kept as (quantized storage: the dtype of its scales and biases)
-        self.store_dtype = dtype
-        if self.kv_bits == HALF_KV_BITS and dtype not in (DType.FLOAT16, DType.BFLOAT16):
-            self.store_dtype = DType.FLOAT16
         self.max_sequences = max_sequences
         self.capacity = capacity
         self.max_batch = max_batch
@@ -170,12 +138,12 @@ class CausalCache(Cache):
         self._seq_count = np.zeros(s, np.int64)           # cells owned by each sequence
         self._seq_min = np.zeros(s, np.int64)             # lowest / highest position held (valid when count > 0)
         self._seq_max = np.full(s, -1, np.int64)
-        self._store = {}
+        self._kv.layers = {}
         self._fwd = None
 
     def set_config(self, config: CacheConfig) -> None:
         if self._backend is not None and self._config != config:
-            if self._n_used or self._store:
+            if self._n_used or self._kv.layers:
                 raise CacheError("set_config after the cache stored data would change its layout; call it before "
                                  "the first start_forward")
             self._config, self._config_set = config, True
@@ -187,7 +155,7 @@ class CausalCache(Cache):
         self._layer = layer
 
     def close(self) -> None:
-        self._store = {}
+        self._kv.layers = {}
         self._fwd = None
         self._backend = None
 
@@ -208,10 +176,15 @@ class CausalCache(Cache):
 
     def allocated_cells(self) -> int:
         """The largest number of cells any layer's storage has allocated (0 before the first ``put``)."""
-        return max((st.size for st in self._store.values()), default=0)
+        return self._kv.allocated_cells()
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for st in self._store.values() for t in st.tensors())
+        return self._kv.nbytes()
+
+    @property
+    def store_dtype(self) -> DType:
+        """What keys and values are kept as (a quantized cache: the dtype of its scales and biases)."""
+        return self._kv.store_dtype
 
     # ---- forward ---------------------------------------------------------------------------------------------------
     def start_forward(self, ctx: Context, batch: Batch, reserve: bool = False) -> None:
@@ -404,37 +377,9 @@ class CausalCache(Cache):
         return None
 
     # ---- put / get -------------------------------------------------------------------------------------------------
-    def _alloc(self, ctx: Context, shape: tuple[int, int, int], size: int) -> tuple[list[Tensor], list[Tensor]]:
-        hk, dk, dv = shape
-        if not self._quantized:
-            return ([ctx.zeros((1, hk, size, dk), self.store_dtype)], [ctx.zeros((1, hk, size, dv), self.store_dtype)])
-        b, g = self.kv_bits, self.kv_group_size
-        for name, d in (("key", dk), ("value", dv)):
-            if d % g or (d * b) % 32:
-                raise ValueError(f"a {b}-bit KV cache with group size {g} needs a {name} head size that is a multiple "
-                                 f"of {g}, not {d}")
-
-        def q(d: int) -> list[Tensor]:
-            return [ctx.zeros((1, hk, size, d * b // 32), DType.UINT32), ctx.zeros((1, hk, size, d // g), self.dtype),
-                    ctx.zeros((1, hk, size, d // g), self.dtype)]
-        return q(dk), q(dv)
-
-    def _layer_storage(self, ctx: Context, shape: tuple[int, int, int], need: int) -> _Layer:
+    def _layer_storage(self, ctx: Context, shape: tuple[int, int, int], need: int) -> LayerStorage:
         """The current layer's storage, allocated or grown to at least ``need`` cells."""
-        st = self._store.get(self._layer)
-        if st is not None and st.shape != shape:
-            raise ValueError(f"layer {self._layer} stored (H_kv, Dk, Dv) = {st.shape} before, now {shape}")
-        if st is None:
-            size = min(self.num_cells, max(need, _round_up(need, max(1, self._config.step))))
-            k, v = self._alloc(ctx, shape, size)
-            st = self._store[self._layer] = _Layer(k, v, size, shape)
-        elif st.size < need:
-            size = min(self.num_cells, max(need, _round_up(need, max(1, self._config.step))))
-            k, v = self._alloc(ctx, shape, size - st.size)
-            st.k = [ctx.concatenate([a, b], axis=2) for a, b in zip(st.k, k)]
-            st.v = [ctx.concatenate([a, b], axis=2) for a, b in zip(st.v, v)]
-            st.size = size
-        return st
+        return self._kv.layer(ctx, self._layer, shape, need, self.num_cells, self._config.step)
 
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         fwd = self._fwd
@@ -450,20 +395,9 @@ class CausalCache(Cache):
             ctx.evaluate(*st.tensors())
             return
         st = self._layer_storage(ctx, (ks[1], ks[3], vs[3]), fwd.used)
-        if key.dtype != self.store_dtype:
-            key = key.astype(self.store_dtype)
-        if value.dtype != self.store_dtype:
-            value = value.astype(self.store_dtype)
         if fwd.span is None and fwd.loc_tensor is None:
             fwd.loc_tensor = ctx.from_numpy(fwd.locs.astype(np.int32), DType.INT32)
-        if not self._quantized:
-            self._write(fwd, st.k[0], key)
-            self._write(fwd, st.v[0], value)
-        else:
-            for dst, src in zip(st.k, ctx.quantize(key, self.kv_group_size, self.kv_bits)):
-                self._write(fwd, dst, src)
-            for dst, src in zip(st.v, ctx.quantize(value, self.kv_group_size, self.kv_bits)):
-                self._write(fwd, dst, src)
+        self._kv.write(ctx, st, key, value, lambda dst, src: self._write(fwd, dst, src))
 
     def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: RopeAngles,
                dims: int, traditional: bool) -> Optional[Tensor]:
@@ -472,7 +406,7 @@ class CausalCache(Cache):
             raise CacheError("attend before start_forward")
         ks, vs = key.shape, value.shape
         # float storage, the batch's cells in one run, inputs in the cache's dtype; anything else goes apart
-        if (fwd.reserve or fwd.span is None or self._quantized or key.dtype != self.dtype
+        if (fwd.reserve or fwd.span is None or self._kv.quantized or key.dtype != self.dtype
                 or value.dtype != self.dtype or len(ks) != 4 or len(vs) != 4 or ks[0] != 1 or vs[0] != 1
                 or ks[1] != vs[1] or ks[2] != fwd.n or vs[2] != fwd.n):
             return None
@@ -494,20 +428,10 @@ class CausalCache(Cache):
         fwd = self._fwd
         if fwd is None:
             raise CacheError("get before start_forward")
-        st = self._store.get(self._layer)
+        st = self._kv.layers.get(self._layer)
         if st is None:
             raise CacheError(f"get before put for layer {self._layer}")
-        used = fwd.used
-        if not self._quantized:
-            k, v = st.k[0], st.v[0]
-            if used != st.size:
-                k, v = k[:, :, :used, :], v[:, :, :used, :]
-            if self.store_dtype != self.dtype:
-                k, v = k.astype(self.dtype), v.astype(self.dtype)
-            return k, v, fwd.mask
-        g, b = self.kv_group_size, self.kv_bits
-        k = ctx.dequantize(*(t[:, :, :used, :] for t in st.k), g, b)
-        v = ctx.dequantize(*(t[:, :, :used, :] for t in st.v), g, b)
+        k, v = self._kv.read(ctx, st, fwd.used)
         return k, v, fwd.mask
 
     def reserve(self, ctx: Context, layer_shapes: Sequence[LayerShape]) -> None:
@@ -605,7 +529,7 @@ class CausalCache(Cache):
 
     def _shift(self, idx: np.ndarray, delta: int) -> None:
         """Re-rotate the keys of cells ``idx`` (ascending) by ``delta`` positions in every stored layer."""
-        if not self._store:
+        if not self._kv.layers:
             return
         ctx = self._backend.new_context()
         try:
@@ -614,7 +538,7 @@ class CausalCache(Cache):
             a, b = int(idx[0]), int(idx[-1]) + 1
             shift = ctx.from_numpy(np.full(len(idx), delta, np.int32), DType.INT32)
             touched = []
-            for layer, st in self._store.items():
+            for layer, st in self._kv.layers.items():
                 if b > st.size:
                     raise CacheError(f"layer {layer} has no storage for cells up to {b - 1}")
 
@@ -626,20 +550,8 @@ class CausalCache(Cache):
                         t[:, :, a:b, :] = x
                     else:
                         t[:, :, it, :] = x
-                if not self._quantized:
-                    keys = read(st.k[0])
-                    if keys.dtype != self.dtype:
-                        keys = keys.astype(self.dtype)
-                else:
-                    keys = ctx.dequantize(*(read(t) for t in st.k), self.kv_group_size, self.kv_bits)
-                new = self.shift_fn(ctx, layer, keys, shift)
-                if new.dtype != self.store_dtype:
-                    new = new.astype(self.store_dtype)
-                if not self._quantized:
-                    write(st.k[0], new)
-                else:
-                    for t, x in zip(st.k, ctx.quantize(new, self.kv_group_size, self.kv_bits)):
-                        write(t, x)
+                new = self.shift_fn(ctx, layer, self._kv.read_keys(ctx, st, read), shift)
+                self._kv.write_keys(ctx, st, new, write)
                 touched.extend(st.k)
             ctx.evaluate(*touched)
         finally:

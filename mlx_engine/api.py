@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_engine.errors import ChatTemplateError, IncompleteOutputError, InvalidRequestError, MemoryBudgetError
-from mlx_engine.kvcache.causal import HALF_KV_BITS, KV_BITS
+from mlx_engine.kvcache.storage import HALF_KV_BITS, KV_BITS
 from mlx_engine.image_api import (generate_image, load_image_model, open_init_image, read_image_parameters,
                                   save_image)
 from mlx_engine.ml import DType

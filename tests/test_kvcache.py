@@ -305,8 +305,8 @@ def test_wrapper_routes_layers(backend, ctx, routing):
     cache = WrapperCache([swa, causal], routing)
     cache.init(backend, DType.FLOAT32, 1, 16, 8)
     cache.reserve(ctx, [(1, 1, 1), (1, 1, 1), None])
-    assert swa._store.keys() == {0} and causal._store.keys() == {1}
-    assert swa._store[0].size == swa.num_cells and causal._store[1].size == causal.num_cells
+    assert swa._kv.layers.keys() == {0} and causal._kv.layers.keys() == {1}
+    assert swa._kv.layers[0].size == swa.num_cells and causal._kv.layers[1].size == causal.num_cells
     for p0, n in ((0, 4), (4, 2)):
         pos = list(range(p0, p0 + n))
         cache.start_forward(ctx, batch([0] * n, pos))
@@ -315,7 +315,7 @@ def test_wrapper_routes_layers(backend, ctx, routing):
             for i, q in enumerate(pos):
                 lo = 0 if layer == 1 else max(0, q - 1)
                 assert seen(kn, m)[i] == [float(100 * layer + x) for x in range(lo, q + 1)], (layer, q)
-    assert swa._store.keys() == {0, 2} and causal._store.keys() == {1}
+    assert swa._kv.layers.keys() == {0, 2} and causal._kv.layers.keys() == {1}
     assert cache.can_resume(0, 6) and not cache.can_resume(0, 2)  # the window lost position 0..3
     assert causal.can_resume(0, 2)
     cache.remove(0, 5, None)
