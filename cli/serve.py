@@ -35,9 +35,9 @@ def _size(value: str | None) -> int | None:
               help="Memory all loaded models may use together, e.g. 12GiB (default: 3/4 of the machine's memory).")
 @click.option("--api-key", default=None, envvar="MLX_ENGINE_API_KEY", show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every request.")
-@click.option("--kv-bits", type=click.Choice(["4", "8", "16"]), default=None,
-              help="Keep the KV cache as 4- or 8-bit affine groups, or as 16-bit floats (16: half the bytes of a "
-                   "float32 cache on the CPU; llama.cpp's and ollama's default).")
+@click.option("--kv-bits", type=click.Choice(["16", "8", "4", "none"]), default="16", show_default=True,
+              help="Keep the KV cache as 16-bit floats (llama.cpp's and ollama's default; on the CPU half the bytes "
+                   "of the float32 compute dtype), as 8- or 4-bit affine groups, or in the compute dtype (none).")
 @click.option("--max-queue", default=64, show_default=True, type=int,
               help="Requests that may wait for a sequence; beyond that HTTP 429.")
 @click.option("--prefill-chunk", default=512, show_default=True, type=int,
@@ -66,7 +66,7 @@ def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, con
         raise click.BadParameter(str(e), param_hint="--keep-alive") from None
     config = ServerConfig(host=host, port=port, models=list(models), max_sequences=max_sequences,
                           context_length=context_length, keep_alive=keep, memory_budget=_size(memory_budget),
-                          api_key=api_key, kv_bits=int(kv_bits) if kv_bits else None, max_queue=max_queue,
+                          api_key=api_key, kv_bits=None if kv_bits == "none" else int(kv_bits), max_queue=max_queue,
                           prefill_chunk=prefill_chunk, parallel=parallel, transport=transport)
     config.check()
     if parallel is not None:

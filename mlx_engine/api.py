@@ -75,7 +75,7 @@ class Model:
 
     def __init__(self, name: str, path: Path, *, source: str = "file", license: str | None = None,
                  device: str | None = None, dtype: str | None = None, context_length: int | None = None,
-                 kv_bits: int | None = None, requantize: int | None = None, max_sequences: int = 4,
+                 kv_bits: int | None = HALF_KV_BITS, requantize: int | None = None, max_sequences: int = 4,
                  prefill_chunk: int = 2048, reserve: bool = False, parallel: str | None = None,
                  transport: str = "any", mmproj: "str | Path | None" = None):
         t0 = time.perf_counter()
@@ -123,6 +123,16 @@ class Model:
         self._free_sequences = list(range(1, max_sequences))
         self._lock = threading.RLock()  # one request at a time on the runner (see _serialized)
 
+    @property
+    def kv_cache_type(self) -> str:
+        """What the KV cache keeps keys and values as: a dtype (``float16``, ...) or ``8-bit`` / ``4-bit``."""
+        kv = self.kv_bits
+        if kv is None:
+            return self.text_model.dtype.value
+        if kv == HALF_KV_BITS:
+            return "bfloat16" if self.text_model.dtype == DType.BFLOAT16 else "float16"
+        return f"{kv}-bit"
+
     def _check_kv_memory(self, ctx_len: int, max_sequences: int, prefill_chunk: int, kv_bits: int | None) -> int:
         """The KV cache's worst case in bytes (every sequence full), refused when it does not fit the device beside
         the weights.
@@ -131,13 +141,7 @@ class Model:
             MemoryBudgetError: the message gives both numbers and what to lower.
         """
         c = self.text_model.config
-        item = self.text_model.dtype.itemsize
-        if kv_bits is None:
-            per_value = item
-        elif kv_bits == HALF_KV_BITS:
-            per_value = min(item, 2)
-        else:
-            per_value = kv_bits / 8 + 2 * item / 64  # values, plus a scale and a bias per group of 64
+        per_value = kv_value_bytes(kv_bits, self.text_model.dtype.itemsize)
         cells = 0
         for kind in c.layer_types:
             if kind not in ATTENTION_TYPES:
@@ -152,7 +156,7 @@ class Model:
             raise MemoryBudgetError(
                 f"a context of {ctx_len:,} tokens for {max_sequences} sequences needs {_gib(need)} of KV cache, but "
                 f"the device has {_gib(have)} ({_gib(max(0, free))} beside the weights); lower context_length "
-                f"(--context-length)" + ("" if kv_bits else " or use kv_bits=4 (--kv-bits 4)"))
+                f"(--context-length)" + ("" if kv_bits in KV_BITS else " or use kv_bits=4 (--kv-bits 4)"))
         return need
 
     def _parameter_count(self) -> int:
@@ -452,8 +456,19 @@ def _check_load_arguments(*, device: Any, dtype: Any, context_length: Any, kv_bi
                                   f"not {kv_bits!r}")
 
 
+def kv_value_bytes(kv_bits: int | None, item: int) -> float:
+    """Bytes a KV cache of ``kv_bits`` (as :func:`load`'s) keeps per key or value element under a compute dtype of
+    ``item`` bytes (a quantized cache: its bits plus a scale and a bias of the compute dtype per group of 64)."""
+    if kv_bits is None:
+        return item
+    if kv_bits == HALF_KV_BITS:
+        return min(item, 2)
+    return kv_bits / 8 + 2 * item / 64
+
+
 def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None,
-         context_length: int | None = None, pull: bool = True, progress: bool = True, kv_bits: int | None = None,
+         context_length: int | None = None, pull: bool = True, progress: bool = True,
+         kv_bits: int | None = HALF_KV_BITS,
          requantize: int | None = None, parallel: str | None = None, transport: str = "any",
          mmproj: "str | Path | None" = None) -> Model:
     """Load a model by catalog name (``smollm2:135m``, ``gemma3:270m``), GGUF path, Hugging Face folder,
@@ -465,9 +480,10 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     rank 0 and then ends the process (``SystemExit(0)`` when rank 0 closes its model or exits). ``mmproj``: the
     vision file llama.cpp ships beside a Gemma 3 GGUF, so that the model reads images. ``dtype``: the compute
     dtype; default float32 on the CPU, and on a GPU float16, or bfloat16 for Gemma 3 (whose activations outgrow
-    float16). ``kv_bits``: the KV cache's keys and values as 8- or 4-bit affine groups (of 64), or as 16-bit floats
-    (16: float16, bfloat16 under a bfloat16 compute dtype; on the CPU half the bytes a float32 cache reads per
-    decode step, as llama.cpp's and ollama's default f16 cache); None (the default): the compute dtype.
+    float16). ``kv_bits``: the KV cache's keys and values as 16-bit floats (16, the default, as llama.cpp's and
+    ollama's f16 cache: float16, or bfloat16 under a bfloat16 compute dtype, so that only a float32 compute dtype,
+    the CPU's, is narrowed: half its memory, and a decode step reads half the bytes), as 8- or 4-bit affine groups
+    (of 64), or None: the compute dtype (the exact float path).
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.

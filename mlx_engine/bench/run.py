@@ -117,6 +117,7 @@ class BenchResult:
     model: str
     device: str
     dtype: str
+    kv_cache: str  # what the KV cache keeps keys and values as: float32, float16, bfloat16, 8-bit or 4-bit
     machine: dict[str, Any]
     sizes: dict[str, int]
     reps: int
@@ -268,11 +269,13 @@ class EngineSide:
                 add(t)
         add(tm.w.get("model.norm.weight"))
         add(tm.head)
-        item = tm.dtype.itemsize
+        from mlx_engine.api import kv_value_bytes
+
+        per_value = kv_value_bytes(self.model.kv_bits, tm.dtype.itemsize)
         for i in range(c.num_layers):
             visible = min(context, c.sliding_window + 1) if tm.is_sliding(i) and c.sliding_window else context
-            total += 2 * c.num_kv_heads * c.head_dim * visible * item
-        return total
+            total += 2 * c.num_kv_heads * c.head_dim * visible * per_value
+        return int(total)
 
     def copy_bandwidth(self, nbytes: int, reps: int = 5) -> float:
         """Memory bandwidth in bytes/s (read + written) of a copy of ``nbytes``, median of ``reps``. On the CPU the
@@ -512,7 +515,7 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
     result_ours["chat_turn_ratio"] = result_ours["chat_ttft_turn10"] / result_ours["chat_ttft_turn1"]
 
     result = BenchResult(
-        model=model.name, device=model.backend_name, dtype=model.text_model.dtype.value,
+        model=model.name, device=model.backend_name, dtype=model.text_model.dtype.value, kv_cache=model.kv_cache_type,
         machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                  "cpus": os.cpu_count() or 0},
         sizes=asdict(sizes), reps=reps, ours=result_ours,
@@ -592,7 +595,7 @@ def format_table(r: BenchResult) -> str:
         f"OpenBLAS gain, {ob['matmul_n']}x{ob['matmul_n']} float32 matmul: {ob['gain']:.1f}x "
         f"({ob['reference_seconds'] * 1000:.1f} ms with {ob['reference_blas']}, {ob['default_seconds'] * 1000:.1f} ms "
         f"with {ob['default_blas']})",
-        f"{r.model} on {r.device}, {r.dtype}; {r.machine['cpus']} CPUs, {r.machine['platform']}; medians of "
+        f"{r.model} on {r.device}, {r.dtype}, KV cache {r.kv_cache}; {r.machine['cpus']} CPUs, {r.machine['platform']}; medians of "
         f"{r.reps} repetition(s) after a warm-up, engines alternating; {r.seconds:.0f} s in all",
     ]
     return "\n".join(lines)
