@@ -9,7 +9,7 @@ from mlx_engine.store import format_count
 
 
 def describe_model(model) -> str:
-    """``name (architecture, parameters, quantization) on device`` of a loaded model."""
+    """``name (architecture, parameters, quantization) on device, KV cache type`` of a loaded model."""
     info = getattr(model, "info", {}) or {}
     bits = [info.get("architecture") or getattr(model, "architecture", None)]
     params = info.get("parameters")
@@ -20,7 +20,8 @@ def describe_model(model) -> str:
     if info.get("quantization"):
         bits.append(str(info["quantization"]))
     desc = ", ".join(b for b in bits if b)
-    return f"{model.name} ({desc}) on {model.backend_name}"
+    kv = getattr(model, "kv_cache_type", None)
+    return f"{model.name} ({desc}) on {model.backend_name}" + (f", KV cache {kv}" if kv else "")
 
 
 class StopOnInterrupt:

@@ -267,6 +267,11 @@ def test_run_arguments(fake_load):
     assert fake_load[-1].calls == [("The capital of France is", {"raw": True})]
     invoke("run", "smollm2:135m", "--raw", "Once upon a time")
     assert fake_load[-1].calls == [("Once upon a time", {"raw": True})]
+    # the KV cache's type: 16-bit floats unless asked otherwise
+    assert fake_load[-1].load_kw["kv_bits"] == "16"
+    invoke("run", "smollm2:135m", "--kv-bits", "none", "Hi")
+    assert fake_load[-1].load_kw["kv_bits"] == "none"
+    assert invoke("run", "smollm2:135m", "--kv-bits", "12", "Hi").exit_code == 2
 
 
 def test_run_prompt_from_stdin_and_verbose(fake_load):
@@ -458,10 +463,11 @@ def test_run_from_a_cold_store_pulls_once(cold_home, tmp_path, model, args, chec
 
 
 def test_run_verbose_prints_stats_and_device(home_with_smollm2):
-    r = run_cli("run", "smollm2:135m", "Say hello.", "--temperature", "0", "--max-tokens", "8", "--verbose")
+    r = run_cli("run", "smollm2:135m", "Say hello.", "--temperature", "0", "--max-tokens", "8", "--verbose",
+                "--kv-bits", "8")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
-    assert "smollm2:135m (llama, " in r.stderr and " on mlx " in r.stderr
+    assert "smollm2:135m (llama, " in r.stderr and " on mlx " in r.stderr and ", KV cache 8-bit" in r.stderr
     assert "tok" in r.stderr and "peak" in r.stderr.lower()
 
 

@@ -163,6 +163,7 @@ def create_app(config: ServerConfig):
         models = {}
         for name, m in list(pool.models.items()):
             models[name] = {"kind": m.kind, "bytes": m.nbytes, "in_flight": m.in_flight,
+                            **({"kv_cache": m.obj.kv_cache_type} if m.kind == "text" else {}),
                             **(m.scheduler.load() if m.scheduler else {})}
         return JSONResponse({"memory_budget": pool.memory_budget, "models": models})
 
