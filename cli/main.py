@@ -228,9 +228,9 @@ def _sampling_options(f):
                      help="Device (default: $MLX_ENGINE_DEVICE, else the GPU where MLX has one, else the CPU)."),
         click.option("--context-length", "-c", type=click.IntRange(min=1), default=None,
                      help="Context length in tokens (default: the model's)."),
-        click.option("--kv-bits", type=click.Choice(["16", "8", "4", "none"]), default="16", show_default=True,
-                     help="KV cache: 16-bit floats (llama.cpp's and ollama's default), 8- or 4-bit affine groups, or "
-                          "the compute dtype (none)."),
+        click.option("--kv-bits", type=click.Choice(["none", "16", "8", "4"]), default="none", show_default=True,
+                     help="KV cache: the compute dtype (none), 16-bit floats (llama.cpp's and ollama's default), or "
+                          "8- or 4-bit affine groups."),
         click.option("--mmproj", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
                      help="llama.cpp's vision file for a Gemma 3 GGUF, so that the model reads images."),
         click.option("--verbose", "-v", is_flag=True,
@@ -277,7 +277,7 @@ def _collect_options(kw: dict) -> dict:
 def _load(model: str, kw: dict):
     from mlx_engine import api
 
-    kv = kw.get("kv_bits") or "16"
+    kv = kw.get("kv_bits") or "none"
     loaded = api.load(model, device=kw.get("device"), context_length=kw.get("context_length"), pull=True,
                       progress=True, kv_bits=None if kv == "none" else int(kv), parallel=kw.get("parallel"),
                       transport=kw.get("transport") or "any", mmproj=kw.get("mmproj"))

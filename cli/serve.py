@@ -35,9 +35,9 @@ def _size(value: str | None) -> int | None:
               help="Memory all loaded models may use together, e.g. 12GiB (default: 3/4 of the machine's memory).")
 @click.option("--api-key", default=None, envvar="MLX_ENGINE_API_KEY", show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every request.")
-@click.option("--kv-bits", type=click.Choice(["16", "8", "4", "none"]), default="16", show_default=True,
-              help="Keep the KV cache as 16-bit floats (llama.cpp's and ollama's default; on the CPU half the bytes "
-                   "of the float32 compute dtype), as 8- or 4-bit affine groups, or in the compute dtype (none).")
+@click.option("--kv-bits", type=click.Choice(["none", "16", "8", "4"]), default="none", show_default=True,
+              help="Keep the KV cache in the compute dtype (none), as 16-bit floats (llama.cpp's and ollama's "
+                   "default; on the CPU half the memory of float32), or as 8- or 4-bit affine groups.")
 @click.option("--max-queue", default=64, show_default=True, type=int,
               help="Requests that may wait for a sequence; beyond that HTTP 429.")
 @click.option("--prefill-chunk", default=512, show_default=True, type=int,

@@ -75,7 +75,7 @@ class Model:
 
     def __init__(self, name: str, path: Path, *, source: str = "file", license: str | None = None,
                  device: str | None = None, dtype: str | None = None, context_length: int | None = None,
-                 kv_bits: int | None = HALF_KV_BITS, requantize: int | None = None, max_sequences: int = 4,
+                 kv_bits: int | None = None, requantize: int | None = None, max_sequences: int = 4,
                  prefill_chunk: int = 2048, reserve: bool = False, parallel: str | None = None,
                  transport: str = "any", mmproj: "str | Path | None" = None):
         t0 = time.perf_counter()
@@ -467,8 +467,7 @@ def kv_value_bytes(kv_bits: int | None, item: int) -> float:
 
 
 def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None,
-         context_length: int | None = None, pull: bool = True, progress: bool = True,
-         kv_bits: int | None = HALF_KV_BITS,
+         context_length: int | None = None, pull: bool = True, progress: bool = True, kv_bits: int | None = None,
          requantize: int | None = None, parallel: str | None = None, transport: str = "any",
          mmproj: "str | Path | None" = None) -> Model:
     """Load a model by catalog name (``smollm2:135m``, ``gemma3:270m``), GGUF path, Hugging Face folder,
@@ -480,10 +479,11 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     rank 0 and then ends the process (``SystemExit(0)`` when rank 0 closes its model or exits). ``mmproj``: the
     vision file llama.cpp ships beside a Gemma 3 GGUF, so that the model reads images. ``dtype``: the compute
     dtype; default float32 on the CPU, and on a GPU float16, or bfloat16 for Gemma 3 (whose activations outgrow
-    float16). ``kv_bits``: the KV cache's keys and values as 16-bit floats (16, the default, as llama.cpp's and
-    ollama's f16 cache: float16, or bfloat16 under a bfloat16 compute dtype, so that only a float32 compute dtype,
-    the CPU's, is narrowed: half its memory, and a decode step reads half the bytes), as 8- or 4-bit affine groups
-    (of 64), or None: the compute dtype (the exact float path).
+    float16). ``kv_bits``: None (the default): the KV cache's keys and values in the compute dtype; 16: as 16-bit
+    floats (llama.cpp's and ollama's default f16 cache: float16, or bfloat16 under a bfloat16 compute dtype, so that
+    only a float32 compute dtype, the CPU's, is narrowed: half its memory, a decode step reads half the bytes); 8 or
+    4: as affine groups (of 64). Not 16 by default: its rounding turns the last bits in which a batched step differs
+    from a lone one into visible differences, and a greedy answer should not depend on what else the server runs.
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.

@@ -82,8 +82,7 @@ def test_quick_json_figures_are_consistent(quick_run, smollm2_gguf):
     # a decode step reads about every weight held (the embedding table is the tied output head)
     assert 0.95 * ours["weights_bytes"] <= ours["bytes_per_token"] <= 1.1 * ours["weights_bytes"]
     assert ours["peak_memory"] >= ours["weights_bytes"]
-    # perplexity: with float32 activations, ours on the exact weights (and a float16 KV cache: 0.005 % on this text)
-    # and mlx-lm's float32 model agree closely; with int8 activations (MLX_ENGINE_ACTIVATIONS=int8: llama.cpp's Q8
+    # perplexity: with float32 activations, ours on the exact weights and mlx-lm's float32 model agree closely; with int8 activations (MLX_ENGINE_ACTIVATIONS=int8: llama.cpp's Q8
     # blocks) ours moves about as far from the float model as llama.cpp does; both stay near llama.cpp
     if "int8 activations" in d["device"]:
         assert ours["perplexity"] == pytest.approx(d["peers"]["mlx-lm"]["perplexity"], rel=0.03)

@@ -267,10 +267,10 @@ def test_run_arguments(fake_load):
     assert fake_load[-1].calls == [("The capital of France is", {"raw": True})]
     invoke("run", "smollm2:135m", "--raw", "Once upon a time")
     assert fake_load[-1].calls == [("Once upon a time", {"raw": True})]
-    # the KV cache's type: 16-bit floats unless asked otherwise
-    assert fake_load[-1].load_kw["kv_bits"] == "16"
-    invoke("run", "smollm2:135m", "--kv-bits", "none", "Hi")
+    # the KV cache's type: the compute dtype unless asked otherwise
     assert fake_load[-1].load_kw["kv_bits"] == "none"
+    invoke("run", "smollm2:135m", "--kv-bits", "16", "Hi")
+    assert fake_load[-1].load_kw["kv_bits"] == "16"
     assert invoke("run", "smollm2:135m", "--kv-bits", "12", "Hi").exit_code == 2
 
 

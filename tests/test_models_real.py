@@ -35,9 +35,8 @@ PROMPTS = {
 def pair(request):
     path = request.getfixturevalue(f"{request.param}_gguf")
     # requantize=0: the types with no exact affine form (gemma3's Q6_K) stay float like mlx-lm's, every other type
-    # runs quantized without loss; test_requantized_q6_k_perplexity covers the default for Q6_K. kv_bits=None: a
-    # float32 KV cache as mlx-lm's (the default, 16-bit, has its own test below)
-    ours = mlx_engine.load(str(path), progress=False, requantize=0, kv_bits=None)
+    # runs quantized without loss; test_requantized_q6_k_perplexity covers the default for Q6_K
+    ours = mlx_engine.load(str(path), progress=False, requantize=0)
     ref = mlx_lm_model(path)
     yield request.param, ours, ref
     ours.close()
@@ -197,14 +196,14 @@ def test_stream_stop_strings_limits_and_seeds(pair):
 
 
 def test_16bit_kv_cache_on_a_real_model(smollm2_gguf, record_property):
-    """The default KV cache, kv_bits=16 (float16 keys and values under float32 compute, llama.cpp's default cache
-    type): the logits stay within 2e-3 of the largest of a float32 cache's (each stored element is rounded by at most
-    2**-11 of itself; measured 5.5e-4 after the 30 layers), the greedy answer is the float cache's, and the KV cache's
-    reckoned size is half the float one's."""
+    """kv_bits=16 (float16 keys and values under float32 compute, llama.cpp's default cache type): the logits stay
+    within 2e-3 of the largest of the default float32 cache's (each stored element is rounded by at most 2**-11 of
+    itself; measured 5.5e-4 after the 30 layers), the greedy answer is the float cache's, and the KV cache's reckoned
+    size is half the float one's."""
     from mlx_engine.models.runner import logits_for
 
-    base = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=1024, kv_bits=None)
-    half = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=1024)
+    base = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=1024)
+    half = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=1024, kv_bits=16)
     assert half.kv_bits == 16 and half.kv_cache_type == "float16" and base.kv_cache_type == "float32"
     assert half.runner.cache.store_dtype == DType.FLOAT16 and base.runner.cache.store_dtype == DType.FLOAT32
     assert half.kv_cache_bytes * 2 == base.kv_cache_bytes
@@ -226,7 +225,7 @@ def test_8bit_kv_cache_on_a_real_model(smollm2_gguf, record_property):
     it depends on the BLAS's rounding in the prompt's attention: MLX's reference BLAS and OpenBLAS differ there.)"""
     from mlx_engine.models.runner import logits_for
 
-    base = mlx_engine.load(str(smollm2_gguf), progress=False, kv_bits=None)
+    base = mlx_engine.load(str(smollm2_gguf), progress=False)
     quant = mlx_engine.load(str(smollm2_gguf), progress=False, kv_bits=8)
     tokens = base.prompt_tokens("Explain in detail how a steam engine works, step by step, for a curious child.")
     a = logits_for(base.text_model, base.runner, tokens)
@@ -266,10 +265,10 @@ def _int8_supported() -> bool:
 @pytest.mark.skipif(not _int8_supported(), reason="the int8 kernel needs AVX-512 VNNI, which this CPU lacks")
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_int8_activations_have_llama_cpps_perplexity(name, request, monkeypatch, record_property):
-    """With int8 activations (MLX_ENGINE_ACTIVATIONS=int8: llama.cpp's Q8 blocks) and a float32 KV cache, the
+    """With int8 activations (MLX_ENGINE_ACTIVATIONS=int8: llama.cpp's Q8 blocks) and the float32 KV cache, the
     perplexity of the bench's fixed text (its first 512 tokens, as the bench scores) is within 1 % of llama.cpp's on
     the same file (measured: smollm2 10.363 against 10.304, gemma3 2.4338 against 2.4170; with float32 activations
-    10.389 and 2.3305, as mlx-lm's float model), and greedy text stays text. (With the default 16-bit KV cache int8
+    10.389 and 2.3305, as mlx-lm's float model), and greedy text stays text. (With a 16-bit KV cache int8
     measures 10.391 and 2.3899, 1.1 % from llama.cpp on gemma3: there int8's rounding moves the perplexity of these
     339 tokens by 2 % for a change as small as the cache's float16 rounding, which moves float32 activations' by
     0.005 %.)"""
@@ -281,7 +280,7 @@ def test_int8_activations_have_llama_cpps_perplexity(name, request, monkeypatch,
 
     path = request.getfixturevalue(f"{name}_gguf")
     monkeypatch.setattr(cpu_kernels, "activations", "int8")  # before the load: its compiled graphs trace with it
-    model = mlx_engine.load(str(path), progress=False, context_length=1024, kv_bits=None)
+    model = mlx_engine.load(str(path), progress=False, context_length=1024)
     try:
         tokens = model.text_tokens(PERPLEXITY_TEXT)[:512]
         with model.backend.new_context() as ctx:

@@ -187,7 +187,7 @@ def test_disconnect_mid_stream_frees_the_cells(server):
     client = ollama.Client(host=server.url)  # reload the model: no finished conversation is kept, the pool is empty
     assert client.generate(model="smollm2:135m", prompt="", keep_alive=0).done_reason == "unload"
     assert client.generate(model="smollm2:135m", prompt="").done_reason == "load"
-    assert server.status()["models"]["smollm2:135m"]["kv_cache"] == "float16"  # the default cache type
+    assert server.status()["models"]["smollm2:135m"]["kv_cache"] == "float32"  # the default: the compute dtype
     base = cells()
     assert base == 0
     prompt = ", ".join(str(i) for i in range(40, 60)) + ","
@@ -335,7 +335,7 @@ def test_sigterm_during_streaming_ends_within_bounded_time(store_root):
     env = dict(os.environ, MLX_ENGINE_HOME=str(store_root), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-c", "from mlx_engine.cli.main import main; main()", "serve",
                              "--port", str(port), "--model", "smollm2:135m", "--context-length", "1024",
-                             "--kv-bits", "none"],
+                             "--kv-bits", "16"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -345,7 +345,7 @@ def test_sigterm_during_streaming_ends_within_bounded_time(store_root):
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        assert httpx.get(url + "/status").json()["models"]["smollm2:135m"]["kv_cache"] == "float32"  # --kv-bits none
+        assert httpx.get(url + "/status").json()["models"]["smollm2:135m"]["kv_cache"] == "float16"  # --kv-bits 16
         prompt = ", ".join(str(i) for i in range(100, 120)) + ","
         lines = []
         with httpx.stream("POST", url + "/v1/completions", timeout=60, json={

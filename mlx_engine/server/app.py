@@ -21,7 +21,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from mlx_engine.api import HALF_KV_BITS
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.server import ollama_api, openai_api
 from mlx_engine.server.http import DEFAULT_MAX_BODY, HTTPProblem, ServerState
@@ -46,7 +45,7 @@ class ServerConfig:
     keep_alive: float = 300.0
     memory_budget: int | None = None
     api_key: str | None = None
-    kv_bits: int | None = HALF_KV_BITS  # the KV cache's type (mlx_engine.load's kv_bits)
+    kv_bits: int | None = None  # the KV cache's type (mlx_engine.load's kv_bits)
     prefill_chunk: int = 512
     max_queue: int = 64
     max_body_bytes: int = DEFAULT_MAX_BODY

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from mlx_engine import api
-from mlx_engine.api import HALF_KV_BITS
 from mlx_engine.errors import InvalidRequestError, MemoryBudgetError, ModelNotFoundError
 from mlx_engine.server.scheduler import TextScheduler
 from mlx_engine.server.worker import DeviceWorker
@@ -103,7 +102,7 @@ class ModelPool:
     """Loads, finds and unloads models for the server; every device action runs on the :class:`DeviceWorker`."""
 
     def __init__(self, worker: DeviceWorker, *, context_length: int | None = None, max_sequences: int = 4,
-                 kv_bits: int | None = HALF_KV_BITS, prefill_chunk: int = 512, memory_budget: int | None = None,
+                 kv_bits: int | None = None, prefill_chunk: int = 512, memory_budget: int | None = None,
                  keep_alive: float = 300.0, max_queue: int = 64, store: Store | None = None,
                  parallel: str | None = None, transport: str = "any"):
         self.worker = worker
