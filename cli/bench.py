@@ -17,8 +17,10 @@ from mlx_engine.store import DEFAULT_MODEL
 @click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed repetitions of each figure after one warm-up run; medians are reported.")
 @click.option("--quick", is_flag=True, help="A smoke run with tiny sizes (seconds; the figures mean little).")
+@click.option("--kv-bits", type=click.Choice(["none", "16", "8", "4"]), default="none", show_default=True,
+              help="Our KV cache, as `run --kv-bits` (16: float16 keys and values, as llama.cpp's cache).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def bench(model: str, compare: tuple[str, ...], reps: int, quick: bool, as_json: bool) -> None:
+def bench(model: str, compare: tuple[str, ...], reps: int, quick: bool, kv_bits: str, as_json: bool) -> None:
     """Benchmark MODEL: prompt tokens/s at 512 and 2048 tokens, decode tokens/s over 128 tokens, time to first
     token, peak memory, the weights held over the file's tensor bytes, perplexity of a fixed text, the share of the
     read-bandwidth limit that the file's bytes set for decode, decode at 128 vs 4096 tokens of context, chat turn 1
@@ -40,5 +42,5 @@ def bench(model: str, compare: tuple[str, ...], reps: int, quick: bool, as_json:
         click.echo(f"bench: {msg}", err=True)
 
     result = run_bench(model, reps=1 if quick and reps == 3 else reps, compare=compare, quick=quick,
-                       progress=progress)
+                       kv_bits=None if kv_bits == "none" else int(kv_bits), progress=progress)
     click.echo(result.to_json() if as_json else format_table(result))

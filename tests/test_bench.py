@@ -27,8 +27,10 @@ def quick_run(tmp_path_factory, smollm2_gguf):
     home = tmp_path_factory.mktemp("bench-home")
     link_model(smollm2_gguf.parent, home)
     env = {"MLX_ENGINE_HOME": str(home), "OLLAMA_MODELS": str(home / "no-ollama")}
+    # --kv-bits 16: ours with float16 keys and values, as llama.cpp keeps them (the default cache differs only in
+    # the bytes it counts per value)
     r = CliRunner().invoke(main, ["bench", "smollm2:135m", "--quick", "--json", "--compare", "llama.cpp",
-                                  "--compare", "mlx-lm"], env=env, catch_exceptions=False)
+                                  "--compare", "mlx-lm", "--kv-bits", "16"], env=env, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
 
@@ -40,6 +42,7 @@ def _positive(v) -> bool:
 def test_quick_json_has_every_figure(quick_run):
     d = quick_run
     assert d["model"] == "smollm2:135m" and d["dtype"] == "float32" and tuple(d["peers"]) == PEER_NAMES
+    assert d["kv_cache"] == "float16"
     assert d["reps"] == 1 and d["sizes"]["prefill_long"] < 512  # --quick sizes, one repetition
     assert set(COMPARED) == {"decode", "prefill_512", "prefill_2048", "ttft", "peak_memory", "perplexity"}
     for name in PEER_NAMES:
@@ -105,6 +108,7 @@ def test_table_says_which_way_is_better(quick_run):
     assert sum("lower is better" in ln for ln in lines) == 4  # time to first token, peak memory, weights, perplexity
     assert sum("higher is better" in ln for ln in lines) == 5
     assert "OpenBLAS gain" in table and "turn 1 / turn 3" in table and "read bandwidth" in table
+    assert "float32, KV cache float16;" in table
 
 
 def test_bench_rejects_an_unknown_peer():

@@ -413,8 +413,10 @@ def _load_peer(name: str, path: Any, n_ctx: int, say: Callable[[str], None], on_
 
 
 def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str, ...] | str | None" = None,
-              quick: bool = False, progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Measure ``model_name`` (and each peer in ``compare``: ``"llama.cpp"``, ``"mlx-lm"``) on the same file.
+              quick: bool = False, kv_bits: int | None = None,
+              progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure ``model_name`` (and each peer in ``compare``: ``"llama.cpp"``, ``"mlx-lm"``) on the same file, ours
+    with the KV cache ``kv_bits`` asks for (as :func:`mlx_engine.api.load`'s).
 
     Raises:
         InvalidRequestError: an unknown peer, llama.cpp on a file that is not GGUF, or ``reps < 1``.
@@ -436,7 +438,7 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
 
     say(f"loading {model_name}")
     n_ctx = max(sizes.context_long, sizes.prefill_long) + sizes.decode_tokens + 64
-    model = load(model_name, progress=False, context_length=n_ctx)
+    model = load(model_name, progress=False, context_length=n_ctx, kv_bits=kv_bits)
     if "llama.cpp" in names and model.path.suffix != ".gguf":
         raise InvalidRequestError(f"llama.cpp reads GGUF files; {model.name} is {model.path.name}")
     ours = EngineSide(model)
