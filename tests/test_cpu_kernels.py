@@ -680,3 +680,23 @@ def test_backend_keeps_gguf_weights_quantized_on_the_cpu(smollm2_gguf):
         assert backend.weights_nbytes() <= 1.1 * file_bytes
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_widen_is_astype_bit_for_bit(dtype):
+    """``widen`` (a 16-bit KV cache read apart, through ``Tensor.astype``) gives astype's float32 bits: normals,
+    subnormals, infinities, NaN, signed zeros, a strided view, sizes around its chunks; its gradient is astype's."""
+    half = getattr(mx, dtype)
+    rng = np.random.default_rng(3)
+    special = [6e-8, -3e-7, 1e-40, np.inf, -np.inf, 0.0, -0.0, 65504.0, 70000.0, np.nan]
+    for n in (1, 7, 65536, 65536 * 2 + 13):
+        x = mx.array(np.concatenate([rng.standard_normal(n) * 3e4, special]).astype(np.float32)).astype(half)
+        for view in (x, x[::3], x.reshape(1, -1)[:, 1:]):
+            got, want = np.array(cpu_kernels.widen(view)), np.array(view.astype(mx.float32))
+            assert got.dtype == np.float32 and got.shape == want.shape
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        cpu_kernels.widen(mx.zeros((3,)))
+    x = mx.array([1.5, -2.0, 3.25]).astype(half)
+    g = mx.grad(lambda t: (cpu_kernels.widen(t) * mx.array([1.0, 2.0, 3.0])).sum())(x)
+    assert g.dtype == half and np.array_equal(np.array(g.astype(mx.float32)), [1.0, 2.0, 3.0])

@@ -6,7 +6,8 @@
 of a quantized weight, dequantized: an embedding lookup), ``rms_norm``
 (RMSNorm as one graph node; ``add_rms_norm``: a residual add and the norm after it as one) and ``activation`` (SiLU
 and tanh-form GELU, vectorized; times a gated MLP's up projection; ``qmatmul_many`` runs these as the prologue of its
-products, and RMSNorms of its outputs, in the same node) are None when the module is missing (not built:
+products, and RMSNorms of its outputs, in the same node) and ``widen`` (float16 / bfloat16 to float32, vectorized,
+exactly as astype: a 16-bit KV cache read apart) are None when the module is missing (not built:
 no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one
 installed, or fails its self-test; then quantized weights run through MLX's own operations and
 :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time. ``activations`` says what the
@@ -32,6 +33,7 @@ qtake: "Callable | None" = None
 rms_norm: "Callable | None" = None
 add_rms_norm: "Callable | None" = None
 activation: "Callable | None" = None
+widen: "Callable | None" = None
 # What qmatmul does with x: "float32" (the exact product of x with the dequantized weight: the float model's tokens),
 # or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel (AVX-512 VNNI) "int8" (quantized per 32 elements
 # and integer dot products, as llama.cpp does: prefill 1.6-1.8x faster, llama.cpp's numerics). Read once, at load:
@@ -84,6 +86,18 @@ def _int8_self_test(fn) -> str | None:
             err = mx.abs(fn(x, q, s, biases, 32, bits, "int8") - want).max().item()
             if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
                 return f"{bits}-bit product with int8 activations off by {err:.3g}"
+    return None
+
+
+def _widen_self_test(fn) -> str | None:
+    """float16 and bfloat16 to float32 must be astype's, bit for bit: normals, subnormals, infinities, a strided view."""
+    x = mx.concatenate([mx.random.normal((70,), key=mx.random.key(12)) * 3e4,
+                        mx.array([6e-8, -3e-7, 1e-40, float("inf"), -float("inf"), 0.0, -0.0, 65504.0])])
+    for dt in (mx.float16, mx.bfloat16):
+        h = x.astype(dt)
+        if not (mx.array_equal(fn(h), h.astype(mx.float32)).item()
+                and mx.array_equal(fn(h[::3]), h[::3].astype(mx.float32)).item()):
+            return f"widening {dt} differs from astype"
     return None
 
 
@@ -234,7 +248,7 @@ def rope_row(position: int, dims: int, base, scale: float) -> tuple:
 
 
 def _load() -> None:
-    global qmatmul, qmatmul_many, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm, activation
+    global qmatmul, qmatmul_many, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm, activation, widen
     global activations, _status
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
@@ -257,7 +271,7 @@ def _load() -> None:
                        or _attend_cached_self_test(_kernels.attend_cached, _kernels.rope_apply, _kernels.attend)
                        or _qtake_self_test(_kernels.qtake)
                        or _norm_self_test(_kernels.rms_norm, _kernels.add_rms_norm)
-                       or _activation_self_test(_kernels.activation)
+                       or _activation_self_test(_kernels.activation) or _widen_self_test(_kernels.widen)
                        or _prologue_self_test(_kernels.qmatmul_many, _kernels.rms_norm, _kernels.add_rms_norm,
                                               _kernels.activation))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
@@ -269,6 +283,7 @@ def _load() -> None:
                                                  _kernels.attend)
     attend_cached, qtake = _kernels.attend_cached, _kernels.qtake
     rms_norm, add_rms_norm, activation = _kernels.rms_norm, _kernels.add_rms_norm, _kernels.activation
+    widen = _kernels.widen
     asked = os.environ.get("MLX_ENGINE_ACTIVATIONS", "float32").lower()
     note = ""
     if asked == "int8" and not _kernels.int8_supported():

@@ -242,7 +242,11 @@ class MLXTensor(Tensor):
         return MLXTensor(mx.put_along_axis(self.a, indices.a, raw(values), axis=axis))
 
     def astype(self, dtype):
-        return MLXTensor(self.a.astype(TO_MX[dtype]))
+        to = TO_MX[dtype]
+        if (to == mx.float32 and self.a.dtype in (mx.float16, mx.bfloat16) and runtime.on_cpu
+                and cpu_kernels.widen is not None):
+            return MLXTensor(cpu_kernels.widen(self.a))  # MLX's CPU astype converts one element at a time
+        return MLXTensor(self.a.astype(to))
 
     def copy(self):
         return MLXTensor(mx.contiguous(self.a))

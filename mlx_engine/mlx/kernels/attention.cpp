@@ -22,10 +22,6 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
-
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
@@ -45,24 +41,6 @@ namespace {
 // into float32 for the kernel below.
 enum KvType { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
 
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx,f16c"))) void halves_f16c(const uint16_t* h, float* f, int n) {
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-  for (; i < n; ++i) f[i] = mlx_engine::half_to_float(h[i]);
-}
-#endif
-
-// n float16 values as float32 (exact): F16C where the CPU has it (checked once).
-void halves_to_floats(const uint16_t* h, float* f, int n) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool f16c = __builtin_cpu_supports("f16c");
-  if (f16c) return halves_f16c(h, f, n);
-#endif
-  for (int i = 0; i < n; ++i) f[i] = mlx_engine::half_to_float(h[i]);
-}
-
 // `rows` rows of `cols` stored values (row stride `stride` elements) from src into dst [rows, cols], as float32.
 void widen_rows(int type, const void* src, int64_t stride, int rows, int cols, float* dst) {
   const uint16_t* h = static_cast<const uint16_t*>(src);
@@ -72,7 +50,7 @@ void widen_rows(int type, const void* src, int64_t stride, int rows, int cols, f
   }
   for (int r = 0; r < rows; ++r, h += stride, dst += cols) {
     if (type == kKvF16) {
-      halves_to_floats(h, dst, cols);
+      mlx_engine::halves_to_floats(h, dst, cols);
     } else {
       for (int i = 0; i < cols; ++i) {
         const uint32_t w = uint32_t(h[i]) << 16;

@@ -461,6 +461,7 @@ void register_attention(nb::module_& m);  // attention.cpp
 void register_norm(nb::module_& m);       // norm.cpp
 void register_activation(nb::module_& m);  // activation.cpp
 void register_qtake(nb::module_& m);       // qtake.cpp
+void register_half(nb::module_& m);        // half.cpp
 
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
@@ -486,6 +487,7 @@ NB_MODULE(_kernels, m) {
   register_attention(m);
   register_norm(m);
   register_activation(m);
+  register_half(m);
   register_qtake(m);
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
