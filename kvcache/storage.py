@@ -31,6 +31,14 @@ def round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
+def stored_dtype(kv_bits: Optional[int], dtype: DType) -> DType:
+    """What a cache of ``kv_bits`` keeps keys and values as under the compute ``dtype`` (a quantized cache: the
+    dtype of its scales and biases)."""
+    if kv_bits == HALF_KV_BITS and dtype not in (DType.FLOAT16, DType.BFLOAT16):
+        return DType.FLOAT16
+    return dtype
+
+
 class LayerStorage:
     """Device storage of one layer: ``k`` and ``v`` are ``[tensor]`` (float) or ``[packed, scales, biases]``;
     ``size`` cells; ``shape`` ``(H_kv, Dk, Dv)``."""
@@ -70,10 +78,7 @@ class KVStorage:
         if self.kv_bits is not None and not dtype.is_floating:
             raise ValueError(f"a quantized or 16-bit cache needs a float dtype, not {dtype.value}")
         self.dtype = dtype
-        # what keys and values are kept as (quantized storage: the dtype of its scales and biases)
-        self.store_dtype = dtype
-        if self.kv_bits == HALF_KV_BITS and dtype not in (DType.FLOAT16, DType.BFLOAT16):
-            self.store_dtype = DType.FLOAT16
+        self.store_dtype = stored_dtype(self.kv_bits, dtype)
         self.layers = {}
 
     def nbytes(self) -> int:
@@ -118,11 +123,11 @@ class KVStorage:
         return st
 
     def _store(self, ctx: Context, dst: list[Tensor], x: Tensor, write: RowWriter) -> None:
-        if not self.quantized:
-            write(dst[0], x if x.dtype == self.store_dtype else x.astype(self.store_dtype))
-            return
         if x.dtype != self.store_dtype:
             x = x.astype(self.store_dtype)
+        if not self.quantized:
+            write(dst[0], x)
+            return
         for t, part in zip(dst, ctx.quantize(x, self.kv_group_size, self.kv_bits)):
             write(t, part)
 

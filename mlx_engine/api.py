@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_engine.errors import ChatTemplateError, IncompleteOutputError, InvalidRequestError, MemoryBudgetError
-from mlx_engine.kvcache.storage import HALF_KV_BITS, KV_BITS
+from mlx_engine.kvcache.storage import HALF_KV_BITS, KV_BITS, stored_dtype
 from mlx_engine.image_api import (generate_image, load_image_model, open_init_image, read_image_parameters,
                                   save_image)
 from mlx_engine.ml import DType
@@ -127,11 +127,7 @@ class Model:
     def kv_cache_type(self) -> str:
         """What the KV cache keeps keys and values as: a dtype (``float16``, ...) or ``8-bit`` / ``4-bit``."""
         kv = self.kv_bits
-        if kv is None:
-            return self.text_model.dtype.value
-        if kv == HALF_KV_BITS:
-            return "bfloat16" if self.text_model.dtype == DType.BFLOAT16 else "float16"
-        return f"{kv}-bit"
+        return f"{kv}-bit" if kv in KV_BITS else stored_dtype(kv, self.text_model.dtype).value
 
     def _check_kv_memory(self, ctx_len: int, max_sequences: int, prefill_chunk: int, kv_bits: int | None) -> int:
         """The KV cache's worst case in bytes (every sequence full), refused when it does not fit the device beside
