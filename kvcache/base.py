@@ -106,6 +106,21 @@ class Cache(abc.ABC):
         one graph node where it would run as seven."""
         return None
 
+    def step_tensors(self, ctx: Context, layers: Sequence[int]) -> Optional[tuple[list[Tensor], list[Tensor]]]:
+        """For a decode step compiled whole (after :meth:`start_forward`): ``(cells, storage)``, the tensors that
+        :meth:`attend` reads for ``layers`` and that change from one step to the next (``cells``: what this forward
+        attends to; ``storage``: the layers' keys and values, which attend replaces), in a fixed order. ``None``
+        (this default) where this forward cannot run so: then a trace of attend would hold numbers of this step
+        (a batch of several tokens, cells that are not one run, a quantized cache, a layer not stored yet or whose
+        storage must grow first). Otherwise every layer's :meth:`attend` takes its fused path with these tensors
+        alone, so one trace serves every such step given them (:meth:`load_step_tensors`)."""
+        return None
+
+    def load_step_tensors(self, cells: Sequence[Tensor], storage: Sequence[Tensor]) -> None:
+        """Use ``cells`` and ``storage`` (shaped as :meth:`step_tensors` gave them: a compiled step's placeholders,
+        then its outputs) from now on. Raises ``CacheError`` where :meth:`step_tensors` gives None."""
+        raise CacheError("this cache has no tensors for a decode step compiled whole")
+
     def encoder_inputs(self) -> list[tuple[int, int, int]]:
         """``(sequence, position, rows)`` of the encoder inputs whose keys the current layer's :meth:`get` returns,
         in order (an :class:`~mlx_engine.kvcache.EncoderCache`, for cross-attention); ``[]`` for a cache of the

@@ -48,14 +48,24 @@ from mlx_engine.kvcache.storage import KVStorage, LayerStorage, round_up as _rou
 class _Forward:
     """What one ``start_forward`` decided: the cells of the batch, the used range, and the mask."""
 
-    __slots__ = ("n", "locs", "span", "loc_tensor", "used", "mask", "reserve", "pos", "seqs")
+    __slots__ = ("n", "locs", "span", "loc_tensor", "used", "mask", "run", "reserve", "pos", "seqs", "cells")
 
     def __init__(self, n: int, locs: Optional[np.ndarray], span: Optional[tuple[int, int]], used: int,
                  mask: Optional[Tensor], reserve: bool, pos: Optional[np.ndarray] = None,
-                 seqs: Optional[np.ndarray] = None):
+                 seqs: Optional[np.ndarray] = None, run: Optional[tuple[int, int]] = None):
         self.n, self.locs, self.span, self.used, self.mask, self.reserve = n, locs, span, used, mask, reserve
         self.pos, self.seqs = pos, seqs
+        self.run = run  # one token whose visible cells are one run [lo, hi): attended alone, unmasked
         self.loc_tensor: Optional[Tensor] = None
+        self.cells: Optional[Tensor] = None  # INT32 [3] (start, lo, hi) for Context.cached_attention, made once
+
+    def attended(self) -> tuple[int, int, Optional[Tensor]]:
+        """``(lo, hi, mask)``: the cells that the batch attends to, and the mask over them (None: all visible)."""
+        if self.mask is None:
+            return 0, self.used, None
+        if self.run is not None:
+            return self.run[0], self.run[1], None
+        return 0, self.used, self.mask
 
 
 class CausalCache(Cache):
@@ -100,6 +110,7 @@ class CausalCache(Cache):
         self._backend: Optional[Backend] = None
         self._layer = 0
         self._fwd: Optional[_Forward] = None
+        self._step_layers: list[LayerStorage] = []  # the layers of the last step_tensors, in its order
 
     # ---- set-up ----------------------------------------------------------------------------------------------------
     def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int) -> None:
@@ -140,6 +151,7 @@ class CausalCache(Cache):
         self._seq_max = np.full(s, -1, np.int64)
         self._kv.layers = {}
         self._fwd = None
+        self._step_layers = []
 
     def set_config(self, config: CacheConfig) -> None:
         if self._backend is not None and self._config != config:
@@ -157,6 +169,7 @@ class CausalCache(Cache):
     def close(self) -> None:
         self._kv.layers = {}
         self._fwd = None
+        self._step_layers = []
         self._backend = None
 
     def _check(self) -> None:
@@ -308,7 +321,8 @@ class CausalCache(Cache):
 
         used = min(_round_up(self._hi, max(1, self._config.padding)), self.num_cells)
         span = (int(locs[0]), int(locs[0]) + n) if int(locs[-1]) - int(locs[0]) == n - 1 else None
-        self._fwd = _Forward(n, locs, span, used, self._build_mask(ctx, pos, seqs, used), False, pos, seqs)
+        mask, run = self._build_mask(ctx, pos, seqs, used)
+        self._fwd = _Forward(n, locs, span, used, mask, False, pos, seqs, run)
 
     def _refresh(self, seqs: Sequence[int]) -> None:
         """Recompute the used range, the count of used cells and the per-sequence counters after cells were freed."""
@@ -325,7 +339,9 @@ class CausalCache(Cache):
                 self._seq_min[s], self._seq_max[s] = 0, -1
 
     def _build_mask(self, ctx: Context, pos: np.ndarray, seqs: np.ndarray, used: int,
-                    both_ways: Sequence[tuple[int, int]] = ()) -> Optional[Tensor]:
+                    both_ways: Sequence[tuple[int, int]] = ()) -> tuple[Optional[Tensor], Optional[tuple[int, int]]]:
+        """The mask over cells ``[0, used)`` (None: every cell visible to every token) and, for one token, the
+        single run ``(lo, hi)`` of cells it sees where they are one run (a sliding window before its ring wraps)."""
         n = len(pos)
         if n == 1 and not both_ways:
             # O(1) test: one sequence owns every cell of the used range and the token sees all of them
@@ -333,7 +349,7 @@ class CausalCache(Cache):
             cnt = int(self._seq_count[s])
             start = self._sees_from(p)
             if cnt == used and p >= self._seq_max[s] and (start is None or start <= self._seq_min[s]):
-                return None
+                return None, None
         cp = self._pos[:used]
         visible = self._owners[:used][:, seqs].T                     # [N, used]: cells of the token's sequence
         ahead = cp[None, :] <= pos[:, None]                          # causal
@@ -344,8 +360,13 @@ class CausalCache(Cache):
         if start is not None:
             visible &= cp[None, :] >= np.asarray(start)[:, None]    # window / chunk start
         if visible.all():
-            return None
-        return ctx.attention_mask(visible, self._config.mask_dtype)
+            return None, None
+        run = None
+        if n == 1:
+            seen = np.flatnonzero(visible[0])
+            if len(seen) and int(seen[-1]) - int(seen[0]) == len(seen) - 1:
+                run = int(seen[0]), int(seen[-1]) + 1
+        return ctx.attention_mask(visible, self._config.mask_dtype), run
 
     def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
         """Let the tokens of each ``[begin, end)`` range of the current batch see each other both ways (the rest of
@@ -366,7 +387,8 @@ class CausalCache(Cache):
             if not 0 <= a < b <= fwd.n or len(np.unique(fwd.seqs[a:b])) != 1:
                 raise CacheError(f"set_causal range {a}..{b} is not a run of one sequence in the batch of {fwd.n}")
         # rebuilt from the positions that start_forward recorded (cells may have been reused since: same cells)
-        fwd.mask = self._build_mask(ctx, fwd.pos, fwd.seqs, fwd.used, both_ways)
+        fwd.mask, fwd.run = self._build_mask(ctx, fwd.pos, fwd.seqs, fwd.used, both_ways)
+        fwd.cells = None
 
     def _sees_from(self, p):
         """The lowest position the token at ``p`` sees (int or array), ``None`` for a plain causal cache."""
@@ -411,12 +433,35 @@ class CausalCache(Cache):
                 or ks[1] != vs[1] or ks[2] != fwd.n or vs[2] != fwd.n):
             return None
         st = self._layer_storage(ctx, (ks[1], ks[3], vs[3]), fwd.used)
-        got = ctx.cached_attention(q, key, value, st.k[0], st.v[0], fwd.span[0], fwd.used, scale, fwd.mask, angles,
-                                   dims, traditional)
+        lo, hi, mask = fwd.attended()
+        if fwd.cells is None:
+            fwd.cells = ctx.from_numpy(np.array([fwd.span[0], lo, hi], np.int32), DType.INT32)
+        got = ctx.cached_attention(q, key, value, st.k[0], st.v[0], fwd.cells, scale, mask, angles, dims, traditional)
         if got is None:
             return None
         o, st.k[0], st.v[0] = got
         return o
+
+    def step_tensors(self, ctx: Context, layers: Sequence[int]) -> Optional[tuple[list[Tensor], list[Tensor]]]:
+        fwd = self._fwd
+        if fwd is None or fwd.reserve or fwd.n != 1 or fwd.span is None or self._kv.quantized:
+            return None
+        lo, hi, mask = fwd.attended()
+        stored = [self._kv.layers.get(i) for i in layers]
+        if mask is not None or any(st is None or st.size < fwd.used for st in stored):
+            return None
+        if fwd.cells is None:
+            fwd.cells = ctx.from_numpy(np.array([fwd.span[0], lo, hi], np.int32), DType.INT32)
+        self._step_layers = stored
+        return [fwd.cells], [t for st in stored for t in (st.k[0], st.v[0])]
+
+    def load_step_tensors(self, cells: Sequence[Tensor], storage: Sequence[Tensor]) -> None:
+        stored = self._step_layers
+        if self._fwd is None or len(cells) != 1 or len(storage) != 2 * len(stored):
+            raise CacheError(f"load_step_tensors takes the {len(stored)} layers' tensors of step_tensors, after it")
+        self._fwd.cells, = cells
+        for i, st in enumerate(stored):
+            st.k[0], st.v[0] = storage[2 * i], storage[2 * i + 1]
 
     def _write(self, fwd: _Forward, dst: Tensor, src: Tensor) -> None:
         if fwd.span is not None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Optional, Union
 
 from mlx_engine.kvcache.base import Cache, LayerShape
+from mlx_engine.errors import CacheError
 from mlx_engine.batch import Batch
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles, Tensor
 
@@ -34,6 +35,7 @@ class WrapperCache(Cache):
         self.caches = list(caches)
         self.layer_cache = layer_cache
         self._cur: Cache = self.caches[0]
+        self._step_split: list[tuple[int, int]] = []  # per cache: its cells and storage tensors in step_tensors
 
     def cache_index(self, layer: int) -> int:
         """Which of ``caches`` serves ``layer``; raises ``ValueError`` when the routing gives no valid index."""
@@ -82,6 +84,31 @@ class WrapperCache(Cache):
     def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: RopeAngles,
                dims: int, traditional: bool) -> Optional[Tensor]:
         return self._cur.attend(ctx, q, key, value, scale, angles, dims, traditional)
+
+    def step_tensors(self, ctx: Context, layers: Sequence[int]) -> Optional[tuple[list[Tensor], list[Tensor]]]:
+        cells: list[Tensor] = []
+        storage: list[Tensor] = []
+        self._step_split = []
+        for i, c in enumerate(self.caches):
+            mine = [layer for layer in layers if self.cache_index(layer) == i]
+            got = c.step_tensors(ctx, mine) if mine else ([], [])
+            if got is None:
+                return None
+            cells += got[0]
+            storage += got[1]
+            self._step_split.append((len(got[0]), len(got[1])))
+        return cells, storage
+
+    def load_step_tensors(self, cells: Sequence[Tensor], storage: Sequence[Tensor]) -> None:
+        split = self._step_split
+        if len(split) != len(self.caches) or sum(n for n, _ in split) != len(cells) \
+                or sum(m for _, m in split) != len(storage):
+            raise CacheError("load_step_tensors takes the tensors of step_tensors, after it")
+        a = b = 0
+        for c, (n, m) in zip(self.caches, split):
+            if n or m:
+                c.load_step_tensors(cells[a:a + n], storage[b:b + m])
+            a, b = a + n, b + m
 
     def encoder_inputs(self) -> list[tuple[int, int, int]]:
         return self._cur.encoder_inputs()

@@ -399,14 +399,17 @@ class Context(abc.ABC):
         positions."""
         return None
 
-    def cached_attention(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, start: int,
-                         used: int, scale: float, mask: "Tensor | None", angles: "RopeAngles", dims: int,
+    def cached_attention(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, cells: Tensor,
+                         scale: float, mask: "Tensor | None", angles: "RopeAngles", dims: int,
                          traditional: bool) -> "tuple[Tensor, Tensor, Tensor] | None":
         """A decode step's attention and its KV cache write in one: ``q [1, Hq, N, Dh]`` and the new keys
         ``k [1, Hkv, N, Dh]`` rotated by ``angles`` (as :meth:`Tensor.rope` with ``dims`` and ``traditional``), ``k``
         and ``v [1, Hkv, N, Dv]`` written to cells ``start .. start + N - 1`` of the layer's storage ``keys
-        [1, Hkv, C, Dh]`` and ``values [1, Hkv, C, Dv]``, and ``q`` attending to cells ``0 .. used - 1`` with ``mask``
-        (``[N, used]``, from :meth:`attention_mask`, or None) as :meth:`scaled_dot_product_attention` does.
+        [1, Hkv, C, Dh]`` and ``values [1, Hkv, C, Dv]``, and ``q`` attending to cells ``lo .. hi - 1`` with ``mask``
+        (``[N, hi - lo]``, from :meth:`attention_mask`, or None) as :meth:`scaled_dot_product_attention` does.
+        ``cells`` is an INT32 Tensor ``[3]``, ``(start, lo, hi)``: a tensor, not numbers, so that a compiled decode
+        step serves every position; the caller keeps them in range (``0 <= start <= C - N``, ``0 <= lo < hi <= C``)
+        (a backend may give NaN and write nothing otherwise).
         ``keys`` and ``values`` may be of a narrower float dtype than ``q`` (a 16-bit cache): ``k`` and ``v`` are
         rounded to it as they are written (as ``astype``), and read back widened.
 

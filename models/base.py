@@ -20,6 +20,7 @@ from mlx_engine.errors import WeightsError
 from mlx_engine.ml import Backend, Context, DType, RopeAngles, Tensor
 from mlx_engine.models.config import ATTENTION_TYPES, DecoderConfig
 from mlx_engine.models.moe import moe_mlp
+from mlx_engine.models.step import NotWholeStep, WholeStep
 
 if TYPE_CHECKING:
     from mlx_engine.kvcache import Cache
@@ -218,6 +219,8 @@ class DecoderModel(abc.ABC):
         self.vision: Any = None  # the image encoder of a multimodal checkpoint (models/vision.py), or None
         self.compile_decode = True  # single-token steps through Backend.compile (False: op by op, for comparison)
         self.fuse_attention = True  # compiled steps: Cache.attend (False: RoPE, put, get and attention apart)
+        self.compile_step = True  # fused decode steps traced whole (models/step.py; False: block by block)
+        self._whole_step: WholeStep | None = None
         self._compiled: dict[tuple, Any] = {}
         self._block_of: dict[tuple, tuple[Any, tuple[str, ...]]] = {}  # (kind, layer, rope_args) -> _compiled_block
 
@@ -471,6 +474,11 @@ class DecoderModel(abc.ABC):
         cache.start_forward(ctx, batch)
         if batch.images and self.images_both_ways:
             cache.set_causal(ctx, [(s, s + rows.shape[0]) for s, rows in batch.images])
+        if (len(batch) == 1 and output_layer is None and not hidden_only and batch.embeddings is None
+                and not batch.images and self.compile_decode and self.fuse_attention and self.compile_step):
+            logits = self._run_whole_step(ctx, batch, cache)
+            if logits is not None:
+                return logits
         h = self.run_layers(ctx, batch, self.embed(ctx, batch), cache, output_layer)
         if output_layer is not None:
             return h
@@ -478,17 +486,28 @@ class DecoderModel(abc.ABC):
             return h.rms_norm(self.w["model.norm.weight"], self.config.rms_norm_eps)
         return self.logits(ctx, batch, h)
 
-    def run_layers(self, ctx: Context, batch: Batch, h: Tensor, cache: "Cache",
-                   output_layer: int | None = None) -> Tensor:
+    def _run_whole_step(self, ctx: Context, batch: Batch, cache: "Cache") -> Tensor | None:
+        """A one-token step through :class:`WholeStep` (None: it cannot run so; run it block by block)."""
+        p = self.part
+        if p.reduce is not None or not (p.embed and p.head) or not all(self.is_attention(i) for i in self.layers):
+            return None
+        if self._whole_step is None:
+            self._whole_step = WholeStep(self, self.backend.compile)
+        return self._whole_step.run(ctx, batch, cache) if self._whole_step.usable else None
+
+    def run_layers(self, ctx: Context, batch: Batch, h: Tensor, cache: "Cache", output_layer: int | None = None,
+                   angles: "dict[tuple, RopeAngles] | None" = None, whole: bool = False) -> Tensor:
         """The layers this model holds (``part.layers``) on hidden states ``h [1, N, D]`` of ``batch``, after
-        ``cache.start_forward``; returns the new ``h``. ``output_layer``: stop after that layer."""
+        ``cache.start_forward``; returns the new ``h``. ``output_layer``: stop after that layer. ``angles``: the
+        RoPE angles per ``(base, scale, id(freqs))``, made by the caller; ``whole``: tracing a step compiled whole
+        (raises :class:`NotWholeStep` where a layer's attention cannot take the cache's fused path)."""
         c = self.config
         n = h.shape[1]
         positions = rope_positions(ctx, batch)
         # One token: the per-layer math before and after attention runs as two compiled graphs (Backend.compile).
         compiled = n == 1 and self.compile_decode and isinstance(positions, int)
-        pos_tensor = ctx.from_numpy(np.array([positions], np.int32)) if compiled else None
-        angles: dict[tuple, RopeAngles | None] = {}  # per distinct RoPE: made once for all its layers
+        pos_tensor = ctx.from_numpy(np.array([positions], np.int32)) if compiled and angles is None else None
+        angles = dict(angles or {})  # per distinct RoPE: made once for all its layers
         # compiled steps: the last layer's final residual term, added to h by the next layer's input norm (one node)
         pending: Tensor | None = None
 
@@ -517,8 +536,12 @@ class DecoderModel(abc.ABC):
                 q, k, v, *hs = fn(h, *res, *[lw[name] for name in names])
                 dims = c.rope_dims or c.head_dim
                 o = cache.attend(ctx, q, k, v, c.query_scale, at, dims, c.rope_traditional)
+                if o is None and whole:
+                    raise NotWholeStep(f"layer {i}'s attention has no fused path here")
                 if o is None:
                     q, k = (x.rope(at, dims, traditional=c.rope_traditional) for x in (q, k))
+            elif whole:
+                raise NotWholeStep(f"layer {i} cannot run fused here")
             elif compiled:
                 rope_args = (at.cos, at.sin) if isinstance(at, RopeAngles) else (at,)
                 fn, names = self._compiled_block("in", i, len(rope_args), bool(res))

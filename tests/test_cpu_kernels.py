@@ -188,6 +188,10 @@ def _random_mask(rng, rows: int, width: int):
     return mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
 
 
+def _cells(start: int, lo: int, hi: int) -> mx.array:
+    return mx.array([start, lo, hi], mx.int32)
+
+
 @pytest.mark.parametrize("heads, kv_heads, rows, dim, dims, traditional, cells, start, lo, hi, masked", [
     (9, 3, 1, 64, 64, False, 256, 40, 0, 41, False),       # smollm2's heads, a decode step
     (4, 1, 1, 256, 256, False, 600, 500, 0, 501, False),   # gemma3's, split over the threads' key chunks
@@ -215,18 +219,26 @@ def test_attend_cached_is_rope_writes_and_attend_bit_for_bit(heads, kv_heads, ro
                               want_v[:, :, lo:hi], 0.125, mask)
     mx.eval(want, want_k, want_v)
     wide = mx.array(np.concatenate([np.array(keys)] * 2, axis=-1))  # keys as a strided view of a wider array
+    at = _cells(start, lo, hi)
     for ks in (mx.array(np.array(keys)), wide[..., :dim]):  # (fresh arrays: the kernel writes into a plain one)
-        o, k2, v2 = cpu_kernels.attend_cached(q, k, v, ks, mx.array(np.array(values)), cos, sin, start, lo, hi, 0.125,
-                                              dims, traditional, mask)
+        o, k2, v2 = cpu_kernels.attend_cached(q, k, v, ks, mx.array(np.array(values)), cos, sin, at, 0.125, dims,
+                                              traditional, mask)
         assert o.shape == (1, heads, rows, dim + 16) and k2.shape == keys.shape and v2.shape == values.shape
         for got, exp in ((o, want), (k2, want_k), (v2, want_v)):
             assert mx.array_equal(got, exp).item()
     assert mx.array_equal(wide[..., :dim], keys).item()  # copied, not written through
-    with pytest.raises(ValueError, match="cells out of range"):
-        cpu_kernels.attend_cached(q, k, v, keys, values, cos, sin, cells, lo, hi, 0.125, dims, traditional, mask)
+    bad_cells = [(cells, lo, hi), (start, hi, lo), (start, lo, cells + 1), (-1, lo, hi)]
+    for bad in bad_cells + ([(start, lo, hi - 1)] if masked else []):  # (the mask's columns no longer hi - lo)
+        ks, vs = mx.array(np.array(keys)), mx.array(np.array(values))
+        o, k2, v2 = cpu_kernels.attend_cached(q, k, v, ks, vs, cos, sin, _cells(*bad), 0.125, dims, traditional, mask)
+        # known only as the step runs: NaN out, nothing written
+        assert np.isnan(np.array(o)).all() and mx.array_equal(k2, keys).item() and mx.array_equal(v2, values).item()
+    with pytest.raises(ValueError, match="cells must be int32"):
+        cpu_kernels.attend_cached(q, k, v, keys, values, cos, sin, mx.array([start, lo, hi]).astype(mx.int64), 0.125,
+                                  dims, traditional, mask)
     with pytest.raises(ValueError, match="multiple of H_kv"):
-        cpu_kernels.attend_cached(q, k[:, :, :, :dim - 1], v, keys, values, cos, sin, start, lo, hi, 0.125, dims,
-                                  traditional, mask)
+        cpu_kernels.attend_cached(q, k[:, :, :, :dim - 1], v, keys, values, cos, sin, at, 0.125, dims, traditional,
+                                  mask)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -264,8 +276,9 @@ def test_attend_cached_reads_and_writes_a_16_bit_cache(dtype, heads, kv_heads, r
                               want_k[:, :, lo:hi].astype(mx.float32), want_v[:, :, lo:hi].astype(mx.float32), 0.125,
                               mask)
     mx.eval(want, want_k, want_v)
-    o, k2, v2 = cpu_kernels.attend_cached(q, k, v, mx.array(keys), mx.array(values), cos, sin, start, lo, hi, 0.125,
-                                          dim, False, mask)
+    at = _cells(start, lo, hi)
+    o, k2, v2 = cpu_kernels.attend_cached(q, k, v, mx.array(keys), mx.array(values), cos, sin, at, 0.125, dim, False,
+                                          mask)
     assert o.dtype == mx.float32 and k2.dtype == half and v2.dtype == half
     if dtype == "float16":
         assert not np.isfinite(np.array(v2.astype(mx.float32))).all()  # the overflow did happen
@@ -274,11 +287,9 @@ def test_attend_cached_reads_and_writes_a_16_bit_cache(dtype, heads, kv_heads, r
         bad = ~((g == e) | (np.isnan(g) & np.isnan(e)))
         assert not bad.any(), (name, np.argwhere(bad)[:5], g[bad][:5], e[bad][:5])
     with pytest.raises(ValueError, match="keys and values must both be"):
-        cpu_kernels.attend_cached(q, k, v, keys, values.astype(mx.float32), cos, sin, start, lo, hi, 0.125, dim, False,
-                                  mask)
+        cpu_kernels.attend_cached(q, k, v, keys, values.astype(mx.float32), cos, sin, at, 0.125, dim, False, mask)
     with pytest.raises(ValueError, match="q, k, v, cos and sin must be float32"):
-        cpu_kernels.attend_cached(q.astype(half), k, v, keys, values, cos, sin, start, lo, hi, 0.125, dim, False,
-                                  mask)
+        cpu_kernels.attend_cached(q.astype(half), k, v, keys, values, cos, sin, at, 0.125, dim, False, mask)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 577), (600, 64), (1, 4, 1, 256)])

@@ -84,8 +84,10 @@ def test_fused_decode_attention_gives_the_bits_of_the_steps_apart(kind, kv_bits,
     calls = []
     if cpu_kernels.attend_cached is not None:
         real = cpu_kernels.attend_cached
-        monkeypatch.setattr(cpu_kernels, "attend_cached", lambda *a: calls.append(a[7:10]) or real(*a))
+        monkeypatch.setattr(cpu_kernels, "attend_cached",
+                            lambda *a: calls.append(tuple(np.array(a[7]).tolist())) or real(*a))
     model.fuse_attention = True
+    model.compile_step = False  # layer by layer: each step calls the kernel (a whole step's trace calls it once)
     fused = _decode(model, backend, tokens, steps, capacity=300, kv_bits=kv_bits)
     assert np.array_equal(fused, apart)
     if cpu_kernels.attend_cached is None:  # not built here: both ran apart
@@ -97,6 +99,41 @@ def test_fused_decode_attention_gives_the_bits_of_the_steps_apart(kind, kv_bits,
         assert steps * layers // 2 < len(calls) < steps * layers  # every global layer, the local ones until the wrap
     else:
         assert len(calls) == steps * layers
+
+
+@pytest.mark.parametrize("kv_bits", [None, 16])
+@pytest.mark.parametrize("kind", ["llama3", "gemma3"])
+def test_a_decode_step_compiled_whole_gives_the_bits_of_the_blocks(kind, kv_bits, tmp_path, monkeypatch):
+    """``models/step.py``: the decode step traced whole (its cells, angles and cache storage as inputs) against the
+    same step block by block: the same logits to the bit over 240 steps, from one trace per storage shape (not one
+    per position); steps it cannot take run block by block (gemma3's sliding window of 8 once its ring wraps).
+    Dropping the model frees it at once (no cycle through the trace)."""
+    from mlx_engine.mlx import cpu_kernels
+    from mlx_engine.models import step
+
+    folder, _, _ = _make_folder(tmp_path, kind)
+    backend = MLXBackend(folder, device="cpu", dtype="float32")  # CPU kernels
+    model = load_text_model(backend)
+    tokens = [int(t) for t in np.random.default_rng(8).integers(0, VOCAB, 40)]
+    model.compile_step = False
+    blocks = _decode(model, backend, tokens, 240, capacity=300, kv_bits=kv_bits)
+    runs, traces = [], []
+    real_run, real_trace = step.WholeStep.run, step.WholeStep._traced
+    monkeypatch.setattr(step.WholeStep, "run", lambda self, *a: runs.append(real_run(self, *a)) or runs[-1])
+    monkeypatch.setattr(step.WholeStep, "_traced", lambda self, *a: traces.append(1) or real_trace(self, *a))
+    model.compile_step = True
+    whole = _decode(model, backend, tokens, 240, capacity=300, kv_bits=kv_bits)
+    assert np.array_equal(whole, blocks)
+    taken = sum(r is not None for r in runs)
+    if cpu_kernels.attend_cached is None:  # no fused attention here: every step by blocks
+        assert taken == 0 and not traces
+    elif kind == "gemma3":  # the window's ring (8 + 256 memory + 64) wraps before the end: blocks from then on
+        assert 50 < taken < 240 and len(traces) <= 4
+    else:  # the storage grows (256 cells, then 300): a trace for each size
+        assert taken >= 238 and len(traces) <= 3
+    alive = weakref.ref(model)
+    del model
+    assert alive() is None
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma3"])
@@ -127,6 +164,7 @@ def test_fused_products_give_the_bits_of_the_operations_apart(kind, tmp_path, mo
             apart.setattr(MLXTensor, name, getattr(Tensor, name))
         model._compiled.clear()
         model._block_of.clear()
+        model._whole_step = None
         composed = _decode(model, backend, tokens, 60, capacity=128)
     assert np.array_equal(fused, composed)
     if cpu_kernels.qmatmul_many is None:  # not built here: both composed MLX's operations

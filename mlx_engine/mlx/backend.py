@@ -38,14 +38,15 @@ class MLXMask(MLXTensor):
 
 
 def _visible_runs(row: np.ndarray, most: int = 4) -> "list[tuple[int, int]] | None":
-    """The runs ``(k0, k1)`` of True in ``row``, when they are at most ``most`` and hold under 80% of it (a
-    sliding-window cache whose ring wrapped: the window's cells lie in two runs of a larger used range)."""
+    """The runs ``(k0, k1)`` of True in ``row``: one run, or at most ``most`` that hold under 80% of it (a
+    sliding-window cache whose ring wrapped: the window's cells lie in two runs of a larger used range). One run is
+    always read alone, as the KV cache's fused decode attention reads it (the same keys, so the same bits)."""
     s = len(row)
     count = int(np.count_nonzero(row))
-    if count == 0 or count >= 0.8 * s:
+    if count == 0:
         return None
     edges = np.flatnonzero(np.diff(np.concatenate(([False], row, [False])).astype(np.int8)))
-    if len(edges) > 2 * most:
+    if len(edges) > 2 * most or (len(edges) > 2 and count >= 0.8 * s):
         return None
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
@@ -162,27 +163,24 @@ class MLXContext(Context):
         cos, sin = cpu_kernels.rope_table(tokens, pos, dims, base, scale, None if freqs is None else freqs.a)
         return RopeAngles(MLXTensor(cos), MLXTensor(sin))
 
-    def cached_attention(self, q, k, v, keys, values, start, used, scale, mask, angles, dims, traditional):
+    def cached_attention(self, q, k, v, keys, values, cells, scale, mask, angles, dims, traditional):
         qa, ka, va, ks, vs = q.a, k.a, v.a, keys.a, values.a
         if not (runtime.on_cpu and cpu_kernels.attend_cached is not None and qa.ndim == 4 and qa.shape[2] <= 16
                 and all(a.dtype == mx.float32 for a in (qa, ka, va, angles.cos.a))
                 and ks.dtype in (mx.float32, mx.float16, mx.bfloat16) and vs.dtype == ks.dtype):
             return None
-        lo, hi, m = 0, used, None
+        m = None
         if mask is not None:
             runs = mask.runs if isinstance(mask, MLXMask) else None
-            if runs is not None and qa.shape[2] == 1:
-                if len(runs) > 1:  # a wrapped ring: attention apart reads the runs alone, not every cell masked
-                    return None
-                (lo, hi), = runs  # one query that sees one run of cells: those alone, unmasked
-            else:
-                m = mask.a
-                if m.ndim != 2 or m.shape != (qa.shape[2], used):
-                    return None
-                if m.dtype != mx.float32:
-                    m = m.astype(mx.float32)
-        o, ks, vs = cpu_kernels.attend_cached(qa, ka, va, ks, vs, angles.cos.a, angles.sin.a, start, lo, hi, scale,
-                                              dims, traditional, m)
+            if runs is not None and len(runs) > 1 and qa.shape[2] == 1:
+                return None  # a wrapped ring: attention apart reads the runs alone, not every cell masked
+            m = mask.a
+            if m.ndim != 2 or m.shape[0] != qa.shape[2]:
+                return None
+            if m.dtype != mx.float32:
+                m = m.astype(mx.float32)
+        o, ks, vs = cpu_kernels.attend_cached(qa, ka, va, ks, vs, angles.cos.a, angles.sin.a, cells.a, scale, dims,
+                                              traditional, m)
         return MLXTensor(o), MLXTensor(ks), MLXTensor(vs)
 
     def attention_mask(self, visible, dtype):

@@ -453,10 +453,13 @@ mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, flo
 // A decode step's attention with its KV cache write, one node for what were seven (RoPE of the queries and of the
 // new keys, the writes of the keys and values into the cache, the views of its used cells, the attention):
 //   attend_cached(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, Dv], keys [1, H_kv, C, D], values [1, H_kv, C, Dv],
-//                 cos, sin [N, dims / 2], start, lo, hi, scale, dims, traditional, mask [N, hi - lo] or none)
+//                 cos, sin [N, dims / 2], cells, scale, dims, traditional, mask [N, hi - lo] or none)
 //     -> (o [1, H, N, Dv], keys', values')
 // q and k rotated as rope_apply rotates them, k and v written to cells [start, start + N) of keys' and values', and
 // q attending to their cells [lo, hi) as attend does: bit for bit rope_apply, two slice updates and attend in turn.
+// cells is an int32 array [3] = (start, lo, hi), an input rather than a parameter so that one compiled decode step
+// serves every position. Cells out of range (or a mask whose columns are not hi - lo) write nothing and give NaN:
+// they are known only when the step runs, and the caller checks them before.
 // All float32 but keys and values, which may be float16 or bfloat16 (both the same): k and v are rounded to their type
 // as they are written (as astype rounds), and widened exactly as they are read.
 // keys' and values' take over the buffers of keys and values (copied only when those are not plain row-major
@@ -464,9 +467,8 @@ mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, flo
 // slice update does in place when its input is donated.
 class AttendCached : public mx::Primitive {
  public:
-  AttendCached(mx::Stream stream, int start, int lo, int hi, float scale, int dims, bool traditional, bool masked)
-      : mx::Primitive(stream), start_(start), lo_(lo), hi_(hi), scale_(scale), dims_(dims), traditional_(traditional),
-        masked_(masked) {}
+  AttendCached(mx::Stream stream, float scale, int dims, bool traditional, bool masked)
+      : mx::Primitive(stream), scale_(scale), dims_(dims), traditional_(traditional), masked_(masked) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
@@ -483,18 +485,25 @@ class AttendCached : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     for (auto& a : outputs) encoder.set_output_array(a);
-    encoder.dispatch([inputs, outputs, copy, start = start_, lo = lo_, hi = hi_, scale = scale_, dims = dims_,
-                      traditional = traditional_, masked = masked_]() mutable {
-      static thread_local std::vector<uint8_t> bufs[8];
+    encoder.dispatch([inputs, outputs, copy, scale = scale_, dims = dims_, traditional = traditional_,
+                      masked = masked_]() mutable {
+      static thread_local std::vector<uint8_t> bufs[9];
       for (int i = 0; i < 2; ++i)
         if (copy[i]) {
           const void* store = mlx_engine::row_major(inputs[3 + i], bufs[3 + i]);
           std::memcpy(outputs[1 + i].data<uint8_t>(), store, outputs[1 + i].nbytes());
         }
-      auto f32 = [&](int i) { return static_cast<const float*>(mlx_engine::row_major(inputs[i], bufs[i])); };
-      const float *q = f32(0), *k = f32(1), *v = f32(2), *cs = f32(5), *sn = f32(6);
       const int H = inputs[0].shape(1), N = inputs[0].shape(2), D = inputs[0].shape(3);
       const int Hkv = inputs[1].shape(1), Dv = inputs[2].shape(3), C = inputs[3].shape(2), half = dims / 2;
+      const int32_t* at = static_cast<const int32_t*>(mlx_engine::row_major(inputs[7], bufs[7]));
+      const int start = at[0], lo = at[1], hi = at[2];
+      if (start < 0 || start > C - N || lo < 0 || lo >= hi || hi > C || (masked && inputs[8].shape(1) != hi - lo)) {
+        float* o = outputs[0].data<float>();
+        std::fill(o, o + outputs[0].size(), std::numeric_limits<float>::quiet_NaN());
+        return;
+      }
+      auto f32 = [&](int i) { return static_cast<const float*>(mlx_engine::row_major(inputs[i], bufs[i])); };
+      const float *q = f32(0), *k = f32(1), *v = f32(2), *cs = f32(5), *sn = f32(6);
       static thread_local std::vector<float> rotated;
       rotated.resize(size_t(H) * N * D);
       mlx_engine::rotate(q, cs, sn, rotated.data(), 1, H, N, D, N, dims, traditional);
@@ -514,7 +523,7 @@ class AttendCached : public mx::Primitive {
           narrow_row(type, v + (int64_t(h) * N + n) * Dv, values + cell * Dv * item, Dv);
         }
       std::vector<int64_t> mask_strides;
-      const float* mask = masked ? unit_last(inputs[7], bufs[7], mask_strides) : nullptr;
+      const float* mask = masked ? unit_last(inputs[8], bufs[8], mask_strides) : nullptr;
       run_attention({rotated.data(), int64_t(N) * D, D, keys + int64_t(lo) * D * item, int64_t(C) * D, D,
                      values + int64_t(lo) * Dv * item, int64_t(C) * Dv, Dv, mask, masked ? mask_strides[0] : 0, H, N,
                      D, Hkv, hi - lo, Dv, scale, outputs[0].data<float>(), type});
@@ -529,8 +538,7 @@ class AttendCached : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const AttendCached&>(other);
-    return start_ == o.start_ && lo_ == o.lo_ && hi_ == o.hi_ && scale_ == o.scale_ && dims_ == o.dims_ &&
-           traditional_ == o.traditional_ && masked_ == o.masked_;
+    return scale_ == o.scale_ && dims_ == o.dims_ && traditional_ == o.traditional_ && masked_ == o.masked_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -540,7 +548,6 @@ class AttendCached : public mx::Primitive {
   }
 
  private:
-  int start_, lo_, hi_;
   float scale_;
   int dims_;
   bool traditional_, masked_;
@@ -548,7 +555,7 @@ class AttendCached : public mx::Primitive {
 
 std::vector<mx::array> attend_cached(const mx::array& q, const mx::array& k, const mx::array& v,
                                      const mx::array& keys, const mx::array& values, const mx::array& cos,
-                                     const mx::array& sin, int start, int lo, int hi, float scale, int dims,
+                                     const mx::array& sin, const mx::array& cells, float scale, int dims,
                                      bool traditional, const std::optional<mx::array>& mask) {
   for (const mx::array* a : {&q, &k, &v, &cos, &sin})
     if (a->dtype() != mx::float32) throw std::invalid_argument("attend_cached: q, k, v, cos and sin must be float32");
@@ -564,15 +571,15 @@ std::vector<mx::array> attend_cached(const mx::array& q, const mx::array& k, con
       values.shape(3) != v.shape(3))
     throw std::invalid_argument("attend_cached: k [1, H_kv, N, D], v [1, H_kv, N, Dv], keys [1, H_kv, C, D] and values "
                                 "[1, H_kv, C, Dv] must match q [1, H, N, D], H a multiple of H_kv");
-  if (start < 0 || start + N > C || lo < 0 || lo >= hi || hi > C)
-    throw std::invalid_argument("attend_cached: cells out of range: start " + std::to_string(start) + ", lo " +
-                                std::to_string(lo) + ", hi " + std::to_string(hi) + ", cells " + std::to_string(C));
+  if (cells.dtype() != mx::int32 || cells.ndim() != 1 || cells.shape(0) != 3)
+    throw std::invalid_argument("attend_cached: cells must be int32 [3]: start, lo, hi");
+  if (N > C) throw std::invalid_argument("attend_cached: more new rows than cells");
   if (dims <= 0 || dims % 2 || dims > D || cos.ndim() != 2 || cos.shape(0) != N || cos.shape(1) != dims / 2 ||
       sin.shape() != cos.shape())
     throw std::invalid_argument("attend_cached: cos and sin must be [N, dims / 2], dims even and at most D");
-  std::vector<mx::array> inputs{q, k, v, keys, values, cos, sin};
+  std::vector<mx::array> inputs{q, k, v, keys, values, cos, sin, cells};
   if (mask) {
-    if (mask->ndim() != 2 || mask->shape(0) != N || mask->shape(1) != hi - lo || mask->dtype() != mx::float32)
+    if (mask->ndim() != 2 || mask->shape(0) != N || mask->shape(1) > C || mask->dtype() != mx::float32)
       throw std::invalid_argument("attend_cached: the mask must be float32 [N, hi - lo]");
     inputs.push_back(*mask);
   }
@@ -580,7 +587,7 @@ std::vector<mx::array> attend_cached(const mx::array& q, const mx::array& k, con
   o.back() = v.shape(3);
   mx::Stream s = mx::default_stream(mx::Device::cpu);
   return mx::array::make_arrays({o, keys.shape(), values.shape()}, {mx::float32, kv, kv},
-                                std::make_shared<AttendCached>(s, start, lo, hi, scale, dims, traditional, bool(mask)),
+                                std::make_shared<AttendCached>(s, scale, dims, traditional, bool(mask)),
                                 std::move(inputs));
 }
 
@@ -590,8 +597,9 @@ void register_attention(nb::module_& m) {
   m.def("attend", &attend, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("mask").none(),
         "softmax(q k^T * scale + mask) v for q [1, H, N, D] over k, v [1, H_kv, S, D], on the CPU stream.");
   m.def("attend_cached", &attend_cached, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("keys"), nb::arg("values"),
-        nb::arg("cos"), nb::arg("sin"), nb::arg("start"), nb::arg("lo"), nb::arg("hi"), nb::arg("scale"),
-        nb::arg("dims"), nb::arg("traditional"), nb::arg("mask").none(),
+        nb::arg("cos"), nb::arg("sin"), nb::arg("cells"), nb::arg("scale"), nb::arg("dims"), nb::arg("traditional"),
+        nb::arg("mask").none(),
         "RoPE on q and k, k and v written to cells [start, start + N) of keys and values, and q attending to their "
-        "cells [lo, hi): (o, keys', values'), keys' and values' taking over the buffers of keys and values.");
+        "cells [lo, hi), cells = int32 [start, lo, hi]: (o, keys', values'), keys' and values' taking over the "
+        "buffers of keys and values (cells out of range: NaN, nothing written).");
 }
