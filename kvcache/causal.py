@@ -578,27 +578,7 @@ class CausalCache(Cache):
             return
         ctx = self._backend.new_context()
         try:
-            contiguous = int(idx[-1]) - int(idx[0]) == len(idx) - 1
-            it = None if contiguous else ctx.from_numpy(idx.astype(np.int32), DType.INT32)
-            a, b = int(idx[0]), int(idx[-1]) + 1
-            shift = ctx.from_numpy(np.full(len(idx), delta, np.int32), DType.INT32)
-            touched = []
-            for layer, st in self._kv.layers.items():
-                if b > st.size:
-                    raise CacheError(f"layer {layer} has no storage for cells up to {b - 1}")
-
-                def read(t: Tensor) -> Tensor:
-                    return t[:, :, a:b, :] if it is None else t.take(it, axis=2)
-
-                def write(t: Tensor, x: Tensor) -> None:
-                    if it is None:
-                        t[:, :, a:b, :] = x
-                    else:
-                        t[:, :, it, :] = x
-                new = self.shift_fn(ctx, layer, self._kv.read_keys(ctx, st, read), shift)
-                self._kv.write_keys(ctx, st, new, write)
-                touched.extend(st.k)
-            ctx.evaluate(*touched)
+            self._kv.shift_keys(ctx, idx, delta, self.shift_fn)
         finally:
             ctx.close()
 

@@ -18,6 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Optional
 
+import numpy as np
+
+from mlx_engine.errors import CacheError
+from mlx_engine.kvcache.base import ShiftFn
 from mlx_engine.ml import Context, DType, Tensor
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # the bit widths a quantized cache may use
@@ -148,10 +152,27 @@ class KVStorage:
             return t if used == st.size and not self.quantized else t[:, :, :used, :]
         return self._load(ctx, st.k, cells), self._load(ctx, st.v, cells)
 
-    def read_keys(self, ctx: Context, st: LayerStorage, read: Callable[[Tensor], Tensor]) -> Tensor:
-        """The keys that ``read`` picks from each stored tensor, in the compute dtype."""
-        return self._load(ctx, st.k, read)
+    def shift_keys(self, ctx: Context, idx: np.ndarray, delta: int, shift_fn: ShiftFn) -> None:
+        """Keys of cells ``idx`` (ascending) of every layer re-rotated by ``delta`` positions with ``shift_fn``, read
+        and written in the compute dtype (one slice where the cells are consecutive, a gather and scatter
+        otherwise), then evaluated. Raises ``CacheError`` where a layer has no storage for those cells."""
+        contiguous = int(idx[-1]) - int(idx[0]) == len(idx) - 1
+        it = None if contiguous else ctx.from_numpy(idx.astype(np.int32), DType.INT32)
+        a, b = int(idx[0]), int(idx[-1]) + 1
+        shift = ctx.from_numpy(np.full(len(idx), delta, np.int32), DType.INT32)
+        touched = []
+        for layer, st in self.layers.items():
+            if b > st.size:
+                raise CacheError(f"layer {layer} has no storage for cells up to {b - 1}")
 
-    def write_keys(self, ctx: Context, st: LayerStorage, keys: Tensor, write: RowWriter) -> None:
-        """Keys (compute dtype) put back into ``st`` by ``write``."""
-        self._store(ctx, st.k, keys, write)
+            def read(t: Tensor) -> Tensor:
+                return t[:, :, a:b, :] if it is None else t.take(it, axis=2)
+
+            def write(t: Tensor, x: Tensor) -> None:
+                if it is None:
+                    t[:, :, a:b, :] = x
+                else:
+                    t[:, :, it, :] = x
+            self._store(ctx, st.k, shift_fn(ctx, layer, self._load(ctx, st.k, read), shift), write)
+            touched.extend(st.k)
+        ctx.evaluate(*touched)
