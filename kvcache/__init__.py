@@ -11,9 +11,10 @@ See :mod:`mlx_engine.kvcache.base` for the interface and its semantics.
 """
 
 from mlx_engine.kvcache.base import Cache, LayerShape, ShiftFn
-from mlx_engine.kvcache.causal import CausalCache, ChunkedAttentionCache, SlidingWindowCache, SlidingWindowMemoryCache
+from mlx_engine.kvcache.causal import CausalCache
 from mlx_engine.kvcache.encoder import EncoderCache
 from mlx_engine.kvcache.recurrent import RecurrentCache
+from mlx_engine.kvcache.windowed import ChunkedAttentionCache, SlidingWindowCache, SlidingWindowMemoryCache
 from mlx_engine.kvcache.wrapper import WrapperCache
 
 __all__ = ["Cache", "CausalCache", "ChunkedAttentionCache", "EncoderCache", "LayerShape", "RecurrentCache", "ShiftFn",

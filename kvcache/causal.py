@@ -1,7 +1,7 @@
 """Causal caches: the plain causal cache, sliding window (with or without extra memory), and chunked attention.
 
-One class, :class:`CausalCache`, does all four (as ollama's ``kvcache.Causal``); the other names are constructors that
-fix its window, memory and chunk.
+One class, :class:`CausalCache`, does all four (as ollama's ``kvcache.Causal``); the other names
+(:mod:`mlx_engine.kvcache.windowed`) are constructors that fix its window, memory and chunk.
 
 Layout. The cache is a pool of ``cells``; each cell holds one position and the set of sequences that own it (a bool
 matrix ``owners [cells, max_sequences]`` on the host). The storage of each layer is ``[1, H_kv, cells, D]`` on the
@@ -581,34 +581,3 @@ class CausalCache(Cache):
             self._kv.shift_keys(ctx, idx, delta, self.shift_fn)
         finally:
             ctx.close()
-
-
-class SlidingWindowCache(CausalCache):
-    """Sliding-window attention: the token at ``p`` sees positions ``p - window .. p`` of its sequence.
-
-    Storage stays at most ``(window + max_batch)`` cells per sequence (a ring), however long the sequence runs.
-    See :class:`CausalCache` for the arguments.
-    """
-
-    def __init__(self, window: int, shift_fn: Optional[ShiftFn] = None, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64):
-        super().__init__(shift_fn, kv_bits, kv_group_size, window=window)
-
-
-class SlidingWindowMemoryCache(CausalCache):
-    """A sliding window that keeps ``memory >= window`` positions before the lowest batch position of a sequence, so
-    that a sequence can be rolled back up to ``memory - window`` positions and resumed (ollama's ``SWAMemCache``).
-    Storage stays at most ``(memory + max_batch)`` cells per sequence."""
-
-    def __init__(self, window: int, memory: int, shift_fn: Optional[ShiftFn] = None, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64):
-        super().__init__(shift_fn, kv_bits, kv_group_size, window=window, memory=memory)
-
-
-class ChunkedAttentionCache(CausalCache):
-    """Chunked attention (Llama 4): the token at ``p`` sees positions ``floor(p / chunk) * chunk .. p`` of its
-    sequence; cells of earlier chunks are reused. Storage stays at most ``chunk + max_batch`` cells per sequence."""
-
-    def __init__(self, chunk: int, shift_fn: Optional[ShiftFn] = None, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64):
-        super().__init__(shift_fn, kv_bits, kv_group_size, chunk=chunk)
