@@ -95,11 +95,12 @@ class Cache(abc.ABC):
         is alive, the next ``put`` of the layer must copy the whole storage instead of updating it in place.
         """
 
-    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: RopeAngles,
+    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: Optional[RopeAngles],
                dims: int, traditional: bool) -> Optional[Tensor]:
         """:meth:`put` and attention over :meth:`get` in one, with RoPE: ``q [1, H, N, Dk]`` and ``key`` (shaped as
         for :meth:`put`) not yet rotated; ``angles`` are the batch's RoPE angles (``Context.rope_angles``), applied
-        to both as ``Tensor.rope(angles, dims, traditional=traditional)``. Returns the attention output
+        to both as ``Tensor.rope(angles, dims, traditional=traditional)``, or None for ``q`` and ``key`` rotated
+        already. Returns the attention output
         ``[1, H, N, Dv]`` (as ``Context.scaled_dot_product_attention`` of the rotated ``q`` over :meth:`get` with
         ``scale``), the keys and values stored; or ``None`` with nothing stored where the cache or the backend has
         no such path (this default): the caller then rotates, puts, gets and attends apart. A decode step so runs as

@@ -421,7 +421,7 @@ class CausalCache(Cache):
             fwd.loc_tensor = ctx.from_numpy(fwd.locs.astype(np.int32), DType.INT32)
         self._kv.write(ctx, st, key, value, lambda dst, src: self._write(fwd, dst, src))
 
-    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: RopeAngles,
+    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: Optional[RopeAngles],
                dims: int, traditional: bool) -> Optional[Tensor]:
         fwd = self._fwd
         if fwd is None:

@@ -81,7 +81,7 @@ class WrapperCache(Cache):
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         return self._cur.get(ctx)
 
-    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: RopeAngles,
+    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: Optional[RopeAngles],
                dims: int, traditional: bool) -> Optional[Tensor]:
         return self._cur.attend(ctx, q, key, value, scale, angles, dims, traditional)
 

@@ -400,7 +400,7 @@ class Context(abc.ABC):
         return None
 
     def cached_attention(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, cells: Tensor,
-                         scale: float, mask: "Tensor | None", angles: "RopeAngles", dims: int,
+                         scale: float, mask: "Tensor | None", angles: "RopeAngles | None", dims: int,
                          traditional: bool) -> "tuple[Tensor, Tensor, Tensor] | None":
         """A decode step's attention and its KV cache write in one: ``q [1, Hq, N, Dh]`` and the new keys
         ``k [1, Hkv, N, Dh]`` rotated by ``angles`` (as :meth:`Tensor.rope` with ``dims`` and ``traditional``), ``k``
@@ -409,7 +409,7 @@ class Context(abc.ABC):
         (``[N, hi - lo]``, from :meth:`attention_mask`, or None) as :meth:`scaled_dot_product_attention` does.
         ``cells`` is an INT32 Tensor ``[3]``, ``(start, lo, hi)``: a tensor, not numbers, so that a compiled decode
         step serves every position; the caller keeps them in range (``0 <= start <= C - N``, ``0 <= lo < hi <= C``)
-        (a backend may give NaN and write nothing otherwise).
+        (a backend may give NaN and write nothing otherwise). ``angles`` None: ``q`` and ``k`` come rotated.
         ``keys`` and ``values`` may be of a narrower float dtype than ``q`` (a 16-bit cache): ``k`` and ``v`` are
         rounded to it as they are written (as ``astype``), and read back widened.
 

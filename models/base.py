@@ -496,17 +496,20 @@ class DecoderModel(abc.ABC):
         return self._whole_step.run(ctx, batch, cache) if self._whole_step.usable else None
 
     def run_layers(self, ctx: Context, batch: Batch, h: Tensor, cache: "Cache", output_layer: int | None = None,
-                   angles: "dict[tuple, RopeAngles] | None" = None, whole: bool = False) -> Tensor:
+                   angles: "dict[tuple, RopeAngles] | None" = None, whole: bool = False,
+                   pos_tensor: Tensor | None = None) -> Tensor:
         """The layers this model holds (``part.layers``) on hidden states ``h [1, N, D]`` of ``batch``, after
         ``cache.start_forward``; returns the new ``h``. ``output_layer``: stop after that layer. ``angles``: the
-        RoPE angles per ``(base, scale, id(freqs))``, made by the caller; ``whole``: tracing a step compiled whole
-        (raises :class:`NotWholeStep` where a layer's attention cannot take the cache's fused path)."""
+        RoPE angles per ``(base, scale, id(freqs))``, or ``pos_tensor`` (INT32 ``[1]``) the position of a one-token
+        step where the backend makes none, made by the caller; ``whole``: tracing a step compiled whole (raises
+        :class:`NotWholeStep` where a layer's attention cannot take the cache's fused path)."""
         c = self.config
         n = h.shape[1]
         positions = rope_positions(ctx, batch)
         # One token: the per-layer math before and after attention runs as two compiled graphs (Backend.compile).
         compiled = n == 1 and self.compile_decode and isinstance(positions, int)
-        pos_tensor = ctx.from_numpy(np.array([positions], np.int32)) if compiled and angles is None else None
+        if compiled and angles is None and pos_tensor is None:
+            pos_tensor = ctx.from_numpy(np.array([positions], np.int32))
         angles = dict(angles or {})  # per distinct RoPE: made once for all its layers
         # compiled steps: the last layer's final residual term, added to h by the next layer's input norm (one node)
         pending: Tensor | None = None
@@ -540,12 +543,14 @@ class DecoderModel(abc.ABC):
                     raise NotWholeStep(f"layer {i}'s attention has no fused path here")
                 if o is None:
                     q, k = (x.rope(at, dims, traditional=c.rope_traditional) for x in (q, k))
-            elif whole:
-                raise NotWholeStep(f"layer {i} cannot run fused here")
             elif compiled:
                 rope_args = (at.cos, at.sin) if isinstance(at, RopeAngles) else (at,)
                 fn, names = self._compiled_block("in", i, len(rope_args), bool(res))
                 q, k, v, *hs = fn(h, *res, *rope_args, *[lw[name] for name in names])
+                if self.fuse_attention and not isinstance(at, RopeAngles):  # rotated: the cache write and attention
+                    o = cache.attend(ctx, q, k, v, c.query_scale, None, c.rope_dims or c.head_dim, c.rope_traditional)
+                if o is None and whole:
+                    raise NotWholeStep(f"layer {i}'s attention has no fused path here")
             else:
                 q, k, v, _ = attention_in(c, self._rope(i), h, at, lw)
             if res:  # (a compiled step's): h with the last layer's residual term added

@@ -4,15 +4,19 @@ Per-layer compiled blocks (``DecoderModel._compiled_block``) still cost the host
 attention, about 1.2 ms a step for a 30-layer model whose step takes 7 ms on two cores, and on a CPU the host's time
 is not hidden behind the device's (both cores run the step's products). Traced whole, the step replays from
 ``Backend.compile``'s cache in one call; what changes from one step to the next goes in as tensors: the token id,
-the RoPE angles of its position, and the KV cache's cells and storage (``Cache.step_tensors``). A step that the
-cache cannot give so (several tokens, a wrapped sliding-window ring, a quantized cache, storage about to grow) runs
-block by block, as before, with the same result.
+the RoPE angles of its position (or the position, where the backend rotates from positions: a GPU), and the KV
+cache's cells and storage (``Cache.step_tensors``). A step that the cache cannot give so (several tokens, a wrapped
+sliding-window ring, a quantized cache, storage about to grow) runs block by block, as before, with the same result.
+On a GPU, where a step of a small model is bound by per-operation launches and graph building, the step's attention
+is MLX operations that read the cells from their array (``Context.cached_attention`` with ``angles=None``).
 """
 
 from __future__ import annotations
 
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
 
 from mlx_engine.batch import Batch
 from mlx_engine.ml import Context, RopeAngles, Tensor
@@ -52,20 +56,19 @@ class WholeStep:
             return None
         cells, storage = state
         pos, dims = int(batch.positions[0]), model.config.rope_dims or model.config.head_dim
-        ropes: dict[tuple, RopeAngles] = {}
+        ropes: dict[tuple, RopeAngles | None] = {}
         for i in layers:
             base, scale, freqs = model._rope(i)
             key = (base, scale, None if freqs is None else id(freqs))
             if key not in ropes:
-                at = ctx.rope_angles(pos, 1, dims, base, scale, freqs, model.dtype)
-                if at is None:  # the backend rotates from positions: no angles to pass in
-                    self.usable = False
-                    return None
-                ropes[key] = at
+                ropes[key] = ctx.rope_angles(pos, 1, dims, base, scale, freqs, model.dtype)
+        # the angles of each RoPE, or where the backend rotates from positions (a GPU), the position
+        rope_in = ([t for at in ropes.values() for t in (at.cos, at.sin)] if all(ropes.values()) else
+                   [ctx.from_numpy(np.array([pos], np.int32))])
         ids = batch.inputs if isinstance(batch.inputs, Tensor) else ctx.from_numpy(batch.inputs)
-        self._call, self._cells = (ctx, cache, batch, layers, list(ropes)), len(cells)
+        self._call, self._cells = (ctx, cache, batch, layers, list(ropes) if len(rope_in) > 1 else []), len(cells)
         try:
-            out = self._fn(ids, *[t for at in ropes.values() for t in (at.cos, at.sin)], *cells, *storage)
+            out = self._fn(ids, *rope_in, *cells, *storage)
         except NotWholeStep:
             cache.load_step_tensors(cells, storage)  # the trace left its placeholders there
             self.usable = False
@@ -79,10 +82,11 @@ class WholeStep:
         """The step on placeholders (run once per shape by ``Backend.compile``): ``(logits, *storage')``."""
         model = self._model()
         ctx, cache, batch, layers, ropes = self._call
-        n = 2 * len(ropes)
-        angles = {key: RopeAngles(args[2 * j], args[2 * j + 1]) for j, key in enumerate(ropes)}
+        n = 2 * len(ropes) if ropes else 1
+        angles = {key: RopeAngles(args[2 * j], args[2 * j + 1]) for j, key in enumerate(ropes)} if ropes else None
         cache.load_step_tensors(args[n:n + self._cells], args[n + self._cells:])
         b = Batch(ids, batch.positions, batch.sequences, batch.outputs)
-        h = model.run_layers(ctx, b, model.embed(ctx, b), cache, angles=angles, whole=True)
+        h = model.run_layers(ctx, b, model.embed(ctx, b), cache, angles=angles, whole=True,
+                             pos_tensor=None if ropes else args[0])
         _, storage = cache.step_tensors(ctx, layers)
         return (model.logits(ctx, b, h), *storage)

@@ -136,6 +136,39 @@ def test_a_decode_step_compiled_whole_gives_the_bits_of_the_blocks(kind, kv_bits
     assert alive() is None
 
 
+@pytest.mark.parametrize("kv_bits", [None, 16])
+@pytest.mark.parametrize("kind", ["llama3", "gemma3"])
+def test_a_whole_step_without_our_kernels_reads_its_cells_from_an_array(kind, kv_bits, tmp_path, monkeypatch):
+    """Where the backend rotates from positions and has no attention kernel (a GPU; here the CPU with our RoPE and
+    attention kernels off): the step compiled whole takes the position as an array, and its attention is MLX's
+    (a slice update at the cells' start, attention over every stored cell with the visible run unmasked). Its
+    logits against the steps apart (RoPE, put, get and attention over the used cells): within float32 rounding
+    over 120 steps, the same greedy tokens; and against the same attention block by block, to the bit."""
+    from mlx_engine.mlx import cpu_kernels
+    from mlx_engine.models import step
+
+    for name in ("rope_apply", "attend_cached", "attend"):
+        monkeypatch.setattr(cpu_kernels, name, None)
+    folder, _, _ = _make_folder(tmp_path, kind)
+    backend = MLXBackend(folder, device="cpu", dtype="float32")
+    model = load_text_model(backend)
+    tokens = [int(t) for t in np.random.default_rng(9).integers(0, VOCAB, 40)]
+    model.fuse_attention = False
+    apart = _decode(model, backend, tokens, 120, capacity=300, kv_bits=kv_bits)
+    model.fuse_attention, model.compile_step = True, False
+    blocks = _decode(model, backend, tokens, 120, capacity=300, kv_bits=kv_bits)
+    runs = []
+    real_run = step.WholeStep.run
+    monkeypatch.setattr(step.WholeStep, "run", lambda self, *a: runs.append(real_run(self, *a)) or runs[-1])
+    model.compile_step = True
+    whole = _decode(model, backend, tokens, 120, capacity=300, kv_bits=kv_bits)
+    assert np.array_equal(whole, blocks)
+    assert np.abs(whole - apart).max() <= 1e-5 * np.abs(apart).max()
+    assert (whole.argmax(-1) == apart.argmax(-1)).all()
+    taken = sum(r is not None for r in runs)
+    assert taken >= 118  # (gemma3's window of 8 sees one run of cells: its ring does not wrap in 160 positions)
+
+
 @pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma3"])
 def test_fused_products_give_the_bits_of_the_operations_apart(kind, tmp_path, monkeypatch):
     """With quantized projections, a decode step's norms and activations run in the products' node (the prologue

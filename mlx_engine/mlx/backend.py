@@ -51,6 +51,23 @@ def _visible_runs(row: np.ndarray, most: int = 4) -> "list[tuple[int, int]] | No
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
+def _attend_in_graph(q, k, v, keys, values, cells, scale, mask):
+    """``Context.cached_attention`` for rotated ``q [1, H, 1, D]`` and ``k`` as MLX operations that read the cells
+    from the ``cells`` array (a slice update at ``start``, attention over every stored cell with ``[lo, hi)`` visible),
+    so that a decode step traced whole serves every position on any device (Metal, CUDA, or a CPU without our
+    kernels). It reads all ``C`` stored cells, not ``hi - lo``: a GPU's step is bound by its launches, not by those
+    bytes. ``(o, keys', values')``, or None for several queries or a mask (those go apart)."""
+    if mask is not None or q.ndim != 4 or q.shape[2] != 1 or keys.dtype != values.dtype:
+        return None
+    start = cells[:1]
+    keys = mx.slice_update(keys, k.astype(keys.dtype), start, axes=(2,))
+    values = mx.slice_update(values, v.astype(values.dtype), start, axes=(2,))
+    at = mx.arange(keys.shape[2], dtype=mx.int32)
+    m = mx.where((at >= cells[1]) & (at < cells[2]), 0.0, -mx.inf).astype(q.dtype)[None]
+    o = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale, mask=m)
+    return MLXTensor(o), MLXTensor(keys), MLXTensor(values)
+
+
 def _attention_blocks(visible: np.ndarray, block: int) -> "list[tuple[int, int, int, int, bool]] | None":
     """The key range of each block of ``block`` queries, or None when the blocks would skip too little."""
     n, s = visible.shape
@@ -165,6 +182,8 @@ class MLXContext(Context):
 
     def cached_attention(self, q, k, v, keys, values, cells, scale, mask, angles, dims, traditional):
         qa, ka, va, ks, vs = q.a, k.a, v.a, keys.a, values.a
+        if angles is None:
+            return _attend_in_graph(qa, ka, va, ks, vs, cells.a, scale, mask)
         if not (runtime.on_cpu and cpu_kernels.attend_cached is not None and qa.ndim == 4 and qa.shape[2] <= 16
                 and all(a.dtype == mx.float32 for a in (qa, ka, va, angles.cos.a))
                 and ks.dtype in (mx.float32, mx.float16, mx.bfloat16) and vs.dtype == ks.dtype):
