@@ -48,24 +48,32 @@ from mlx_engine.kvcache.storage import KVStorage, LayerStorage, round_up as _rou
 class _Forward:
     """What one ``start_forward`` decided: the cells of the batch, the used range, and the mask."""
 
-    __slots__ = ("n", "locs", "span", "loc_tensor", "used", "mask", "run", "reserve", "pos", "seqs", "cells")
+    __slots__ = ("n", "locs", "span", "loc_tensor", "used", "mask", "runs", "reserve", "pos", "seqs", "cells")
 
     def __init__(self, n: int, locs: Optional[np.ndarray], span: Optional[tuple[int, int]], used: int,
                  mask: Optional[Tensor], reserve: bool, pos: Optional[np.ndarray] = None,
-                 seqs: Optional[np.ndarray] = None, run: Optional[tuple[int, int]] = None):
+                 seqs: Optional[np.ndarray] = None, runs: Optional[list[tuple[int, int]]] = None):
         self.n, self.locs, self.span, self.used, self.mask, self.reserve = n, locs, span, used, mask, reserve
         self.pos, self.seqs = pos, seqs
-        self.run = run  # one token whose visible cells are one run [lo, hi): attended alone, unmasked
+        self.runs = runs  # one token whose visible cells are one or two runs [lo, hi): attended alone, unmasked
         self.loc_tensor: Optional[Tensor] = None
-        self.cells: Optional[Tensor] = None  # INT32 [3] (start, lo, hi) for Context.cached_attention, made once
+        self.cells: Optional[Tensor] = None  # INT32 [5] for Context.cached_attention, made once
 
-    def attended(self) -> tuple[int, int, Optional[Tensor]]:
-        """``(lo, hi, mask)``: the cells that the batch attends to, and the mask over them (None: all visible)."""
+    def attended(self) -> tuple[tuple[int, int, int, int], Optional[Tensor]]:
+        """``((lo, hi, lo2, hi2), mask)``: the runs of cells that the batch attends to (the second empty where
+        there is one), and the mask over ``[lo, hi)`` (None: all visible)."""
         if self.mask is None:
-            return 0, self.used, None
-        if self.run is not None:
-            return self.run[0], self.run[1], None
-        return 0, self.used, self.mask
+            return (0, self.used, 0, 0), None
+        if self.runs is not None:
+            (lo, hi), (lo2, hi2) = (self.runs + [(0, 0)])[:2]
+            return (lo, hi, lo2, hi2), None
+        return (0, self.used, 0, 0), self.mask
+
+    def cells_tensor(self, ctx: Context) -> Tensor:
+        """``(start, lo, hi, lo2, hi2)`` as an INT32 tensor ``[5]`` (made once per forward)."""
+        if self.cells is None:
+            self.cells = ctx.from_numpy(np.array([self.span[0], *self.attended()[0]], np.int32), DType.INT32)
+        return self.cells
 
 
 class CausalCache(Cache):
@@ -321,8 +329,8 @@ class CausalCache(Cache):
 
         used = min(_round_up(self._hi, max(1, self._config.padding)), self.num_cells)
         span = (int(locs[0]), int(locs[0]) + n) if int(locs[-1]) - int(locs[0]) == n - 1 else None
-        mask, run = self._build_mask(ctx, pos, seqs, used)
-        self._fwd = _Forward(n, locs, span, used, mask, False, pos, seqs, run)
+        mask, runs = self._build_mask(ctx, pos, seqs, used)
+        self._fwd = _Forward(n, locs, span, used, mask, False, pos, seqs, runs)
 
     def _refresh(self, seqs: Sequence[int]) -> None:
         """Recompute the used range, the count of used cells and the per-sequence counters after cells were freed."""
@@ -339,9 +347,10 @@ class CausalCache(Cache):
                 self._seq_min[s], self._seq_max[s] = 0, -1
 
     def _build_mask(self, ctx: Context, pos: np.ndarray, seqs: np.ndarray, used: int,
-                    both_ways: Sequence[tuple[int, int]] = ()) -> tuple[Optional[Tensor], Optional[tuple[int, int]]]:
-        """The mask over cells ``[0, used)`` (None: every cell visible to every token) and, for one token, the
-        single run ``(lo, hi)`` of cells it sees where they are one run (a sliding window before its ring wraps)."""
+                    both_ways: Sequence[tuple[int, int]] = ()
+                    ) -> tuple[Optional[Tensor], Optional[list[tuple[int, int]]]]:
+        """The mask over cells ``[0, used)`` (None: every cell visible to every token) and, for one token, the runs
+        ``(lo, hi)`` of cells it sees where they are one or two (a sliding window, before and after its ring wraps)."""
         n = len(pos)
         if n == 1 and not both_ways:
             # O(1) test: one sequence owns every cell of the used range and the token sees all of them
@@ -361,12 +370,12 @@ class CausalCache(Cache):
             visible &= cp[None, :] >= np.asarray(start)[:, None]    # window / chunk start
         if visible.all():
             return None, None
-        run = None
+        runs = None
         if n == 1:
-            seen = np.flatnonzero(visible[0])
-            if len(seen) and int(seen[-1]) - int(seen[0]) == len(seen) - 1:
-                run = int(seen[0]), int(seen[-1]) + 1
-        return ctx.attention_mask(visible, self._config.mask_dtype), run
+            edges = np.flatnonzero(np.diff(np.concatenate(([False], visible[0], [False])).astype(np.int8)))
+            if 0 < len(edges) <= 4:
+                runs = [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+        return ctx.attention_mask(visible, self._config.mask_dtype), runs
 
     def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
         """Let the tokens of each ``[begin, end)`` range of the current batch see each other both ways (the rest of
@@ -387,7 +396,7 @@ class CausalCache(Cache):
             if not 0 <= a < b <= fwd.n or len(np.unique(fwd.seqs[a:b])) != 1:
                 raise CacheError(f"set_causal range {a}..{b} is not a run of one sequence in the batch of {fwd.n}")
         # rebuilt from the positions that start_forward recorded (cells may have been reused since: same cells)
-        fwd.mask, fwd.run = self._build_mask(ctx, fwd.pos, fwd.seqs, fwd.used, both_ways)
+        fwd.mask, fwd.runs = self._build_mask(ctx, fwd.pos, fwd.seqs, fwd.used, both_ways)
         fwd.cells = None
 
     def _sees_from(self, p):
@@ -433,10 +442,8 @@ class CausalCache(Cache):
                 or ks[1] != vs[1] or ks[2] != fwd.n or vs[2] != fwd.n):
             return None
         st = self._layer_storage(ctx, (ks[1], ks[3], vs[3]), fwd.used)
-        lo, hi, mask = fwd.attended()
-        if fwd.cells is None:
-            fwd.cells = ctx.from_numpy(np.array([fwd.span[0], lo, hi], np.int32), DType.INT32)
-        got = ctx.cached_attention(q, key, value, st.k[0], st.v[0], fwd.cells, scale, mask, angles, dims, traditional)
+        got = ctx.cached_attention(q, key, value, st.k[0], st.v[0], fwd.cells_tensor(ctx), scale, fwd.attended()[1],
+                                   angles, dims, traditional)
         if got is None:
             return None
         o, st.k[0], st.v[0] = got
@@ -446,14 +453,11 @@ class CausalCache(Cache):
         fwd = self._fwd
         if fwd is None or fwd.reserve or fwd.n != 1 or fwd.span is None or self._kv.quantized:
             return None
-        lo, hi, mask = fwd.attended()
         stored = [self._kv.layers.get(i) for i in layers]
-        if mask is not None or any(st is None or st.size < fwd.used for st in stored):
+        if fwd.attended()[1] is not None or any(st is None or st.size < fwd.used for st in stored):
             return None
-        if fwd.cells is None:
-            fwd.cells = ctx.from_numpy(np.array([fwd.span[0], lo, hi], np.int32), DType.INT32)
         self._step_layers = stored
-        return [fwd.cells], [t for st in stored for t in (st.k[0], st.v[0])]
+        return [fwd.cells_tensor(ctx)], [t for st in stored for t in (st.k[0], st.v[0])]
 
     def load_step_tensors(self, cells: Sequence[Tensor], storage: Sequence[Tensor]) -> None:
         stored = self._step_layers

@@ -406,10 +406,12 @@ class Context(abc.ABC):
         ``k [1, Hkv, N, Dh]`` rotated by ``angles`` (as :meth:`Tensor.rope` with ``dims`` and ``traditional``), ``k``
         and ``v [1, Hkv, N, Dv]`` written to cells ``start .. start + N - 1`` of the layer's storage ``keys
         [1, Hkv, C, Dh]`` and ``values [1, Hkv, C, Dv]``, and ``q`` attending to cells ``lo .. hi - 1`` with ``mask``
-        (``[N, hi - lo]``, from :meth:`attention_mask`, or None) as :meth:`scaled_dot_product_attention` does.
-        ``cells`` is an INT32 Tensor ``[3]``, ``(start, lo, hi)``: a tensor, not numbers, so that a compiled decode
-        step serves every position; the caller keeps them in range (``0 <= start <= C - N``, ``0 <= lo < hi <= C``)
-        (a backend may give NaN and write nothing otherwise). ``angles`` None: ``q`` and ``k`` come rotated.
+        (``[N, hi - lo]``, from :meth:`attention_mask`, or None), then unmasked to cells ``lo2 .. hi2 - 1`` (a
+        wrapped sliding window's second run; none where ``lo2 == hi2``, always with a mask), as
+        :meth:`scaled_dot_product_attention` does over those cells in that order. ``cells`` is an INT32 Tensor
+        ``[5]``, ``(start, lo, hi, lo2, hi2)``: a tensor, not numbers, so that a compiled decode step serves every
+        position; the caller keeps them in range (``0 <= start <= C - N``, ``0 <= lo < hi <= C``,
+        ``0 <= lo2 <= hi2 <= C``) (a backend may give NaN and write nothing otherwise). ``angles`` None: ``q`` and ``k`` come rotated.
         ``keys`` and ``values`` may be of a narrower float dtype than ``q`` (a 16-bit cache): ``k`` and ``v`` are
         rounded to it as they are written (as ``astype``), and read back widened.
 

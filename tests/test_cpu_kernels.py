@@ -188,8 +188,8 @@ def _random_mask(rng, rows: int, width: int):
     return mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
 
 
-def _cells(start: int, lo: int, hi: int) -> mx.array:
-    return mx.array([start, lo, hi], mx.int32)
+def _cells(start: int, lo: int, hi: int, lo2: int = 0, hi2: int = 0) -> mx.array:
+    return mx.array([start, lo, hi, lo2, hi2], mx.int32)
 
 
 @pytest.mark.parametrize("heads, kv_heads, rows, dim, dims, traditional, cells, start, lo, hi, masked", [
@@ -234,7 +234,7 @@ def test_attend_cached_is_rope_writes_and_attend_bit_for_bit(heads, kv_heads, ro
         # known only as the step runs: NaN out, nothing written
         assert np.isnan(np.array(o)).all() and mx.array_equal(k2, keys).item() and mx.array_equal(v2, values).item()
     with pytest.raises(ValueError, match="cells must be int32"):
-        cpu_kernels.attend_cached(q, k, v, keys, values, cos, sin, mx.array([start, lo, hi]).astype(mx.int64), 0.125,
+        cpu_kernels.attend_cached(q, k, v, keys, values, cos, sin, mx.array([start, lo, hi, 0, 0]).astype(mx.int64), 0.125,
                                   dims, traditional, mask)
     with pytest.raises(ValueError, match="multiple of H_kv"):
         cpu_kernels.attend_cached(q, k[:, :, :, :dim - 1], v, keys, values, cos, sin, at, 0.125, dims, traditional,
@@ -290,6 +290,43 @@ def test_attend_cached_reads_and_writes_a_16_bit_cache(dtype, heads, kv_heads, r
         cpu_kernels.attend_cached(q, k, v, keys, values.astype(mx.float32), cos, sin, at, 0.125, dim, False, mask)
     with pytest.raises(ValueError, match="q, k, v, cos and sin must be float32"):
         cpu_kernels.attend_cached(q.astype(half), k, v, keys, values, cos, sin, at, 0.125, dim, False, mask)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("heads, kv_heads, dim, cells, start, runs", [
+    (4, 1, 256, 700, 689, ((400, 690), (5, 300))),  # gemma3's heads: 16 chunks of 37 keys, one across the runs
+    (9, 3, 64, 300, 40, ((200, 300), (0, 41))),     # smollm2's: the new token's cell ends the second run
+    (8, 2, 32, 64, 3, ((60, 64), (0, 4)))])         # one chunk of both runs
+def test_attend_cached_reads_a_wrapped_ring_as_its_two_runs(dtype, heads, kv_heads, dim, cells, start, runs):
+    """A sliding window whose ring wrapped sees two runs of cells: attended as ``attend`` over the two runs'
+    concatenation (the stored cache widened to float32), to the bit, for float32 and 16-bit caches, chunks across
+    the runs' boundary included; a mask beside two runs refused (NaN, nothing written)."""
+    rng = np.random.default_rng(heads * 100 + cells)
+    kind = getattr(mx, dtype)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    q, k, v = normal(1, heads, 1, dim), normal(1, kv_heads, 1, dim), normal(1, kv_heads, 1, dim)
+    keys, values = normal(1, kv_heads, cells, dim).astype(kind), normal(1, kv_heads, cells, dim).astype(kind)
+    cos, sin = cpu_kernels.rope_table(1, start, dim, 10000.0, 1.0, None)
+    mx.eval(q, k, v, keys, values, cos, sin)
+    want_k, want_v = mx.array(keys), mx.array(values)
+    want_k[:, :, start:start + 1] = cpu_kernels.rope_apply(k, cos, sin, dim, False).astype(kind)
+    want_v[:, :, start:start + 1] = v.astype(kind)
+    (lo, hi), (lo2, hi2) = runs
+    both_k = mx.concatenate([want_k[:, :, lo:hi], want_k[:, :, lo2:hi2]], axis=2).astype(mx.float32)
+    both_v = mx.concatenate([want_v[:, :, lo:hi], want_v[:, :, lo2:hi2]], axis=2).astype(mx.float32)
+    want = cpu_kernels.attend(cpu_kernels.rope_apply(q, cos, sin, dim, False), both_k, both_v, 0.125, None)
+    mx.eval(want, want_k, want_v)
+    o, k2, v2 = cpu_kernels.attend_cached(q, k, v, mx.array(keys), mx.array(values), cos, sin,
+                                          _cells(start, lo, hi, lo2, hi2), 0.125, dim, False, None)
+    for got, exp in ((o, want), (k2, want_k), (v2, want_v)):
+        assert mx.array_equal(got, exp).item()
+    mask = mx.zeros((1, hi - lo))
+    o, k2, _ = cpu_kernels.attend_cached(q, k, v, mx.array(keys), mx.array(values), cos, sin,
+                                         _cells(start, lo, hi, lo2, hi2), 0.125, dim, False, mask)
+    assert np.isnan(np.array(o)).all() and mx.array_equal(k2, keys).item()
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 577), (600, 64), (1, 4, 1, 256)])

@@ -331,7 +331,8 @@ def test_wrapper_routes_layers(backend, ctx, routing):
 def test_step_tensors_are_the_cells_and_storage_of_a_fused_one_token_step(backend, ctx):
     """``step_tensors``: for one token whose visible cells are one run, the cells ``(start, lo, hi)`` and the
     layers' storage, through a wrapper in its caches' order; None where a trace would hold this step's numbers
-    (several tokens, a wrapped window seeing two runs, a quantized cache, a layer not stored, storage to grow).
+    (several tokens, a quantized cache, a layer not stored, storage to grow); a wrapped window's two runs are both
+    in the cells.
     ``load_step_tensors`` puts tensors back in that order, and refuses any other count."""
     swa, causal = SlidingWindowMemoryCache(2, 8), CausalCache()  # (memory 8: no cell given up yet)
     cache = WrapperCache([swa, causal], [0, 1, 0, 1])
@@ -343,7 +344,7 @@ def test_step_tensors_are_the_cells_and_storage_of_a_fused_one_token_step(backen
     cache.start_forward(ctx, batch([0], [4]))
     cells, storage = cache.step_tensors(ctx, [0, 1, 2])
     # the window's cache sees positions 2..4 (cells 2..4), the causal one all five; the token goes to cell 4
-    assert [c.numpy().tolist() for c in cells] == [[4, 2, 5], [4, 0, 5]]
+    assert [c.numpy().tolist() for c in cells] == [[4, 2, 5, 0, 0], [4, 0, 5, 0, 0]]
     assert [t.shape[2] for t in storage] == [swa._kv.layers[0].size] * 4 + [causal._kv.layers[1].size] * 2
     assert storage[0] is swa._kv.layers[0].k[0] and storage[4] is causal._kv.layers[1].k[0]
     fresh = [ctx.from_numpy(t.numpy() + 1) for t in storage]
@@ -359,16 +360,18 @@ def test_step_tensors_are_the_cells_and_storage_of_a_fused_one_token_step(backen
     put_get(quantized, ctx, [0], 0, d=32)
     quantized.start_forward(ctx, batch([0], [1]))
     assert quantized.step_tensors(ctx, [0]) is None
-    ring = SlidingWindowMemoryCache(2, 3)  # a ring of 3 + 8 cells: it wraps, and the window then sees two runs
+    ring = SlidingWindowMemoryCache(2, 3)  # a ring of 3 + 8 cells: it wraps, and the window sees two runs at times
     ring.init(backend, DType.FLOAT32, 1, 64, 8)
     wrapped = False
     for p in range(24):
         ring.start_forward(ctx, batch([0], [p]))
         got = ring.step_tensors(ctx, [0]) if p else None
         _, _, m = put_get(ring, ctx, [p], 0)
-        runs = np.flatnonzero(np.diff(np.concatenate(([0], m[0] == 0, [0])).astype(np.int8)))
-        assert (got is None) == (p == 0 or len(runs) > 2 or ring._kv.layers[0].size < ring._fwd.used), p
-        wrapped |= len(runs) > 2
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], m[0] == 0, [0])).astype(np.int8)))
+        assert (got is None) == (p == 0 or len(edges) > 4 or ring._kv.layers[0].size < ring._fwd.used), p
+        if got is not None and len(edges) == 4:  # two runs: both in the cells, in order
+            assert got[0][0].numpy().tolist()[1:] == edges.tolist()
+            wrapped = True
     assert wrapped
     with pytest.raises(CacheError, match="step_tensors"):
         CausalCache().load_step_tensors([], [])

@@ -38,22 +38,24 @@ class MLXMask(MLXTensor):
 
 
 def _visible_runs(row: np.ndarray, most: int = 4) -> "list[tuple[int, int]] | None":
-    """The runs ``(k0, k1)`` of True in ``row``: one run, or at most ``most`` that hold under 80% of it (a
-    sliding-window cache whose ring wrapped: the window's cells lie in two runs of a larger used range). One run is
-    always read alone, as the KV cache's fused decode attention reads it (the same keys, so the same bits)."""
+    """The runs ``(k0, k1)`` of True in ``row``: one or two, or at most ``most`` that hold under 80% of it (a
+    sliding-window cache whose ring wrapped: the window's cells lie in two runs of a larger used range). One or two
+    runs are always read alone, as the KV cache's fused decode attention reads them (the same keys in the same
+    order, so the same bits)."""
     s = len(row)
     count = int(np.count_nonzero(row))
     if count == 0:
         return None
     edges = np.flatnonzero(np.diff(np.concatenate(([False], row, [False])).astype(np.int8)))
-    if len(edges) > 2 * most or (len(edges) > 2 and count >= 0.8 * s):
+    if len(edges) > 2 * most or (len(edges) > 4 and count >= 0.8 * s):
         return None
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
 def _attend_in_graph(q, k, v, keys, values, cells, scale, mask):
     """``Context.cached_attention`` for rotated ``q [1, H, 1, D]`` and ``k`` as MLX operations that read the cells
-    from the ``cells`` array (a slice update at ``start``, attention over every stored cell with ``[lo, hi)`` visible),
+    from the ``cells`` array (a slice update at ``start``, attention over every stored cell with ``[lo, hi)`` and
+    ``[lo2, hi2)`` visible),
     so that a decode step traced whole serves every position on any device (Metal, CUDA, or a CPU without our
     kernels). It reads all ``C`` stored cells, not ``hi - lo``: a GPU's step is bound by its launches, not by those
     bytes. ``(o, keys', values')``, or None for several queries or a mask (those go apart)."""
@@ -63,7 +65,8 @@ def _attend_in_graph(q, k, v, keys, values, cells, scale, mask):
     keys = mx.slice_update(keys, k.astype(keys.dtype), start, axes=(2,))
     values = mx.slice_update(values, v.astype(values.dtype), start, axes=(2,))
     at = mx.arange(keys.shape[2], dtype=mx.int32)
-    m = mx.where((at >= cells[1]) & (at < cells[2]), 0.0, -mx.inf).astype(q.dtype)[None]
+    seen = ((at >= cells[1]) & (at < cells[2])) | ((at >= cells[3]) & (at < cells[4]))
+    m = mx.where(seen, 0.0, -mx.inf).astype(q.dtype)[None]
     o = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale, mask=m)
     return MLXTensor(o), MLXTensor(keys), MLXTensor(values)
 

@@ -158,7 +158,7 @@ def _attend_cached_self_test(fn, rope_apply, attend) -> str | None:
         want_v[:, :, 17:18] = v
         want = attend(rope_apply(q, cos, sin, 32, False), want_k[:, :, lo:18], want_v[:, :, lo:18], 0.3, m)
         mx.eval(want, want_k, want_v)
-        cells = mx.array([17, lo, 18], mx.int32)
+        cells = mx.array([17, lo, 18, 0, 0], mx.int32)
         o, k_out, v_out = fn(q, k, v, mx.array(keys), mx.array(values), cos, sin, cells, 0.3, 32, False, m)
         if not all(mx.array_equal(a, b).item() for a, b in ((o, want), (k_out, want_k), (v_out, want_v))):
             return "the fused decode attention differs from RoPE, the cache writes and attention done apart"

@@ -283,7 +283,9 @@ const float* unit_last(const mx::array& a, std::vector<uint8_t>& buf, std::vecto
 
 // One attention: queries q [H, N, D] over keys [H_kv, S, D] and values [H_kv, S, Dv] (kept as kv_type, each with its
 // own head and row strides in elements, unit stride along the features), an optional mask [N, S] (row stride
-// mask_row), into o [H, N, Dv].
+// mask_row), into o [H, N, Dv]. With k2 and v2 (no mask then), the keys lie in two runs: keys [0, S1) from k and v,
+// keys [S1, S) from k2 and v2 (a sliding window whose ring wrapped), attended as if the two were one array (the
+// same chunks, so the same bits, as attention over their concatenation).
 struct AttendJob {
   const float* q;
   int64_t q_head, q_row;
@@ -297,7 +299,30 @@ struct AttendJob {
   float scale;
   float* o;
   int kv_type = kKvF32;
+  const void* k2 = nullptr;
+  const void* v2 = nullptr;
+  int S1 = -1;  // keys in the first run (-1: all S)
 };
+
+// Rows [s0, s0 + len) of one head's keys or values over the two runs of `a` into float32 dst [len, cols]: copied, or
+// widened from 16 bits.
+void gather_rows(const AttendJob& a, bool values, int g, int s0, int len, int cols, float* dst) {
+  const size_t item = a.kv_type == kKvF32 ? 4 : 2;
+  const int64_t head = values ? a.v_head : a.k_head, row = values ? a.v_row : a.k_row;
+  for (int part = 0; part < 2 && len > 0; ++part) {
+    const int first = part == 0 ? 0 : a.S1, end = part == 0 ? a.S1 : a.S;
+    const int from = std::max(s0, first), to = std::min(s0 + len, end);
+    if (from >= to) continue;
+    const uint8_t* base = static_cast<const uint8_t*>(part == 0 ? (values ? a.v : a.k) : (values ? a.v2 : a.k2));
+    const uint8_t* src = base + (g * head + int64_t(from - first) * row) * item;
+    float* out = dst + int64_t(from - s0) * cols;
+    if (a.kv_type == kKvF32) {
+      for (int r = 0; r < to - from; ++r) std::memcpy(out + int64_t(r) * cols, src + r * row * 4, cols * 4);
+    } else {
+      widen_rows(a.kv_type, src, row, to - from, cols, out);
+    }
+  }
+}
 
 void run_attention(const AttendJob& a) {
   const int H = a.H, N = a.N, D = a.D, Hkv = a.Hkv, S = a.S, Dv = a.Dv;
@@ -324,19 +349,33 @@ void run_attention(const AttendJob& a) {
     const int g = t / C, c = t % C, len = std::min(L, S - c * L);
     int s0 = c * L;
     View kv, vv;
-    if (a.kv_type == kKvF32) {
-      kv = {static_cast<const float*>(a.k) + g * a.k_head, a.k_row};
-      vv = {static_cast<const float*>(a.v) + g * a.v_head, a.v_row};
-    } else {  // the chunk's keys and values widened into float32 rows here (in L2: chunks are sized for it)
-      static thread_local std::vector<float> wide;
-      wide.resize(size_t(len) * (D + Dv));
-      const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + g * a.k_head + int64_t(s0) * a.k_row;
-      const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + g * a.v_head + int64_t(s0) * a.v_row;
-      widen_rows(a.kv_type, k16, a.k_row, len, D, wide.data());
-      widen_rows(a.kv_type, v16, a.v_row, len, Dv, wide.data() + size_t(len) * D);
-      kv = {wide.data(), D};
-      vv = {wide.data() + size_t(len) * D, Dv};
+    if (a.S1 >= 0 && s0 < a.S1 && s0 + len > a.S1) {  // a chunk across the two runs: its rows gathered here
+      static thread_local std::vector<float> both;
+      both.resize(size_t(len) * (D + Dv));
+      gather_rows(a, false, g, s0, len, D, both.data());
+      gather_rows(a, true, g, s0, len, Dv, both.data() + size_t(len) * D);
+      kv = {both.data(), D};
+      vv = {both.data() + size_t(len) * D, Dv};
       s0 = 0;
+    } else {
+      const bool second = a.S1 >= 0 && s0 >= a.S1;  // a chunk of the second run: its keys from k2 and v2
+      const void* kb = second ? a.k2 : a.k;
+      const void* vb = second ? a.v2 : a.v;
+      if (second) s0 -= a.S1;
+      if (a.kv_type == kKvF32) {
+        kv = {static_cast<const float*>(kb) + g * a.k_head, a.k_row};
+        vv = {static_cast<const float*>(vb) + g * a.v_head, a.v_row};
+      } else {  // the chunk's keys and values widened into float32 rows here (in L2: chunks are sized for it)
+        static thread_local std::vector<float> wide;
+        wide.resize(size_t(len) * (D + Dv));
+        const uint16_t* k16 = static_cast<const uint16_t*>(kb) + g * a.k_head + int64_t(s0) * a.k_row;
+        const uint16_t* v16 = static_cast<const uint16_t*>(vb) + g * a.v_head + int64_t(s0) * a.v_row;
+        widen_rows(a.kv_type, k16, a.k_row, len, D, wide.data());
+        widen_rows(a.kv_type, v16, a.v_row, len, Dv, wide.data() + size_t(len) * D);
+        kv = {wide.data(), D};
+        vv = {wide.data() + size_t(len) * D, Dv};
+        s0 = 0;
+      }
     }
     for (int j0 = 0; j0 < Q; j0 += 4) {
       const int G = std::min(4, Q - j0);
@@ -456,10 +495,11 @@ mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, flo
 //                 cos, sin [N, dims / 2], cells, scale, dims, traditional, mask [N, hi - lo] or none)
 //     -> (o [1, H, N, Dv], keys', values')
 // q and k rotated as rope_apply rotates them, k and v written to cells [start, start + N) of keys' and values', and
-// q attending to their cells [lo, hi) as attend does: bit for bit rope_apply, two slice updates and attend in turn.
-// cells is an int32 array [3] = (start, lo, hi), an input rather than a parameter so that one compiled decode step
-// serves every position. Cells out of range (or a mask whose columns are not hi - lo) write nothing and give NaN:
-// they are known only when the step runs, and the caller checks them before.
+// q attending to their cells [lo, hi), then [lo2, hi2) (a wrapped sliding window's two runs; none where lo2 = hi2;
+// unmasked), as attend does over those cells' concatenation: bit for bit rope_apply, two slice updates and attend in
+// turn. cells is an int32 array [5] = (start, lo, hi, lo2, hi2), an input rather than a parameter so that one
+// compiled decode step serves every position. Cells out of range (or a mask whose columns are not hi - lo) write
+// nothing and give NaN: they are known only when the step runs, and the caller checks them before.
 // All float32 but keys and values, which may be float16 or bfloat16 (both the same): k and v are rounded to their type
 // as they are written (as astype rounds), and widened exactly as they are read.
 // keys' and values' take over the buffers of keys and values (copied only when those are not plain row-major
@@ -496,8 +536,9 @@ class AttendCached : public mx::Primitive {
       const int H = inputs[0].shape(1), N = inputs[0].shape(2), D = inputs[0].shape(3);
       const int Hkv = inputs[1].shape(1), Dv = inputs[2].shape(3), C = inputs[3].shape(2), half = dims / 2;
       const int32_t* at = static_cast<const int32_t*>(mlx_engine::row_major(inputs[7], bufs[7]));
-      const int start = at[0], lo = at[1], hi = at[2];
-      if (start < 0 || start > C - N || lo < 0 || lo >= hi || hi > C || (masked && inputs[8].shape(1) != hi - lo)) {
+      const int start = at[0], lo = at[1], hi = at[2], lo2 = at[3], hi2 = at[4];
+      if (start < 0 || start > C - N || lo < 0 || lo >= hi || hi > C || lo2 < 0 || lo2 > hi2 || hi2 > C ||
+          (masked && (inputs[8].shape(1) != hi - lo || lo2 < hi2))) {
         float* o = outputs[0].data<float>();
         std::fill(o, o + outputs[0].size(), std::numeric_limits<float>::quiet_NaN());
         return;
@@ -526,7 +567,8 @@ class AttendCached : public mx::Primitive {
       const float* mask = masked ? unit_last(inputs[8], bufs[8], mask_strides) : nullptr;
       run_attention({rotated.data(), int64_t(N) * D, D, keys + int64_t(lo) * D * item, int64_t(C) * D, D,
                      values + int64_t(lo) * Dv * item, int64_t(C) * Dv, Dv, mask, masked ? mask_strides[0] : 0, H, N,
-                     D, Hkv, hi - lo, Dv, scale, outputs[0].data<float>(), type});
+                     D, Hkv, hi - lo + hi2 - lo2, Dv, scale, outputs[0].data<float>(), type,
+                     keys + int64_t(lo2) * D * item, values + int64_t(lo2) * Dv * item, lo2 < hi2 ? hi - lo : -1});
     });
   }
 
@@ -571,8 +613,8 @@ std::vector<mx::array> attend_cached(const mx::array& q, const mx::array& k, con
       values.shape(3) != v.shape(3))
     throw std::invalid_argument("attend_cached: k [1, H_kv, N, D], v [1, H_kv, N, Dv], keys [1, H_kv, C, D] and values "
                                 "[1, H_kv, C, Dv] must match q [1, H, N, D], H a multiple of H_kv");
-  if (cells.dtype() != mx::int32 || cells.ndim() != 1 || cells.shape(0) != 3)
-    throw std::invalid_argument("attend_cached: cells must be int32 [3]: start, lo, hi");
+  if (cells.dtype() != mx::int32 || cells.ndim() != 1 || cells.shape(0) != 5)
+    throw std::invalid_argument("attend_cached: cells must be int32 [5]: start, lo, hi, lo2, hi2");
   if (N > C) throw std::invalid_argument("attend_cached: more new rows than cells");
   if (dims <= 0 || dims % 2 || dims > D || cos.ndim() != 2 || cos.shape(0) != N || cos.shape(1) != dims / 2 ||
       sin.shape() != cos.shape())
@@ -600,6 +642,6 @@ void register_attention(nb::module_& m) {
         nb::arg("cos"), nb::arg("sin"), nb::arg("cells"), nb::arg("scale"), nb::arg("dims"), nb::arg("traditional"),
         nb::arg("mask").none(),
         "RoPE on q and k, k and v written to cells [start, start + N) of keys and values, and q attending to their "
-        "cells [lo, hi), cells = int32 [start, lo, hi]: (o, keys', values'), keys' and values' taking over the "
-        "buffers of keys and values (cells out of range: NaN, nothing written).");
+        "cells [lo, hi) and [lo2, hi2), cells = int32 [start, lo, hi, lo2, hi2]: (o, keys', values'), keys' and "
+        "values' taking over the buffers of keys and values (cells out of range: NaN, nothing written).");
 }
