@@ -411,7 +411,8 @@ class Context(abc.ABC):
         :meth:`scaled_dot_product_attention` does over those cells in that order. ``cells`` is an INT32 Tensor
         ``[5]``, ``(start, lo, hi, lo2, hi2)``: a tensor, not numbers, so that a compiled decode step serves every
         position; the caller keeps them in range (``0 <= start <= C - N``, ``0 <= lo < hi <= C``,
-        ``0 <= lo2 <= hi2 <= C``) (a backend may give NaN and write nothing otherwise). ``angles`` None: ``q`` and ``k`` come rotated.
+        ``0 <= lo2 <= hi2 <= C``) (a backend may give NaN and write nothing otherwise). ``angles`` None: ``q`` and
+        ``k`` come rotated.
         ``keys`` and ``values`` may be of a narrower float dtype than ``q`` (a 16-bit cache): ``k`` and ``v`` are
         rounded to it as they are written (as ``astype``), and read back widened.
 

@@ -234,8 +234,8 @@ def test_attend_cached_is_rope_writes_and_attend_bit_for_bit(heads, kv_heads, ro
         # known only as the step runs: NaN out, nothing written
         assert np.isnan(np.array(o)).all() and mx.array_equal(k2, keys).item() and mx.array_equal(v2, values).item()
     with pytest.raises(ValueError, match="cells must be int32"):
-        cpu_kernels.attend_cached(q, k, v, keys, values, cos, sin, mx.array([start, lo, hi, 0, 0]).astype(mx.int64), 0.125,
-                                  dims, traditional, mask)
+        cpu_kernels.attend_cached(q, k, v, keys, values, cos, sin, _cells(start, lo, hi).astype(mx.int64), 0.125, dims,
+                                  traditional, mask)
     with pytest.raises(ValueError, match="multiple of H_kv"):
         cpu_kernels.attend_cached(q, k[:, :, :, :dim - 1], v, keys, values, cos, sin, at, 0.125, dims, traditional,
                                   mask)

@@ -107,7 +107,8 @@ def test_fused_decode_attention_gives_the_bits_of_the_steps_apart(kind, kv_bits,
 def test_a_decode_step_compiled_whole_gives_the_bits_of_the_blocks(kind, kv_bits, tmp_path, monkeypatch):
     """``models/step.py``: the decode step traced whole (its cells, angles and cache storage as inputs) against the
     same step block by block: the same logits to the bit over 240 steps, from one trace per storage shape (not one
-    per position), gemma3's sliding window of 8 before and after its ring wraps. Dropping the model frees it at once (no cycle through the trace)."""
+    per position), gemma3's sliding window of 8 before and after its ring wraps. Dropping the model frees it at
+    once (no cycle through the trace)."""
     from mlx_engine.mlx import cpu_kernels
     from mlx_engine.models import step
 
