@@ -55,10 +55,9 @@ def _visible_runs(row: np.ndarray, most: int = 4) -> "list[tuple[int, int]] | No
 def _attend_in_graph(q, k, v, keys, values, cells, scale, mask):
     """``Context.cached_attention`` for rotated ``q [1, H, 1, D]`` and ``k`` as MLX operations that read the cells
     from the ``cells`` array (a slice update at ``start``, attention over every stored cell with ``[lo, hi)`` and
-    ``[lo2, hi2)`` visible),
-    so that a decode step traced whole serves every position on any device (Metal, CUDA, or a CPU without our
-    kernels). It reads all ``C`` stored cells, not ``hi - lo``: a GPU's step is bound by its launches, not by those
-    bytes. ``(o, keys', values')``, or None for several queries or a mask (those go apart)."""
+    ``[lo2, hi2)`` visible), so that a decode step traced whole serves every position on any device (Metal, CUDA, or
+    a CPU without our kernels). It reads all ``C`` stored cells, not only the visible ones: a GPU's step is bound by
+    its launches, not by those bytes. ``(o, keys', values')``, or None for several queries or a mask (those go apart)."""
     if mask is not None or q.ndim != 4 or q.shape[2] != 1 or keys.dtype != values.dtype:
         return None
     start = cells[:1]
@@ -195,7 +194,7 @@ class MLXContext(Context):
         if mask is not None:
             runs = mask.runs if isinstance(mask, MLXMask) else None
             if runs is not None and len(runs) > 1 and qa.shape[2] == 1:
-                return None  # a wrapped ring: attention apart reads the runs alone, not every cell masked
+                return None  # more runs than the kernel reads: attention apart reads them alone, not all cells
             m = mask.a
             if m.ndim != 2 or m.shape[0] != qa.shape[2]:
                 return None
