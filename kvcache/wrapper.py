@@ -36,6 +36,7 @@ class WrapperCache(Cache):
         self.layer_cache = layer_cache
         self._cur: Cache = self.caches[0]
         self._step_split: list[tuple[int, int]] = []  # per cache: its cells and storage tensors in step_tensors
+        self._step_routes: dict[tuple[int, ...], list[list[int]]] = {}  # layers -> each cache's share of them
 
     def cache_index(self, layer: int) -> int:
         """Which of ``caches`` serves ``layer``; raises ``ValueError`` when the routing gives no valid index."""
@@ -89,8 +90,11 @@ class WrapperCache(Cache):
         cells: list[Tensor] = []
         storage: list[Tensor] = []
         self._step_split = []
-        for i, c in enumerate(self.caches):
-            mine = [layer for layer in layers if self.cache_index(layer) == i]
+        key = tuple(layers)
+        if key not in self._step_routes:  # (a decode step asks this every token: the routing, once)
+            self._step_routes[key] = [[layer for layer in layers if self.cache_index(layer) == i]
+                                      for i in range(len(self.caches))]
+        for c, mine in zip(self.caches, self._step_routes[key]):
             got = c.step_tensors(ctx, mine) if mine else ([], [])
             if got is None:
                 return None

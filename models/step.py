@@ -45,6 +45,7 @@ class WholeStep:
         self.usable = True  # False once a trace found a layer the fused path cannot take (it stays so)
         self._call: tuple[Context, "Cache", Batch, list[int], list[tuple]] | None = None  # what a trace reads
         self._cells = 0
+        self._rope_kinds: dict[tuple, tuple] | None = None  # (base, scale, id(freqs)) -> (base, scale, freqs)
 
     def run(self, ctx: Context, batch: Batch, cache: "Cache") -> Tensor | None:
         """Logits ``[1, vocab]`` of a one-token ``batch`` (after ``cache.start_forward``), its keys and values
@@ -56,12 +57,14 @@ class WholeStep:
             return None
         cells, storage = state
         pos, dims = int(batch.positions[0]), model.config.rope_dims or model.config.head_dim
-        ropes: dict[tuple, RopeAngles | None] = {}
-        for i in layers:
-            base, scale, freqs = model._rope(i)
-            key = (base, scale, None if freqs is None else id(freqs))
-            if key not in ropes:
-                ropes[key] = ctx.rope_angles(pos, 1, dims, base, scale, freqs, model.dtype)
+        if self._rope_kinds is None:  # the model's distinct RoPEs, found once (30 lookups a step otherwise)
+            kinds: dict[tuple, tuple] = {}
+            for i in layers:
+                base, scale, freqs = model._rope(i)
+                kinds.setdefault((base, scale, None if freqs is None else id(freqs)), (base, scale, freqs))
+            self._rope_kinds = kinds
+        ropes = {key: ctx.rope_angles(pos, 1, dims, base, scale, freqs, model.dtype)
+                 for key, (base, scale, freqs) in self._rope_kinds.items()}
         # the angles of each RoPE, or where the backend rotates from positions (a GPU), the position
         rope_in = ([t for at in ropes.values() for t in (at.cos, at.sin)] if all(ropes.values()) else
                    [ctx.from_numpy(np.array([pos], np.int32))])
