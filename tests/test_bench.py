@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_engine.cli.main import main
-from mlx_engine.bench import COMPARED, BenchResult, format_table
+from mlx_engine.bench import COMPARED, BenchResult, cpu_threads, format_table
 
 FIGURES = ("prefill_512", "prefill_2048", "decode", "ttft", "peak_memory", "weights_bytes", "bytes_per_token",
            "bandwidth_share", "file_limit_share", "weights_over_file", "perplexity")
@@ -165,9 +165,39 @@ def test_llama_cpp_runs_where_the_engine_runs_in_its_own_process(on_gpu, fake_ll
         r = peer.run([5, 6, 7], 4)
     finally:
         peer.close()
-    assert json.loads(fake_llama_cpp.read_text())["n_gpu_layers"] == (-1 if on_gpu else 0)
+    opened = json.loads(fake_llama_cpp.read_text())
+    assert opened["n_gpu_layers"] == (-1 if on_gpu else 0)
+    assert opened["n_threads"] == opened["n_threads_batch"] == cpu_threads()  # the threads this engine computes on
     assert peer.version == "fake" and peer.weights_bytes == 1000.0
     assert r["tokens"] == 4.0 and r["peak_bytes"] == 1024.0 and r["ttft_s"] >= 0 and r["decode_tps"] > 0
+
+
+def test_cpu_threads_follow_the_engine(monkeypatch):
+    monkeypatch.setenv("MLX_ENGINE_CPU_THREADS", "3")
+    assert cpu_threads() == 3
+    monkeypatch.delenv("MLX_ENGINE_CPU_THREADS")
+    assert cpu_threads() == len(os.sched_getaffinity(0))
+
+
+def test_bandwidth_passes_split_the_array_over_the_engines_threads(monkeypatch):
+    """The read and copy passes cover every element exactly once, in as many slices at once as the engine has
+    threads (one core alone does not reach the memory's bandwidth)."""
+    import threading
+
+    from mlx_engine.bench.run import _timed_on_threads
+
+    monkeypatch.setenv("MLX_ENGINE_CPU_THREADS", "3")
+    seen, threads, lock = [], set(), threading.Lock()
+
+    def part(lo, hi):
+        with lock:
+            seen.append((lo, hi))
+            threads.add(threading.get_ident())
+
+    assert _timed_on_threads(part, 1000, reps=2) >= 0
+    assert len(seen) == 3 * 3  # one untimed pass and two timed, 3 slices each
+    assert sorted(seen[:3]) == [(0, 333), (333, 666), (666, 1000)] and sorted(seen[3:6]) == sorted(seen[:3])
+    assert 1 <= len(threads) <= 3
 
 
 @pytest.mark.parametrize("fail", ["open", "crash"])
