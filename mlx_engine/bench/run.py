@@ -387,7 +387,7 @@ def _timed_on_threads(part: Callable[[int, int], Any], n: int, reps: int) -> flo
     """Median seconds, over ``reps`` after one untimed, of ``part(lo, hi)`` run on :func:`cpu_threads` threads at
     once over equal slices of ``[0, n)`` (NumPy lets go of the GIL in its loops, so the slices run in parallel: one
     core alone does not reach the memory's bandwidth; measured on a 2-core EPYC, a sum read 24 GB/s on one thread
-    and 31 GB/s on two, and a decode step's 8-bit output head was read at 30 GB/s)."""
+    and 31-36 GB/s on two, and a decode step's 8-bit output head was read at 30 GB/s)."""
     from concurrent.futures import ThreadPoolExecutor
 
     k = max(1, min(cpu_threads(), n))
