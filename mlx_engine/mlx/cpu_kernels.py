@@ -6,8 +6,9 @@
 of a quantized weight, dequantized: an embedding lookup), ``rms_norm``
 (RMSNorm as one graph node; ``add_rms_norm``: a residual add and the norm after it as one) and ``activation`` (SiLU
 and tanh-form GELU, vectorized; times a gated MLP's up projection; ``qmatmul_many`` runs these as the prologue of its
-products, and RMSNorms of its outputs, in the same node) and ``widen`` (float16 / bfloat16 to float32, vectorized,
-exactly as astype: a 16-bit KV cache read apart) are None when the module is missing (not built:
+products, and RMSNorms of its outputs, in the same node), ``widen`` (float16 / bfloat16 to float32, vectorized,
+exactly as astype: a 16-bit KV cache read apart) and ``softmax`` (over the last axis, vectorized and threaded: a
+prefill's attention scores) are None when the module is missing (not built:
 no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one
 installed, or fails its self-test; then quantized weights run through MLX's own operations and
 :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time. ``activations`` says what the
@@ -34,6 +35,7 @@ rms_norm: "Callable | None" = None
 add_rms_norm: "Callable | None" = None
 activation: "Callable | None" = None
 widen: "Callable | None" = None
+softmax: "Callable | None" = None
 # What qmatmul does with x: "float32" (the exact product of x with the dequantized weight: the float model's tokens),
 # or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel (AVX-512 VNNI) "int8" (quantized per 32 elements
 # and integer dot products, as llama.cpp does: prefill 1.6-1.8x faster, llama.cpp's numerics). Read once, at load:
@@ -197,6 +199,17 @@ def _prologue_self_test(many, norm_fn, add_fn, act_fn) -> str | None:
     return None
 
 
+def _softmax_self_test(fn) -> str | None:
+    """Against MLX's softmax, rows of an odd length with -inf among them; a row of -inf only gives zeros."""
+    x = mx.random.normal((5, 37), key=mx.random.key(13)) * 4
+    x = mx.where(mx.arange(37) % 5 == 2, -mx.inf, x)
+    if not mx.allclose(fn(x), mx.softmax(x, axis=-1, precise=True), rtol=1e-5, atol=1e-7).item():
+        return "softmax differs from mx.softmax"
+    if not mx.array_equal(fn(mx.full((1, 3), -mx.inf)), mx.zeros((1, 3))).item():
+        return "softmax of a hidden row is not zeros"
+    return None
+
+
 def _activation_self_test(fn) -> str | None:
     """SiLU and tanh-form GELU against mlx.nn's, over the range where they bend and far out."""
     import mlx.nn as nn
@@ -250,6 +263,7 @@ def rope_row(position: int, dims: int, base, scale: float) -> tuple:
 
 def _load() -> None:
     global qmatmul, qmatmul_many, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm, activation, widen
+    global softmax
     global activations, _status
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
@@ -273,6 +287,7 @@ def _load() -> None:
                        or _qtake_self_test(_kernels.qtake)
                        or _norm_self_test(_kernels.rms_norm, _kernels.add_rms_norm)
                        or _activation_self_test(_kernels.activation) or _widen_self_test(_kernels.widen)
+                       or _softmax_self_test(_kernels.softmax)
                        or _prologue_self_test(_kernels.qmatmul_many, _kernels.rms_norm, _kernels.add_rms_norm,
                                               _kernels.activation))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
@@ -284,7 +299,7 @@ def _load() -> None:
                                                  _kernels.attend)
     attend_cached, qtake = _kernels.attend_cached, _kernels.qtake
     rms_norm, add_rms_norm, activation = _kernels.rms_norm, _kernels.add_rms_norm, _kernels.activation
-    widen = _kernels.widen
+    widen, softmax = _kernels.widen, _kernels.softmax
     asked = os.environ.get("MLX_ENGINE_ACTIVATIONS", "float32").lower()
     note = ""
     if asked == "int8" and not _kernels.int8_supported():

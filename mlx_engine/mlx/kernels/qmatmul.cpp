@@ -462,6 +462,7 @@ void register_norm(nb::module_& m);       // norm.cpp
 void register_activation(nb::module_& m);  // activation.cpp
 void register_qtake(nb::module_& m);       // qtake.cpp
 void register_half(nb::module_& m);        // half.cpp
+void register_softmax(nb::module_& m);     // softmax.cpp
 
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
@@ -489,6 +490,7 @@ NB_MODULE(_kernels, m) {
   register_activation(m);
   register_half(m);
   register_qtake(m);
+  register_softmax(m);
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
   m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI).");
