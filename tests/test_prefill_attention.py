@@ -36,7 +36,7 @@ def _assert_softmax(got: np.ndarray, x: np.ndarray) -> None:
 def test_softmax_is_mlx_softmax_bit_for_bit(shape):
     """MLX's CPU softmax's bits (its exp approximation and its sums in order) and, within float32 rounding, the
     softmax itself (float64): rows of odd lengths, hidden (-inf) elements, scores past exp's range (-88, 88), sizes
-    split over the threads (the last: 720 rows of 2048), a strided view, and the gradient (MLX's)."""
+    split over the threads (the last: 720 rows of 2048), in place, a strided view, and the gradient (MLX's)."""
     assert cpu_kernels.softmax is not None, cpu_kernels.status()
     rng = np.random.default_rng(len(shape))
     x = (rng.standard_normal(shape) * 30).astype(np.float32)
@@ -48,6 +48,8 @@ def test_softmax_is_mlx_softmax_bit_for_bit(shape):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.all(got[..., 1::7] == 0)
     _assert_softmax(got, x)
+    # scores that only the graph holds (a prefill's): computed in their own buffer, the same bits
+    assert np.array_equal(np.array(cpu_kernels.softmax(mx.array(x) + 0.0)), got)
     view = mx.array(x)[..., ::2]
     assert np.array_equal(np.array(cpu_kernels.softmax(view)), np.array(mx.softmax(view, axis=-1, precise=True)))
     small = mx.array(np.where(np.isinf(x), -30.0, x).reshape(-1, shape[-1])[:3])

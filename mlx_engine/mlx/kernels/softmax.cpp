@@ -62,7 +62,7 @@ INLINE f32x16 mlx_exp(f32x16 x_init) {
   return r;
 }
 
-// Rows [r0, r1) of x [rows, n] into out.
+// Rows [r0, r1) of x [rows, n] into out (which may be x: each element is read before it is written).
 PER_ISA void softmax_rows(const float* x, float* out, int64_t r0, int64_t r1, int64_t n) {
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t rb = r0; rb < r1; rb += 16) {
@@ -110,7 +110,13 @@ class Softmax : public mx::UnaryPrimitive {
   explicit Softmax(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+    // in place where MLX lets the scores go (as its own softmax does): a prefill's scores and probabilities are not
+    // held at once
+    const mx::array& x = inputs[0];
+    if (x.is_donatable() && x.flags().row_contiguous)
+      out.copy_shared_buffer(x);
+    else
+      out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(inputs[0]);
     encoder.set_output_array(out);
