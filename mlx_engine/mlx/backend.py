@@ -118,9 +118,10 @@ def _one_query_attention(q: "mx.array", k: "mx.array", v: "mx.array", scale: flo
 def _rows_attention(q: "mx.array", k: "mx.array", v: "mx.array", scale: float, mask: "mx.array | None") -> "mx.array":
     """Attention of many queries (a prefill) as MLX's CPU backend computes ``mx.fast.scaled_dot_product_attention``
     (its fallback: ``q * scale``, grouped heads as a broadcast axis, ``q @ k^T``, the additive mask, softmax,
-    ``@ v``), with our vectorized, threaded softmax (``cpu_kernels.softmax``) for MLX's, which runs one element at a
-    time on one thread: about half of a 2048-token prefill of smollm2 (perf). ``q [B, H, L, D]``, ``k [B, H_kv, S,
-    D]``, ``v [B, H_kv, S, Dv]``, ``mask`` broadcastable to ``[L, S]`` or None; returns ``[B, H, L, Dv]``."""
+    ``@ v``), with our softmax (``cpu_kernels.softmax``: the bits of MLX's, vectorized and threaded) for MLX's, which
+    runs one element at a time on one thread: about half of a 2048-token prefill of smollm2 (perf). The same bits as
+    MLX's attention. ``q [B, H, L, D]``, ``k [B, H_kv, S, D]``, ``v [B, H_kv, S, Dv]``, ``mask`` broadcastable to
+    ``[L, S]`` or None; returns ``[B, H, L, Dv]``."""
     b, h, n, d = q.shape
     hkv = k.shape[1]
     q = mx.array(scale, q.dtype) * q
