@@ -81,7 +81,10 @@ PER_ISA void softmax_rows(const float* x, float* out, int64_t r0, int64_t r1, in
       for (int j = 0; j < 16; ++j) top = vt[j] > top ? vt[j] : top;
       for (int64_t i = n - n % 16; i < n; ++i) top = xr[i] > top ? xr[i] : top;
       tops[l] = top;
-      if (top == ninf) continue;
+      if (top == ninf) {  // every key hidden: no weight at all (its sum, below, is then 0 and unused)
+        std::memset(o, 0, sizeof(float) * n);
+        continue;
+      }
       for (int64_t i = 0; i < n; i += 16) {
         const int64_t m = std::min<int64_t>(16, n - i);
         f32x16 v{};
@@ -94,11 +97,8 @@ PER_ISA void softmax_rows(const float* x, float* out, int64_t r0, int64_t r1, in
     for (int64_t i = 0; i < n; ++i)
       for (int l = 0; l < rows; ++l) sums[l] += out[(rb + l) * n + i];
     for (int l = 0; l < rows; ++l) {
+      if (tops[l] == ninf) continue;
       float* o = out + (rb + l) * n;
-      if (tops[l] == ninf) {
-        std::memset(o, 0, sizeof(float) * n);
-        continue;
-      }
       const float inv = 1.f / sums[l];
       for (int64_t i = 0; i < n; ++i) o[i] *= inv;
     }
@@ -123,7 +123,7 @@ class Softmax : public mx::UnaryPrimitive {
     encoder.dispatch([x = inputs[0], out]() mutable {
       std::vector<uint8_t> buf;  // a prefill's scores, if not row-major: freed after
       const float* xd = static_cast<const float*>(mlx_engine::row_major(x, buf));
-      const int64_t n = x.ndim() ? x.shape(-1) : 1, rows = n ? int64_t(x.size()) / n : 0;
+      const int64_t n = x.shape(-1), rows = n ? int64_t(x.size()) / n : 0;  // x has an axis (softmax checks)
       // chunks of 16 rows, or more for short rows (about 64 Ki elements): many per thread in a prefill
       const int64_t per = 16 * std::max<int64_t>(1, (int64_t(1) << 12) / std::max<int64_t>(n, 1));
       const int chunks = int((rows + per - 1) / per);
@@ -138,7 +138,8 @@ class Softmax : public mx::UnaryPrimitive {
     throw std::runtime_error("mlx_engine softmax runs on the CPU only; use mx.softmax on a GPU");
   }
 
-  // The gradient is that of MLX's own softmax (nothing trains through a prefill's attention today).
+  // The gradient is that of MLX's own softmax: training/train_image.py differentiates through the image models'
+  // attention, which runs here on the CPU.
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>&) override {
     auto fn = [](const std::vector<mx::array>& in) {
