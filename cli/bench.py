@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from mlx_engine.cli.options import ACTIVATIONS_OPTION
 from mlx_engine.store import DEFAULT_MODEL
 
 
@@ -19,8 +20,10 @@ from mlx_engine.store import DEFAULT_MODEL
 @click.option("--quick", is_flag=True, help="A smoke run with tiny sizes (seconds; the figures mean little).")
 @click.option("--kv-bits", type=click.Choice(["none", "16", "8", "4"]), default="none", show_default=True,
               help="Our KV cache, as `run --kv-bits` (16: float16 keys and values, as llama.cpp's cache).")
+@ACTIVATIONS_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def bench(model: str, compare: tuple[str, ...], reps: int, quick: bool, kv_bits: str, as_json: bool) -> None:
+def bench(model: str, compare: tuple[str, ...], reps: int, quick: bool, kv_bits: str, activations: str | None,
+          as_json: bool) -> None:
     """Benchmark MODEL: prompt tokens/s at 512 and 2048 tokens, decode tokens/s over 128 tokens, time to first
     token, peak memory, the weights held over the file's tensor bytes, perplexity of a fixed text, the share of the
     read-bandwidth limit that the file's bytes set for decode, decode at 128 vs 4096 tokens of context, chat turn 1
@@ -42,5 +45,5 @@ def bench(model: str, compare: tuple[str, ...], reps: int, quick: bool, kv_bits:
         click.echo(f"bench: {msg}", err=True)
 
     result = run_bench(model, reps=1 if quick and reps == 3 else reps, compare=compare, quick=quick,
-                       kv_bits=None if kv_bits == "none" else int(kv_bits), progress=progress)
+                       kv_bits=None if kv_bits == "none" else int(kv_bits), activations=activations, progress=progress)
     click.echo(result.to_json() if as_json else format_table(result))

@@ -18,6 +18,7 @@ import click
 
 from mlx_engine.cli.bench import bench
 from mlx_engine.cli.image import image
+from mlx_engine.cli.options import ACTIVATIONS_OPTION
 from mlx_engine.cli.serve import serve
 from mlx_engine.cli.streaming import StopOnInterrupt, context_full_notice, describe_model, stream_to
 from mlx_engine.errors import EngineError, InvalidRequestError, ModelNotFoundError, PullError
@@ -233,6 +234,7 @@ def _sampling_options(f):
                           "8- or 4-bit affine groups."),
         click.option("--mmproj", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
                      help="llama.cpp's vision file for a Gemma 3 GGUF, so that the model reads images."),
+        ACTIVATIONS_OPTION,
         click.option("--verbose", "-v", is_flag=True,
                      help="Print the device and BLAS, and the speed after each answer, on stderr."),
         click.option("--parallel", type=click.Choice(["pipeline", "tensor"]), default=None,
@@ -280,7 +282,8 @@ def _load(model: str, kw: dict):
     kv = kw.get("kv_bits") or "none"
     loaded = api.load(model, device=kw.get("device"), context_length=kw.get("context_length"), pull=True,
                       progress=True, kv_bits=None if kv == "none" else int(kv), parallel=kw.get("parallel"),
-                      transport=kw.get("transport") or "any", mmproj=kw.get("mmproj"))
+                      transport=kw.get("transport") or "any", mmproj=kw.get("mmproj"),
+                      activations=kw.get("activations"))
     if kw.get("verbose") and loaded.distributed is not None:
         for r in loaded.distributed.ranks:
             click.echo(f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, heads {r['heads'][0]}-"

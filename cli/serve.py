@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from mlx_engine.cli.options import ACTIVATIONS_OPTION
 from mlx_engine.errors import InvalidRequestError
 
 
@@ -46,9 +47,10 @@ def _size(value: str | None) -> int | None:
               help="Split the --model over the ranks mlx.launch started (rank 0 serves HTTP).")
 @click.option("--transport", type=click.Choice(["any", "ring", "jaccl", "mpi", "nccl"]), default="any",
               show_default=True, help="With --parallel: mx.distributed's backend between the ranks.")
+@ACTIVATIONS_OPTION
 def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, context_length: int, keep_alive: str,
           memory_budget: str | None, api_key: str | None, kv_bits: str | None, max_queue: int,
-          prefill_chunk: int, parallel: str | None, transport: str) -> None:
+          prefill_chunk: int, parallel: str | None, transport: str, activations: str | None) -> None:
     """Serve text and image models over HTTP: the OpenAI API (/v1/...) and the ollama API (/api/...).
 
     \b
@@ -67,13 +69,14 @@ def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, con
     config = ServerConfig(host=host, port=port, models=list(models), max_sequences=max_sequences,
                           context_length=context_length, keep_alive=keep, memory_budget=_size(memory_budget),
                           api_key=api_key, kv_bits=None if kv_bits == "none" else int(kv_bits), max_queue=max_queue,
-                          prefill_chunk=prefill_chunk, parallel=parallel, transport=transport)
+                          prefill_chunk=prefill_chunk, parallel=parallel, transport=transport,
+                          activations=activations)
     config.check()
     if parallel is not None:
         from mlx_engine import api
 
         if api.launched_rank() != 0:  # serve rank 0's model (this returns only by ending the process)
-            api.load(models[0], parallel=parallel, transport=transport, progress=False)
+            api.load(models[0], parallel=parallel, transport=transport, progress=False, activations=activations)
     click.echo(f"mlx-engine serving on http://{host}:{port} (OpenAI: /v1, ollama: /api); Ctrl-C stops", err=True)
     run_server(config)
     # The server has stopped and its device thread has ended. MLX's threads and static destructors can race at

@@ -69,6 +69,7 @@ class Model:
         name: the name it was loaded by. architecture: ``llama``, ``gemma3`` or ``qwen3``.
         info: architecture, parameters, quantization, context_length, chat_template, license, source, path.
         context_length: the most tokens a sequence may hold here.
+        activations: what the CPU's quantized products do with x, ``float32`` or ``int8`` (see :func:`load`).
         load_seconds, weights_bytes, load_peak_bytes: what loading took (seconds, bytes on the device, and the
             device's peak memory during the load above what other models held before it).
     """
@@ -77,7 +78,7 @@ class Model:
                  device: str | None = None, dtype: str | None = None, context_length: int | None = None,
                  kv_bits: int | None = None, requantize: int | None = None, max_sequences: int = 4,
                  prefill_chunk: int = 2048, reserve: bool = False, parallel: str | None = None,
-                 transport: str = "any", mmproj: "str | Path | None" = None):
+                 transport: str = "any", mmproj: "str | Path | None" = None, activations: str | None = None):
         t0 = time.perf_counter()
         _check_load_arguments(device=device, dtype=dtype, context_length=context_length, kv_bits=kv_bits,
                               max_sequences=max_sequences, prefill_chunk=prefill_chunk)
@@ -88,12 +89,14 @@ class Model:
                                       f"float16's range (the output would be NaN); use dtype {half.value} or float32")
 
         def make_backend(p: Path, shard: Any = None) -> MLXBackend:
-            return MLXBackend(p, device=device, dtype=dtype, requantize=requantize, shard=shard, half_dtype=half)
+            return MLXBackend(p, device=device, dtype=dtype, requantize=requantize, shard=shard, half_dtype=half,
+                              activations=activations)
 
         self.distributed = None
         if parallel is not None:
             text, self.distributed = load_sharded(path, make_backend, parallel, transport,
-                                                  {"dtype": dtype, "requantize": requantize})
+                                                  {"dtype": dtype, "requantize": requantize,
+                                                   "activations": activations})
         else:
             text = load_text_checkpoint(path, make_backend, mmproj=Path(mmproj).expanduser() if mmproj else None)
         self.backend, self.tokenizer = text.backend, text.tokenizer
@@ -107,6 +110,7 @@ class Model:
         self.kv_cache_bytes = self._check_kv_memory(ctx_len, max_sequences, prefill_chunk, kv_bits)
         self.context_length = ctx_len
         self.kv_bits = kv_bits
+        self.activations = self.backend.activations
         self.runner = Runner(self.text_model, self.tokenizer, context_length=ctx_len, max_sequences=max_sequences,
                              prefill_chunk=prefill_chunk, kv_bits=kv_bits, reserve=reserve)
         self.load_seconds = time.perf_counter() - t0
@@ -465,7 +469,7 @@ def kv_value_bytes(kv_bits: int | None, item: int) -> float:
 def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None,
          context_length: int | None = None, pull: bool = True, progress: bool = True, kv_bits: int | None = None,
          requantize: int | None = None, parallel: str | None = None, transport: str = "any",
-         mmproj: "str | Path | None" = None) -> Model:
+         mmproj: "str | Path | None" = None, activations: str | None = None) -> Model:
     """Load a model by catalog name (``smollm2:135m``, ``gemma3:270m``), GGUF path, Hugging Face folder,
     ``hf:org/repo`` or ollama name; pulls catalog models on first use.
 
@@ -480,16 +484,21 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     only a float32 compute dtype, the CPU's, is narrowed: half its memory, a decode step reads half the bytes); 8 or
     4: as affine groups (of 64). Not 16 by default: its rounding turns the last bits in which a batched step differs
     from a lone one into visible differences, and a greedy answer should not depend on what else the server runs.
+    ``activations``: what the CPU's quantized products do with x: ``"float32"`` (the default, or
+    ``$MLX_ENGINE_ACTIVATIONS``): the exact product with the dequantized weights, the float model's tokens; ``"int8"``:
+    x quantized per 32 elements as llama.cpp's Q8_0 and integer dot products (AVX-512 VNNI), llama.cpp's numerics and
+    a faster decode. A GPU takes x as it is (MLX's kernels).
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.
         UnsupportedError: an architecture we do not run (the message lists those we do).
-        InvalidRequestError: float16 for an architecture whose activations outgrow it.
+        InvalidRequestError: float16 for an architecture whose activations outgrow it; activations neither float32
+            nor int8. UnsupportedError: int8 activations where they cannot run (a GPU, a CPU without AVX-512 VNNI).
     """
     resolved = Store().resolve(model, pull=pull, progress=progress)
     return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,
                  dtype=dtype, context_length=context_length, kv_bits=kv_bits, requantize=requantize,
-                 parallel=parallel, transport=transport, mmproj=mmproj)
+                 parallel=parallel, transport=transport, mmproj=mmproj, activations=activations)
 
 
 def memory_in_use() -> int:

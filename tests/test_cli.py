@@ -272,6 +272,10 @@ def test_run_arguments(fake_load):
     invoke("run", "smollm2:135m", "--kv-bits", "16", "Hi")
     assert fake_load[-1].load_kw["kv_bits"] == "16"
     assert invoke("run", "smollm2:135m", "--kv-bits", "12", "Hi").exit_code == 2
+    assert fake_load[-1].load_kw["activations"] is None  # the process default ($MLX_ENGINE_ACTIVATIONS)
+    invoke("run", "smollm2:135m", "--activations", "int8", "Hi")
+    assert fake_load[-1].load_kw["activations"] == "int8"
+    assert invoke("run", "smollm2:135m", "--activations", "fp8", "Hi").exit_code == 2
 
 
 def test_run_prompt_from_stdin_and_verbose(fake_load):

@@ -264,25 +264,23 @@ def _int8_supported() -> bool:
 
 @pytest.mark.skipif(not _int8_supported(), reason="the int8 kernel needs AVX-512 VNNI, which this CPU lacks")
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_int8_activations_have_llama_cpps_perplexity(name, request, monkeypatch, record_property):
-    """With int8 activations (MLX_ENGINE_ACTIVATIONS=int8: llama.cpp's Q8 blocks) and the float32 KV cache, the
-    perplexity of the bench's fixed text (its first 512 tokens, as the bench scores) is within 1 % of llama.cpp's on
-    the same file (measured: smollm2 10.363 against 10.304, gemma3 2.4338 against 2.4170; with float32 activations
-    10.389 and 2.3305, as mlx-lm's float model), and greedy text stays text. (With a 16-bit KV cache int8
-    measures 10.391 and 2.3899, 1.1 % from llama.cpp on gemma3: there int8's rounding moves the perplexity of these
-    339 tokens by 2 % for a change as small as the cache's float16 rounding, which moves float32 activations' by
-    0.005 %.)"""
+def test_int8_activations_have_llama_cpps_perplexity(name, request, record_property):
+    """With int8 activations (``load(activations="int8")``: llama.cpp's Q8 blocks) and the float32 KV cache, the
+    perplexity of the bench's fixed text (its first 1024 tokens, as the bench scores) is within 1 % of llama.cpp's on
+    the same file, and greedy text stays text. Measured: smollm2 19.33 against 19.26, gemma3 8.607 against 8.635
+    (float32 activations 19.22 and 8.485). Not fewer tokens: int8's perplexity is chaotic in its last bits (a change
+    of 1e-7 in the attention's scale moves it by up to 0.4 % over these tokens, 0.8 % over the first 338, where two
+    machines of this project's kind, Zen 4 and Zen 5, gave smollm2 10.363 and 10.423 against llama.cpp's 10.304)."""
     import math
 
     from mlx_engine.bench.llama_cpp_peer import LlamaCppPeer
-    from mlx_engine.bench.run import PERPLEXITY_TEXT
-    from mlx_engine.mlx import cpu_kernels
+    from mlx_engine.bench.text import PERPLEXITY_TEXT
 
     path = request.getfixturevalue(f"{name}_gguf")
-    monkeypatch.setattr(cpu_kernels, "activations", "int8")  # before the load: its compiled graphs trace with it
-    model = mlx_engine.load(str(path), progress=False, context_length=1024)
+    model = mlx_engine.load(str(path), progress=False, context_length=1280, activations="int8")
     try:
-        tokens = model.text_tokens(PERPLEXITY_TEXT)[:512]
+        assert model.activations == "int8" and "int8 activations" in model.backend_name
+        tokens = model.text_tokens(PERPLEXITY_TEXT)[:1024]
         with model.backend.new_context() as ctx:
             ours = math.exp(model.runner.perplexity(ctx, tokens)[0])
         answer = model.generate(PROMPTS[name][0], max_tokens=12)
@@ -295,7 +293,7 @@ def test_int8_activations_have_llama_cpps_perplexity(name, request, monkeypatch,
         peer.close()
     record_property("int8_perplexity", ours)
     record_property("llama_cpp_perplexity", ref)
-    assert len(tokens) > 300 and abs(ours / ref - 1) <= 0.01, f"int8 {ours:.4f}, llama.cpp {ref:.4f}"
+    assert len(tokens) == 1024 and abs(ours / ref - 1) <= 0.01, f"int8 {ours:.4f}, llama.cpp {ref:.4f}"
     assert len(answer.split()) >= 2
 
 

@@ -56,32 +56,12 @@ from typing import Any
 
 import numpy as np
 
+from mlx_engine.bench.text import PERPLEXITY_TEXT
 from mlx_engine.ml import DType
 
 COMPARED = ("decode", "prefill_512", "prefill_2048", "ttft", "peak_memory", "perplexity")
 LOWER_IS_BETTER = ("ttft", "peak_memory", "perplexity")
 PEERS = ("llama.cpp", "mlx-lm")
-
-#: The perplexity text: plain English prose, the same for every engine (public-domain: the opening of the US
-#: Declaration of Independence and of Lincoln's Gettysburg Address).
-PERPLEXITY_TEXT = (
-    "When in the Course of human events, it becomes necessary for one people to dissolve the political bands which "
-    "have connected them with another, and to assume among the powers of the earth, the separate and equal station "
-    "to which the Laws of Nature and of Nature's God entitle them, a decent respect to the opinions of mankind "
-    "requires that they should declare the causes which impel them to the separation. We hold these truths to be "
-    "self-evident, that all men are created equal, that they are endowed by their Creator with certain unalienable "
-    "Rights, that among these are Life, Liberty and the pursuit of Happiness. That to secure these rights, "
-    "Governments are instituted among Men, deriving their just powers from the consent of the governed. "
-    "Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived in "
-    "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great civil "
-    "war, testing whether that nation, or any nation so conceived and so dedicated, can long endure. We are met on "
-    "a great battle-field of that war. We have come to dedicate a portion of that field, as a final resting place "
-    "for those who here gave their lives that that nation might live. It is altogether fitting and proper that we "
-    "should do this. But, in a larger sense, we can not dedicate, we can not consecrate, we can not hallow this "
-    "ground. The brave men, living and dead, who struggled here, have consecrated it, far above our poor power to "
-    "add or detract. The world will little note, nor long remember what we say here, but it can never forget what "
-    "they did here."
-)
 
 
 @dataclass
@@ -100,7 +80,7 @@ class BenchSizes:
     chat_tokens: int = 24
     copy_bytes: int = 256 * 2**20
     matmul_n: int = 1024
-    perplexity_tokens: int = 512
+    perplexity_tokens: int = 1024
 
     @classmethod
     def quick(cls) -> "BenchSizes":
@@ -438,10 +418,10 @@ def _load_peer(name: str, path: Any, n_ctx: int, say: Callable[[str], None], on_
 
 
 def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str, ...] | str | None" = None,
-              quick: bool = False, kv_bits: int | None = None,
+              quick: bool = False, kv_bits: int | None = None, activations: str | None = None,
               progress: Callable[[str], None] | None = None) -> BenchResult:
     """Measure ``model_name`` (and each peer in ``compare``: ``"llama.cpp"``, ``"mlx-lm"``) on the same file, ours
-    with the KV cache ``kv_bits`` asks for (as :func:`mlx_engine.api.load`'s).
+    with the KV cache ``kv_bits`` and the ``activations`` asked for (as :func:`mlx_engine.api.load`'s).
 
     Raises:
         InvalidRequestError: an unknown peer, llama.cpp on a file that is not GGUF, or ``reps < 1``.
@@ -463,7 +443,7 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
 
     say(f"loading {model_name}")
     n_ctx = max(sizes.context_long, sizes.prefill_long) + sizes.decode_tokens + 64
-    model = load(model_name, progress=False, context_length=n_ctx, kv_bits=kv_bits)
+    model = load(model_name, progress=False, context_length=n_ctx, kv_bits=kv_bits, activations=activations)
     if "llama.cpp" in names and model.path.suffix != ".gguf":
         raise InvalidRequestError(f"llama.cpp reads GGUF files; {model.name} is {model.path.name}")
     ours = EngineSide(model)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from mlx_engine.errors import InvalidRequestError, UnsupportedError
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles
 from mlx_engine.mlx import cpu_kernels, runtime
 from mlx_engine.mlx.runtime import blas_description, mx, select_device
@@ -314,6 +315,23 @@ def _symmetric(host: QuantizedArray) -> bool:
     return bool(np.array_equal(host.biases, host.scales * np.asarray(-(2 ** (host.bits - 1)), host.scales.dtype)))
 
 
+def _check_activations(activations: str | None, device: str) -> str:
+    """``activations`` as :class:`MLXBackend` takes it (None: the process default), checked for ``device``."""
+    if activations is None:
+        return cpu_kernels.activations if device == "cpu" else "float32"
+    if activations not in cpu_kernels.ACTIVATIONS:
+        raise InvalidRequestError(f"activations must be one of {', '.join(cpu_kernels.ACTIVATIONS)}, "
+                                  f"not {activations!r}")
+    if activations == "int8":
+        if device != "cpu":
+            raise UnsupportedError(f"int8 activations are a CPU kernel's; on {device} MLX's quantized kernels take the "
+                                   "activations in the compute dtype: leave activations unset (or float32)")
+        problem = cpu_kernels.int8_problem()
+        if problem:
+            raise UnsupportedError(f"int8 activations cannot run here: {problem}; use float32")
+    return activations
+
+
 class MLXBackend(Backend):
     """Weights from a GGUF file, a safetensors file, or a Hugging Face folder, on an MLX device.
 
@@ -334,16 +352,24 @@ class MLXBackend(Backend):
             leaves out are not read. Each tensor is read, cut and uploaded alone, so the host never holds more
             than one whole tensor.
         half_dtype: the GPU's default compute dtype (the architecture's :attr:`DecoderModel.half_dtype`).
+        activations: what the CPU's quantized products do with x: ``"float32"`` (the exact product with the
+            dequantized weight: the float model's tokens) or ``"int8"`` (x quantized per 32 elements as llama.cpp's
+            Q8_0 and integer dot products: llama.cpp's numerics, faster; needs AVX-512 VNNI). Default:
+            ``$MLX_ENGINE_ACTIVATIONS``, else float32.
 
     Raises:
         WeightsError: the file is missing, truncated or corrupt (the message names it).
+        InvalidRequestError: ``activations`` is neither float32 nor int8.
+        UnsupportedError: int8 activations where they cannot run (a GPU, whose MLX kernels take x as it is; a CPU
+            without our kernels or without AVX-512 VNNI: the message says which).
     """
 
     def __init__(self, path: "str | Path | None" = None, *, device: str | None = None, dtype: "DType | str | None" = None,
                  requantize: int | None = None, quantized: bool | None = None,
                  shard: "Callable[[Any], Mapping[str, tuple[int, int, int] | None]] | None" = None,
-                 half_dtype: "DType | str" = DType.FLOAT16):
+                 half_dtype: "DType | str" = DType.FLOAT16, activations: str | None = None):
         self._device = select_device(device)
+        self.activations = _check_activations(activations, self._device)
         if quantized is None:
             quantized = self._device != "cpu" or cpu_kernels.qmatmul is not None
         self._keep_quantized = quantized
@@ -382,7 +408,8 @@ class MLXBackend(Backend):
                 s, b = s.astype(dt), b.astype(dt)
             elif cpu_kernels.qmatmul is not None and _symmetric(host):
                 b = None  # our kernel makes them from the scales: Q8_0 held in its file's 34 bytes per 32, not 36
-            t = MLXQuantizedTensor(mx.array(host.weight), s, b, host.group_size, host.bits, dtype=dt)
+            t = MLXQuantizedTensor(mx.array(host.weight), s, b, host.group_size, host.bits, dtype=dt,
+                                   activations=self.activations)
             mx.eval(t.w, t.scales, *([] if b is None else [b]))
             return t
         if isinstance(host, QuantizedArray):
@@ -396,7 +423,7 @@ class MLXBackend(Backend):
     @property
     def name(self) -> str:
         if self._device == "cpu":
-            return f"mlx cpu ({blas_description()}; quantized kernels: {cpu_kernels.status()})"
+            return f"mlx cpu ({blas_description()}; quantized kernels: {cpu_kernels.status(self.activations)})"
         return f"mlx {self._device}"
 
     @property
@@ -442,7 +469,7 @@ class MLXBackend(Backend):
             spec, flat = [], []  # one pass: this runs twice per layer and decode step
             for t in tensors:
                 if isinstance(t, MLXQuantizedTensor):
-                    spec.append((t.group_size, t.bits, t._dtype, t.biases is None))
+                    spec.append((t.group_size, t.bits, t._dtype, t.biases is None, t.activations))
                     flat += (t.w, t.scales) if t.biases is None else (t.w, t.scales, t.biases)
                 else:
                     spec.append(None)
@@ -454,7 +481,8 @@ class MLXBackend(Backend):
                 def raw(*arrays):
                     it = iter(arrays)
                     args = [MLXTensor(next(it)) if s is None else
-                            MLXQuantizedTensor(next(it), next(it), None if s[3] else next(it), *s[:3]) for s in spec]
+                            MLXQuantizedTensor(next(it), next(it), None if s[3] else next(it), *s[:3],
+                                               activations=s[4]) for s in spec]
                     out = fn(*args)
                     returns_tuple[spec] = isinstance(out, tuple)
                     return tuple(o.a for o in out) if isinstance(out, tuple) else (out.a,)

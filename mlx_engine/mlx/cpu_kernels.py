@@ -12,7 +12,8 @@ and threaded: a prefill's attention scores) are None when the module is missing 
 no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one
 installed, or fails its self-test; then quantized weights run through MLX's own operations and
 :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time. ``activations`` says what the
-engine's products do with x (float32, or int8 with ``MLX_ENGINE_ACTIVATIONS=int8``).
+engine's products do with x by default (float32, or int8 with ``MLX_ENGINE_ACTIVATIONS=int8``); a model loaded
+with ``activations=`` sets its own (:func:`int8_problem` says whether int8 runs here).
 """
 
 from __future__ import annotations
@@ -36,12 +37,18 @@ add_rms_norm: "Callable | None" = None
 activation: "Callable | None" = None
 widen: "Callable | None" = None
 softmax: "Callable | None" = None
-# What qmatmul does with x: "float32" (the exact product of x with the dequantized weight: the float model's tokens),
-# or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel (AVX-512 VNNI) "int8" (quantized per 32 elements
-# and integer dot products, as llama.cpp does: decode about 1.2x faster, llama.cpp's numerics). Read once, at load:
-# a compiled graph keeps the value it was traced with.
+# What qmatmul does with x unless a model was loaded with activations=: "float32" (the exact product of x with the
+# dequantized weight: the float model's tokens), or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel
+# (AVX-512 VNNI) "int8" (quantized per 32 elements and integer dot products, as llama.cpp does: decode about 1.2x
+# faster, llama.cpp's numerics). Each quantized weight carries the value it was made with (a compiled graph keeps
+# what it was traced with).
 activations = "float32"
+ACTIVATIONS = ("float32", "int8")
 _status = "not loaded"
+_note = ""  # what became of $MLX_ENGINE_ACTIVATIONS, where it was not taken
+_kernels_module = None
+_int8_problem: "str | None" = "not checked"
+_int8_lock = threading.Lock()
 
 
 def _self_test(fn, many) -> str | None:
@@ -265,7 +272,7 @@ def rope_row(position: int, dims: int, base, scale: float) -> tuple:
 def _load() -> None:
     global qmatmul, qmatmul_many, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm, activation, widen
     global softmax
-    global activations, _status
+    global activations, _status, _note, _kernels_module
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
         return
@@ -301,23 +308,40 @@ def _load() -> None:
     attend_cached, qtake = _kernels.attend_cached, _kernels.qtake
     rms_norm, add_rms_norm, activation = _kernels.rms_norm, _kernels.add_rms_norm, _kernels.activation
     widen, softmax = _kernels.widen, _kernels.softmax
+    _kernels_module = _kernels
+    _status = f"{_kernels.isa()}, {_kernels.threads()} threads"
     asked = os.environ.get("MLX_ENGINE_ACTIVATIONS", "float32").lower()
-    note = ""
-    if asked == "int8" and not _kernels.int8_supported():
-        note = " (int8 needs AVX-512 VNNI, which this CPU lacks)"
-    elif asked == "int8":
-        with mx.stream(mx.cpu):
-            problem = _int8_self_test(_kernels.qmatmul)
-        note = f" (int8 failed its self-test: {problem})" if problem else ""
+    if asked == "int8":
+        problem = int8_problem()
+        _note = f" (int8: {problem})" if problem else ""
         activations = "float32" if problem else "int8"
     elif asked != "float32":
-        note = f" (MLX_ENGINE_ACTIVATIONS={asked!r} is neither int8 nor float32)"
-    _status = f"{_kernels.isa()}, {_kernels.threads()} threads, {activations} activations{note}"
+        _note = f" (MLX_ENGINE_ACTIVATIONS={asked!r} is neither int8 nor float32)"
 
 
-def status() -> str:
-    """The CPU kernels in one line: the instruction set and threads, or why they are not used."""
-    return _status
+def int8_problem() -> str | None:
+    """Why int8 activations cannot run here (the kernels are off, the CPU lacks AVX-512 VNNI, or their self-test
+    failed), or None where they can. The self-test runs once per process, on first need."""
+    global _int8_problem
+    if qmatmul is None or _kernels_module is None:
+        return f"the CPU kernels are not in use: {_status}"
+    with _int8_lock:
+        if _int8_problem == "not checked":
+            if not _kernels_module.int8_supported():
+                _int8_problem = "it needs AVX-512 VNNI, which this CPU lacks"
+            else:
+                with mx.stream(mx.cpu):
+                    problem = _int8_self_test(_kernels_module.qmatmul)
+                _int8_problem = f"the int8 kernel failed its self-test ({problem})" if problem else None
+        return _int8_problem
+
+
+def status(activations_in_use: str | None = None) -> str:
+    """The CPU kernels in one line: the instruction set, threads and activations (``activations_in_use``, or the
+    process default :data:`activations`), or why they are not used."""
+    if qmatmul is None:
+        return _status
+    return f"{_status}, {activations_in_use or activations} activations{_note}"
 
 
 _load()

@@ -103,7 +103,7 @@ class MLXTensor(Tensor):
         if isinstance(weight, MLXQuantizedTensor):
             if runtime.on_cpu and cpu_kernels.qmatmul is not None:
                 y = cpu_kernels.qmatmul(self.a, weight.w, weight.scales, weight.biases, weight.group_size, weight.bits,
-                                        cpu_kernels.activations)
+                                        weight.activations)
             else:
                 y = mx.quantized_matmul(self.a, weight.w, *weight.float_scales(), transpose=True,
                                         group_size=weight.group_size, bits=weight.bits)
@@ -126,7 +126,7 @@ class MLXTensor(Tensor):
                                           [w.biases for w in weights], [w.group_size for w in weights],
                                           [w.bits for w in weights],
                                           None if shapes is None else [list(shape) for shape in shapes],
-                                          cpu_kernels.activations)
+                                          weights[0].activations)
             biases = biases if biases is not None else [None] * len(weights)
             return [MLXTensor(y if b is None else y + b.a) for y, b in zip(ys, biases)]
         return super().linear_many(weights, biases, shapes)
@@ -143,7 +143,7 @@ class MLXTensor(Tensor):
         return cpu_kernels.qmatmul_many(
             self.a, [w.w for w in weights], [w.scales for w in weights], [w.biases for w in weights],
             [w.group_size for w in weights], [w.bits for w in weights],
-            None if shapes is None else [list(shape) for shape in shapes], cpu_kernels.activations, prologue,
+            None if shapes is None else [list(shape) for shape in shapes], weights[0].activations, prologue,
             [t.a for t in inputs], None if out_norms is None else [raw(t) for t in out_norms], eps)
 
     def norm_linear(self, weights, norm, eps, residual=None, shapes=None, out_norms=None):
@@ -371,11 +371,14 @@ class MLXQuantizedTensor(MLXTensor):
     two), made where needed instead of held (our CPU kernel makes them per row).
     """
 
-    __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape", "_dtype")
+    __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape", "_dtype", "activations")
 
-    def __init__(self, w, scales, biases, group_size: int, bits: int, dtype=None):
+    def __init__(self, w, scales, biases, group_size: int, bits: int, dtype=None, activations: str | None = None):
         self.w, self.scales, self.biases = w, scales, biases
         self.group_size, self.bits = group_size, bits
+        #: what our CPU kernel does with x in products with this weight: "float32" or "int8" (the backend's choice,
+        #: else the process default ``cpu_kernels.activations``); MLX's kernels elsewhere take x as it is
+        self.activations = activations or cpu_kernels.activations
         self._shape = (w.shape[0], w.shape[1] * 32 // bits)
         self._dtype = dtype if dtype is not None else scales.dtype
 

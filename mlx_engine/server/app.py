@@ -46,6 +46,7 @@ class ServerConfig:
     memory_budget: int | None = None
     api_key: str | None = None
     kv_bits: int | None = None  # the KV cache's type (mlx_engine.load's kv_bits)
+    activations: str | None = None  # what the CPU's quantized products do with x (mlx_engine.load's activations)
     prefill_chunk: int = 512
     max_queue: int = 64
     max_body_bytes: int = DEFAULT_MAX_BODY
@@ -63,6 +64,8 @@ class ServerConfig:
             raise InvalidRequestError("--context-length must be at least 2")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"--port must be in 0..65535, not {self.port}")
+        if self.activations not in (None, "float32", "int8"):
+            raise InvalidRequestError(f"--activations must be float32 or int8, not {self.activations!r}")
         if self.parallel is not None and len(self.models) != 1:
             raise InvalidRequestError("--parallel needs exactly one --model: the model split over the ranks")
         if not is_loopback(self.host) and not self.api_key:
@@ -126,7 +129,7 @@ def create_app(config: ServerConfig):
     pool = ModelPool(worker, context_length=config.context_length, max_sequences=config.max_sequences,
                      kv_bits=config.kv_bits, prefill_chunk=config.prefill_chunk, memory_budget=config.memory_budget,
                      keep_alive=config.keep_alive, max_queue=config.max_queue, store=Store(config.store_root),
-                     parallel=config.parallel, transport=config.transport)
+                     parallel=config.parallel, transport=config.transport, activations=config.activations)
     state = ServerState(worker, pool, max_body_bytes=config.max_body_bytes)
 
     async def expire_loop():
@@ -162,7 +165,8 @@ def create_app(config: ServerConfig):
         models = {}
         for name, m in list(pool.models.items()):
             models[name] = {"kind": m.kind, "bytes": m.nbytes, "in_flight": m.in_flight,
-                            **({"kv_cache": m.obj.kv_cache_type} if m.kind == "text" else {}),
+                            **({"kv_cache": m.obj.kv_cache_type, "activations": m.obj.activations}
+                               if m.kind == "text" else {}),
                             **(m.scheduler.load() if m.scheduler else {})}
         return JSONResponse({"memory_budget": pool.memory_budget, "models": models})
 

@@ -104,7 +104,7 @@ class ModelPool:
     def __init__(self, worker: DeviceWorker, *, context_length: int | None = None, max_sequences: int = 4,
                  kv_bits: int | None = None, prefill_chunk: int = 512, memory_budget: int | None = None,
                  keep_alive: float = 300.0, max_queue: int = 64, store: Store | None = None,
-                 parallel: str | None = None, transport: str = "any"):
+                 parallel: str | None = None, transport: str = "any", activations: str | None = None):
         self.worker = worker
         #: ``--parallel``: the mode, and (once resolved) the one model split over the ranks (``parallel_model``)
         self.parallel, self.transport = parallel, transport
@@ -112,6 +112,7 @@ class ModelPool:
         self.context_length = context_length
         self.max_sequences = max_sequences
         self.kv_bits = kv_bits
+        self.activations = activations
         self.prefill_chunk = prefill_chunk
         self.memory_budget = memory_budget or default_memory_budget()
         self.keep_alive = keep_alive
@@ -180,7 +181,8 @@ class ModelPool:
             obj = api.Model(what.name, what.path, source=what.source, license=what.license,
                             context_length=self.context_length, kv_bits=self.kv_bits,
                             max_sequences=self.max_sequences, prefill_chunk=self.prefill_chunk, reserve=True,
-                            parallel=self.parallel if pinned else None, transport=self.transport)
+                            parallel=self.parallel if pinned else None, transport=self.transport,
+                            activations=self.activations)
             path = str(what.path)
         else:
             obj = api.load_image_model(key)

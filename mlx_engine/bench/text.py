@@ -1,0 +1,62 @@
+"""The bench's perplexity text: plain English prose, the same for every engine, all public domain: the openings of
+the US Declaration of Independence, Lincoln's Gettysburg Address, the US Constitution's preamble, the close of Lincoln's
+second inaugural address, and the first lines of Pride and Prejudice, Moby-Dick and A Tale of Two Cities.
+
+About 1,100 tokens (smollm2's tokenizer 1096, gemma3's 1086), because a perplexity with int8 activations is chaotic in
+its last bits: a change of 1e-7 in the attention's scale moves smollm2's over the first 338 tokens from 10.37 to 10.45
+(0.8 %), over these 1096 tokens by 0.4 % (measured on this project's machines), which is the spread of one sample of
+the activations' rounding noise; the longer text averages it down.
+"""
+
+PERPLEXITY_TEXT = (
+    "When in the Course of human events, it becomes necessary for one people to dissolve the political bands which "
+    "have connected them with another, and to assume among the powers of the earth, the separate and equal station "
+    "to which the Laws of Nature and of Nature's God entitle them, a decent respect to the opinions of mankind "
+    "requires that they should declare the causes which impel them to the separation. We hold these truths to be "
+    "self-evident, that all men are created equal, that they are endowed by their Creator with certain unalienable "
+    "Rights, that among these are Life, Liberty and the pursuit of Happiness. That to secure these rights, "
+    "Governments are instituted among Men, deriving their just powers from the consent of the governed. "
+    "Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived in "
+    "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great civil "
+    "war, testing whether that nation, or any nation so conceived and so dedicated, can long endure. We are met on "
+    "a great battle-field of that war. We have come to dedicate a portion of that field, as a final resting place "
+    "for those who here gave their lives that that nation might live. It is altogether fitting and proper that we "
+    "should do this. But, in a larger sense, we can not dedicate, we can not consecrate, we can not hallow this "
+    "ground. The brave men, living and dead, who struggled here, have consecrated it, far above our poor power to "
+    "add or detract. The world will little note, nor long remember what we say here, but it can never forget what "
+    "they did here."
+    " We the People of the United States, in Order to form a more perfect Union, establish Justice, insure domestic "
+    "Tranquility, provide for the common defence, promote the general Welfare, and secure the Blessings of Liberty to "
+    "ourselves and our Posterity, do ordain and establish this Constitution for the United States of America."
+    " Fellow-Countrymen: At this second appearing to take the oath of the Presidential office there is less occasion "
+    "for an extended address than there was at the first. Then a statement somewhat in detail of a course to be "
+    "pursued seemed fitting and proper. Now, at the expiration of four years, during which public declarations have "
+    "been constantly called forth on every point and phase of the great contest which still absorbs the attention and "
+    "engrosses the energies of the nation, little that is new could be presented. The progress of our arms, upon which "
+    "all else chiefly depends, is as well known to the public as to myself, and it is, I trust, reasonably satisfactory "
+    "and encouraging to all. With high hope for the future, no prediction in regard to it is ventured. With malice "
+    "toward none, with charity for all, with firmness in the right as God gives us to see the right, let us strive on "
+    "to finish the work we are in, to bind up the nation's wounds, to care for him who shall have borne the battle and "
+    "for his widow and his orphan, to do all which may achieve and cherish a just and lasting peace among ourselves "
+    "and with all nations."
+    " It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a "
+    "wife. However little known the feelings or views of such a man may be on his first entering a neighbourhood, this "
+    "truth is so well fixed in the minds of the surrounding families, that he is considered the rightful property of "
+    "some one or other of their daughters. My dear Mr. Bennet, said his lady to him one day, have you heard that "
+    "Netherfield Park is let at last? Mr. Bennet replied that he had not. But it is, returned she; for Mrs. Long has "
+    "just been here, and she told me all about it. Mr. Bennet made no answer. Do you not want to know who has taken "
+    "it? cried his wife impatiently. You want to tell me, and I have no objection to hearing it. This was invitation "
+    "enough."
+    " Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse, and "
+    "nothing particular to interest me on shore, I thought I would sail about a little and see the watery part of the "
+    "world. It is a way I have of driving off the spleen and regulating the circulation. Whenever I find myself growing "
+    "grim about the mouth; whenever it is a damp, drizzly November in my soul; whenever I find myself involuntarily "
+    "pausing before coffin warehouses, and bringing up the rear of every funeral I meet; and especially whenever my "
+    "hypos get such an upper hand of me, that it requires a strong moral principle to prevent me from deliberately "
+    "stepping into the street, and methodically knocking people's hats off, then, I account it high time to get to sea "
+    "as soon as I can."
+    " It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, it "
+    "was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of "
+    "Darkness, it was the spring of hope, it was the winter of despair, we had everything before us, we had nothing "
+    "before us, we were all going direct to Heaven, we were all going direct the other way."
+)
