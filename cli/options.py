@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import click
 
+from mlx_engine.ml import ACTIVATIONS
+
 #: ``--activations``: :func:`mlx_engine.load`'s ``activations`` (None: ``$MLX_ENGINE_ACTIVATIONS``, else float32).
 ACTIVATIONS_OPTION = click.option(
-    "--activations", type=click.Choice(["float32", "int8"]), default=None,
+    "--activations", type=click.Choice(ACTIVATIONS), default=None,
     help="What the CPU's quantized products do with x: float32 (exact: the float model's tokens) or int8 (llama.cpp's "
          "Q8_0 numerics, faster; needs AVX-512 VNNI). Default: $MLX_ENGINE_ACTIVATIONS, else float32.")

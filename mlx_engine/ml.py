@@ -27,6 +27,11 @@ import numpy as np
 
 from mlx_engine.dtype import DType
 
+#: What a backend's quantized products on the CPU may do with x (``mlx_engine.load(..., activations=)``):
+#: ``"float32"``, the exact product with the dequantized weight; ``"int8"``, x quantized per 32 elements as
+#: llama.cpp's Q8_0 and integer dot products.
+ACTIVATIONS = ("float32", "int8")
+
 
 @dataclass(frozen=True)
 class CacheConfig:

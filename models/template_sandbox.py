@@ -96,6 +96,20 @@ def _length(x: Any) -> int:
     return len(x) if isinstance(x, (str, list, tuple, bytes, dict)) else 0
 
 
+def _bounded_items(value: Iterable[Any], separator: int, length, limits: Limits, what: str) -> list[Any]:
+    """The items of a join, taken one by one: the joined size (``length`` of each item plus a ``separator``-long
+    separator) and the deadline are checked as they come, so a long separator or a slow generator stops within
+    bounds, not after the whole list is built."""
+    items, total = [], 0
+    for i, item in enumerate(value):
+        items.append(item)
+        total += length(item) + separator
+        limits.check_size(total, what)
+        if i % 1024 == 1023:
+            limits.check_time()
+    return items
+
+
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
     """An ``ImmutableSandboxedEnvironment`` whose renderings are bounded (see the module docstring).
 
@@ -201,9 +215,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
                 for w in widths:
                     limits.check_size(w, f"str.{name}()")
             elif name == "join" and args:
-                items = list(args[0]) if not isinstance(args[0], (list, tuple)) else args[0]
-                limits.check_size(sum(_length(i) for i in items) + len(owner) * len(items), "str.join()")
-                args = (items, *args[1:])
+                args = (_bounded_items(args[0], len(owner), _length, limits, "str.join()"), *args[1:])
             elif name == "replace" and len(args) >= 2:
                 self._check_replace(owner, *args[:2])
         return super().call(__context, __obj, *args, **kwargs)
@@ -237,8 +249,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     def _join_filter(self, f):
         @jinja2.pass_eval_context
         def join(eval_ctx, value, d: str = "", attribute=None):
-            items = list(value)
-            self.limits.check_size(sum(len(str(i)) for i in items) + len(str(d)) * len(items), "a join")
+            items = _bounded_items(value, len(str(d)), lambda i: len(str(i)), self.limits, "a join")
             return f(eval_ctx, items, d, attribute)
         return join
 

@@ -71,6 +71,6 @@ def test_activations_that_cannot_run_are_refused(smollm2_gguf):
     else:
         with pytest.raises(UnsupportedError, match="int8 activations cannot run here"):
             _check_activations("int8", "cpu")
-    with pytest.raises(InvalidRequestError, match="--activations must be float32 or int8"):
+    with pytest.raises(InvalidRequestError, match="--activations must be one of float32, int8, not .int4."):
         ServerConfig(activations="int4").check()
     ServerConfig(activations="int8").check()

@@ -171,8 +171,11 @@ def single_runs(tmp_path_factory, smollm2_gguf, gemma3_gguf) -> dict[str, dict]:
     return runs
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-@pytest.mark.parametrize("mode,size", [("pipeline", 2), ("tensor", 2), ("pipeline", 3), ("tensor", 3)])
+# Each model under both modes and both sizes, each mode at both sizes on both models: four runs, not all eight (a
+# run is a minute or two of CI). smollm2's 9 heads over 2 ranks is an uneven head split; gemma3's one key/value head
+# over 3 ranks is shared by all three.
+@pytest.mark.parametrize("model,mode,size", [("gemma3", "pipeline", 2), ("smollm2", "tensor", 2),
+                                             ("smollm2", "pipeline", 3), ("gemma3", "tensor", 3)])
 def test_ranks_give_the_tokens_and_logits_of_one_process(tmp_path, request, single_runs, model, mode, size):
     path = request.getfixturevalue(f"{model}_gguf")
     out = tmp_path / "rank0.json"

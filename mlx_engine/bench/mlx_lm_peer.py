@@ -132,7 +132,14 @@ def mlx_lm_greedy(model: Any, tokens: list[int], n: int) -> tuple[np.ndarray, li
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    logits = model(mx.array(tokens)[None], cache=cache)[0, -1].astype(mx.float32)
+    # the model's body over the prompt, its LM head on the last position only: the head over every position (Gemma
+    # 3's 262144-word vocabulary) costs more than the prompt's layers and gives rows nobody reads
+    # (each class's own test: gemma3_text keeps `tie_word_embeddings` on the model, the others in `args`)
+    hidden = model.model(mx.array(tokens)[None], cache)[:, -1:]
+    tied = getattr(model, "tie_word_embeddings", None)
+    tied = model.args.tie_word_embeddings if tied is None else tied
+    logits = (model.model.embed_tokens.as_linear(hidden) if tied else model.lm_head(hidden))[0, -1]
+    logits = logits.astype(mx.float32)
     first = np.array(logits)
     out = []
     tok = int(mx.argmax(logits).item())

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
-from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles
+from mlx_engine.ml import ACTIVATIONS, Backend, CacheConfig, Context, DType, RopeAngles
 from mlx_engine.mlx import cpu_kernels, runtime
 from mlx_engine.mlx.runtime import blas_description, mx, select_device
 from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
@@ -319,8 +319,8 @@ def _check_activations(activations: str | None, device: str) -> str:
     """``activations`` as :class:`MLXBackend` takes it (None: the process default), checked for ``device``."""
     if activations is None:
         return cpu_kernels.activations if device == "cpu" else "float32"
-    if activations not in cpu_kernels.ACTIVATIONS:
-        raise InvalidRequestError(f"activations must be one of {', '.join(cpu_kernels.ACTIVATIONS)}, "
+    if activations not in ACTIVATIONS:
+        raise InvalidRequestError(f"activations must be one of {', '.join(ACTIVATIONS)}, "
                                   f"not {activations!r}")
     if activations == "int8":
         if device != "cpu":

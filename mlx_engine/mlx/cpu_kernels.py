@@ -43,7 +43,6 @@ softmax: "Callable | None" = None
 # faster, llama.cpp's numerics). Each quantized weight carries the value it was made with (a compiled graph keeps
 # what it was traced with).
 activations = "float32"
-ACTIVATIONS = ("float32", "int8")
 _status = "not loaded"
 _note = ""  # what became of $MLX_ENGINE_ACTIVATIONS, where it was not taken
 _kernels_module = None

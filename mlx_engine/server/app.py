@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from mlx_engine.errors import InvalidRequestError
+from mlx_engine.ml import ACTIVATIONS
 from mlx_engine.server import ollama_api, openai_api
 from mlx_engine.server.http import DEFAULT_MAX_BODY, HTTPProblem, ServerState
 from mlx_engine.server.pool import ModelPool
@@ -64,8 +65,9 @@ class ServerConfig:
             raise InvalidRequestError("--context-length must be at least 2")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"--port must be in 0..65535, not {self.port}")
-        if self.activations not in (None, "float32", "int8"):
-            raise InvalidRequestError(f"--activations must be float32 or int8, not {self.activations!r}")
+        if self.activations is not None and self.activations not in ACTIVATIONS:
+            raise InvalidRequestError(
+                f"--activations must be one of {', '.join(ACTIVATIONS)}, not {self.activations!r}")
         if self.parallel is not None and len(self.models) != 1:
             raise InvalidRequestError("--parallel needs exactly one --model: the model split over the ranks")
         if not is_loopback(self.host) and not self.api_key:
