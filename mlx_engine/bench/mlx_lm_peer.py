@@ -134,10 +134,11 @@ def mlx_lm_greedy(model: Any, tokens: list[int], n: int) -> tuple[np.ndarray, li
     cache = make_prompt_cache(model)
     # the model's body over the prompt, its LM head on the last position only: the head over every position (Gemma
     # 3's 262144-word vocabulary) costs more than the prompt's layers and gives rows nobody reads
-    # (each class's own test: gemma3_text keeps `tie_word_embeddings` on the model, the others in `args`)
+    # (each class's own test: gemma3_text keeps `tie_word_embeddings` on the model, most in `args`; lfm2 is always
+    # tied and has no flag, nor an `lm_head`)
     hidden = model.model(mx.array(tokens)[None], cache)[:, -1:]
-    tied = getattr(model, "tie_word_embeddings", None)
-    tied = model.args.tie_word_embeddings if tied is None else tied
+    tied = getattr(model, "tie_word_embeddings", getattr(model.args, "tie_word_embeddings", None))
+    tied = "lm_head" not in model if tied is None else tied
     logits = (model.model.embed_tokens.as_linear(hidden) if tied else model.lm_head(hidden))[0, -1]
     logits = logits.astype(mx.float32)
     first = np.array(logits)
