@@ -2,7 +2,7 @@
 
     python -m tests.distributed_worker MODEL_PATH MODE OUT.json   (MODE: single, pipeline or tensor)
 
-Rank 0 writes, for each prompt, the first-step logits and 24 greedy tokens, then a 3-turn chat session's answers and
+Rank 0 writes, for each prompt, the first-step logits and 12 greedy tokens, then a 2-turn chat session's answers and
 prefilled token counts, and each rank's share (layers, heads, weight bytes, peak memory). Other ranks write nothing:
 ``load`` serves rank 0 and ends their process.
 """
@@ -19,7 +19,7 @@ from mlx_engine.models.runner import Request
 from mlx_engine.models.sampler import SamplerOptions
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, " * 40]
-TURNS = ["Hello! Who are you?", "Name a color.", "And a fruit?"]
+TURNS = ["Hello! Who are you?", "Name a color."]  # the second turn prefills only what is new
 
 
 def main() -> None:
@@ -35,9 +35,9 @@ def main() -> None:
             logits, _ = runner.prefill(ctx, 0, tokens)
             first = logits.numpy()[0].astype(np.float64)
         runner.reset(0)
-        greedy = list(runner.generate_tokens(Request(tokens, max_tokens=24, sampler=SamplerOptions(temperature=0))))
+        greedy = list(runner.generate_tokens(Request(tokens, max_tokens=12, sampler=SamplerOptions(temperature=0))))
         result["prompts"].append({"logits": first.tolist(), "tokens": greedy})
-    session = m.chat_session(temperature=0, max_tokens=16) if m.has_chat_template else None
+    session = m.chat_session(temperature=0, max_tokens=12) if m.has_chat_template else None
     turns = []
     transcript = ""
     for text in TURNS:
@@ -45,7 +45,7 @@ def main() -> None:
             pieces = list(session.send(text))
         else:  # a base model: a growing transcript, as a client that resends the conversation does
             transcript += f"Q: {text}\nA:"
-            pieces = list(m.stream(transcript, raw=True, temperature=0, max_tokens=16))
+            pieces = list(m.stream(transcript, raw=True, temperature=0, max_tokens=12))
             transcript += "".join(p for p in pieces if isinstance(p, str)) + "\n"
         stats = pieces[-1]
         turns.append({"text": "".join(p for p in pieces if isinstance(p, str)), "prefilled": stats.prefilled_tokens,

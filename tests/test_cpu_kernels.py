@@ -45,6 +45,23 @@ def test_kernels_are_built_and_loaded():
     assert cpu_kernels.status().startswith(_kernels.isa())
 
 
+def test_the_avx2_kernels_where_the_cpu_has_avx512():
+    """The AVX2 copy of the row kernels, which an AVX-512 machine never picks by itself: the products' tests again in
+    a process told to take it ($MLX_ENGINE_CPU_ISA=avx2; elsewhere the variable changes nothing)."""
+    import importlib
+
+    isa = importlib.import_module("mlx_engine.mlx._kernels").isa()
+    env = {**os.environ, "MLX_ENGINE_CPU_ISA": "avx2"}
+    got = subprocess.run([sys.executable, "-c", "from mlx_engine.mlx import _kernels; print(_kernels.isa())"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert got.stdout.strip() == ("avx2" if isa in ("avx512", "avx2") else isa), got.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "kernels_are_built or qmatmul_matches or qmatmul_many or many_rows"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert int(r.stdout.rsplit(" passed", 1)[0].split()[-1]) > 50, r.stdout[-500:]
+
+
 def _reference(x, q, s, b, group_size, bits):
     """float32 x @ dequantize(...).T with the scales widened to float32 first (exact dequantized values)."""
     w = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size, bits=bits)

@@ -286,6 +286,9 @@ def _load() -> None:
         _status = (f"built for MLX {_kernels.mlx_version}, but MLX {mx.__version__} is installed; reinstall "
                    "mlx-engine to rebuild them")
         return
+    if _kernels.isa() == "x86-64 without AVX2":
+        _status = "not usable on this CPU (an x86-64 without AVX2 and FMA, which they need)"
+        return
     try:
         with mx.stream(mx.cpu):
             problem = (_self_test(_kernels.qmatmul, _kernels.qmatmul_many) or _rope_self_test(_kernels.rope_apply)
