@@ -107,8 +107,8 @@ std::string isa() {
   __builtin_cpu_init();
   const char* asked = std::getenv("MLX_ENGINE_CPU_ISA");
   const bool avx2_only = asked && std::string(asked) == "avx2";
-  if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi"))
+  if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi"))
     return "avx512";
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
   return "x86-64 without AVX2";
