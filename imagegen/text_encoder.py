@@ -85,7 +85,8 @@ class TextEncoder:
 
         Returns:
             one tensor ``[L_i, D]`` per prompt in the backend's compute dtype: the hidden states after layer
-            ``num_layers - 2`` (not normed) of its ``L_i`` tokens.
+            ``num_layers - 2`` (not normed) of its ``L_i`` tokens. A prompt given more than once is encoded once
+            (a batch's repeated prompts, and the empty negative prompt of each image): its entries share a tensor.
 
         Raises:
             InvalidRequestError: no prompts, a prompt that is not a string, ``max_sequence_length < 1``, or the
@@ -102,7 +103,8 @@ class TextEncoder:
         for p in prompts:
             if not isinstance(p, str):
                 raise InvalidRequestError(f"a prompt must be a string, got {type(p).__name__}")
-        ids = [self.token_ids(p, max_sequence_length) for p in prompts]
+        unique = list(dict.fromkeys(prompts))
+        ids = [self.token_ids(p, max_sequence_length) for p in unique]
         lens = [len(i) for i in ids]
         batch = Batch(np.concatenate([np.asarray(i, np.int32) for i in ids]),
                       np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
@@ -114,11 +116,11 @@ class TextEncoder:
             ctx.evaluate(h)
         finally:
             cache.close()
-        out, start = [], 0
-        for n in lens:
-            out.append(h[start:start + n])
+        rows, start = {}, 0
+        for p, n in zip(unique, lens):
+            rows[p] = h[start:start + n]
             start += n
-        return out
+        return [rows[p] for p in prompts]
 
     def close(self) -> None:
         """Free the text model's weights (``backend.close()``): the pipeline calls this before denoising. The

@@ -131,6 +131,25 @@ def test_batch_equals_one_by_one(checkpoint):
         np.testing.assert_allclose(alone, t, rtol=0, atol=1e-5 * np.abs(t).max())
 
 
+def test_a_repeated_prompt_is_encoded_once(checkpoint):
+    """The empty negative prompt of every image in a batch, or one caption asked for twice: encoded once, each entry
+    the features that prompt gives in a batch without repeats."""
+    _, _, ours, _ = checkpoint
+    ctx = ours.backend.new_context()
+    once = [o.numpy() for o in ours.encode(ctx, [PROMPTS[0], ""])]
+    asked = [PROMPTS[0], "", PROMPTS[0], "", ""]
+    calls = []
+    forward = ours.model.forward
+    ours.model.forward = lambda ctx, batch, *a, **k: calls.append(len(batch)) or forward(ctx, batch, *a, **k)
+    try:
+        got = [o.numpy() for o in ours.encode(ctx, asked)]
+    finally:
+        del ours.model.forward
+    assert calls == [len(ours.token_ids(PROMPTS[0])) + len(ours.token_ids(""))]  # one pass over the two prompts
+    for p, g in zip(asked, got):
+        np.testing.assert_array_equal(g, once[0 if p else 1])
+
+
 def test_errors_and_close(checkpoint):
     _, _, ours, _ = checkpoint
     ctx = ours.backend.new_context()
