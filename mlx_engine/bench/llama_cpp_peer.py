@@ -30,6 +30,11 @@ from typing import Any
 _CHILD = "import llama_cpp  # noqa: F401\nfrom mlx_engine.bench.llama_cpp_peer import serve\nserve()\n"
 
 
+# What a run's ``peak_bytes`` counts, by the child's word for it.
+PEAK_COUNTS = {"resident": "its process's resident memory (high-water mark since before the model's load)",
+               "state": "its weights and context state (KV cache, logits); its compute buffers uncounted"}
+
+
 class LlamaCppPeer:
     """One llama.cpp context on ``path`` with ``n_ctx`` cells and ``threads`` threads (default: the CPUs this
     process may use), ``gpu_layers`` layers offloaded to a GPU build's device (-1: all; 0, the default: the CPU),
@@ -41,6 +46,7 @@ class LlamaCppPeer:
     """
 
     name = "llama.cpp"
+    peak_counts = "not measured yet"
 
     def __init__(self, path: "str | Path", n_ctx: int, threads: int | None = None, gpu_layers: int = 0):
         if importlib.util.find_spec("llama_cpp") is None:
@@ -79,9 +85,16 @@ class LlamaCppPeer:
     def run(self, tokens: list[int], max_tokens: int) -> dict[str, float]:
         """Prefill ``tokens`` on an empty cache and generate ``max_tokens`` greedy tokens (never stopping early).
         Same contract as :meth:`mlx_engine.bench.run.EngineSide.run` (timed in llama.cpp's process), except
-        ``peak_bytes``: llama.cpp's weights plus its context state after the run (KV cache and logits, as
-        ``llama_state_get_size`` counts them); its compute buffers are not counted."""
-        return self._ask(op="run", tokens=[int(t) for t in tokens], max_tokens=int(max_tokens))["result"]
+        ``peak_bytes``: on a CPU under Linux, the growth of llama.cpp's process's resident memory from before the
+        model's load to its high-water mark during the run (``VmHWM`` in ``/proc/self/status``, reset before the
+        run): the file's pages it maps and reads, its repacked tensors, KV cache, logits and the compute buffers its
+        scheduler reserves, as far as they are touched (those buffers are sized for a whole batch of logits: 514 MiB
+        for gemma3's 262144-token vocabulary at 512 tokens, most of it never written). Elsewhere (a GPU's memory,
+        or no ``/proc``): its weights plus its context state (KV cache and logits, as ``llama_state_get_size``
+        counts them), its compute buffers uncounted. The peer's ``peak_counts`` then says which it was."""
+        result = self._ask(op="run", tokens=[int(t) for t in tokens], max_tokens=int(max_tokens))["result"]
+        self.peak_counts = PEAK_COUNTS[result.pop("peak_counts")]
+        return result
 
     def perplexity(self, tokens: list[int]) -> float:
         """``exp`` of the mean negative log-likelihood of ``tokens[1:]`` given their prefixes, from llama.cpp's
@@ -111,7 +124,7 @@ def serve() -> None:
 
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever llama.cpp prints goes to standard error
-    llm, opened = None, {}
+    llm, opened, before_load = None, {}, None
     for line in sys.stdin:
         request = json.loads(line)
         op = request.pop("op")
@@ -120,15 +133,21 @@ def serve() -> None:
         try:
             if op == "open":
                 opened = request
+                before_load = _resident_bytes()
                 llm = llama_cpp.Llama(request["path"], n_ctx=request["n_ctx"], n_batch=512,
                                       n_threads=request["threads"], n_threads_batch=request["threads"],
                                       n_gpu_layers=request["gpu_layers"], verbose=False)
                 reply = {"weights_bytes": float(llama_cpp.llama_model_size(llm.model)),
                          "version": getattr(llama_cpp, "__version__", "?")}
             elif op == "run":
+                resident = opened["gpu_layers"] == 0 and before_load is not None and _reset_peak()
                 reply = {"result": _timed_run(llm, request["tokens"], request["max_tokens"])}
-                reply["result"]["peak_bytes"] = (float(llama_cpp.llama_model_size(llm.model))
-                                                 + float(llama_cpp.llama_state_get_size(llm.ctx)))
+                if resident:
+                    peak = _peak_resident_bytes() - before_load
+                else:
+                    peak = (float(llama_cpp.llama_model_size(llm.model))
+                            + float(llama_cpp.llama_state_get_size(llm.ctx)))
+                reply["result"].update(peak_bytes=float(peak), peak_counts="resident" if resident else "state")
             elif op == "perplexity":
                 tokens = request["tokens"]
                 scorer = llama_cpp.Llama(opened["path"], n_ctx=max(len(tokens), 8), n_batch=512,
@@ -149,6 +168,39 @@ def serve() -> None:
         out.flush()
     if llm is not None:
         llm.close()
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory now, in bytes (Linux); None elsewhere."""
+    return _proc_status_bytes("VmRSS")
+
+
+def _reset_peak() -> bool:
+    """Resets this process's resident high-water mark (``VmHWM``) to its resident memory now (Linux's
+    ``/proc/self/clear_refs``, value 5); False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _proc_status_bytes("VmHWM") is not None
+    except OSError:
+        return False
+
+
+def _peak_resident_bytes() -> int:
+    """This process's resident high-water mark since :func:`_reset_peak`, in bytes (Linux)."""
+    return _proc_status_bytes("VmHWM") or 0
 
 
 def _timed_run(llm: Any, tokens: list[int], max_tokens: int) -> dict[str, float]:

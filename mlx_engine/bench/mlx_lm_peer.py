@@ -159,6 +159,7 @@ class MLXLMPeer:
     """
 
     name = "mlx-lm"
+    peak_counts = "MLX's peak of allocated bytes"
 
     def __init__(self, path: "str | Path"):
         from mlx.utils import tree_flatten

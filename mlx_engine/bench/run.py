@@ -11,7 +11,10 @@ order flips every repetition, so that a busy machine slows both alike):
   counted from the first token to the last;
 - ``ttft``: seconds to the first token of that 128-token prompt;
 - ``peak_memory``: the device's peak bytes during the 2048-token and the decode runs, counting this engine's weights,
-  KV cache and intermediates (what the other engine holds is subtracted);
+  KV cache and intermediates (what the other engine holds is subtracted); llama.cpp's (in a process of its own):
+  on a CPU under Linux, its process's resident high-water mark over its resident memory before the model's load,
+  which counts its compute buffers as far as they are touched (elsewhere its weights and context state only);
+  ``peak_counts`` says what each engine's figure counts;
 - ``bandwidth_share``: decode tokens/s times the bytes a decode step must read (every weight used per token, the
   output head included, plus the keys and values it attends to at the middle of the run), over the memory bandwidth
   measured on the spot with a large copy (read + written bytes over its time, as STREAM counts a copy; on the CPU
@@ -109,6 +112,7 @@ class BenchResult:
     bandwidth: dict[str, float] = field(default_factory=dict)
     openblas: dict[str, Any] = field(default_factory=dict)
     runs: dict[str, dict[str, list[dict[str, float]]]] = field(default_factory=dict)
+    peak_counts: dict[str, str] = field(default_factory=dict)  # per engine: what its peak_memory counts
     seconds: float = 0.0
 
     def to_json(self) -> str:
@@ -134,6 +138,7 @@ class EngineSide:
     fresh prompt cache."""
 
     name = "mlx-engine"
+    peak_counts = "MLX's peak of allocated bytes"
 
     def __init__(self, model: Any):
         self.model = model
@@ -528,13 +533,14 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
         sizes=asdict(sizes), reps=reps, ours=result_ours,
         bandwidth={"copy_bytes_per_s": bw, "read_bytes_per_s": read_bw, "copy_bytes": float(sizes.copy_bytes),
                    "file_weight_bytes": float(file_bytes)},
-        runs=samples,
+        runs=samples, peak_counts={ours.name: ours.peak_counts},
     )
     for peer in peers:
         p = figures(peer.name)
         add_shares(p, peer.weights_bytes)
         p["perplexity"] = peer.perplexity(ppl_tokens)
         result.peers[peer.name] = p
+        result.peak_counts[peer.name] = peer.peak_counts
         result.ratios[peer.name] = {k: result_ours[k] / p[k] for k in COMPARED}
 
     say("OpenBLAS gain (matmul in child processes)")
@@ -602,6 +608,7 @@ def format_table(r: BenchResult) -> str:
         f"OpenBLAS gain, {ob['matmul_n']}x{ob['matmul_n']} float32 matmul: {ob['gain']:.1f}x "
         f"({ob['reference_seconds'] * 1000:.1f} ms with {ob['reference_blas']}, {ob['default_seconds'] * 1000:.1f} ms "
         f"with {ob['default_blas']})",
+        "peak memory counts: " + "; ".join(f"{name}: {what}" for name, what in r.peak_counts.items()),
         f"{r.model} on {r.device}, {r.dtype}, KV cache {r.kv_cache}; {r.machine['cpus']} CPUs, {r.machine['platform']}; medians of "
         f"{r.reps} repetition(s) after a warm-up, engines alternating; {r.seconds:.0f} s in all",
     ]
