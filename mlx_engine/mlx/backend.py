@@ -20,6 +20,11 @@ from mlx_engine.weights import QuantizedArray, open_weights
 ATTENTION_BLOCK = 256
 """Queries per block when attention skips hidden key blocks (see :meth:`MLXContext.attention_mask`)."""
 
+ATTENTION_SPLIT = 1 << 20
+"""From this many query-key pairs on (``[L, S]``), attention runs in blocks of queries even where they hide few keys:
+the score matrices of a whole chunk (a prompt's second chunk of 1024 tokens over 2048 keys, smollm2's 9 heads: 75 MB
+each, the scores, their masked sum and their softmax alive at once) had set a long prompt's peak memory."""
+
 
 class MLXMask(MLXTensor):
     """An additive attention mask ``[L, S]`` that also knows which keys its queries can see.
@@ -72,7 +77,8 @@ def _attend_in_graph(q, k, v, keys, values, cells, scale, mask):
 
 
 def _attention_blocks(visible: np.ndarray, block: int) -> "list[tuple[int, int, int, int, bool]] | None":
-    """The key range of each block of ``block`` queries, or None when the blocks would skip too little."""
+    """The key range of each block of ``block`` queries, or None when the blocks would skip too little and the
+    whole score matrix is small (under ``ATTENTION_SPLIT`` pairs)."""
     n, s = visible.shape
     if n < 2 * block or s < 2 * block:
         return None
@@ -87,7 +93,7 @@ def _attention_blocks(visible: np.ndarray, block: int) -> "list[tuple[int, int, 
         k1 = s - int(np.argmax(cols[::-1]))
         blocks.append((q0, q1, k0, k1, bool(visible[q0:q1, k0:k1].all())))
         cost += (q1 - q0) * (k1 - k0)
-    return blocks if cost < 0.8 * n * s else None
+    return blocks if cost < 0.8 * n * s or n * s >= ATTENTION_SPLIT else None
 
 
 def _one_query_attention(q: "mx.array", k: "mx.array", v: "mx.array", scale: float, block: int) -> "mx.array":
@@ -269,9 +275,12 @@ class MLXContext(Context):
         # Blocks of queries attend only to the keys they can see: hidden keys add exp(-inf) = 0 to the softmax, so
         # leaving them out changes nothing but the work (and the size of the score matrix).
         qa, ka, va = q.a, k.a, v.a
-        outs = [sdpa(qa[:, :, q0:q1], ka[:, :, k0:k1], va[:, :, k0:k1], scale=scale,
-                     mask=None if full else m[q0:q1, k0:k1])
-                for q0, q1, k0, k1, full in blocks]
+        outs = []
+        for q0, q1, k0, k1, full in blocks:
+            qb = qa[:, :, q0:q1]
+            if outs:  # one block after the other: without the order, MLX made several blocks' scores at once
+                qb = mx.depends(qb, outs[-1])
+            outs.append(sdpa(qb, ka[:, :, k0:k1], va[:, :, k0:k1], scale=scale, mask=None if full else m[q0:q1, k0:k1]))
         return MLXTensor(mx.concatenate(outs, axis=2))
 
     def quantize(self, x, group_size=64, bits=8):
