@@ -22,8 +22,8 @@ ATTENTION_BLOCK = 256
 
 ATTENTION_SPLIT = 1 << 20
 """From this many query-key pairs on (``[L, S]``), attention runs in blocks of queries even where they hide few keys:
-the score matrices of a whole chunk (a prompt's second chunk of 1024 tokens over 2048 keys, smollm2's 9 heads: 75 MB
-each, the scores, their masked sum and their softmax alive at once) had set a long prompt's peak memory."""
+the score matrix of a whole chunk (a prompt's second chunk of 1024 tokens over 2048 keys, smollm2's 9 heads: 75 MB)
+had set a long prompt's peak memory."""
 
 
 class MLXMask(MLXTensor):
@@ -277,10 +277,13 @@ class MLXContext(Context):
         qa, ka, va = q.a, k.a, v.a
         outs = []
         for q0, q1, k0, k1, full in blocks:
-            qb = qa[:, :, q0:q1]
-            if outs:  # one block after the other: without the order, MLX made several blocks' scores at once
-                qb = mx.depends(qb, outs[-1])
-            outs.append(sdpa(qb, ka[:, :, k0:k1], va[:, :, k0:k1], scale=scale, mask=None if full else m[q0:q1, k0:k1]))
+            outs.append(sdpa(qa[:, :, q0:q1], ka[:, :, k0:k1], va[:, :, k0:k1], scale=scale,
+                             mask=None if full else m[q0:q1, k0:k1]))
+            if runtime.on_cpu:
+                # computed now, one block at a time (a prefill, never traced): MLX allocates an operation's output
+                # when it schedules it, ahead of the stream that computes them, so left in the graph (even ordered
+                # by mx.depends) several blocks' score matrices were alive at once
+                mx.eval(outs[-1])
         return MLXTensor(mx.concatenate(outs, axis=2))
 
     def quantize(self, x, group_size=64, bits=8):
