@@ -133,7 +133,7 @@ def serve() -> None:
         try:
             if op == "open":
                 opened = request
-                before_load = _resident_bytes()
+                before_load = _proc_status_bytes("VmRSS")
                 llm = llama_cpp.Llama(request["path"], n_ctx=request["n_ctx"], n_batch=512,
                                       n_threads=request["threads"], n_threads_batch=request["threads"],
                                       n_gpu_layers=request["gpu_layers"], verbose=False)
@@ -143,7 +143,7 @@ def serve() -> None:
                 resident = opened["gpu_layers"] == 0 and before_load is not None and _reset_peak()
                 reply = {"result": _timed_run(llm, request["tokens"], request["max_tokens"])}
                 if resident:
-                    peak = _peak_resident_bytes() - before_load
+                    peak = _proc_status_bytes("VmHWM") - before_load
                 else:
                     peak = (float(llama_cpp.llama_model_size(llm.model))
                             + float(llama_cpp.llama_state_get_size(llm.ctx)))
@@ -182,11 +182,6 @@ def _proc_status_bytes(field: str) -> int | None:
     return None
 
 
-def _resident_bytes() -> int | None:
-    """This process's resident memory now, in bytes (Linux); None elsewhere."""
-    return _proc_status_bytes("VmRSS")
-
-
 def _reset_peak() -> bool:
     """Resets this process's resident high-water mark (``VmHWM``) to its resident memory now (Linux's
     ``/proc/self/clear_refs``, value 5); False where that cannot be done."""
@@ -196,11 +191,6 @@ def _reset_peak() -> bool:
         return _proc_status_bytes("VmHWM") is not None
     except OSError:
         return False
-
-
-def _peak_resident_bytes() -> int:
-    """This process's resident high-water mark since :func:`_reset_peak`, in bytes (Linux)."""
-    return _proc_status_bytes("VmHWM") or 0
 
 
 def _timed_run(llm: Any, tokens: list[int], max_tokens: int) -> dict[str, float]:
