@@ -171,13 +171,26 @@ def greedy_reference(model, prompt: list[int], n: int) -> tuple[np.ndarray, list
     return first, out[0, len(prompt):].tolist()
 
 
-def qwen3_next_gguf(model, path: Path) -> Path:
+def qwen3_next_gguf(model, path: Path, experts: "dict[str, str] | None" = None, dequantized: bool = False) -> Path:
     """Write ``model`` (a transformers Qwen3-Next) as an F32 GGUF file as llama.cpp's converter does
     (``Qwen3NextModel.modify_tensors``): ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, norms with
     the one added (but the gated ``linear_attn.norm``), ``in_proj_qkvz`` split into ``attn_qkv`` (all q, all k, all
-    v) and ``attn_gate`` (z), the experts stacked; the rest through gguf-py's tensor name map."""
+    v) and ``attn_gate`` (z), the experts stacked; the rest through gguf-py's tensor name map.
+
+    ``experts``: the GGUF type of each stacked expert tensor (``{"ffn_gate_exps": "Q4_1", ...}``), quantized by
+    ``gguf.quants``; with ``dequantized`` they are written as F32 holding those quantized values instead."""
     import gguf
     import torch
+
+    def add_experts(w, name: str, a: np.ndarray) -> None:
+        kind = name.split(".")[2]
+        if not experts or kind not in experts:
+            return w.add_tensor(name, a)
+        qtype = gguf.GGMLQuantizationType[experts[kind]]
+        q = gguf.quants.quantize(a, qtype)
+        if dequantized:
+            return w.add_tensor(name, gguf.quants.dequantize(q, qtype).astype(np.float32))
+        w.add_tensor(name, q, raw_dtype=qtype)
 
     c = model.config
     hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
@@ -212,11 +225,11 @@ def qwen3_next_gguf(model, path: Path) -> Path:
         bid = int(name.split(".")[2]) if name.startswith("model.layers.") else None
         if name.endswith(".mlp.experts.gate_up_proj"):  # transformers' fused layout in memory: [E, 2I, D]
             gate, up = t.chunk(2, dim=1)
-            w.add_tensor(f"blk.{bid}.ffn_gate_exps.weight", gate.contiguous().numpy())
-            w.add_tensor(f"blk.{bid}.ffn_up_exps.weight", up.contiguous().numpy())
+            add_experts(w, f"blk.{bid}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            add_experts(w, f"blk.{bid}.ffn_up_exps.weight", up.contiguous().numpy())
             continue
         if name.endswith(".mlp.experts.down_proj"):
-            w.add_tensor(f"blk.{bid}.ffn_down_exps.weight", t.contiguous().numpy())
+            add_experts(w, f"blk.{bid}.ffn_down_exps.weight", t.contiguous().numpy())
             continue
         if name.endswith(".A_log"):
             w.add_tensor(f"blk.{bid}.ssm_a", (-torch.exp(t)).numpy())

@@ -335,3 +335,33 @@ def test_the_chunked_delta_rule_equals_the_token_by_token_one():
         for x, y in zip(a, b):
             x, y = x.numpy(), y.numpy()
             assert x.shape == y.shape and np.abs(x - y).max() <= 1e-4 * np.abs(x).max()
+
+
+def test_quantized_experts_stay_quantized(tmp_path):
+    """A Qwen3-Next GGUF whose stacked experts are quantized (Q4_1, Q8_0 and Q5_0, as llama.cpp writes them) keeps
+    them quantized in the file's own bytes, and gives the logits and greedy tokens of the same values written as
+    float32: a prompt's products (tokens grouped by expert) and decode's (one row each)."""
+    from mlx_engine.mlx import cpu_kernels
+    from mlx_engine.weights import open_weights
+    from tests.hybrid_small import build_qwen3_next
+
+    reference = build_qwen3_next(tmp_path / "qwen3_next", seed=4)
+    types = {"ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q5_0"}
+    quantized = qwen3_next_gguf(reference, tmp_path / "q.gguf", experts=types)
+    floats = qwen3_next_gguf(reference, tmp_path / "f.gguf", experts=types, dequantized=True)
+    backend = MLXBackend(quantized, dtype="float32")
+    with open_weights(quantized) as wf:
+        for kind, type_name in types.items():
+            name = f"blk.0.{kind}.weight"
+            assert wf.type_name(name) == type_name
+            t = backend.weights[name]
+            assert t.is_quantized and t.shape == tuple(wf.shape(name))
+            if cpu_kernels.qmatmul is not None:  # symmetric ones without biases: exactly the file's bytes
+                assert t.nbytes == wf.nbytes(name)
+    prompt = _prompt(5, 70)
+    q_runner, f_runner = _runner(quantized), _runner(floats)
+    assert all(q_runner.model.layers[0][k].is_quantized for k in ("experts_gate", "experts_up", "experts_down"))
+    a = logits_for(q_runner.model, q_runner, prompt)
+    b = logits_for(f_runner.model, f_runner, prompt)
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+    assert _greedy(q_runner, prompt, 24)[0] == _greedy(f_runner, prompt, 24)[0]

@@ -339,10 +339,13 @@ def test_shapes_are_numpy_order_in_1_to_4_dims(tmp_path: Path):
             assert wf.shape(t.name) == tuple(int(d) for d in reversed(t.shape.tolist()))
             assert wf.info(t.name).offset == t.data_offset
             assert wf.info(t.name).nbytes == t.n_bytes
-        # a 3-D Q8_0 tensor is not an MLX matrix: it comes back dequantized, exactly
+        # a 3-D Q8_0 tensor (a mixture of experts' stack) stays quantized, as a stack of MLX matrices, exactly
         got = wf.load("q3")
-        assert got.dtype == np.float32 and got.shape == (2, 3, 64)
-        np.testing.assert_array_equal(got, gq.dequantize(q3, T.Q8_0))
+        assert isinstance(got, QuantizedArray) and got.shape == (2, 3, 64) and got.weight.shape == (2, 3, 16)
+        assert got.scales.shape == got.biases.shape == (2, 3, 2)
+        np.testing.assert_array_equal(got.dequantize(), gq.dequantize(q3, T.Q8_0))
+        with pytest.raises(ValueError, match="not cut"):
+            got.slice(0, 0, 1)
 
 
 def _readable_types() -> list[T]:

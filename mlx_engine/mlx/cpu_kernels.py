@@ -1,6 +1,7 @@
 """Our CPU kernels (``mlx_engine.mlx._kernels``, built from ``kernels/`` by setup.py at install), or why not.
 
-``qmatmul`` (quantized matrix products; ``qmatmul_many``: several of one x as one graph node and one parallel job),
+``qmatmul`` (quantized matrix products; ``qmatmul_many``: several of one x as one graph node and one parallel job;
+``gather_qmatmul``: a mixture of experts' products, each row of x through its experts of a quantized stack),
 ``rope_apply`` (RoPE from a table), ``attend`` (attention of a few queries per head, decode steps;
 ``attend_cached``: with the RoPE of the queries and new keys and their write into the KV cache), ``qtake`` (rows
 of a quantized weight, dequantized: an embedding lookup), ``rms_norm``
@@ -28,6 +29,7 @@ from mlx_engine.mlx.runtime import mx
 
 qmatmul: "Callable | None" = None
 qmatmul_many: "Callable | None" = None
+gather_qmatmul: "Callable | None" = None
 rope_apply: "Callable | None" = None
 attend: "Callable | None" = None
 attend_cached: "Callable | None" = None
@@ -76,6 +78,28 @@ def _self_test(fn, many) -> str | None:
         err = mx.abs(g - want).max().item()
         if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
             return f"{bits}-bit product off by {err:.3g} among several of one x"
+    return None
+
+
+def _gather_self_test(fn, one) -> str | None:
+    """``fn`` (gather_qmatmul) against ``one`` (qmatmul) on each chosen expert: the same bits for one row of x (a
+    decode step's products), within float32 rounding for several (grouped by expert, other tiles); None when so."""
+    key = mx.random.key(11)
+    k1, k2 = mx.random.split(key)
+    w = mx.random.normal((3, 24, 64), key=k1)
+    x = mx.random.normal((5, 64), key=k2)
+    q, s, b = mx.quantize(w, group_size=32, bits=4)
+    idx = mx.array([[2, 0], [1, 2], [0, 0], [2, 1], [1, 0]], dtype=mx.int32)
+    got = fn(x, q, s, b, idx, 32, 4)
+    first = fn(x[:1], q, s, b, idx[:1], 32, 4)
+    for n in range(5):
+        for j in range(2):
+            e = int(idx[n, j].item())
+            want = one(x[n:n + 1], q[e], s[e], b[e], 32, 4)[0]
+            if n == 0 and not mx.array_equal(first[0, j], want).item():
+                return "a one-row expert product differs from qmatmul's"
+            if not mx.abs(got[n, j] - want).max().item() <= 1e-4 * (1 + mx.abs(want).max().item()):
+                return "an expert product of several rows is off"
     return None
 
 
@@ -269,7 +293,7 @@ def rope_row(position: int, dims: int, base, scale: float) -> tuple:
 
 
 def _load() -> None:
-    global qmatmul, qmatmul_many, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm, activation, widen
+    global qmatmul, qmatmul_many, gather_qmatmul, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm, activation, widen
     global softmax
     global activations, _status, _note, _kernels_module
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
@@ -298,6 +322,7 @@ def _load() -> None:
                        or _norm_self_test(_kernels.rms_norm, _kernels.add_rms_norm)
                        or _activation_self_test(_kernels.activation) or _widen_self_test(_kernels.widen)
                        or _softmax_self_test(_kernels.softmax)
+                       or _gather_self_test(_kernels.gather_qmatmul, _kernels.qmatmul)
                        or _prologue_self_test(_kernels.qmatmul_many, _kernels.rms_norm, _kernels.add_rms_norm,
                                               _kernels.activation))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
@@ -309,7 +334,7 @@ def _load() -> None:
                                                  _kernels.attend)
     attend_cached, qtake = _kernels.attend_cached, _kernels.qtake
     rms_norm, add_rms_norm, activation = _kernels.rms_norm, _kernels.add_rms_norm, _kernels.activation
-    widen, softmax = _kernels.widen, _kernels.softmax
+    widen, softmax, gather_qmatmul = _kernels.widen, _kernels.softmax, _kernels.gather_qmatmul
     _kernels_module = _kernels
     _status = f"{_kernels.isa()}, {_kernels.threads()} threads"
     asked = os.environ.get("MLX_ENGINE_ACTIVATIONS", "float32").lower()

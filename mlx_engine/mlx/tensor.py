@@ -252,9 +252,17 @@ class MLXTensor(Tensor):
         return MLXTensor(mx.contiguous(self.a))
 
     def gather_linear(self, weight, indices):
-        if weight.is_quantized or weight.a.ndim != 3:
-            raise UnsupportedError("expert weights must be a dense [experts, out, in] tensor")
-        y = mx.gather_mm(self.a[:, None, None, :], weight.a.swapaxes(-1, -2), rhs_indices=raw(indices))
+        if len(weight.shape) != 3:
+            raise UnsupportedError(f"expert weights must be an [experts, out, in] tensor, not {weight.shape}")
+        i = raw(indices)
+        if isinstance(weight, MLXQuantizedTensor):  # the experts stay quantized
+            if runtime.on_cpu and cpu_kernels.gather_qmatmul is not None:
+                return MLXTensor(cpu_kernels.gather_qmatmul(self.a, weight.w, weight.scales, weight.biases, i,
+                                                            weight.group_size, weight.bits, weight.activations))
+            y = mx.gather_qmm(self.a[:, None, None, :], weight.w, *weight.float_scales(), rhs_indices=i,
+                              transpose=True, group_size=weight.group_size, bits=weight.bits)
+            return MLXTensor(y.squeeze(2))
+        y = mx.gather_mm(self.a[:, None, None, :], weight.a.swapaxes(-1, -2), rhs_indices=i)
         return MLXTensor(y.squeeze(2))
 
     def dequantize(self):
@@ -361,7 +369,9 @@ class MLXTensor(Tensor):
 
 class MLXQuantizedTensor(MLXTensor):
     """An affine-quantized weight ``[rows, cols]`` (MLX's layout): ``w = scale * q + bias`` per group of
-    ``group_size`` consecutive elements of a row, ``q`` packed into uint32 words, lowest bits first.
+    ``group_size`` consecutive elements of a row, ``q`` packed into uint32 words, lowest bits first. A mixture of
+    experts' stack ``[experts, rows, cols]`` serves ``gather_linear`` (our CPU kernel's ``gather_qmatmul``, else
+    ``mx.gather_qmm``).
 
     ``linear`` runs our CPU kernel on the CPU (:mod:`mlx_engine.mlx.cpu_kernels`) and ``mx.quantized_matmul``
     elsewhere; ``take(axis=0)`` gathers rows and dequantizes them; any other operation works on the dequantized
@@ -379,7 +389,7 @@ class MLXQuantizedTensor(MLXTensor):
         #: what our CPU kernel does with x in products with this weight: "float32" or "int8" (the backend's choice,
         #: else the process default ``cpu_kernels.activations``); MLX's kernels elsewhere take x as it is
         self.activations = activations or cpu_kernels.activations
-        self._shape = (w.shape[0], w.shape[1] * 32 // bits)
+        self._shape = (*w.shape[:-1], w.shape[-1] * 32 // bits)  # [experts, rows, cols] for a stack
         self._dtype = dtype if dtype is not None else scales.dtype
 
     def __repr__(self) -> str:

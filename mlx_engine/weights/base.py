@@ -38,9 +38,11 @@ class QuantizedArray:
     upload as they are. GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K and Q5_K map onto it without loss; see
     :mod:`mlx_engine.weights.quant`.
 
+    A stack of such weights (a mixture of experts' ``[experts, rows, cols]``) has the leading axes on all three arrays.
+
     Attributes:
-        weight: uint32 ``[rows, cols * bits / 32]``.
-        scales, biases: float32 or float16 (both the same) ``[rows, cols / group_size]``.
+        weight: uint32 ``[rows, cols * bits / 32]`` (``[experts, rows, cols * bits / 32]`` for a stack).
+        scales, biases: float32 or float16 (both the same) ``[rows, cols / group_size]`` (with the same leading axes).
         group_size: elements per scale (32 for GGUF types and for re-quantized tensors).
         bits: 2, 3, 4, 5, 6 or 8.
     """
@@ -52,8 +54,13 @@ class QuantizedArray:
     bits: int
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
+    def shape(self) -> tuple[int, ...]:
+        return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
+
+    def stacked(self, lead: tuple[int, ...]) -> "QuantizedArray":
+        """This ``[rows, cols]`` weight as ``[*lead, rows / prod(lead), cols]`` (views, no copy)."""
+        return QuantizedArray(*(a.reshape(*lead, -1, a.shape[-1]) for a in (self.weight, self.scales, self.biases)),
+                              self.group_size, self.bits)
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +74,8 @@ class QuantizedArray:
         Raises:
             ValueError: a range out of bounds, or columns that cut a group of ``group_size``.
         """
+        if self.weight.ndim != 2:
+            raise ValueError(f"a stack of weights {self.shape} is not cut")
         rows, cols = self.shape
         if not 0 <= start < stop <= (rows if axis == 0 else cols):
             raise ValueError(f"slice {start}:{stop} of axis {axis} is out of the weight's shape {self.shape}")
@@ -83,18 +92,21 @@ class QuantizedArray:
                               self.group_size, self.bits)
 
     def dequantize(self, rows_per_chunk: int = 4096) -> np.ndarray:
-        """float32 ``[rows, cols]``: ``scale * q + bias`` evaluated in float32 (for GGUF Q4_0, Q4_1 and Q8_0 this
-        equals ``gguf.quants.dequantize`` exactly). Works through ``rows_per_chunk`` rows at a time, so the only
-        large allocation is the result."""
-        rows, cols = self.shape
+        """float32 ``[rows, cols]`` (a stack: ``[experts, rows, cols]``): ``scale * q + bias`` evaluated in float32
+        (for GGUF Q4_0, Q4_1 and Q8_0 this equals ``gguf.quants.dequantize`` exactly). Works through
+        ``rows_per_chunk`` rows at a time, so the only large allocation is the result."""
+        shape = self.shape
+        cols = shape[-1]
+        weight, scales, biases = (a.reshape(-1, a.shape[-1]) for a in (self.weight, self.scales, self.biases))
+        rows = weight.shape[0]
         out = np.empty((rows, cols), np.float32)
         for r0 in range(0, rows, rows_per_chunk):
             r1 = min(rows, r0 + rows_per_chunk)
-            g = unpack(self.weight[r0:r1], self.bits).astype(np.float32).reshape(r1 - r0, -1, self.group_size)
-            s = self.scales[r0:r1, :, None].astype(np.float32)
-            b = self.biases[r0:r1, :, None].astype(np.float32)
+            g = unpack(weight[r0:r1], self.bits).astype(np.float32).reshape(r1 - r0, -1, self.group_size)
+            s = scales[r0:r1, :, None].astype(np.float32)
+            b = biases[r0:r1, :, None].astype(np.float32)
             out[r0:r1] = (g * s + b).reshape(r1 - r0, cols)
-        return out
+        return out.reshape(shape)
 
 
 class Metadata(Mapping[str, Any]):

@@ -249,12 +249,14 @@ class GGUFFile(WeightFile):
 
     :meth:`load` returns, by stored type:
 
-    - ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K`` 2-D tensors: a lossless
-      :class:`QuantizedArray` (group size 32; 4, 4, 8, 5, 5, 4, 5 bits) whose ``dequantize()`` equals
-      ``gguf.quants.dequantize`` exactly. Other ranks: float32 (dequantized).
+    - ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K`` 2-D tensors, and 3-D ones (a mixture of
+      experts' stacked weights, ``[experts, rows, cols]``): a lossless :class:`QuantizedArray` (group size 32; 4, 4,
+      8, 5, 5, 4, 5 bits) whose ``dequantize()`` equals ``gguf.quants.dequantize`` exactly. Other ranks: float32
+      (dequantized).
     - other quantized types (``Q6_K``, ``Q3_K``, ``Q2_K``, ``IQ*``, ``TQ*``, ``MXFP4``...): float32 from
-      ``gguf.quants.dequantize`` (``Q8_K`` by this package), or, with ``requantize=4`` or ``8`` and a 2-D shape whose
-      last axis is a multiple of 32, a :class:`QuantizedArray` made by :func:`quant.quantize_affine` (MLX's formula).
+      ``gguf.quants.dequantize`` (``Q8_K`` by this package), or, with ``requantize=4`` or ``8`` and a 2-D or 3-D
+      shape whose last axis is a multiple of 32, a :class:`QuantizedArray` made by :func:`quant.quantize_affine`
+      (MLX's formula).
     - ``F32`` float32, ``F16`` float16, ``BF16`` float32, ``F64`` float64, ``I8``/``I16``/``I32``/``I64`` as stored.
       These are read-only views of the mapping when no conversion is needed; copy one to write to it.
 
@@ -451,11 +453,13 @@ class GGUFFile(WeightFile):
 
         Args:
             name: the tensor's name.
-            requantize: None, 4 or 8: re-quantize 2-D tensors of quantized types not in :data:`LOSSLESS_TYPES` to
-                this many bits (MLX affine, group size 32) instead of returning float32. Ignored for other types.
+            requantize: None, 4 or 8: re-quantize 2-D and 3-D tensors of quantized types not in
+                :data:`LOSSLESS_TYPES` to this many bits (MLX affine, group size 32) instead of returning float32.
+                Ignored for other types.
 
         Returns:
-            a NumPy array in the logical shape (NumPy order), or a :class:`QuantizedArray` ``[rows, cols]``.
+            a NumPy array in the logical shape (NumPy order), or a :class:`QuantizedArray` ``[rows, cols]`` (or
+            ``[experts, rows, cols]``).
 
         Raises:
             WeightsError: no such tensor, a type this reader cannot decode (``Q8_1``, ``Q1_0``...), or the file
@@ -480,14 +484,15 @@ class GGUFFile(WeightFile):
             return quant.bf16_to_float32(np.frombuffer(buf, "<u2", n_el, t.offset)).reshape(shape)
         rows = n_el // shape[-1] if shape and shape[-1] else 0
         cols = shape[-1] if shape else 1
-        if t.type_name in LOSSLESS_TYPES and len(shape) == 2 and n_el:
+        lead = tuple(shape[:-2])  # a stack of matrices (experts) stays quantized as one
+        if t.type_name in LOSSLESS_TYPES and len(shape) in (2, 3) and n_el:
             dt = quant.BLOCKS[t.type_name]
             blocks = np.frombuffer(buf, dt, t.nbytes // dt.itemsize, t.offset)
-            return quant.repack_gguf(blocks, t.type_name, rows, cols)
-        if requantize and len(shape) == 2 and n_el and cols % quant.GROUP_SIZE == 0 \
+            return quant.repack_gguf(blocks, t.type_name, rows, cols).stacked(lead)
+        if requantize and len(shape) in (2, 3) and n_el and cols % quant.GROUP_SIZE == 0 \
                 and t.type_name not in LOSSLESS_TYPES:
             out = self._dequantize(t, rows, cols)
-            return quant.quantize_affine(out, requantize, quant.GROUP_SIZE)
+            return quant.quantize_affine(out, requantize, quant.GROUP_SIZE).stacked(lead)
         return self._dequantize(t, rows, cols).reshape(shape)
 
     def _dequantize(self, t: GGUFTensorInfo, rows: int, cols: int) -> np.ndarray:

@@ -35,6 +35,7 @@
 #include "mlx/version.h"
 #include "half.h"
 #include "pool.h"
+#include "qmatmul.h"
 #include "rows.h"
 #include "strided.h"
 
@@ -51,18 +52,10 @@ namespace {
 
 #define INLINE inline __attribute__((always_inline))
 
-enum ScaleType { kF32 = 0, kF16 = 1, kBF16 = 2 };
-
-struct Problem {
-  const float* x;  // [M, K], for 4-bit weights reordered per 32 elements (see prepare_x)
-  const uint8_t* w;  // [N, K * bits / 8]
-  const void* scales;  // [N, K / group_size]
-  const void* biases;  // [N, K / group_size], or null: the zero point 2**(bits - 1), bias = -2**(bits - 1) * scale
-  float* out;  // [M, N]
-  int M, N, K, group_size, bits, scale_type;
-  const void* qx = nullptr;  // x quantized to int8 (vnni::QX), for the int8 kernel
-};
-
+using mlx_engine::kBF16;
+using mlx_engine::kF16;
+using mlx_engine::kF32;
+using mlx_engine::Problem;
 using mlx_engine::half_to_float;
 
 // One copy of the row kernel per instruction set; `rows_for_cpu` picks one once.
@@ -158,11 +151,13 @@ const float* prepare_x(const float* x, int M, int K, int bits) {
   return xp.data();
 }
 
+}  // namespace
+
 // Products of one x with several weights (a layer's q, k and v share x) as one parallel job: output rows in units of
 // 16 over all the products, in chunks claimed by whichever thread is free (pool.h). A product too small to be worth a
 // second thread on its own (a decode step's k and v) is split with the rest.
 // int8: x quantized to int8 and the int8 kernel, where the CPU has it.
-void qmatmul_run(std::vector<Problem>& ps, bool int8) {
+void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   const int M = ps[0].M, K = ps[0].K;
   RowsFn rows = rows_for_cpu();
 #ifdef X86_KERNELS
@@ -206,6 +201,8 @@ void qmatmul_run(std::vector<Problem>& ps, bool int8) {
     }
   });
 }
+
+namespace {
 
 // ------------------------------------------------------------------------------------------------ the primitive
 
@@ -294,7 +291,7 @@ class QMatmul : public mx::Primitive {
         p.bits = bits[i];
         p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
       }
-      qmatmul_run(ps, int8);
+      mlx_engine::qmatmul_run(ps, int8);
       size_t norm_at = w0 + 3 * ps.size();
       for (size_t i = 0; i < ps.size(); ++i) {
         if (!out_norms[i]) continue;
@@ -471,6 +468,7 @@ void register_activation(nb::module_& m);  // activation.cpp
 void register_qtake(nb::module_& m);       // qtake.cpp
 void register_half(nb::module_& m);        // half.cpp
 void register_softmax(nb::module_& m);     // softmax.cpp
+void register_gather_qmatmul(nb::module_& m);  // gather_qmatmul.cpp
 
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
@@ -499,6 +497,7 @@ NB_MODULE(_kernels, m) {
   register_half(m);
   register_qtake(m);
   register_softmax(m);
+  register_gather_qmatmul(m);
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
   m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI).");
