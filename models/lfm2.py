@@ -99,7 +99,8 @@ class LFM2(DecoderModel):
 
     @classmethod
     def sanitize(cls, weights: dict[str, Tensor], config: DecoderConfig, source: str) -> dict[str, Tensor]:
-        """GGUF and Hugging Face names to the shared ones; the convolution weight ``[D, 1, K]`` to ``[D, K]``."""
+        """GGUF and Hugging Face names to the shared ones; the convolution weight ``[D, 1, K]`` (mlx-lm's folders:
+        ``[D, K, 1]``) to ``[D, K]``."""
         if source == "gguf":
             out = {}
             for name, t in weights.items():
@@ -116,8 +117,8 @@ class LFM2(DecoderModel):
                 name = name.replace(a, b)
             if name == "model.embedding_norm.weight":
                 name = "model.norm.weight"
-            if name.endswith(".conv.conv.weight") and t.ndim == 3:
-                t = t.reshape(t.shape[0], t.shape[2])
+            if name.endswith(".conv.conv.weight") and t.ndim == 3:  # [D, 1, K], or mlx-lm's [D, K, 1]
+                t = t.reshape(t.shape[0], t.shape[1] * t.shape[2])
             out[name] = t
         return out
 

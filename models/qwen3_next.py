@@ -190,8 +190,14 @@ class Qwen3Next(DecoderModel):
         """Both sources to one layout: norms as plain RMSNorm weights (Hugging Face stores ``w`` for ``1 + w``;
         llama.cpp's converter already added the one); each head's ``q_proj`` rows split into the query and the
         output gate; the linear layers' input projection as ``in_proj_q/k/v`` (all heads of each, the order the
-        convolution reads them) and ``in_proj_z``; ``A = -exp(A_log)``; the convolution weight ``[C, K]``."""
+        convolution reads them) and ``in_proj_z``; ``A = -exp(A_log)``; the convolution weight ``[C, K]``. A folder
+        that mlx-lm wrote (``mlx_lm.convert``, mlx-community's: its experts stacked as ``mlp.switch_mlp``) already
+        holds ``1 + w`` in its norms and the convolution as ``[C, K, 1]``."""
         weights = _from_gguf_names(weights) if source == "gguf" else weights
+        if source == "hf" and any(".mlp.switch_mlp." in name for name in weights):
+            source = "mlx-lm"
+            weights = {name.replace(".mlp.switch_mlp.", ".mlp.experts.").removesuffix(".weight")
+                       if ".mlp.switch_mlp." in name else name: t for name, t in weights.items()}
         out = {}
         h, dh = config.num_heads, config.head_dim
         hk, hv, dk, dv = config.linear_heads or (1, 1, 1, 1)
@@ -219,8 +225,8 @@ class Qwen3Next(DecoderModel):
                 continue
             elif name.endswith("linear_attn.A_log"):
                 name, t = name.replace("A_log", "A"), -(t.astype(DType.FLOAT32).exp())
-            elif name.endswith("linear_attn.conv1d.weight") and t.ndim == 3:
-                t = t.reshape(t.shape[0], t.shape[2])
+            elif name.endswith("linear_attn.conv1d.weight") and t.ndim == 3:  # [C, 1, K], or mlx-lm's [C, K, 1]
+                t = t.reshape(t.shape[0], t.shape[1] * t.shape[2])
             out[name] = t
         return out
 

@@ -79,6 +79,29 @@ def test_matches_mlx_lm(hybrid):
     assert tokens == ref_tokens
 
 
+def test_an_mlx_lm_quantized_folder_matches_mlx_lm(hybrid, tmp_path):
+    """A folder that ``mlx_lm.convert`` quantized (mlx-community's layout: 4-bit, experts stacked as
+    ``switch_mlp``, norms holding ``1 + w``, the convolution ``[C, K, 1]``) loads with its experts quantized and
+    gives mlx-lm's greedy tokens from the same file."""
+    from mlx_lm import convert
+    from mlx_lm.utils import load_model
+
+    from tests.reference import mlx_lm_greedy
+
+    folder, _ = hybrid
+    out = tmp_path / "mlx-4bit"
+    convert(str(folder), mlx_path=str(out), quantize=True, q_group_size=32, q_bits=4)
+    prompt = _prompt(6, 80)
+    ref_first, ref_tokens = mlx_lm_greedy(load_model(out)[0], prompt, 32)
+    runner = _runner(out)
+    moe = [w for w in runner.model.layers.values() if w.get("experts_gate") is not None]
+    assert all(w[k].is_quantized for w in moe for k in ("experts_gate", "experts_up", "experts_down"))
+    assert len(moe) == (3 if folder.name == "qwen3_next" else 0)
+    first = logits_for(runner.model, runner, prompt)
+    assert np.abs(first - ref_first).max() <= 1e-3 * np.abs(ref_first).max()
+    assert _greedy(runner, prompt, 32)[0] == ref_tokens
+
+
 def test_gguf_equals_the_folder(hybrid, tmp_path):
     """The same weights written as llama.cpp's converter writes them give the folder's logits and tokens."""
     folder, reference = hybrid

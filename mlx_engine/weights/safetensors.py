@@ -16,8 +16,8 @@ inside the file and no two overlap. Only then is the file memory-mapped, so a co
 
 mlx-community quantized folders (``config.json`` with ``"quantization": {"group_size": 64, "bits": 4}`` and optional
 per-module overrides) store a quantized linear ``p`` as ``p.weight`` (U32), ``p.scales`` and ``p.biases``: these come
-back as one :class:`QuantizedArray` under ``p.weight`` (2-D, affine mode, 2/4/8 bits), and ``p.scales`` /
-``p.biases`` are not listed separately.
+back as one :class:`QuantizedArray` under ``p.weight`` (2-D, or 3-D for mlx-lm's stacked experts ``switch_mlp``;
+affine mode, 2/4/8 bits), and ``p.scales`` / ``p.biases`` are not listed separately.
 
 This module imports NumPy only (never ``mlx``).
 """
@@ -401,12 +401,13 @@ class SafetensorsFile(WeightFile):
             raise WeightsError(f"{src}: {g.bits}-bit MLX quantization is not supported (2, 4 or 8 bits)")
         s_shard, s = self._entries[g.scales]
         b_shard, b = self._entries[g.biases]
-        if len(e.shape) != 2:
-            raise WeightsError(f"{src}: expected a 2-D packed weight, found shape {list(e.shape)}")
-        rows, cols = e.shape[0], e.shape[1] * 32 // g.bits
-        if cols % g.group_size or s.shape != (rows, cols // g.group_size) or b.shape != s.shape:
+        if len(e.shape) not in (2, 3):
+            raise WeightsError(f"{src}: expected a 2-D packed weight (3-D: a stack of experts), found shape "
+                               f"{list(e.shape)}")
+        lead, cols = tuple(e.shape[:-1]), e.shape[-1] * 32 // g.bits
+        if cols % g.group_size or s.shape != (*lead, cols // g.group_size) or b.shape != s.shape:
             raise WeightsError(f"{src}: scales {list(s.shape)} and biases {list(b.shape)} do not fit a "
-                               f"{g.bits}-bit weight [{rows}, {cols}] with group size {g.group_size}")
+                               f"{g.bits}-bit weight {[*lead, cols]} with group size {g.group_size}")
         weight = self._entries[name][0].array(e)
         scales = s_shard.array(s).astype(np.float32)
         biases = b_shard.array(b).astype(np.float32)
