@@ -287,6 +287,11 @@ class Tensor(abc.ABC):
         """A quantized tensor as a dense one in its ``dtype``; a dense tensor is returned as it is."""
 
     @abc.abstractmethod
+    def rows(self, rows: "list[int]") -> "Tensor":
+        """Rows ``rows`` (in that order) of a weight ``[rows, cols]``, still quantized where it is (an affine
+        weight's rows are independent: their bytes, scales and biases): a fused projection split at load."""
+
+    @abc.abstractmethod
     def quantize_weight(self, group_size: int = 64, bits: int = 8) -> "Tensor":
         """This float weight ``[rows, cols]`` as an affine-quantized weight (``is_quantized``; :meth:`linear` then
         runs a quantized matmul), per group of ``group_size`` consecutive elements of a row (32, 64 or 128), ``bits``

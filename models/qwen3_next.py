@@ -205,23 +205,21 @@ class Qwen3Next(DecoderModel):
         for name, t in weights.items():
             if source == "hf" and (name == "model.norm.weight" or name.endswith(_ZERO_CENTRED)):
                 t = t.dequantize() + 1.0
-            elif name.endswith("self_attn.q_proj.weight"):
-                both = t.dequantize().reshape(h, 2, dh, t.shape[-1])
-                out[name.replace("q_proj", "gate_proj")] = both[:, 1].reshape(h * dh, t.shape[-1])
-                t = both[:, 0].reshape(h * dh, t.shape[-1])
+            elif name.endswith("self_attn.q_proj.weight"):  # per head: dh query rows, then dh gate rows
+                out[name.replace("q_proj", "gate_proj")] = t.rows(_per_group(h, 2 * dh, dh, dh))
+                t = t.rows(_per_group(h, 2 * dh, 0, dh))
             elif name.endswith("linear_attn.in_proj_qkvz.weight"):  # grouped per key head: [q, k, v, z] each
-                d = t.shape[-1]
-                g = t.dequantize().reshape(hk, 2 * dk + 2 * r * dv, d)
-                p = name.replace("in_proj_qkvz.weight", "")
-                out.update({p + "in_proj_q.weight": g[:, :dk].reshape(hk * dk, d),
-                            p + "in_proj_k.weight": g[:, dk:2 * dk].reshape(hk * dk, d),
-                            p + "in_proj_v.weight": g[:, 2 * dk:2 * dk + r * dv].reshape(hv * dv, d),
-                            p + "in_proj_z.weight": g[:, 2 * dk + r * dv:].reshape(hv * dv, d)})
+                g, p = 2 * dk + 2 * r * dv, name.replace("in_proj_qkvz.weight", "")
+                out.update({p + "in_proj_q.weight": t.rows(_per_group(hk, g, 0, dk)),
+                            p + "in_proj_k.weight": t.rows(_per_group(hk, g, dk, dk)),
+                            p + "in_proj_v.weight": t.rows(_per_group(hk, g, 2 * dk, r * dv)),
+                            p + "in_proj_z.weight": t.rows(_per_group(hk, g, 2 * dk + r * dv, r * dv))})
                 continue
             elif name.endswith("linear_attn.in_proj_qkv.weight"):  # llama.cpp: all q rows, all k rows, all v rows
-                p, t = name.replace("in_proj_qkv.weight", ""), t.dequantize()
-                out.update({p + "in_proj_q.weight": t[:hk * dk], p + "in_proj_k.weight": t[hk * dk:2 * hk * dk],
-                            p + "in_proj_v.weight": t[2 * hk * dk:]})
+                p, n = name.replace("in_proj_qkv.weight", ""), t.shape[0]
+                out.update({p + "in_proj_q.weight": t.rows(list(range(hk * dk))),
+                            p + "in_proj_k.weight": t.rows(list(range(hk * dk, 2 * hk * dk))),
+                            p + "in_proj_v.weight": t.rows(list(range(2 * hk * dk, n)))})
                 continue
             elif name.endswith("linear_attn.A_log"):
                 name, t = name.replace("A_log", "A"), -(t.astype(DType.FLOAT32).exp())
@@ -333,6 +331,12 @@ class Qwen3Next(DecoderModel):
         o = o.rms_norm(w["lin_norm"], c.rms_norm_eps) * z.astype(DType.FLOAT32).silu()
         y = o.astype(h.dtype).reshape(1, s * n, vd).linear(w["lin_out"])
         return feed_forward(c, h, y, w)
+
+
+def _per_group(groups: int, size: int, start: int, count: int) -> list[int]:
+    """Rows ``start .. start + count - 1`` of each of ``groups`` consecutive groups of ``size`` rows (a fused
+    projection's part, per head), in order."""
+    return [g * size + start + i for g in range(groups) for i in range(count)]
 
 
 def _check_sparse_step(config: Any) -> None:

@@ -171,22 +171,22 @@ def greedy_reference(model, prompt: list[int], n: int) -> tuple[np.ndarray, list
     return first, out[0, len(prompt):].tolist()
 
 
-def qwen3_next_gguf(model, path: Path, experts: "dict[str, str] | None" = None, dequantized: bool = False) -> Path:
+def qwen3_next_gguf(model, path: Path, types: "dict[str, str] | None" = None, dequantized: bool = False) -> Path:
     """Write ``model`` (a transformers Qwen3-Next) as an F32 GGUF file as llama.cpp's converter does
     (``Qwen3NextModel.modify_tensors``): ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, norms with
     the one added (but the gated ``linear_attn.norm``), ``in_proj_qkvz`` split into ``attn_qkv`` (all q, all k, all
     v) and ``attn_gate`` (z), the experts stacked; the rest through gguf-py's tensor name map.
 
-    ``experts``: the GGUF type of each stacked expert tensor (``{"ffn_gate_exps": "Q4_1", ...}``), quantized by
-    ``gguf.quants``; with ``dequantized`` they are written as F32 holding those quantized values instead."""
+    ``types``: a GGUF type for some of the layers' tensors (``{"ffn_gate_exps": "Q4_1", "attn_qkv": "Q8_0", ...}``),
+    quantized by ``gguf.quants``; with ``dequantized`` they are written as F32 holding those quantized values."""
     import gguf
     import torch
 
-    def add_experts(w, name: str, a: np.ndarray) -> None:
-        kind = name.split(".")[2]
-        if not experts or kind not in experts:
+    def add(w, name: str, a: np.ndarray) -> None:
+        kind = name.split(".")[2] if name.startswith("blk.") else name
+        if not types or kind not in types:
             return w.add_tensor(name, a)
-        qtype = gguf.GGMLQuantizationType[experts[kind]]
+        qtype = gguf.GGMLQuantizationType[types[kind]]
         q = gguf.quants.quantize(a, qtype)
         if dequantized:
             return w.add_tensor(name, gguf.quants.dequantize(q, qtype).astype(np.float32))
@@ -225,17 +225,17 @@ def qwen3_next_gguf(model, path: Path, experts: "dict[str, str] | None" = None, 
         bid = int(name.split(".")[2]) if name.startswith("model.layers.") else None
         if name.endswith(".mlp.experts.gate_up_proj"):  # transformers' fused layout in memory: [E, 2I, D]
             gate, up = t.chunk(2, dim=1)
-            add_experts(w, f"blk.{bid}.ffn_gate_exps.weight", gate.contiguous().numpy())
-            add_experts(w, f"blk.{bid}.ffn_up_exps.weight", up.contiguous().numpy())
+            add(w, f"blk.{bid}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            add(w, f"blk.{bid}.ffn_up_exps.weight", up.contiguous().numpy())
             continue
         if name.endswith(".mlp.experts.down_proj"):
-            add_experts(w, f"blk.{bid}.ffn_down_exps.weight", t.contiguous().numpy())
+            add(w, f"blk.{bid}.ffn_down_exps.weight", t.contiguous().numpy())
             continue
         if name.endswith(".A_log"):
-            w.add_tensor(f"blk.{bid}.ssm_a", (-torch.exp(t)).numpy())
+            add(w, f"blk.{bid}.ssm_a", (-torch.exp(t)).numpy())
             continue
         if name.endswith(".dt_bias"):
-            w.add_tensor(f"blk.{bid}.ssm_dt.bias", t.numpy())
+            add(w, f"blk.{bid}.ssm_dt.bias", t.numpy())
             continue
         if "conv1d" in name:
             t = t.squeeze()
@@ -246,12 +246,12 @@ def qwen3_next_gguf(model, path: Path, experts: "dict[str, str] | None" = None, 
             r = hv // hk
             qkv = torch.cat([g[:, :dk].reshape(hk * dk, -1), g[:, dk:2 * dk].reshape(hk * dk, -1),
                              g[:, 2 * dk:2 * dk + r * dv].reshape(hv * dv, -1)])
-            w.add_tensor(f"blk.{bid}.attn_qkv.weight", qkv.numpy())
-            w.add_tensor(f"blk.{bid}.attn_gate.weight", g[:, 2 * dk + r * dv:].reshape(hv * dv, -1).numpy())
+            add(w, f"blk.{bid}.attn_qkv.weight", qkv.numpy())
+            add(w, f"blk.{bid}.attn_gate.weight", g[:, 2 * dk + r * dv:].reshape(hv * dv, -1).numpy())
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:  # a dense MLP (mlp_only_layers): llama.cpp's qwen3next map has none; its generic names
             gguf_name = f"blk.{bid}.ffn_{name.split('.')[-2].split('_')[0]}.weight"
-        w.add_tensor(gguf_name, t.numpy())
+        add(w, gguf_name, t.numpy())
     write_gguf(w)
     return path

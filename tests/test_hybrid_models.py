@@ -362,19 +362,22 @@ def test_the_chunked_delta_rule_equals_the_token_by_token_one():
 
 def test_quantized_experts_stay_quantized(tmp_path):
     """A Qwen3-Next GGUF whose stacked experts are quantized (Q4_1, Q8_0 and Q5_0, as llama.cpp writes them) keeps
-    them quantized in the file's own bytes, and gives the logits and greedy tokens of the same values written as
-    float32: a prompt's products (tokens grouped by expert) and decode's (one row each)."""
+    them quantized in the file's own bytes, and the fused projections split at load (the linear layers' qkv, the
+    attention's query and gate) keep their parts quantized; the logits and greedy tokens are those of the same values
+    written as float32: a prompt's products (tokens grouped by expert) and decode's (one row each)."""
     from mlx_engine.mlx import cpu_kernels
     from mlx_engine.weights import open_weights
     from tests.hybrid_small import build_qwen3_next
 
     reference = build_qwen3_next(tmp_path / "qwen3_next", seed=4)
-    types = {"ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q5_0"}
-    quantized = qwen3_next_gguf(reference, tmp_path / "q.gguf", experts=types)
-    floats = qwen3_next_gguf(reference, tmp_path / "f.gguf", experts=types, dequantized=True)
+    experts = {"ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q5_0"}
+    fused = {"attn_qkv": "Q8_0", "attn_gate": "Q4_0", "attn_q": "Q5_1"}  # split into parts at load
+    types = {**experts, **fused}
+    quantized = qwen3_next_gguf(reference, tmp_path / "q.gguf", types=types)
+    floats = qwen3_next_gguf(reference, tmp_path / "f.gguf", types=types, dequantized=True)
     backend = MLXBackend(quantized, dtype="float32")
     with open_weights(quantized) as wf:
-        for kind, type_name in types.items():
+        for kind, type_name in experts.items():
             name = f"blk.0.{kind}.weight"
             assert wf.type_name(name) == type_name
             t = backend.weights[name]
@@ -384,6 +387,9 @@ def test_quantized_experts_stay_quantized(tmp_path):
     prompt = _prompt(5, 70)
     q_runner, f_runner = _runner(quantized), _runner(floats)
     assert all(q_runner.model.layers[0][k].is_quantized for k in ("experts_gate", "experts_up", "experts_down"))
+    lw = q_runner.model.layers  # the fused projections' parts stay quantized too
+    assert all(lw[0][k].is_quantized for k in ("lin_q", "lin_k", "lin_v", "lin_z"))
+    assert lw[3]["q"].is_quantized and lw[3]["attn_gate"].is_quantized
     a = logits_for(q_runner.model, q_runner, prompt)
     b = logits_for(f_runner.model, f_runner, prompt)
     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()

@@ -268,6 +268,9 @@ class MLXTensor(Tensor):
     def dequantize(self):
         return self
 
+    def rows(self, rows):
+        return MLXTensor(mx.take(self.a, mx.array(rows, dtype=mx.int32), axis=0))
+
     def quantize_weight(self, group_size=64, bits=8):
         w, s, b = mx.quantize(self.a, group_size=group_size, bits=bits)
         mx.eval(w, s, b)
@@ -424,6 +427,14 @@ class MLXQuantizedTensor(MLXTensor):
     @property
     def nbytes(self):
         return self.w.nbytes + self.scales.nbytes + (0 if self.biases is None else self.biases.nbytes)
+
+    def rows(self, rows):
+        i = mx.array(rows, dtype=mx.int32)
+        t = MLXQuantizedTensor(mx.take(self.w, i, axis=0), mx.take(self.scales, i, axis=0),
+                               None if self.biases is None else mx.take(self.biases, i, axis=0), self.group_size,
+                               self.bits, dtype=self._dtype, activations=self.activations)
+        mx.eval(t.w, t.scales, *([] if t.biases is None else [t.biases]))  # apart from the weight it came from
+        return t
 
     def take(self, indices, axis=0):
         if axis != 0:
