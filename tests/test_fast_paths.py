@@ -188,8 +188,8 @@ def test_fused_products_give_the_bits_of_the_operations_apart(kind, tmp_path, mo
     if cpu_kernels.qmatmul_many is not None:
         real = cpu_kernels.qmatmul_many
         monkeypatch.setattr(cpu_kernels, "qmatmul_many",
-                            lambda *a: prologues.append((a[8], a[10] is not None) if len(a) > 8 else ("none", False))
-                            or real(*a))
+                            lambda *a, **k: prologues.append((a[8], a[10] is not None) if len(a) > 8
+                                                             else ("none", False)) or real(*a, **k))
     fused = _decode(model, backend, tokens, 60, capacity=128)
     with monkeypatch.context() as apart:
         for name in ("norm_linear", "gated_linear", "linear_norm"):

@@ -232,8 +232,15 @@ def test_lossless_types_roundtrip_exactly(tmp_path: Path, qtype: T, bits: int, s
         assert q.scales.shape == (shape[0], shape[1] // 32) and q.biases.shape == q.scales.shape
         assert q.scales.dtype == q.biases.dtype
         # the 32-element types have f16 d (and m) and a bias -8d, -16d or -128d: float16 holds them exactly; the
-        # K-quants' d * sc (an f16 times a 6-bit integer) in general needs float32
-        assert q.scales.dtype == (np.float32 if qtype in (T.Q4_K, T.Q5_K) else np.float16)
+        # K-quants' d * sc (an f16 times a 6-bit integer) would in general need float32, so they keep their two
+        # levels: the 6-bit integers, and d and -dmin per 256 elements
+        if qtype in (T.Q4_K, T.Q5_K):
+            assert q.scales.dtype == np.uint8 and q.super_scales.shape == (shape[0], shape[1] // 256, 2)
+            assert q.nbytes <= 1.03 * blocks.nbytes
+            assert q.expanded().scales.dtype == np.float32
+            np.testing.assert_array_equal(q.expanded().dequantize(), gq.dequantize(blocks, qtype))
+        else:
+            assert q.scales.dtype == np.float16 and q.super_scales is None
         with np.errstate(all="ignore"):
             ref = gq.dequantize(blocks, qtype)
         # exact: a scale and a bias per 32 elements, each exact in float32, and scale * q exact too

@@ -324,6 +324,8 @@ def _cut(host: "np.ndarray | QuantizedArray", axis: int, start: int, stop: int) 
 def _symmetric(host: QuantizedArray) -> bool:
     """Whether every bias is ``-2**(bits - 1)`` times its scale, exactly (GGUF's Q8_0, Q4_0 and Q5_0 repacked: a
     signed integer times its scale, stored as an unsigned one with that zero point)."""
+    if host.super_scales is not None:  # a K-quant's: its biases are its mins
+        return False
     return bool(np.array_equal(host.biases, host.scales * np.asarray(-(2 ** (host.bits - 1)), host.scales.dtype)))
 
 
@@ -415,14 +417,17 @@ class MLXBackend(Backend):
     def _to_device(self, host: "np.ndarray | QuantizedArray") -> MLXTensor:
         dt = TO_MX[self._dtype]
         if isinstance(host, QuantizedArray) and self._keep_quantized:
+            if host.super_scales is not None and (self._device != "cpu" or cpu_kernels.qmatmul is None):
+                host = host.expanded()  # MLX's kernels take one float scale and bias per group
             s, b = mx.array(host.scales), mx.array(host.biases)
             if self._device != "cpu":  # mx.quantized_matmul wants them in the compute dtype
                 s, b = s.astype(dt), b.astype(dt)
             elif cpu_kernels.qmatmul is not None and _symmetric(host):
                 b = None  # our kernel makes them from the scales: Q8_0 held in its file's 34 bytes per 32, not 36
+            sup = None if host.super_scales is None else mx.array(host.super_scales)
             t = MLXQuantizedTensor(mx.array(host.weight), s, b, host.group_size, host.bits, dtype=dt,
-                                   activations=self.activations)
-            mx.eval(t.w, t.scales, *([] if b is None else [b]))
+                                   activations=self.activations, super_scales=sup)
+            mx.eval(t.w, t.scales, *([] if b is None else [b]), *([] if sup is None else [sup]))
             return t
         if isinstance(host, QuantizedArray):
             host = host.dequantize()  # on the host, so the device never holds both forms
@@ -481,8 +486,11 @@ class MLXBackend(Backend):
             spec, flat = [], []  # one pass: this runs twice per layer and decode step
             for t in tensors:
                 if isinstance(t, MLXQuantizedTensor):
-                    spec.append((t.group_size, t.bits, t._dtype, t.biases is None, t.activations))
+                    spec.append((t.group_size, t.bits, t._dtype, t.biases is None, t.activations,
+                                 t.super_scales is not None))
                     flat += (t.w, t.scales) if t.biases is None else (t.w, t.scales, t.biases)
+                    if t.super_scales is not None:
+                        flat.append(t.super_scales)
                 else:
                     spec.append(None)
                     flat.append(t.a)
@@ -494,7 +502,8 @@ class MLXBackend(Backend):
                     it = iter(arrays)
                     args = [MLXTensor(next(it)) if s is None else
                             MLXQuantizedTensor(next(it), next(it), None if s[3] else next(it), *s[:3],
-                                               activations=s[4]) for s in spec]
+                                               activations=s[4], super_scales=next(it) if s[5] else None)
+                            for s in spec]
                     out = fn(*args)
                     returns_tuple[spec] = isinstance(out, tuple)
                     return tuple(o.a for o in out) if isinstance(out, tuple) else (out.a,)

@@ -103,7 +103,7 @@ class MLXTensor(Tensor):
         if isinstance(weight, MLXQuantizedTensor):
             if runtime.on_cpu and cpu_kernels.qmatmul is not None:
                 y = cpu_kernels.qmatmul(self.a, weight.w, weight.scales, weight.biases, weight.group_size, weight.bits,
-                                        weight.activations)
+                                        weight.activations, weight.super_scales)
             else:
                 y = mx.quantized_matmul(self.a, weight.w, *weight.float_scales(), transpose=True,
                                         group_size=weight.group_size, bits=weight.bits)
@@ -126,7 +126,7 @@ class MLXTensor(Tensor):
                                           [w.biases for w in weights], [w.group_size for w in weights],
                                           [w.bits for w in weights],
                                           None if shapes is None else [list(shape) for shape in shapes],
-                                          weights[0].activations)
+                                          weights[0].activations, supers=[w.super_scales for w in weights])
             biases = biases if biases is not None else [None] * len(weights)
             return [MLXTensor(y if b is None else y + b.a) for y, b in zip(ys, biases)]
         return super().linear_many(weights, biases, shapes)
@@ -144,7 +144,8 @@ class MLXTensor(Tensor):
             self.a, [w.w for w in weights], [w.scales for w in weights], [w.biases for w in weights],
             [w.group_size for w in weights], [w.bits for w in weights],
             None if shapes is None else [list(shape) for shape in shapes], weights[0].activations, prologue,
-            [t.a for t in inputs], None if out_norms is None else [raw(t) for t in out_norms], eps)
+            [t.a for t in inputs], None if out_norms is None else [raw(t) for t in out_norms], eps,
+            [w.super_scales for w in weights])
 
     def norm_linear(self, weights, norm, eps, residual=None, shapes=None, out_norms=None):
         if residual is None or residual.shape == self.shape:
@@ -258,7 +259,8 @@ class MLXTensor(Tensor):
         if isinstance(weight, MLXQuantizedTensor):  # the experts stay quantized
             if runtime.on_cpu and cpu_kernels.gather_qmatmul is not None:
                 return MLXTensor(cpu_kernels.gather_qmatmul(self.a, weight.w, weight.scales, weight.biases, i,
-                                                            weight.group_size, weight.bits, weight.activations))
+                                                            weight.group_size, weight.bits, weight.activations,
+                                                            weight.super_scales))
             y = mx.gather_qmm(self.a[:, None, None, :], weight.w, *weight.float_scales(), rhs_indices=i,
                               transpose=True, group_size=weight.group_size, bits=weight.bits)
             return MLXTensor(y.squeeze(2))
@@ -384,22 +386,34 @@ class MLXQuantizedTensor(MLXTensor):
     two), made where needed instead of held (our CPU kernel makes them per row).
     """
 
-    __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape", "_dtype", "activations")
+    __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape", "_dtype", "activations", "super_scales")
 
-    def __init__(self, w, scales, biases, group_size: int, bits: int, dtype=None, activations: str | None = None):
+    def __init__(self, w, scales, biases, group_size: int, bits: int, dtype=None, activations: str | None = None,
+                 super_scales=None):
         self.w, self.scales, self.biases = w, scales, biases
+        #: two-level scales (GGUF's Q4_K and Q5_K on the CPU): ``scales`` and ``biases`` are uint8 integers ``sc`` and
+        #: ``m``, and this float16 ``[..., groups / 8, 2]`` holds ``(d, -dmin)`` per 8 groups: scale ``d * sc``, bias
+        #: ``-dmin * m`` (exact float32 products); None for one float scale and bias per group
+        self.super_scales = super_scales
         self.group_size, self.bits = group_size, bits
         #: what our CPU kernel does with x in products with this weight: "float32" or "int8" (the backend's choice,
         #: else the process default ``cpu_kernels.activations``); MLX's kernels elsewhere take x as it is
         self.activations = activations or cpu_kernels.activations
         self._shape = (*w.shape[:-1], w.shape[-1] * 32 // bits)  # [experts, rows, cols] for a stack
-        self._dtype = dtype if dtype is not None else scales.dtype
+        self._dtype = dtype if dtype is not None else (scales.dtype if super_scales is None else mx.float32)
 
     def __repr__(self) -> str:
         return f"MLXQuantizedTensor(shape={self.shape}, bits={self.bits}, group_size={self.group_size})"
 
     def float_scales(self, rows=None):
         """Scales and biases (of ``rows``, an index, or all) in :attr:`dtype`."""
+        if self.super_scales is not None:  # two-level: the products in float32 (exact), then the dtype
+            sup = self.super_scales if rows is None else self.super_scales[rows]
+            sup = mx.repeat(sup.astype(mx.float32), 8, axis=-2)  # [..., groups, 2]
+            s = self.scales if rows is None else self.scales[rows]
+            b = self.biases if rows is None else self.biases[rows]
+            s, b = s.astype(mx.float32) * sup[..., 0], b.astype(mx.float32) * sup[..., 1]
+            return s.astype(self._dtype), b.astype(self._dtype)
         s = self.scales if rows is None else self.scales[rows]
         if s.dtype != self._dtype:
             s = s.astype(self._dtype)
@@ -426,14 +440,18 @@ class MLXQuantizedTensor(MLXTensor):
 
     @property
     def nbytes(self):
-        return self.w.nbytes + self.scales.nbytes + (0 if self.biases is None else self.biases.nbytes)
+        return (self.w.nbytes + self.scales.nbytes + (0 if self.biases is None else self.biases.nbytes)
+                + (0 if self.super_scales is None else self.super_scales.nbytes))
 
     def rows(self, rows):
         i = mx.array(rows, dtype=mx.int32)
+        sup = self.super_scales
         t = MLXQuantizedTensor(mx.take(self.w, i, axis=0), mx.take(self.scales, i, axis=0),
                                None if self.biases is None else mx.take(self.biases, i, axis=0), self.group_size,
-                               self.bits, dtype=self._dtype, activations=self.activations)
-        mx.eval(t.w, t.scales, *([] if t.biases is None else [t.biases]))  # apart from the weight it came from
+                               self.bits, dtype=self._dtype, activations=self.activations,
+                               super_scales=None if sup is None else mx.take(sup, i, axis=0))
+        mx.eval(t.w, t.scales, *([] if t.biases is None else [t.biases]),  # apart from the weight it came from
+                *([] if sup is None else [t.super_scales]))
         return t
 
     def take(self, indices, axis=0):
@@ -442,7 +460,8 @@ class MLXQuantizedTensor(MLXTensor):
         i = raw(indices)
         if runtime.on_cpu and cpu_kernels.qtake is not None and self._dtype == mx.float32 and isinstance(i, mx.array):
             # one graph node, where MLX's CPU dequantize is about 20 (the same values, bit for bit)
-            return MLXTensor(cpu_kernels.qtake(self.w, self.scales, self.biases, i, self.group_size, self.bits))
+            return MLXTensor(cpu_kernels.qtake(self.w, self.scales, self.biases, i, self.group_size, self.bits,
+                                               self.super_scales))
         return MLXTensor(mx.dequantize(self.w[i], *self.float_scales(i), group_size=self.group_size, bits=self.bits))
 
     def dequantize(self):

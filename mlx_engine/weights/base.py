@@ -40,6 +40,11 @@ class QuantizedArray:
 
     A stack of such weights (a mixture of experts' ``[experts, rows, cols]``) has the leading axes on all three arrays.
 
+    Two-level scales (GGUF's Q4_K and Q5_K, as the file holds them): ``super_scales`` float16
+    ``[rows, cols / group_size / 8, 2]`` holds ``(d, -dmin)`` per 8 groups, and ``scales`` and ``biases`` are the
+    uint8 integers ``sc`` and ``m``: scale ``d * sc`` and bias ``-dmin * m``, each an exact float32 product
+    (:meth:`expanded` makes them). A Q4_K weight so takes 4.625 bits per element (its file's 4.5), not 6.
+
     Attributes:
         weight: uint32 ``[rows, cols * bits / 32]`` (``[experts, rows, cols * bits / 32]`` for a stack).
         scales, biases: float32 or float16 (both the same) ``[rows, cols / group_size]`` (with the same leading axes).
@@ -52,6 +57,7 @@ class QuantizedArray:
     biases: np.ndarray
     group_size: int
     bits: int
+    super_scales: "np.ndarray | None" = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -59,13 +65,24 @@ class QuantizedArray:
 
     def stacked(self, lead: tuple[int, ...]) -> "QuantizedArray":
         """This ``[rows, cols]`` weight as ``[*lead, rows / prod(lead), cols]`` (views, no copy)."""
+        sup = self.super_scales
         return QuantizedArray(*(a.reshape(*lead, -1, a.shape[-1]) for a in (self.weight, self.scales, self.biases)),
-                              self.group_size, self.bits)
+                              self.group_size, self.bits,
+                              None if sup is None else sup.reshape(*lead, -1, *sup.shape[-2:]))
+
+    def expanded(self) -> "QuantizedArray":
+        """The same weight with one float32 scale and bias per group (itself when it has them already)."""
+        if self.super_scales is None:
+            return self
+        sup = np.repeat(self.super_scales.astype(np.float32), 8, axis=-2)
+        return QuantizedArray(self.weight, self.scales.astype(np.float32) * sup[..., 0],
+                              self.biases.astype(np.float32) * sup[..., 1], self.group_size, self.bits)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the three arrays together."""
-        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+        """Bytes of the arrays together."""
+        return (self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+                + (0 if self.super_scales is None else self.super_scales.nbytes))
 
     def slice(self, axis: int, start: int, stop: int) -> "QuantizedArray":
         """Rows (``axis=0``) or columns (``axis=1``) ``start .. stop - 1``, still quantized (copies, so that the
@@ -77,10 +94,15 @@ class QuantizedArray:
         if self.weight.ndim != 2:
             raise ValueError(f"a stack of weights {self.shape} is not cut")
         rows, cols = self.shape
+        sup = self.super_scales
+        if sup is not None and axis == 1 and (start % (8 * self.group_size)
+                                               or (stop % (8 * self.group_size) and stop != cols)):
+            return self.expanded().slice(axis, start, stop)  # a cut inside a super-block
         if not 0 <= start < stop <= (rows if axis == 0 else cols):
             raise ValueError(f"slice {start}:{stop} of axis {axis} is out of the weight's shape {self.shape}")
         if axis == 0:
             w, s, b = self.weight[start:stop], self.scales[start:stop], self.biases[start:stop]
+            sup = None if sup is None else sup[start:stop]
         else:
             g = self.group_size
             if start % g or (stop % g and stop != cols):
@@ -88,13 +110,16 @@ class QuantizedArray:
             # a group of 32 elements fills whole words at every bit width (32 * bits bits)
             w = self.weight[:, start * self.bits // 32:stop * self.bits // 32]
             s, b = self.scales[:, start // g:-(-stop // g)], self.biases[:, start // g:-(-stop // g)]
+            sup = None if sup is None else sup[:, start // (8 * g):-(-stop // (8 * g))]
         return QuantizedArray(np.ascontiguousarray(w), np.ascontiguousarray(s), np.ascontiguousarray(b),
-                              self.group_size, self.bits)
+                              self.group_size, self.bits, None if sup is None else np.ascontiguousarray(sup))
 
     def dequantize(self, rows_per_chunk: int = 4096) -> np.ndarray:
         """float32 ``[rows, cols]`` (a stack: ``[experts, rows, cols]``): ``scale * q + bias`` evaluated in float32
         (for GGUF Q4_0, Q4_1 and Q8_0 this equals ``gguf.quants.dequantize`` exactly). Works through
         ``rows_per_chunk`` rows at a time, so the only large allocation is the result."""
+        if self.super_scales is not None:
+            return self.expanded().dequantize(rows_per_chunk)
         shape = self.shape
         cols = shape[-1]
         weight, scales, biases = (a.reshape(-1, a.shape[-1]) for a in (self.weight, self.scales, self.biases))

@@ -29,7 +29,9 @@ All of these map without loss onto group-32 affine: a scale and a bias per 32 el
 and an integer of at most 6 bits, exact in float32, and ``scale * q`` (at most 17 + 5 significant bits) is exact too,
 so the float32 dequantization equals ``gguf.quants.dequantize`` exactly (up to the sign of zero). Scales and biases are
 stored as float16 where every one of them is exactly a float16 (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, barring overflow),
-else float32; :func:`compact_scales` decides. The 16-element sub-block types (Q6_K, Q3_K, Q2_K) have no exact form
+else float32 (:func:`compact_scales` decides); the K-quants' keep their two levels (6-bit integers, and an f16 ``d``
+and ``dmin`` per 256 elements: :class:`QuantizedArray`'s ``super_scales``), 4.625 bits per Q4_K element where
+float32 scales and biases took 6. The 16-element sub-block types (Q6_K, Q3_K, Q2_K) have no exact form
 with MLX's smallest group of 32; the loader re-quantizes them (``requantize``).
 
 Bits other than 2, 4 and 8 (3, 5, 6) pack as MLX packs them: a little-endian bitstream, element ``j`` at bit
@@ -196,35 +198,35 @@ def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _decode(blk: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Blocks of a lossless type -> (``q`` uint8 ``[n, E]`` in element order, scales and biases float32
-    ``[n, E / 32]``), ``E`` the block's elements (32, or 256 for the K-quants)."""
-    d = blk["d"].astype(np.float32)
-    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-        qs = blk["qs"]
-        q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
-        if type_name in ("Q5_0", "Q5_1"):
-            q |= _q5_high_bits(blk["qh"].astype(np.uint32))
-        if type_name in ("Q4_1", "Q5_1"):
-            bias = blk["m"].astype(np.float32)
-        else:
-            bias = np.float32(-8 if type_name == "Q4_0" else -16) * d
-        return q, d[:, None], bias[:, None]
-    # Q4_K, Q5_K
-    sc, mn = _k_scales(blk["scales"])
+def _k_quants(blk: np.ndarray, type_name: str) -> np.ndarray:
+    """Q4_K / Q5_K blocks -> their integers ``q`` uint8 ``[n, 256]`` in element order."""
     qs = blk["qs"].reshape(-1, 4, 32)
     q = np.stack([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=2)  # [n, 4, 2, 32]: sub-blocks 2i, 2i + 1
     if type_name == "Q5_K":
         shift = np.arange(8, dtype=np.uint8).reshape(4, 2)
         q |= ((blk["qh"][:, None, None, :] >> shift[None, :, :, None]) & np.uint8(1)) << np.uint8(4)
-    scales = d[:, None] * sc.astype(np.float32)
-    biases = -(blk["dmin"].astype(np.float32)[:, None] * mn.astype(np.float32))
-    return q.reshape(-1, 256), scales, biases
+    return q.reshape(-1, 256)
+
+
+def _decode(blk: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0, Q4_1, Q5_0 or Q5_1 blocks -> (``q`` uint8 ``[n, 32]`` in element order, scales and biases float32
+    ``[n, 1]``)."""
+    d = blk["d"].astype(np.float32)
+    qs = blk["qs"]
+    q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+    if type_name in ("Q5_0", "Q5_1"):
+        q |= _q5_high_bits(blk["qh"].astype(np.uint32))
+    if type_name in ("Q4_1", "Q5_1"):
+        bias = blk["m"].astype(np.float32)
+    else:
+        bias = np.float32(-8 if type_name == "Q4_0" else -16) * d
+    return q, d[:, None], bias[:, None]
 
 
 def repack_gguf(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedArray:
     """GGUF blocks of a type in :data:`REPACK_BITS` -> a lossless :class:`QuantizedArray` ``[rows, cols]``, group size
-    32, with float16 scales and biases where they are exact (:func:`compact_scales`).
+    32, with float16 scales and biases where they are exact (:func:`compact_scales`), two-level ones for Q4_K and
+    Q5_K (``super_scales``).
 
     Args:
         blocks: a 1-D array of the type's blocks, of its structured dtype in :data:`BLOCKS` (a view of the file is
@@ -233,17 +235,28 @@ def repack_gguf(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Qua
         rows, cols: the logical shape in NumPy order (``cols`` is GGUF's first dimension, a multiple of the block).
     """
     bits = REPACK_BITS[type_name]
-    block_elems = 256 if type_name.endswith("_K") else GROUP_SIZE
+    k_quant = type_name.endswith("_K")
+    block_elems = 256 if k_quant else GROUP_SIZE
     nb = cols // block_elems
     ng = cols // GROUP_SIZE
     weight = np.empty((rows, cols * bits // 32), np.uint32)
-    scales = np.empty((rows, ng), np.float32)
-    biases = np.empty((rows, ng), np.float32)
+    # a K-quant's scales as the file holds them (two levels: 6-bit integers, and f16 per 256 elements)
+    scales = np.empty((rows, ng), np.uint8 if k_quant else np.float32)
+    biases = np.empty((rows, ng), np.uint8 if k_quant else np.float32)
+    supers = np.empty((rows, nb, 2), np.float16) if k_quant else None
     step = max(1, _CHUNK_BYTES // max(1, cols))
     with np.errstate(all="ignore"):
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             blk = blocks[r0 * nb:r1 * nb]
+            if k_quant:
+                q = _k_quants(blk, type_name)
+                weight[r0:r1] = pack(q.reshape(r1 - r0, cols), bits)
+                sc, mn = _k_scales(blk["scales"])
+                scales[r0:r1], biases[r0:r1] = sc.reshape(r1 - r0, ng), mn.reshape(r1 - r0, ng)
+                supers[r0:r1, :, 0] = blk["d"].reshape(r1 - r0, nb)
+                supers[r0:r1, :, 1] = -blk["dmin"].reshape(r1 - r0, nb)  # (a sign flip: exact)
+                continue
             if type_name == "Q8_0":
                 d = blk["d"].astype(np.float32).reshape(r1 - r0, nb)
                 q = blk["qs"].view(np.uint8) ^ np.uint8(0x80)  # q + 128 (mod 256) for q in [-128, 127]
@@ -262,6 +275,8 @@ def repack_gguf(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Qua
             weight[r0:r1] = pack(q.reshape(r1 - r0, cols), bits)
             scales[r0:r1] = s.reshape(r1 - r0, ng)
             biases[r0:r1] = b.reshape(r1 - r0, ng)
+    if k_quant:
+        return QuantizedArray(weight, scales, biases, GROUP_SIZE, bits, supers)
     return compact_scales(QuantizedArray(weight, scales, biases, GROUP_SIZE, bits))
 
 

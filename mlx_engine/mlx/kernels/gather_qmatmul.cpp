@@ -3,7 +3,8 @@
 // gather_qmatmul(x, w, scales, biases, indices, group_size, bits, activations) -> float32 [N, k, I]:
 //     out[n, j] = x[n] @ dequantize(w[e], scales[e], biases[e]).T,   e = indices[n, j]
 // for x [N, K], expert weights w [E, I, K * bits / 32] (uint32, MLX's affine layout, see qmatmul.cpp) with scales and
-// biases [E, I, K / group_size], and indices [N, k] (int32 or uint32) in [0, E). The products are those of qmatmul
+// biases [E, I, K / group_size] (or two-level ones: uint8 with super scales [E, I, K / group_size / 8, 2], as
+// qmatmul's), and indices [N, k] (int32 or uint32) in [0, E). The products are those of qmatmul
 // (the same kernel, so the same bits as qmatmul(x[n], w[e], ...)). A decode step (N = 1) runs its k experts as one
 // parallel job; a prompt's tokens are grouped by expert first, so that each expert's weights are read once for all
 // the tokens routed to it (llama.cpp's mul_mat_id does the same). Why our own: MLX's CPU gather_qmm dequantizes as
@@ -38,17 +39,24 @@ using mlx_engine::Problem;
 
 class GatherQMatmul : public mx::Primitive {
  public:
-  GatherQMatmul(mx::Stream stream, int group_size, int bits, bool symmetric, bool int8)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), symmetric_(symmetric), int8_(int8) {}
+  GatherQMatmul(mx::Stream stream, int group_size, int bits, bool symmetric, bool int8, bool factored)
+      : mx::Primitive(stream),
+        group_size_(group_size),
+        bits_(bits),
+        symmetric_(symmetric),
+        int8_(int8),
+        factored_(factored) {}
 
-  // inputs: x [N, K] float32, w [E, I, Kw], scales, biases (the scales again when symmetric), indices [N, k]
+  // inputs: x [N, K] float32, w [E, I, Kw], scales, biases (the scales again when symmetric), indices [N, k], and
+  // the super scales when factored
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_, int8 = int8_]() mutable {
+    encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_, int8 = int8_,
+                      factored = factored_]() mutable {
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
       if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
       std::vector<const void*> data(inputs.size());
@@ -72,10 +80,14 @@ class GatherQMatmul : public mx::Primitive {
         p.scales = static_cast<const uint8_t*>(data[2]) + size_t(e) * I * groups * scale_bytes;
         p.biases = symmetric ? nullptr : static_cast<const uint8_t*>(data[3]) + size_t(e) * I * groups * scale_bytes;
         p.out = ys;
-        p.M = M, p.N = I, p.K = K, p.group_size = gs, p.bits = bits;
+        p.M = M, p.N = p.ldo = I, p.K = K, p.group_size = gs, p.bits = bits;
         p.scale_type = scales.dtype() == mx::float32 ? mlx_engine::kF32
                        : scales.dtype() == mx::float16 ? mlx_engine::kF16
                                                        : mlx_engine::kBF16;
+        if (factored) {
+          p.scale_type = mlx_engine::kU8;
+          p.super = static_cast<const uint16_t*>(data[5]) + size_t(e) * I * (groups / 8) * 2;
+        }
         return p;
       };
       auto poison = [&](size_t t) {
@@ -123,7 +135,8 @@ class GatherQMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const GatherQMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ && int8_ == o.int8_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ && int8_ == o.int8_ &&
+           factored_ == o.factored_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -132,12 +145,12 @@ class GatherQMatmul : public mx::Primitive {
 
  private:
   int group_size_, bits_;
-  bool symmetric_, int8_;
+  bool symmetric_, int8_, factored_;
 };
 
 mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                          const std::optional<mx::array>& biases, const mx::array& indices, int group_size, int bits,
-                         const std::string& activations) {
+                         const std::string& activations, const std::optional<mx::array>& super) {
   if (activations != "float32" && activations != "int8")
     throw std::invalid_argument("gather_qmatmul: activations must be \"float32\" or \"int8\", not \"" + activations +
                                 "\"");
@@ -152,17 +165,24 @@ mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array
   if (K % group_size) throw std::invalid_argument("gather_qmatmul: the row length is not a multiple of group_size");
   const mx::array& b = biases ? *biases : scales;
   const mx::Shape gshape{E, I, K / group_size};
-  if (scales.shape() != gshape || b.shape() != gshape || scales.dtype() != b.dtype())
+  if (super) {
+    if (!biases) throw std::invalid_argument("gather_qmatmul: two-level scales need their biases (mins)");
+    mlx_engine::check_factored(gshape, scales, b, *super, "gather_qmatmul");
+  } else if (scales.shape() != gshape || b.shape() != gshape || scales.dtype() != b.dtype()) {
     throw std::invalid_argument("gather_qmatmul: scales and biases must both be [E, I, K / group_size] of one dtype");
-  if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16)
+  } else if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16) {
     throw std::invalid_argument("gather_qmatmul: scales must be float32, float16 or bfloat16");
+  }
   if (indices.ndim() != 2 || indices.shape(0) != x.shape(0) ||
       (indices.dtype() != mx::int32 && indices.dtype() != mx::uint32))
     throw std::invalid_argument("gather_qmatmul: indices must be int32 or uint32 [N, k]");
   mx::Stream s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{mx::astype(x, mx::float32, s), w, scales, b, indices};
+  if (super) inputs.push_back(*super);
   auto y = mx::array(mx::Shape{indices.shape(0), indices.shape(1), I}, mx::float32,
-                     std::make_shared<GatherQMatmul>(s, group_size, bits, !biases.has_value(), activations == "int8"),
-                     {mx::astype(x, mx::float32, s), w, scales, b, indices});
+                     std::make_shared<GatherQMatmul>(s, group_size, bits, !biases.has_value(), activations == "int8",
+                                                     super.has_value()),
+                     std::move(inputs));
   return mx::astype(y, x.dtype(), s);
 }
 
@@ -171,7 +191,8 @@ mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array
 void register_gather_qmatmul(nb::module_& m) {
   m.def("gather_qmatmul", &gather_qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(),
         nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"), nb::arg("activations") = "float32",
+        nb::arg("super").none() = nb::none(),
         "x [N, K] through the experts indices [N, k] of w [E, I, K * bits / 32] -> [N, k, I] in x's dtype "
         "(out[n, j] = x[n] @ dequantize(w[e], scales[e], biases[e]).T, e = indices[n, j]), on the CPU stream; "
-        "biases None: -2**(bits - 1) * scales; activations as qmatmul's.");
+        "biases None: -2**(bits - 1) * scales; activations and super (two-level scales) as qmatmul's.");
 }

@@ -151,7 +151,52 @@ const float* prepare_x(const float* x, int M, int K, int bits) {
   return xp.data();
 }
 
+// Output rows [n0, n1) of p with the row kernel `rows`; a kU8 problem (two-level scales) per block of 64 rows, the
+// block's scales and biases made float32 first into a buffer of the thread (the kernels then read them as any other
+// float32 scales: the same values, so the same bits as a weight held with float32 scales).
+void run_rows(RowsFn rows, const Problem& p, int n0, int n1) {
+  if (p.scale_type != mlx_engine::kU8) return rows(p, n0, n1);
+  constexpr int kBlock = 64;
+  const int groups = p.K / p.group_size;
+  const size_t row_bytes = size_t(p.K) * p.bits / 8;
+  static thread_local std::vector<float> buf;
+  buf.resize(2 * size_t(kBlock) * groups);
+  float *s = buf.data(), *b = s + size_t(kBlock) * groups;
+  for (int nb = n0; nb < n1; nb += kBlock) {
+    const int count = std::min(kBlock, n1 - nb);
+    for (int r = 0; r < count; ++r)
+      mlx_engine::factored_scales(p, nb + r, s + size_t(r) * groups, b + size_t(r) * groups);
+    Problem q = p;
+    q.w = p.w + size_t(nb) * row_bytes, q.scales = s, q.biases = b, q.super = nullptr;
+    q.scale_type = mlx_engine::kF32, q.out = p.out + nb, q.N = count;
+    rows(q, 0, count);
+  }
+}
+
 }  // namespace
+
+void mlx_engine::factored_scales(const Problem& p, int n, float* s, float* b) {
+  const int groups = p.K / p.group_size;
+  const uint8_t* sc = static_cast<const uint8_t*>(p.scales) + size_t(n) * groups;
+  const uint8_t* m = static_cast<const uint8_t*>(p.biases) + size_t(n) * groups;
+  const uint16_t* sup = static_cast<const uint16_t*>(p.super) + size_t(n) * (groups / 8) * 2;
+  for (int g = 0; g < groups; ++g) {
+    s[g] = half_to_float(sup[(g / 8) * 2]) * float(sc[g]);
+    b[g] = half_to_float(sup[(g / 8) * 2 + 1]) * float(m[g]);
+  }
+}
+
+void mlx_engine::check_factored(const mx::Shape& gshape, const mx::array& scales, const mx::array& biases,
+                                const mx::array& super, const std::string& who) {
+  if (scales.shape() != gshape || biases.shape() != gshape || scales.dtype() != mx::uint8 ||
+      biases.dtype() != mx::uint8)
+    throw std::invalid_argument(who + ": two-level scales and biases must both be uint8 [..., K / group_size]");
+  mx::Shape sshape = gshape;
+  sshape.back() = gshape.back() / 8;
+  sshape.push_back(2);
+  if (gshape.back() % 8 || super.shape() != sshape || super.dtype() != mx::float16)
+    throw std::invalid_argument(who + ": super scales must be float16 [..., K / group_size / 8, 2]");
+}
 
 // Products of one x with several weights (a layer's q, k and v share x) as one parallel job: output rows in units of
 // 16 over all the products, in chunks claimed by whichever thread is free (pool.h). A product too small to be worth a
@@ -188,7 +233,7 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   const int units = first.back();
   const int threads = mlx_engine::pool_threads();
   if (threads == 1 || units <= 1 || work < 2 * min_work) {
-    for (auto& p : ps) rows(p, 0, p.N);
+    for (auto& p : ps) run_rows(rows, p, 0, p.N);
     return;
   }
   // four chunks per thread (fewer for a small job)
@@ -197,7 +242,7 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
     const int u0 = int(int64_t(units) * c / chunks), u1 = int(int64_t(units) * (c + 1) / chunks);
     for (size_t i = 0; i < ps.size(); ++i) {
       const int a = std::max(u0, first[i]), b = std::min(u1, first[i + 1]);
-      if (a < b) rows(ps[i], (a - first[i]) * 16, std::min(ps[i].N, (b - first[i]) * 16));
+      if (a < b) run_rows(rows, ps[i], (a - first[i]) * 16, std::min(ps[i].N, (b - first[i]) * 16));
     }
   });
 }
@@ -230,9 +275,10 @@ class QMatmul : public mx::Primitive {
   // symmetric[i]: weight i has no biases (its scales stand in their place among the inputs), see Problem::biases
   // int8: x quantized to int8 (see qmatmul_int8.inc) where the CPU has the kernel
   // prologue: see Prologue; out_norms[i]: output i is normed; eps: the norms' epsilon
+  // factored[i]: weight i has two-level scales (kU8), its super scales among the inputs after the norms' weights
   QMatmul(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, std::vector<bool> symmetric,
           std::vector<mx::Shape> out_shapes, bool int8, int prologue = kNone, std::vector<bool> out_norms = {},
-          float eps = 0.f)
+          float eps = 0.f, std::vector<bool> factored = {})
       : mx::Primitive(stream),
         group_sizes_(std::move(group_sizes)),
         bits_(std::move(bits)),
@@ -241,8 +287,10 @@ class QMatmul : public mx::Primitive {
         int8_(int8),
         prologue_(prologue),
         out_norms_(std::move(out_norms)),
-        eps_(eps) {
+        eps_(eps),
+        factored_(std::move(factored)) {
     out_norms_.resize(bits_.size(), false);
+    factored_.resize(bits_.size(), false);
   }
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -251,7 +299,7 @@ class QMatmul : public mx::Primitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     for (auto& out : outputs) encoder.set_output_array(out);
     encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_, symmetric = symmetric_, int8 = int8_,
-                      prologue = prologue_, out_norms = out_norms_, eps = eps_]() mutable {
+                      prologue = prologue_, out_norms = out_norms_, eps = eps_, factored = factored_]() mutable {
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
       // x after the prologue: a decode step's in a buffer kept per thread, a prefill's freed after it
       static thread_local std::vector<float> row_buf;
@@ -276,6 +324,8 @@ class QMatmul : public mx::Primitive {
       }
       const size_t w0 = 1 + prologue_inputs(prologue), y0 = prologue == kAddNorm;
       std::vector<Problem> ps(bits.size());
+      size_t super_at = w0 + 3 * ps.size();  // the super scales, after the norms' weights
+      for (size_t i = 0; i < ps.size(); ++i) super_at += out_norms[i];
       for (size_t i = 0; i < ps.size(); ++i) {
         Problem& p = ps[i];
         const mx::array& scales = inputs[w0 + 1 + 3 * i];
@@ -284,12 +334,13 @@ class QMatmul : public mx::Primitive {
         p.scales = data[w0 + 1 + 3 * i];
         p.biases = symmetric[i] ? nullptr : data[w0 + 2 + 3 * i];
         p.out = outputs[y0 + i].data<float>();
-        p.N = inputs[w0 + 3 * i].shape(0);
+        p.N = p.ldo = inputs[w0 + 3 * i].shape(0);
         p.K = K;
         p.M = M;
         p.group_size = gs[i];
         p.bits = bits[i];
         p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
+        if (factored[i]) p.scale_type = mlx_engine::kU8, p.super = data[super_at++];
       }
       mlx_engine::qmatmul_run(ps, int8);
       size_t norm_at = w0 + 3 * ps.size();
@@ -313,7 +364,7 @@ class QMatmul : public mx::Primitive {
     auto& o = static_cast<const QMatmul&>(other);
     return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ &&
            out_shapes_ == o.out_shapes_ && int8_ == o.int8_ && prologue_ == o.prologue_ &&
-           out_norms_ == o.out_norms_ && eps_ == o.eps_;
+           out_norms_ == o.out_norms_ && eps_ == o.eps_ && factored_ == o.factored_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -339,11 +390,13 @@ class QMatmul : public mx::Primitive {
   int prologue_;
   std::vector<bool> out_norms_;
   float eps_;
+  std::vector<bool> factored_;
 };
 
 // The checks of one weight against x [..., K]; returns N.
 int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                 int group_size, int bits) {  // (biases: the scales again for a symmetric weight)
+                 int group_size, int bits, const std::optional<mx::array>& super = std::nullopt) {
+  // (biases: the scales again for a symmetric weight; super: two-level scales, see kU8)
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("qmatmul: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   if (group_size != 32 && group_size != 64 && group_size != 128)
@@ -355,6 +408,10 @@ int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales
     throw std::invalid_argument("qmatmul: x's last axis must be " + std::to_string(K));
   if (K % group_size) throw std::invalid_argument("qmatmul: the row length is not a multiple of group_size");
   mx::Shape gshape{N, K / group_size};
+  if (super) {
+    mlx_engine::check_factored(gshape, scales, biases, *super, "qmatmul");
+    return N;
+  }
   if (scales.shape() != gshape || biases.shape() != gshape || scales.dtype() != biases.dtype())
     throw std::invalid_argument("qmatmul: scales and biases must both be [N, K / group_size] of one dtype");
   if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16)
@@ -395,12 +452,14 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
                                     const std::string& activations, const std::string& prologue_name,
                                     const std::vector<mx::array>& prologue_in,
                                     const std::optional<std::vector<std::optional<mx::array>>>& out_norms,
-                                    float eps) {
+                                    float eps,
+                                    const std::optional<std::vector<std::optional<mx::array>>>& supers) {
   if (activations != "float32" && activations != "int8")
     throw std::invalid_argument("qmatmul: activations must be \"float32\" or \"int8\", not \"" + activations + "\"");
   const size_t n = ws.size();
   if (n == 0 || scales.size() != n || biases.size() != n || group_sizes.size() != n || bits.size() != n ||
-      (out_shapes && out_shapes->size() != n) || (out_norms && out_norms->size() != n))
+      (out_shapes && out_shapes->size() != n) || (out_norms && out_norms->size() != n) ||
+      (supers && supers->size() != n))
     throw std::invalid_argument(
         "qmatmul_many: give one or more weights, each with its scales, biases, group size and bits (and shape, and "
         "norm)");
@@ -414,7 +473,9 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
     symmetric[i] = !biases[i].has_value();
     const mx::array& b = biases[i] ? *biases[i] : scales[i];
     mx::Shape shape = x.shape();
-    shape.back() = check_weight(x, ws[i], scales[i], b, group_sizes[i], bits[i]);
+    const std::optional<mx::array> super = supers ? (*supers)[i] : std::nullopt;
+    if (super && !biases[i]) throw std::invalid_argument("qmatmul: two-level scales need their biases (mins)");
+    shape.back() = check_weight(x, ws[i], scales[i], b, group_sizes[i], bits[i], super);
     if (out_shapes) {
       mx::Shape given((*out_shapes)[i].begin(), (*out_shapes)[i].end());
       int64_t want = 1, got = 1;
@@ -441,22 +502,29 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
     normed[i] = true;
     inputs.push_back(*w);
   }
+  std::vector<bool> factored(n, false);
+  for (size_t i = 0; supers && i < n; ++i) {
+    if (!(*supers)[i]) continue;
+    factored[i] = true;
+    inputs.push_back(*(*supers)[i]);
+  }
   std::vector<mx::Shape> all_shapes = shapes;
   if (prologue == kAddNorm) all_shapes.insert(all_shapes.begin(), x.shape());
   // No graph node beyond the products themselves (the primitive takes its inputs in any layout).
   auto ys = mx::array::make_arrays(all_shapes, std::vector<mx::Dtype>(all_shapes.size(), mx::float32),
                                    std::make_shared<QMatmul>(s, group_sizes, bits, symmetric,
                                                              out_shapes ? shapes : std::vector<mx::Shape>{},
-                                                             activations == "int8", prologue, normed, eps),
+                                                             activations == "int8", prologue, normed, eps, factored),
                                    inputs);
   for (auto& y : ys) y = mx::astype(y, x.dtype(), s);
   return ys;
 }
 
 mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                  const std::optional<mx::array>& biases, int group_size, int bits, const std::string& activations) {
+                  const std::optional<mx::array>& biases, int group_size, int bits, const std::string& activations,
+                  const std::optional<mx::array>& super) {
   return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits}, std::nullopt, activations, "none", {},
-                      std::nullopt, 0.f)[0];
+                      std::nullopt, 0.f, std::vector<std::optional<mx::array>>{super})[0];
 }
 
 }  // namespace
@@ -474,16 +542,20 @@ NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(),
         nb::arg("group_size"), nb::arg("bits"), nb::arg("activations") = "float32",
+        nb::arg("super").none() = nb::none(),
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream; biases None: "
         "-2**(bits - 1) * scales (a symmetric weight); activations \"int8\": x quantized per 32 elements to int8 "
-        "first (llama.cpp's Q8_0), where int8_supported().");
+        "first (llama.cpp's Q8_0), where int8_supported(); super (float16 [N, K / group_size / 8, 2]): two-level "
+        "scales, scales and biases uint8 integers sc and m, scale = super[.., 0] * sc, bias = super[.., 1] * m "
+        "per 8 groups (GGUF's Q4_K and Q5_K).");
   m.def("qmatmul_many", &qmatmul_many, nb::arg("x"), nb::arg("ws"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_sizes"), nb::arg("bits"), nb::arg("out_shapes") = nb::none(),
         nb::arg("activations") = "float32", nb::arg("prologue") = "none",
         nb::arg("prologue_inputs") = std::vector<mx::array>{}, nb::arg("out_norms") = nb::none(),
-        nb::arg("eps") = 0.f,
+        nb::arg("eps") = 0.f, nb::arg("supers") = nb::none(),
         "[x @ dequantize(w_i, scales_i, biases_i).T for each weight], as one graph node and one parallel job "
-        "(a biases_i of None: -2**(bits_i - 1) * scales_i); "
+        "(a biases_i of None: -2**(bits_i - 1) * scales_i; supers[i]: weight i's two-level scales, as qmatmul's "
+        "super); "
         "out_shapes: each result's shape (its elements in row-major order), instead of x.shape[:-1] + [N_i]; "
         "prologue, on float32 x first: \"norm\" (inputs [w]: x = rms_norm(x, w, eps)), \"add_norm\" "
         "([residual, w]: s = x + residual, x = rms_norm(s, w, eps), s returned first), \"silu\" or "

@@ -4,8 +4,9 @@
 // layout (see qmatmul.cpp) as
 //     scales[r, j / group_size] * q[r, j] + biases[r, j / group_size]   (the product and the sum each rounded)
 // which is mx.dequantize's arithmetic, so the rows are bit for bit mx.dequantize(w[ids], ...)'s; biases None: a
-// symmetric weight, -2**(bits - 1) * scales (exact). Why: MLX dequantizes on the CPU as about 20 graph nodes of
-// shifts and masks, and a decode step looks up one row.
+// symmetric weight, -2**(bits - 1) * scales (exact); super: two-level scales (qmatmul's kU8), uint8 scales and
+// biases times super's float16 per 8 groups (exact float32 products). Why: MLX dequantizes on the CPU as about 20
+// graph nodes of shifts and masks, and a decode step looks up one row.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 
@@ -20,6 +21,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "qmatmul.h"
 #include "strided.h"
 
 namespace nb = nanobind;
@@ -58,17 +60,19 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* 
 
 class QTake : public mx::UnaryPrimitive {
  public:
-  QTake(mx::Stream stream, int group_size, int bits, bool symmetric)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), symmetric_(symmetric) {}
+  QTake(mx::Stream stream, int group_size, int bits, bool symmetric, bool factored)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), symmetric_(symmetric), factored_(factored) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_]() mutable {
-      static thread_local std::vector<uint8_t> bufs[4];
-      const void* data[4] = {};
+    encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_,
+                      factored = factored_]() mutable {
+      static thread_local std::vector<uint8_t> bufs[5];
+      static thread_local std::vector<float> row_scales;  // a factored row's scales, then its biases
+      const void* data[5] = {};
       for (size_t i = 0; i < inputs.size(); ++i) data[i] = mlx_engine::row_major(inputs[i], bufs[i]);
       const mx::array& w = inputs[0];
       const mx::array& ids = inputs.back();
@@ -78,8 +82,22 @@ class QTake : public mx::UnaryPrimitive {
       for (size_t i = 0; i < ids.size(); ++i) {
         int64_t r = id[i] < 0 ? int64_t(id[i]) + N : id[i];  // negative ids count from the end, as mx.take's
         r = r < 0 ? 0 : r >= N ? N - 1 : r;
-        dequantize_row(static_cast<const uint8_t*>(data[0]) + r * row_bytes, data[1], symmetric ? nullptr : data[2],
-                       inputs[1].dtype(), size_t(r) * G, K, gs, bits, out.data<float>() + i * size_t(K));
+        const uint8_t* row = static_cast<const uint8_t*>(data[0]) + r * row_bytes;
+        float* dst = out.data<float>() + i * size_t(K);
+        if (factored) {
+          row_scales.resize(2 * size_t(G));
+          const uint8_t *sc = static_cast<const uint8_t*>(data[1]) + size_t(r) * G,
+                        *m = static_cast<const uint8_t*>(data[2]) + size_t(r) * G;
+          const uint16_t* sup = static_cast<const uint16_t*>(data[3]) + size_t(r) * (G / 8) * 2;
+          for (int g = 0; g < G; ++g) {
+            row_scales[g] = mlx_engine::half_to_float(sup[(g / 8) * 2]) * float(sc[g]);
+            row_scales[G + g] = mlx_engine::half_to_float(sup[(g / 8) * 2 + 1]) * float(m[g]);
+          }
+          dequantize_row(row, row_scales.data(), row_scales.data() + G, mx::float32, 0, K, gs, bits, dst);
+          continue;
+        }
+        dequantize_row(row, data[1], symmetric ? nullptr : data[2], inputs[1].dtype(), size_t(r) * G, K, gs, bits,
+                       dst);
       }
     });
   }
@@ -92,7 +110,8 @@ class QTake : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QTake&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && symmetric_ == o.symmetric_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ &&
+           factored_ == o.factored_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -103,11 +122,11 @@ class QTake : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
-  bool symmetric_;
+  bool symmetric_, factored_;
 };
 
 mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional<mx::array>& biases,
-                const mx::array& ids, int group_size, int bits) {
+                const mx::array& ids, int group_size, int bits, const std::optional<mx::array>& super) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("qtake: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   if (group_size != 32 && group_size != 64 && group_size != 128)
@@ -116,24 +135,31 @@ mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional
   const int K = int(int64_t(w.shape(1)) * 32 / bits);
   if (K % group_size) throw std::invalid_argument("qtake: the row length is not a multiple of group_size");
   mx::Shape gshape{w.shape(0), K / group_size};
-  if (scales.shape() != gshape || (biases && (biases->shape() != gshape || biases->dtype() != scales.dtype())) ||
-      (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16))
+  if (super) {
+    if (!biases) throw std::invalid_argument("qtake: two-level scales need their biases (mins)");
+    mlx_engine::check_factored(gshape, scales, *biases, *super, "qtake");
+  } else if (scales.shape() != gshape ||
+             (biases && (biases->shape() != gshape || biases->dtype() != scales.dtype())) ||
+             (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16)) {
     throw std::invalid_argument("qtake: scales (and biases) must be float32, float16 or bfloat16 [N, K / group_size]");
+  }
   if (!mx::issubdtype(ids.dtype(), mx::integer)) throw std::invalid_argument("qtake: ids must be integers");
   mx::Stream s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs{w, scales};
   if (biases) inputs.push_back(*biases);
+  if (super) inputs.push_back(*super);
   inputs.push_back(ids.dtype() == mx::int32 ? ids : mx::astype(ids, mx::int32, s));
   mx::Shape shape = ids.shape();
   shape.push_back(K);
-  return mx::array(shape, mx::float32, std::make_shared<QTake>(s, group_size, bits, !biases), std::move(inputs));
+  return mx::array(shape, mx::float32, std::make_shared<QTake>(s, group_size, bits, !biases, super.has_value()),
+                   std::move(inputs));
 }
 
 }  // namespace
 
 void register_qtake(nb::module_& m) {
   m.def("qtake", &qtake, nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("ids"),
-        nb::arg("group_size"), nb::arg("bits"),
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("super").none() = nb::none(),
         "Rows ids of dequantize(w, scales, biases) -> float32 [*ids.shape, K] (biases None: -2**(bits - 1) * "
-        "scales), on the CPU stream.");
+        "scales; super: two-level scales, as qmatmul's), on the CPU stream.");
 }
