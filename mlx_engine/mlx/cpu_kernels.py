@@ -49,6 +49,7 @@ _status = "not loaded"
 _note = ""  # what became of $MLX_ENGINE_ACTIVATIONS, where it was not taken
 _kernels_module = None
 _int8_problem: "str | None" = "not checked"
+_gather_problem: "str | None" = "not checked"
 _int8_lock = threading.Lock()
 
 
@@ -322,7 +323,6 @@ def _load() -> None:
                        or _norm_self_test(_kernels.rms_norm, _kernels.add_rms_norm)
                        or _activation_self_test(_kernels.activation) or _widen_self_test(_kernels.widen)
                        or _softmax_self_test(_kernels.softmax)
-                       or _gather_self_test(_kernels.gather_qmatmul, _kernels.qmatmul)
                        or _prologue_self_test(_kernels.qmatmul_many, _kernels.rms_norm, _kernels.add_rms_norm,
                                               _kernels.activation))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
@@ -361,6 +361,22 @@ def int8_problem() -> str | None:
                     problem = _int8_self_test(_kernels_module.qmatmul)
                 _int8_problem = f"the int8 kernel failed its self-test ({problem})" if problem else None
         return _int8_problem
+
+
+def gather_problem() -> str | None:
+    """Why :data:`gather_qmatmul` cannot run here (the kernels are off, or its self-test failed), or None where it
+    can. Its self-test runs once per process, on first need (a model with experts), not at import: an import that
+    took longer on every rank had moved where a distributed run's ranks stood when one of them was killed, and
+    exposed the ring transport's hang on a collective issued after it has given a peer up."""
+    global _gather_problem
+    if gather_qmatmul is None or _kernels_module is None:
+        return f"the CPU kernels are not in use: {_status}"
+    with _int8_lock:
+        if _gather_problem == "not checked":
+            with mx.stream(mx.cpu):
+                problem = _gather_self_test(gather_qmatmul, qmatmul)
+            _gather_problem = f"gather_qmatmul failed its self-test ({problem})" if problem else None
+        return _gather_problem
 
 
 def status(activations_in_use: str | None = None) -> str:

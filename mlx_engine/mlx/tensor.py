@@ -257,7 +257,7 @@ class MLXTensor(Tensor):
             raise UnsupportedError(f"expert weights must be an [experts, out, in] tensor, not {weight.shape}")
         i = raw(indices)
         if isinstance(weight, MLXQuantizedTensor):  # the experts stay quantized
-            if runtime.on_cpu and cpu_kernels.gather_qmatmul is not None:
+            if runtime.on_cpu and cpu_kernels.gather_qmatmul is not None and cpu_kernels.gather_problem() is None:
                 return MLXTensor(cpu_kernels.gather_qmatmul(self.a, weight.w, weight.scales, weight.biases, i,
                                                             weight.group_size, weight.bits, weight.activations,
                                                             weight.super_scales))

@@ -93,6 +93,7 @@ namespace generic {
 #endif
 
 using RowsFn = void (*)(const Problem&, int, int);
+using FactoredFn = void (*)(const Problem&, int, int, float*, float*);
 
 // $MLX_ENGINE_CPU_ISA=avx2 takes the AVX2 copy on a CPU with AVX-512 too (the tests run it so on AVX-512 machines).
 std::string isa() {
@@ -135,6 +136,18 @@ RowsFn rows_for_cpu() {
   return fn;
 }
 
+// The conversion of two-level scales for this CPU (the row kernel's instruction set).
+FactoredFn factored_for_cpu() {
+  static const FactoredFn fn = [] {
+#ifdef X86_KERNELS
+    return isa() == "avx512" ? &avx512::factored : &avx2::factored;
+#else
+    return &generic::factored;
+#endif
+  }();
+  return fn;
+}
+
 // x [M, K] -> the order the row kernel reads: for 4 bits, per 32 elements the 16 even ones then the 16 odd ones.
 // (Into a buffer kept per thread: a decode step makes a few hundred products, and a fresh allocation for each showed
 // up as a tenth of the step in malloc.)
@@ -152,9 +165,9 @@ const float* prepare_x(const float* x, int M, int K, int bits) {
 }
 
 // Output rows [n0, n1) of p with the row kernel `rows`; a kU8 problem (two-level scales) per block of 64 rows, the
-// block's scales and biases made float32 first into a buffer of the thread (the kernels then read them as any other
-// float32 scales: the same values, so the same bits as a weight held with float32 scales).
-void run_rows(RowsFn rows, const Problem& p, int n0, int n1) {
+// block's scales and biases made float32 first by `factored` into a buffer of the thread (the kernels then read them
+// as any other float32 scales: the same values, so the same bits as a weight held with float32 scales).
+void run_rows(RowsFn rows, FactoredFn factored, const Problem& p, int n0, int n1) {
   if (p.scale_type != mlx_engine::kU8) return rows(p, n0, n1);
   constexpr int kBlock = 64;
   const int groups = p.K / p.group_size;
@@ -164,8 +177,7 @@ void run_rows(RowsFn rows, const Problem& p, int n0, int n1) {
   float *s = buf.data(), *b = s + size_t(kBlock) * groups;
   for (int nb = n0; nb < n1; nb += kBlock) {
     const int count = std::min(kBlock, n1 - nb);
-    for (int r = 0; r < count; ++r)
-      mlx_engine::factored_scales(p, nb + r, s + size_t(r) * groups, b + size_t(r) * groups);
+    factored(p, nb, count, s, b);
     Problem q = p;
     q.w = p.w + size_t(nb) * row_bytes, q.scales = s, q.biases = b, q.super = nullptr;
     q.scale_type = mlx_engine::kF32, q.out = p.out + nb, q.N = count;
@@ -174,17 +186,6 @@ void run_rows(RowsFn rows, const Problem& p, int n0, int n1) {
 }
 
 }  // namespace
-
-void mlx_engine::factored_scales(const Problem& p, int n, float* s, float* b) {
-  const int groups = p.K / p.group_size;
-  const uint8_t* sc = static_cast<const uint8_t*>(p.scales) + size_t(n) * groups;
-  const uint8_t* m = static_cast<const uint8_t*>(p.biases) + size_t(n) * groups;
-  const uint16_t* sup = static_cast<const uint16_t*>(p.super) + size_t(n) * (groups / 8) * 2;
-  for (int g = 0; g < groups; ++g) {
-    s[g] = half_to_float(sup[(g / 8) * 2]) * float(sc[g]);
-    b[g] = half_to_float(sup[(g / 8) * 2 + 1]) * float(m[g]);
-  }
-}
 
 void mlx_engine::check_factored(const mx::Shape& gshape, const mx::array& scales, const mx::array& biases,
                                 const mx::array& super, const std::string& who) {
@@ -205,6 +206,7 @@ void mlx_engine::check_factored(const mx::Shape& gshape, const mx::array& scales
 void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   const int M = ps[0].M, K = ps[0].K;
   RowsFn rows = rows_for_cpu();
+  const FactoredFn factored = factored_for_cpu();
 #ifdef X86_KERNELS
   static const bool vnni_here = int8_supported();
   if (int8 && vnni_here) {
@@ -233,7 +235,7 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   const int units = first.back();
   const int threads = mlx_engine::pool_threads();
   if (threads == 1 || units <= 1 || work < 2 * min_work) {
-    for (auto& p : ps) run_rows(rows, p, 0, p.N);
+    for (auto& p : ps) run_rows(rows, factored, p, 0, p.N);
     return;
   }
   // four chunks per thread (fewer for a small job)
@@ -242,7 +244,7 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
     const int u0 = int(int64_t(units) * c / chunks), u1 = int(int64_t(units) * (c + 1) / chunks);
     for (size_t i = 0; i < ps.size(); ++i) {
       const int a = std::max(u0, first[i]), b = std::min(u1, first[i + 1]);
-      if (a < b) run_rows(rows, ps[i], (a - first[i]) * 16, std::min(ps[i].N, (b - first[i]) * 16));
+      if (a < b) run_rows(rows, factored, ps[i], (a - first[i]) * 16, std::min(ps[i].N, (b - first[i]) * 16));
     }
   });
 }

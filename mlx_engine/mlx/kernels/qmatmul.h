@@ -34,9 +34,6 @@ struct Problem {
 // scales and biases made float32 first.
 void qmatmul_run(std::vector<Problem>& ps, bool int8);
 
-// Row n's scales and biases of a kU8 problem as float32 (exact), groups of them from `s` and `b`.
-void factored_scales(const Problem& p, int n, float* s, float* b);
-
 // The checks of two-level scales: scales and biases uint8 of shape gshape ([..., groups]), super float16
 // [..., groups / 8, 2]; throws std::invalid_argument naming `who`.
 void check_factored(const mlx::core::Shape& gshape, const mlx::core::array& scales, const mlx::core::array& biases,
