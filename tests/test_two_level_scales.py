@@ -55,6 +55,8 @@ def test_k_quants_keep_two_levels_exactly_in_about_their_bytes(type_name):
     inside = qa.slice(1, 32, 96)  # inside a super-block: one float scale per group instead
     assert inside.super_scales is None
     np.testing.assert_array_equal(inside.dequantize(), want[:, 32:96])
+    with pytest.raises(ValueError, match="two-level scales"):  # integer scales without their super scales
+        QuantizedArray(qa.weight, qa.scales, qa.biases, 32, qa.bits)
     stack = qa.stacked((4,))
     assert stack.shape == (4, 6, 768) and stack.super_scales.shape == (4, 6, 3, 2)
     np.testing.assert_array_equal(stack.dequantize(), want.reshape(4, 6, 768))

@@ -44,7 +44,7 @@ def model(request) -> tuple[Path, gguf.GGUFReader]:
 
 def _rows(a: "np.ndarray | QuantizedArray", r0: int, r1: int) -> np.ndarray:
     if isinstance(a, QuantizedArray):
-        return QuantizedArray(a.weight[r0:r1], a.scales[r0:r1], a.biases[r0:r1], a.group_size, a.bits).dequantize()
+        return a.slice(0, r0, r1).dequantize()
     return a.reshape(-1, a.shape[-1])[r0:r1]
 
 

@@ -59,6 +59,10 @@ class QuantizedArray:
     bits: int
     super_scales: "np.ndarray | None" = None
 
+    def __post_init__(self) -> None:
+        if (self.super_scales is not None) != (self.scales.dtype == np.uint8):
+            raise ValueError("two-level scales are uint8 scales and biases with their super_scales, and only those")
+
     @property
     def shape(self) -> tuple[int, ...]:
         return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
