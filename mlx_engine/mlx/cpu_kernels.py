@@ -50,7 +50,7 @@ _note = ""  # what became of $MLX_ENGINE_ACTIVATIONS, where it was not taken
 _kernels_module = None
 _int8_problem: "str | None" = "not checked"
 _gather_problem: "str | None" = "not checked"
-_int8_lock = threading.Lock()
+_self_test_lock = threading.Lock()  # the self-tests run on first need
 
 
 def _self_test(fn, many) -> str | None:
@@ -294,8 +294,8 @@ def rope_row(position: int, dims: int, base, scale: float) -> tuple:
 
 
 def _load() -> None:
-    global qmatmul, qmatmul_many, gather_qmatmul, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm, activation, widen
-    global softmax
+    global qmatmul, qmatmul_many, gather_qmatmul, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm
+    global activation, widen, softmax
     global activations, _status, _note, _kernels_module
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
@@ -352,7 +352,7 @@ def int8_problem() -> str | None:
     global _int8_problem
     if qmatmul is None or _kernels_module is None:
         return f"the CPU kernels are not in use: {_status}"
-    with _int8_lock:
+    with _self_test_lock:
         if _int8_problem == "not checked":
             if not _kernels_module.int8_supported():
                 _int8_problem = "it needs AVX-512 VNNI, which this CPU lacks"
@@ -371,7 +371,7 @@ def gather_problem() -> str | None:
     global _gather_problem
     if gather_qmatmul is None or _kernels_module is None:
         return f"the CPU kernels are not in use: {_status}"
-    with _int8_lock:
+    with _self_test_lock:
         if _gather_problem == "not checked":
             with mx.stream(mx.cpu):
                 problem = _gather_self_test(gather_qmatmul, qmatmul)
