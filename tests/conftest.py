@@ -86,3 +86,15 @@ def smollm2_server(home_with_smollm2: Path):
                                      store_root=str(home_with_smollm2)))
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def mlx_on_the_cpu():
+    """MLX's default device set to the CPU for a module: our CPU kernels are held to MLX operations that run there
+    too (on a GPU, MLX's float32 matmuls round through TF32)."""
+    import mlx.core as mx
+
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)

@@ -14,13 +14,7 @@ from mlx_engine.mlx.tensor import MLXQuantizedTensor, MLXTensor  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.gather_qmatmul is None, reason="the CPU kernels are not built here")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _on_the_cpu():
-    before = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(before)
+pytestmark = pytest.mark.usefixtures("mlx_on_the_cpu")
 
 
 def _experts(bits: int, symmetric: bool, scale_dtype=mx.float16, experts: int = 6, rows: int = 40, k: int = 96,

@@ -17,13 +17,7 @@ from mlx_engine.weights import quant  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.qmatmul is None, reason="the CPU kernels are not built here")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _on_the_cpu():
-    before = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(before)
+pytestmark = pytest.mark.usefixtures("mlx_on_the_cpu")
 
 
 def k_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
