@@ -14,6 +14,7 @@ from mlx_engine.mlx import MLXBackend, cpu_kernels  # noqa: E402
 from mlx_engine.mlx.tensor import MLXQuantizedTensor, MLXTensor  # noqa: E402
 from mlx_engine.weights import GGUFFile, QuantizedArray  # noqa: E402
 from mlx_engine.weights import quant  # noqa: E402
+from tests.test_weights_gguf import k_quant_blocks, write_gguf  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.qmatmul is None, reason="the CPU kernels are not built here")
 
@@ -21,14 +22,9 @@ pytestmark = pytest.mark.usefixtures("mlx_on_the_cpu")
 
 
 def k_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random blocks of a K-quant for a ``[rows, cols]`` tensor: random bytes, with small finite d and dmin."""
-    dt = quant.BLOCKS[type_name]
-    rng = np.random.default_rng(seed)
-    n = rows * cols // 256
-    blk = rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8).view(dt).copy()
-    blk["d"] = (rng.standard_normal(n) * 0.01).astype(np.float16)
-    blk["dmin"] = (rng.standard_normal(n) * 0.01).astype(np.float16)
-    return blk
+    """Random blocks of a K-quant for a ``[rows, cols]`` tensor (``k_quant_blocks``), as its structured dtype."""
+    raw = k_quant_blocks((rows, cols), gguf.GGMLQuantizationType[type_name], seed)
+    return raw.reshape(-1).view(quant.BLOCKS[type_name])
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
@@ -130,12 +126,7 @@ def test_the_backend_holds_a_q4_k_tensor_in_about_its_bytes(tmp_path, kernels, m
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "qmatmul", None)
     blk = k_blocks("Q4_K", 64, 512, seed=4)
-    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
-    writer.add_tensor("w", blk.view(np.uint8).reshape(64, -1), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(tmp_path / "k.gguf", {"w": (blk.view(np.uint8).reshape(64, -1), gguf.GGMLQuantizationType.Q4_K)})
     dense = gguf.quants.dequantize(blk.view(np.uint8).reshape(64, -1), gguf.GGMLQuantizationType.Q4_K)
     with GGUFFile(tmp_path / "k.gguf") as wf:
         assert isinstance(wf.load("w"), QuantizedArray)

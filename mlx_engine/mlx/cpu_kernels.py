@@ -371,6 +371,8 @@ def gather_problem() -> str | None:
     global _gather_problem
     if gather_qmatmul is None or _kernels_module is None:
         return f"the CPU kernels are not in use: {_status}"
+    if _gather_problem != "not checked":  # (every expert product asks: no lock once it is known)
+        return _gather_problem
     with _self_test_lock:
         if _gather_problem == "not checked":
             with mx.stream(mx.cpu):
