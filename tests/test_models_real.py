@@ -9,6 +9,8 @@ import pytest
 import mlx_engine
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
 from mlx_engine.ml import DType
+from mlx_engine.mlx import cpu_kernels
+from mlx_engine.mlx.tensor import MLXQuantizedTensor
 from mlx_engine.models.runner import Request
 from mlx_engine.models.sampler import SamplerOptions
 from tests.reference import mlx_lm_greedy, mlx_lm_model
@@ -34,9 +36,8 @@ PROMPTS = {
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def pair(request):
     path = request.getfixturevalue(f"{request.param}_gguf")
-    # requantize=0: the types with no exact affine form (gemma3's Q6_K) stay float like mlx-lm's, every other type
-    # runs quantized without loss; test_requantized_q6_k_perplexity covers the default for Q6_K
-    ours = mlx_engine.load(str(path), progress=False, requantize=0)
+    # every type of these files (Q4_1, Q8_0; Q4_K, Q5_0, Q6_K) runs quantized without loss: mlx-lm's float model
+    ours = mlx_engine.load(str(path), progress=False)
     ref = mlx_lm_model(path)
     yield request.param, ours, ref
     ours.close()
@@ -297,27 +298,33 @@ def test_int8_activations_have_llama_cpps_perplexity(name, request, record_prope
     assert len(answer.split()) >= 2
 
 
-def test_requantized_q6_k_perplexity(gemma3_gguf, record_property):
-    """gemma3's Q6_K tensors have no exact affine form (16-element sub-blocks); by default they run as 8-bit
-    group-32 affine. The perplexity of the bench's text moves by well under the 1 % the issue allows (measured: 0.10 %
-    over its first 256 tokens, 0.13 % over 512, 0.1 % over 1774 tokens of the README)."""
+def test_q6_k_in_groups_of_16_gives_the_float_models_perplexity(gemma3_gguf, record_property, monkeypatch):
+    """gemma3's Q6_K tensors (16-element sub-blocks) run in their own groups of 16, without loss, as every other type
+    of the file: the perplexity of the bench's text is the float model's (the same weights to the bit; only the order
+    of float32 sums differs). Before, Q6_K ran re-quantized to 8 bits (0.10 % off over these 256 tokens), as it still
+    does on GPUs."""
     import math
 
     from mlx_engine.bench.text import PERPLEXITY_TEXT
 
     ppl = {}
-    for requantize in (0, None):
-        model = mlx_engine.load(str(gemma3_gguf), progress=False, requantize=requantize, context_length=512)
+    for float_model in (True, False):
+        with monkeypatch.context() as m:
+            if float_model:  # without our kernels the CPU backend holds every weight as float32
+                m.setattr(cpu_kernels, "qmatmul", None)
+            model = mlx_engine.load(str(gemma3_gguf), progress=False, context_length=512)
         try:
+            quantized = {t.group_size for t in model.backend.weights.values() if isinstance(t, MLXQuantizedTensor)}
+            assert quantized == (set() if float_model else {16, 32})
             tokens = model.text_tokens(PERPLEXITY_TEXT)[:256]
             with model.backend.new_context() as ctx:
-                ppl[requantize] = math.exp(model.runner.perplexity(ctx, tokens)[0])
+                ppl[float_model] = math.exp(model.runner.perplexity(ctx, tokens)[0])
         finally:
             model.close()
-    rel = abs(ppl[None] / ppl[0] - 1)
-    record_property("q6_k_as_8bit_perplexity_change", float(rel))
-    assert 1 < ppl[0] < 1000
-    assert rel <= 0.01, f"perplexity {ppl[0]:.4f} (Q6_K float) vs {ppl[None]:.4f} (Q6_K as 8-bit affine)"
+    rel = abs(ppl[False] / ppl[True] - 1)
+    record_property("quantized_vs_float_perplexity_change", float(rel))
+    assert 1 < ppl[True] < 1000
+    assert rel <= 1e-4, f"perplexity {ppl[True]:.6f} (float) vs {ppl[False]:.6f} (quantized, Q6_K in groups of 16)"
 
 
 def test_perplexity_rejects_bad_input(pair):

@@ -202,43 +202,57 @@ def test_metadata_matches_gguf_reader(meta_file: Path):
 # ------------------------------------------------------------------------------------------------------- tensors
 
 
-LOSSLESS = [(T.Q4_0, 4), (T.Q4_1, 4), (T.Q8_0, 8), (T.Q5_0, 5), (T.Q5_1, 5), (T.Q4_K, 4), (T.Q5_K, 5)]
+LOSSLESS = [(T.Q4_0, 4), (T.Q4_1, 4), (T.Q8_0, 8), (T.Q5_0, 5), (T.Q5_1, 5), (T.Q4_K, 4), (T.Q5_K, 5), (T.Q6_K, 6),
+            (T.Q3_K, 3), (T.Q2_K, 2)]
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K)
+SUB_BLOCKS = (T.Q6_K, T.Q3_K, T.Q2_K)  # 16-element sub-blocks: groups of 16
 
 
 def k_quant_blocks(shape: tuple[int, ...], qtype: T, seed: int = 0) -> np.ndarray:
-    """Random Q4_K / Q5_K blocks (gguf cannot quantize them) with finite, small d and dmin."""
+    """Random K-quant blocks (gguf cannot quantize them) with finite, small d (and dmin)."""
     raw = random_blocks(shape, qtype, seed).copy()
     b = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])
     rng = np.random.default_rng(seed + 1)
-    b[:, 0:4] = np.ascontiguousarray(rng.uniform(1e-3, 2e-2, (b.shape[0], 2)).astype(np.float16)).view(np.uint8)
+    fields = quant.BLOCKS[qtype.name].fields
+    for name in ("d", "dmin"):
+        if name in fields:
+            at = fields[name][1]
+            b[:, at:at + 2] = rng.uniform(1e-3, 2e-2, (b.shape[0], 1)).astype(np.float16).view(np.uint8)
     return raw
 
 
 @pytest.mark.parametrize("qtype,bits", LOSSLESS, ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("shape", [(1, 256), (5, 512), (64, 768)])
 def test_lossless_types_roundtrip_exactly(tmp_path: Path, qtype: T, bits: int, shape):
-    if qtype in (T.Q4_K, T.Q5_K):
+    if qtype in K_QUANTS:
         blocks = k_quant_blocks(shape, qtype, seed=shape[0])
     else:
         blocks = quantized(shape, qtype, seed=shape[0])[1]
     path = write_gguf(tmp_path / "q.gguf", {"w": (blocks, qtype)})
+    group = 16 if qtype in SUB_BLOCKS else 32
     with GGUFFile(path) as wf:
         assert wf.shape("w") == shape
         assert wf.type_name("w") == qtype.name
         q = wf.load("w")
         assert isinstance(q, QuantizedArray)
-        assert (q.bits, q.group_size, q.shape) == (bits, 32, shape)
+        assert (q.bits, q.group_size, q.shape) == (bits, group, shape)
         assert q.weight.dtype == np.uint32 and q.weight.shape == (shape[0], shape[1] * bits // 32)
-        assert q.scales.shape == (shape[0], shape[1] // 32) and q.biases.shape == q.scales.shape
-        assert q.scales.dtype == q.biases.dtype
+        assert q.scales.shape == (shape[0], shape[1] // group)
+        # Q6_K and Q3_K are symmetric (signed scales, a zero point 2**(bits - 1)): no biases
+        assert q.biases is None if qtype in (T.Q6_K, T.Q3_K) else q.biases.shape == q.scales.shape
+        assert q.biases is None or q.scales.dtype == q.biases.dtype
         # the 32-element types have f16 d (and m) and a bias -8d, -16d or -128d: float16 holds them exactly; the
-        # K-quants' d * sc (an f16 times a 6-bit integer) would in general need float32, so they keep their two
-        # levels: the 6-bit integers, and d and -dmin per 256 elements
-        if qtype in (T.Q4_K, T.Q5_K):
-            assert q.scales.dtype == np.uint8 and q.super_scales.shape == (shape[0], shape[1] // 256, 2)
-            assert q.nbytes <= 1.03 * blocks.nbytes
+        # K-quants' d * sc (an f16 times an integer of up to 8 bits) would in general need float32, so they keep
+        # their two levels: the integers, and d (and -dmin) per 256 elements; in about their file's bytes (Q3_K's
+        # 6-bit and Q2_K's 4-bit sub-scales held as bytes)
+        if qtype in K_QUANTS:
+            signed = qtype in (T.Q6_K, T.Q3_K)
+            assert q.scales.dtype == (np.int8 if signed else np.uint8)
+            assert q.super_scales.shape == (shape[0], shape[1] // 256, 1 if signed else 2)
+            limit = {T.Q4_K: 1.03, T.Q5_K: 1.03, T.Q6_K: 1.0, T.Q3_K: 1.04, T.Q2_K: 1.2}[qtype]
+            assert q.nbytes <= limit * blocks.nbytes
             assert q.expanded().scales.dtype == np.float32
-            np.testing.assert_array_equal(q.expanded().dequantize(), gq.dequantize(blocks, qtype))
+            np.testing.assert_array_equal(q.expanded().dequantize(symmetric=signed), gq.dequantize(blocks, qtype))
         else:
             assert q.scales.dtype == np.float16 and q.super_scales is None
         with np.errstate(all="ignore"):
@@ -389,15 +403,15 @@ def test_every_block_type_matches_gguf_dequantize(tmp_path: Path, qtype: T):
         np.testing.assert_array_equal(got, ref)
 
 
-@pytest.mark.parametrize("qtype", [T.TQ2_0, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.TQ2_0, T.IQ4_NL], ids=lambda t: t.name)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_requantize(tmp_path: Path, qtype: T, bits: int):
     shape = (6, 512)
-    raw = quantized(shape, qtype)[1] if qtype not in (T.Q6_K,) else random_blocks(shape, qtype)
-    if qtype == T.Q6_K:  # keep the scale d finite and small (the last two bytes of a block)
-        raw = raw.copy()
-        b = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])
-        b[:, -2:] = np.frombuffer(np.array([0.01], np.float16).tobytes(), np.uint8)
+    if qtype == T.TQ2_0:
+        raw = quantized(shape, qtype)[1]
+    else:  # IQ4_NL ({f16 d; u8 qs[16]}, a non-linear grid): random bytes with a finite, small d
+        raw = random_blocks(shape, qtype).copy()
+        raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])[:, :2] = np.array([0.01], np.float16).view(np.uint8)
     path = write_gguf(tmp_path / "r.gguf", {"w": (raw, qtype), "v": (np.ones(4, np.float32), None)})
     with GGUFFile(path) as wf:
         f = wf.load("w")
@@ -413,6 +427,28 @@ def test_requantize(tmp_path: Path, qtype: T, bits: int):
         assert isinstance(wf.load("v", requantize=bits), np.ndarray)  # not a quantized type: unchanged
         with pytest.raises(InvalidRequestError):
             wf.load("w", requantize=3)
+
+
+@pytest.mark.parametrize("qtype", SUB_BLOCKS, ids=lambda t: t.name)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_sub_block_types_regroup_for_mlx(tmp_path: Path, qtype: T, bits: int):
+    """Groups of 16 run in our CPU kernels only; for MLX's (GPUs) a weight re-quantizes to groups of 32 exactly as
+    quantize_affine (MLX's formula) quantizes its exact values."""
+    shape = (6, 512)
+    path = write_gguf(tmp_path / "r.gguf", {"w": (k_quant_blocks(shape, qtype), qtype)})
+    with GGUFFile(path) as wf:
+        q = wf.load("w", requantize=8)
+    assert q.group_size == 16 and q.bits == {T.Q6_K: 6, T.Q3_K: 3, T.Q2_K: 2}[qtype]
+    f = q.dequantize(symmetric=q.biases is None)
+    r = q.regrouped(bits)
+    ref = quant.quantize_affine(f, bits, 32)
+    assert (r.bits, r.group_size, r.shape) == (bits, 32, shape)
+    for a, b in ((r.weight, ref.weight), (r.scales, ref.scales), (r.biases, ref.biases)):
+        np.testing.assert_array_equal(a, b)
+    stack = q.stacked((2,))
+    assert stack.shape == (2, 3, 512) and stack.regrouped(bits).shape == (2, 3, 512)
+    np.testing.assert_array_equal(stack.regrouped(bits).weight.reshape(6, -1), ref.weight)
+    assert r.regrouped(8) is r  # groups of 32 already
 
 
 def test_lossless_types_ignore_requantize(tmp_path: Path):

@@ -142,7 +142,8 @@ def test_every_tensor_matches_gguf_dequantize(model):
             seen[kind] += 1
             if kind in LOSSLESS_TYPES and len(shape) == 2:
                 assert isinstance(a, QuantizedArray), t.name
-                assert (a.shape, a.group_size, a.bits) == (shape, 32, quant.REPACK_BITS[kind])
+                group = 16 if kind in quant.SUBBLOCK_TYPES else 32
+                assert (a.shape, a.group_size, a.bits) == (shape, group, quant.REPACK_BITS[kind])
             else:
                 assert isinstance(a, np.ndarray) and a.shape == shape, t.name
                 assert a.dtype == (np.float16 if kind == "F16" else np.float32), t.name
@@ -175,21 +176,26 @@ def test_smollm2_packing_matches_mx_load(smollm2_gguf: Path):
     assert n == 211  # 210 Q4_1 + the Q8_0 embedding
 
 
-def test_gemma3_requantize(gemma3_gguf: Path):
-    """Q6_K (no exact affine form) re-quantized to 4 or 8 bits equals mx.quantize-formula quantization of gguf's
-    floats."""
+def test_gemma3_q6_k_is_lossless_and_regroups_for_mlx(gemma3_gguf: Path):
+    """Q6_K (16-element sub-blocks) loads in groups of 16 with its two levels of scales, in its file's bytes and
+    exactly gguf's floats; for MLX's kernels (GPUs) it re-quantizes to 4 or 8 bits in groups of 32 exactly as the
+    mx.quantize formula quantizes those floats."""
     with GGUFFile(gemma3_gguf) as wf:
         q6 = [n for n in wf.names() if wf.type_name(n) == "Q6_K"]
         assert q6
         for name in q6[:3]:
-            f = wf.load(name)
+            f = gguf.quants.dequantize(wf.raw(name), gguf.GGMLQuantizationType.Q6_K)
+            q = wf.load(name)
+            assert isinstance(q, QuantizedArray) and (q.group_size, q.bits) == (16, 6)
+            assert q.nbytes == wf.nbytes(name)
+            np.testing.assert_array_equal(q.dequantize(symmetric=True), f)
             for bits in (4, 8):
-                q = wf.load(name, requantize=bits)
-                assert isinstance(q, QuantizedArray) and q.shape == f.shape and q.bits == bits
+                r = q.regrouped(bits)
                 ref = quant.quantize_affine(f, bits)
-                np.testing.assert_array_equal(q.weight, ref.weight)
-                np.testing.assert_array_equal(q.scales, ref.scales)
-                err = np.abs(q.dequantize() - f).reshape(f.shape[0], -1, 32).max(-1)
+                assert r.shape == f.shape and (r.bits, r.group_size) == (bits, 32)
+                np.testing.assert_array_equal(r.weight, ref.weight)
+                np.testing.assert_array_equal(r.scales, ref.scales)
+                err = np.abs(r.dequantize() - f).reshape(f.shape[0], -1, 32).max(-1)
                 span = np.ptp(f.reshape(f.shape[0], -1, 32), axis=-1)
                 assert (err <= span / ((1 << bits) - 1) + 1e-6).all(), name  # within one quantization step
 
@@ -243,7 +249,7 @@ def test_mlx_backend_loads_real_models(which: str, keep_quantized: bool, request
         assert backend.tensor_types == by_type
         quantized = {n for n, t in backend.weights.items() if isinstance(t, MLXQuantizedTensor)}
         lossless = {t.name for t in reader.tensors if t.tensor_type.name in LOSSLESS_TYPES and len(t.shape) == 2}
-        # quantized types with no exact affine form (Q6_K) are re-quantized to 8 bits where weights stay quantized
+        # quantized types with no exact affine form (none in these files) are re-quantized where weights stay quantized
         requantized = {t.name for t in reader.tensors if t.tensor_type.name not in LOSSLESS_TYPES | {"F32", "F16"}
                        and len(t.shape) == 2}
         assert quantized == (lossless | requantized if keep_quantized else set())

@@ -324,8 +324,8 @@ def _cut(host: "np.ndarray | QuantizedArray", axis: int, start: int, stop: int) 
 def _symmetric(host: QuantizedArray) -> bool:
     """Whether every bias is ``-2**(bits - 1)`` times its scale, exactly (GGUF's Q8_0, Q4_0 and Q5_0 repacked: a
     signed integer times its scale, stored as an unsigned one with that zero point)."""
-    if host.super_scales is not None:  # a K-quant's: its biases are its mins
-        return False
+    if host.super_scales is not None:  # a K-quant's: its biases are its mins, or none (Q6_K, Q3_K)
+        return host.biases is None
     return bool(np.array_equal(host.biases, host.scales * np.asarray(-(2 ** (host.bits - 1)), host.scales.dtype)))
 
 
@@ -354,9 +354,10 @@ class MLXBackend(Backend):
         device: ``cpu``, ``gpu``, ``metal``, ``cuda`` or None (automatic; see ``mlx_engine.mlx.runtime``).
         dtype: the compute dtype; float weights are cast to it. Default: float32 on CPU (MLX's CPU backend has no
             fast half-precision matmul), ``half_dtype`` on GPUs.
-        requantize: re-quantize tensors of quantized types that have no exact affine form (Q6_K, Q3_K, Q2_K, IQ*...)
-            to this many bits (4 or 8, group size 32); 0 keeps them dequantized (float). Default: 8 where weights stay
-            quantized (the closest MLX form: an 8-bit grid is 4x finer than Q6_K's own), else 0.
+        requantize: re-quantize tensors of quantized types that have no exact affine form (IQ*, TQ*...), and on
+            GPUs (or without our CPU kernels) those of 16-element groups (Q6_K, Q3_K, Q2_K, which only our CPU
+            kernels run), to this many bits (4 or 8, group size 32); 0 keeps them dequantized (float). Default: 8
+            where weights stay quantized (the closest MLX form: an 8-bit grid is 4x finer than Q6_K's own), else 0.
         quantized: keep quantized weights quantized. Default: yes on GPUs (``mx.quantized_matmul``), and on the CPU
             where our CPU kernels loaded (:mod:`mlx_engine.mlx.cpu_kernels`); without them, no on the CPU, where
             MLX's own quantized matmul is far slower than a BLAS float32 matmul (512x576 @ 576x1536: 396 ms vs 9 ms;
@@ -390,6 +391,7 @@ class MLXBackend(Backend):
         if requantize is None:
             requantize = 8 if quantized else 0
         requantize = requantize or None
+        self._requantize = requantize
         self._dtype = DType.parse(dtype) if dtype else (DType.FLOAT32 if self._device == "cpu" else
                                                          DType.parse(half_dtype))
         self._weights: dict[str, MLXTensor] = {}
@@ -416,13 +418,18 @@ class MLXBackend(Backend):
 
     def _to_device(self, host: "np.ndarray | QuantizedArray") -> MLXTensor:
         dt = TO_MX[self._dtype]
+        ours = self._device == "cpu" and cpu_kernels.qmatmul is not None
+        if isinstance(host, QuantizedArray) and host.group_size == 16 and not ours:
+            # MLX's kernels take groups of 32 or more: the closest MLX form, or float
+            host = host.regrouped(self._requantize) if self._requantize else host.dequantize()
         if isinstance(host, QuantizedArray) and self._keep_quantized:
-            if host.super_scales is not None and (self._device != "cpu" or cpu_kernels.qmatmul is None):
+            if host.super_scales is not None and not ours:
                 host = host.expanded()  # MLX's kernels take one float scale and bias per group
-            s, b = mx.array(host.scales), mx.array(host.biases)
+            s = mx.array(host.scales)
+            b = None if host.biases is None else mx.array(host.biases)
             if self._device != "cpu":  # mx.quantized_matmul wants them in the compute dtype
                 s, b = s.astype(dt), b.astype(dt)
-            elif cpu_kernels.qmatmul is not None and _symmetric(host):
+            elif ours and _symmetric(host):
                 b = None  # our kernel makes them from the scales: Q8_0 held in its file's 34 bytes per 32, not 36
             sup = None if host.super_scales is None else mx.array(host.super_scales)
             t = MLXQuantizedTensor(mx.array(host.weight), s, b, host.group_size, host.bits, dtype=dt,

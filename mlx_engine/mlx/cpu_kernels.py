@@ -79,6 +79,23 @@ def _self_test(fn, many) -> str | None:
         err = mx.abs(g - want).max().item()
         if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
             return f"{bits}-bit product off by {err:.3g} among several of one x"
+    return _sub_block_self_test(fn)
+
+
+def _sub_block_self_test(fn) -> str | None:
+    """A weight of GGUF Q6_K's form (groups of 16, int8 scales times a float16 per 256 elements, symmetric, 6 bits)
+    against its values made here, ``(q - 32) * d * sc``; None when they agree."""
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(13), 4)
+    w = mx.random.randint(0, 2 ** 31, (24, 48), key=k1).astype(mx.uint32)  # any bits are 256 6-bit integers a row
+    sc = mx.random.randint(-128, 128, (24, 16), key=k2).astype(mx.int8)
+    d = (mx.random.uniform(shape=(24, 1, 1), key=k3) * 1e-2).astype(mx.float16)
+    x = mx.random.normal((3, 256), key=k4)
+    one = mx.ones((24, 8))
+    q = mx.dequantize(w, one, mx.zeros_like(one), group_size=32, bits=6).reshape(24, 16, 16)
+    want = x @ ((q - 32) * (d.astype(mx.float32)[:, 0, :] * sc.astype(mx.float32))[..., None]).reshape(24, 256).T
+    err = mx.abs(fn(x, w, sc, None, 16, 6, "float32", d) - want).max().item()
+    if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
+        return f"a product with groups of 16 (two-level int8 scales) off by {err:.3g}"
     return None
 
 

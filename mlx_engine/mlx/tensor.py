@@ -391,9 +391,11 @@ class MLXQuantizedTensor(MLXTensor):
     def __init__(self, w, scales, biases, group_size: int, bits: int, dtype=None, activations: str | None = None,
                  super_scales=None):
         self.w, self.scales, self.biases = w, scales, biases
-        #: two-level scales (GGUF's Q4_K and Q5_K on the CPU): ``scales`` and ``biases`` are uint8 integers ``sc`` and
-        #: ``m``, and this float16 ``[..., groups / 8, 2]`` holds ``(d, -dmin)`` per 8 groups: scale ``d * sc``, bias
-        #: ``-dmin * m`` (exact float32 products); None for one float scale and bias per group
+        #: two-level scales (GGUF's K-quants on the CPU), per 256 elements: ``scales`` and ``biases`` uint8 integers
+        #: ``sc`` and ``m`` with this float16 ``[..., cols / 256, 2]`` holding ``(d, -dmin)`` (scale ``d * sc``, bias
+        #: ``-dmin * m``: Q4_K, Q5_K, Q2_K), or int8 ``scales`` and no biases with ``[..., cols / 256, 1]`` holding
+        #: ``d`` (a symmetric weight: Q6_K, Q3_K); None for one float scale and bias per group. Groups of 16 (Q6_K,
+        #: Q3_K, Q2_K) run in our CPU kernels only (MLX's take 32 or more)
         self.super_scales = super_scales
         self.group_size, self.bits = group_size, bits
         #: what our CPU kernel does with x in products with this weight: "float32" or "int8" (the backend's choice,
@@ -409,11 +411,13 @@ class MLXQuantizedTensor(MLXTensor):
         """Scales and biases (of ``rows``, an index, or all) in :attr:`dtype`."""
         if self.super_scales is not None:  # two-level: the products in float32 (exact), then the dtype
             sup = self.super_scales if rows is None else self.super_scales[rows]
-            sup = mx.repeat(sup.astype(mx.float32), 8, axis=-2)  # [..., groups, 2]
+            sup = mx.repeat(sup.astype(mx.float32), 256 // self.group_size, axis=-2)  # [..., groups, 2 or 1]
             s = self.scales if rows is None else self.scales[rows]
+            s = s.astype(mx.float32) * sup[..., 0]
+            if self.biases is None:  # int8 scales: a symmetric weight
+                return s.astype(self._dtype), (s * -(2 ** (self.bits - 1))).astype(self._dtype)
             b = self.biases if rows is None else self.biases[rows]
-            s, b = s.astype(mx.float32) * sup[..., 0], b.astype(mx.float32) * sup[..., 1]
-            return s.astype(self._dtype), b.astype(self._dtype)
+            return s.astype(self._dtype), (b.astype(mx.float32) * sup[..., 1]).astype(self._dtype)
         s = self.scales if rows is None else self.scales[rows]
         if s.dtype != self._dtype:
             s = s.astype(self._dtype)
@@ -422,9 +426,23 @@ class MLXQuantizedTensor(MLXTensor):
         b = self.biases if rows is None else self.biases[rows]
         return s, (b if b.dtype == self._dtype else b.astype(self._dtype))
 
+    def _dequantized(self, w, s, b):
+        """``w`` (this weight's packed rows) with its scales ``s`` and biases ``b`` (from :meth:`float_scales`)."""
+        if self.group_size != 16:
+            return mx.dequantize(w, s, b, group_size=self.group_size, bits=self.bits)
+        # not one of MLX's group sizes: the integers from MLX, the arithmetic here
+        one = mx.ones((*w.shape[:-1], s.shape[-1] // 2), self._dtype)
+        q = mx.dequantize(w, one, mx.zeros_like(one), group_size=32, bits=self.bits)
+        q = q.reshape(*q.shape[:-1], -1, 16)
+        if self.biases is None and self.super_scales is not None:  # exact, as our kernels' fused multiply-add
+            out = (q - 2 ** (self.bits - 1)) * s[..., None]
+        else:
+            out = q * s[..., None] + b[..., None]
+        return out.reshape(*out.shape[:-2], -1)
+
     @property
     def a(self):
-        return mx.dequantize(self.w, *self.float_scales(), group_size=self.group_size, bits=self.bits)
+        return self._dequantized(self.w, *self.float_scales())
 
     @property
     def shape(self):
@@ -462,7 +480,7 @@ class MLXQuantizedTensor(MLXTensor):
             # one graph node, where MLX's CPU dequantize is about 20 (the same values, bit for bit)
             return MLXTensor(cpu_kernels.qtake(self.w, self.scales, self.biases, i, self.group_size, self.bits,
                                                self.super_scales))
-        return MLXTensor(mx.dequantize(self.w[i], *self.float_scales(i), group_size=self.group_size, bits=self.bits))
+        return MLXTensor(self._dequantized(self.w[i], *self.float_scales(i)))
 
     def dequantize(self):
         return MLXTensor(self.a)

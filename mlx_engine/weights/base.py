@@ -40,28 +40,43 @@ class QuantizedArray:
 
     A stack of such weights (a mixture of experts' ``[experts, rows, cols]``) has the leading axes on all three arrays.
 
-    Two-level scales (GGUF's Q4_K and Q5_K, as the file holds them): ``super_scales`` float16
-    ``[rows, cols / group_size / 8, 2]`` holds ``(d, -dmin)`` per 8 groups, and ``scales`` and ``biases`` are the
-    uint8 integers ``sc`` and ``m``: scale ``d * sc`` and bias ``-dmin * m``, each an exact float32 product
-    (:meth:`expanded` makes them). A Q4_K weight so takes 4.625 bits per element (its file's 4.5), not 6.
+    Two-level scales (GGUF's K-quants, as the file holds them), per super-block of 256 elements (8 groups of 32, or
+    16 of 16): either ``super_scales`` float16 ``[rows, cols / 256, 2]`` holding ``(d, -dmin)`` with ``scales`` and
+    ``biases`` the uint8 integers ``sc`` and ``m`` (scale ``d * sc``, bias ``-dmin * m``: Q4_K, Q5_K, Q2_K), or
+    ``super_scales`` float16 ``[rows, cols / 256, 1]`` holding ``d`` with ``scales`` int8 integers ``sc`` and
+    ``biases`` None (scale ``d * sc``, a symmetric weight: element ``(q - 2**(bits - 1)) * scale``: Q6_K, Q3_K).
+    Each product is exact in float32 (:meth:`expanded` makes them). A Q4_K weight so takes 4.625 bits per element
+    (its file's 4.5), not 6; a Q6_K one 6.5625, its file's.
 
     Attributes:
         weight: uint32 ``[rows, cols * bits / 32]`` (``[experts, rows, cols * bits / 32]`` for a stack).
-        scales, biases: float32 or float16 (both the same) ``[rows, cols / group_size]`` (with the same leading axes).
-        group_size: elements per scale (32 for GGUF types and for re-quantized tensors).
+        scales, biases: float32 or float16 (both the same) ``[rows, cols / group_size]`` (with the same leading axes);
+            for two-level scales see above.
+        group_size: elements per scale (32 for GGUF types and for re-quantized tensors; 16 for Q6_K, Q3_K, Q2_K,
+            which only our CPU kernels run: see :meth:`regrouped`).
         bits: 2, 3, 4, 5, 6 or 8.
     """
 
     weight: np.ndarray
     scales: np.ndarray
-    biases: np.ndarray
+    biases: "np.ndarray | None"
     group_size: int
     bits: int
     super_scales: "np.ndarray | None" = None
 
     def __post_init__(self) -> None:
-        if (self.super_scales is not None) != (self.scales.dtype == np.uint8):
-            raise ValueError("two-level scales are uint8 scales and biases with their super_scales, and only those")
+        two_level = self.scales.dtype in (np.uint8, np.int8)
+        if (self.super_scales is not None) != two_level:
+            raise ValueError("two-level scales are integer scales with their super_scales, and only those")
+        if (self.biases is None) != (self.scales.dtype == np.int8):
+            raise ValueError("a weight has biases but for two-level int8 scales (a symmetric weight's)")
+        if self.super_scales is not None and self.super_scales.shape[-1] != (1 if self.biases is None else 2):
+            raise ValueError(f"super scales of shape {self.super_scales.shape} do not fit their scales")
+
+    @property
+    def per_super(self) -> int:
+        """Groups per super-block of 256 elements (two-level scales)."""
+        return 256 // self.group_size
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -70,22 +85,40 @@ class QuantizedArray:
     def stacked(self, lead: tuple[int, ...]) -> "QuantizedArray":
         """This ``[rows, cols]`` weight as ``[*lead, rows / prod(lead), cols]`` (views, no copy)."""
         sup = self.super_scales
-        return QuantizedArray(*(a.reshape(*lead, -1, a.shape[-1]) for a in (self.weight, self.scales, self.biases)),
-                              self.group_size, self.bits,
+        w, s = (a.reshape(*lead, -1, a.shape[-1]) for a in (self.weight, self.scales))
+        b = None if self.biases is None else self.biases.reshape(*lead, -1, self.biases.shape[-1])
+        return QuantizedArray(w, s, b, self.group_size, self.bits,
                               None if sup is None else sup.reshape(*lead, -1, *sup.shape[-2:]))
 
     def expanded(self) -> "QuantizedArray":
-        """The same weight with one float32 scale and bias per group (itself when it has them already)."""
+        """The same weight with one float32 scale and bias per group (itself when it has them already); a symmetric
+        one's biases ``-2**(bits - 1) * scale`` (exact)."""
         if self.super_scales is None:
             return self
-        sup = np.repeat(self.super_scales.astype(np.float32), 8, axis=-2)
-        return QuantizedArray(self.weight, self.scales.astype(np.float32) * sup[..., 0],
-                              self.biases.astype(np.float32) * sup[..., 1], self.group_size, self.bits)
+        sup = np.repeat(self.super_scales.astype(np.float32), self.per_super, axis=-2)
+        s = self.scales.astype(np.float32) * sup[..., 0]
+        if self.biases is None:
+            b = s * np.float32(-(2 ** (self.bits - 1)))
+        else:
+            b = self.biases.astype(np.float32) * sup[..., 1]
+        return QuantizedArray(self.weight, s, b, self.group_size, self.bits)
+
+    def regrouped(self, bits: int) -> "QuantizedArray":
+        """A weight with groups of 16 (which MLX's own kernels do not take) re-quantized to ``bits`` (4 or 8) with
+        groups of 32 (``quant.quantize_affine``, MLX's formula); itself for other group sizes."""
+        if self.group_size != 16:
+            return self
+        from mlx_engine.weights.quant import quantize_affine
+
+        lead = self.weight.shape[:-2]
+        flat = self.dequantize().reshape(-1, self.shape[-1])
+        out = quantize_affine(flat, bits, 32)
+        return out.stacked(lead) if lead else out
 
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays together."""
-        return (self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+        return (self.weight.nbytes + self.scales.nbytes + (0 if self.biases is None else self.biases.nbytes)
                 + (0 if self.super_scales is None else self.super_scales.nbytes))
 
     def slice(self, axis: int, start: int, stop: int) -> "QuantizedArray":
@@ -99,31 +132,36 @@ class QuantizedArray:
             raise ValueError(f"a stack of weights {self.shape} is not cut")
         rows, cols = self.shape
         sup = self.super_scales
-        if sup is not None and axis == 1 and (start % (8 * self.group_size)
-                                               or (stop % (8 * self.group_size) and stop != cols)):
+        if sup is not None and axis == 1 and (start % 256 or (stop % 256 and stop != cols)):
             return self.expanded().slice(axis, start, stop)  # a cut inside a super-block
         if not 0 <= start < stop <= (rows if axis == 0 else cols):
             raise ValueError(f"slice {start}:{stop} of axis {axis} is out of the weight's shape {self.shape}")
+        b = self.biases
         if axis == 0:
-            w, s, b = self.weight[start:stop], self.scales[start:stop], self.biases[start:stop]
+            w, s = self.weight[start:stop], self.scales[start:stop]
+            b = None if b is None else b[start:stop]
             sup = None if sup is None else sup[start:stop]
         else:
             g = self.group_size
-            if start % g or (stop % g and stop != cols):
-                raise ValueError(f"columns {start}:{stop} cut a quantization group of {g}")
-            # a group of 32 elements fills whole words at every bit width (32 * bits bits)
+            if start % max(g, 32) or (stop % max(g, 32) and stop != cols):
+                raise ValueError(f"columns {start}:{stop} cut a quantization group of {g} (or of 32 elements)")
+            # 32 elements fill whole words at every bit width (32 * bits bits)
             w = self.weight[:, start * self.bits // 32:stop * self.bits // 32]
-            s, b = self.scales[:, start // g:-(-stop // g)], self.biases[:, start // g:-(-stop // g)]
-            sup = None if sup is None else sup[:, start // (8 * g):-(-stop // (8 * g))]
-        return QuantizedArray(np.ascontiguousarray(w), np.ascontiguousarray(s), np.ascontiguousarray(b),
-                              self.group_size, self.bits, None if sup is None else np.ascontiguousarray(sup))
+            s = self.scales[:, start // g:-(-stop // g)]
+            b = None if b is None else b[:, start // g:-(-stop // g)]
+            sup = None if sup is None else sup[:, start // 256:-(-stop // 256)]
+        return QuantizedArray(np.ascontiguousarray(w), np.ascontiguousarray(s),
+                              None if b is None else np.ascontiguousarray(b), self.group_size, self.bits,
+                              None if sup is None else np.ascontiguousarray(sup))
 
-    def dequantize(self, rows_per_chunk: int = 4096) -> np.ndarray:
+    def dequantize(self, rows_per_chunk: int = 4096, symmetric: bool = False) -> np.ndarray:
         """float32 ``[rows, cols]`` (a stack: ``[experts, rows, cols]``): ``scale * q + bias`` evaluated in float32
-        (for GGUF Q4_0, Q4_1 and Q8_0 this equals ``gguf.quants.dequantize`` exactly). Works through
-        ``rows_per_chunk`` rows at a time, so the only large allocation is the result."""
+        (for GGUF Q4_0, Q4_1 and Q8_0 this equals ``gguf.quants.dequantize`` exactly), or for a symmetric weight of
+        two-level scales (``symmetric``, GGUF's Q6_K and Q3_K) ``(q - 2**(bits - 1)) * scale``, exact (``q * scale``
+        alone may not be). Works through ``rows_per_chunk`` rows at a time, so the only large allocation is the
+        result."""
         if self.super_scales is not None:
-            return self.expanded().dequantize(rows_per_chunk)
+            return self.expanded().dequantize(rows_per_chunk, symmetric=self.biases is None)
         shape = self.shape
         cols = shape[-1]
         weight, scales, biases = (a.reshape(-1, a.shape[-1]) for a in (self.weight, self.scales, self.biases))
@@ -134,7 +172,10 @@ class QuantizedArray:
             g = unpack(weight[r0:r1], self.bits).astype(np.float32).reshape(r1 - r0, -1, self.group_size)
             s = scales[r0:r1, :, None].astype(np.float32)
             b = biases[r0:r1, :, None].astype(np.float32)
-            out[r0:r1] = (g * s + b).reshape(r1 - r0, cols)
+            if symmetric:
+                out[r0:r1] = ((g - np.float32(2 ** (self.bits - 1))) * s).reshape(r1 - r0, cols)
+            else:
+                out[r0:r1] = (g * s + b).reshape(r1 - r0, cols)
         return out.reshape(shape)
 
 
@@ -227,11 +268,12 @@ class WeightFile(abc.ABC):
 
     @abc.abstractmethod
     def load(self, name: str, requantize: int | None = None) -> "np.ndarray | QuantizedArray":
-        """One tensor on the host. Q4_0, Q4_1 and Q8_0 (2-D) come back as a lossless :class:`QuantizedArray`
-        (group 32); other quantized types dequantized to float32 (or re-quantized to ``requantize`` bits, 4 or 8,
-        group 32, when given); F16 as float16, BF16 as float32, F32 as float32, integers as stored. Arrays may be
-        read-only views of a memory-mapped file. Raises ``WeightsError`` naming the file and tensor (and
-        ``InvalidRequestError`` for a ``requantize`` other than None, 4 or 8)."""
+        """One tensor on the host. GGUF's quantized types with an exact affine form (Q4_0 ... Q6_K, see
+        ``gguf.LOSSLESS_TYPES``) come back as a lossless :class:`QuantizedArray`; other quantized types dequantized
+        to float32 (or re-quantized to ``requantize`` bits, 4 or 8, group 32, when given); F16 as float16, BF16 as
+        float32, F32 as float32, integers as stored. Arrays may be read-only views of a memory-mapped file. Raises
+        ``WeightsError`` naming the file and tensor (and ``InvalidRequestError`` for a ``requantize`` other than
+        None, 4 or 8)."""
 
     def close(self) -> None:
         pass

@@ -25,14 +25,26 @@ GGUF block formats (``ggml/src/ggml-common.h`` in llama.cpp; the ``gguf`` packag
 - ``Q5_K``: ``{f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}``: as Q4_K, plus a fifth bit for sub-block
   ``j`` from bit ``j`` of ``qh[l]``; 5 bits.
 
+- ``Q6_K``: 256 elements, ``{u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}``: per half of 128 elements (``ql`` 64
+  bytes, ``qh`` 32 apart), element ``32k + l`` takes its low 4 bits from ``ql[l + 32 (k & 1)]`` (the low nibble for
+  ``k < 2``, else the high one) and bits 4-5 from ``qh[l] >> 2k``; value ``d * scales[j // 16] * (q - 32)``: groups
+  of 16, int8 scales, symmetric, 6 bits.
+- ``Q3_K``: 256 elements, ``{u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}``: sixteen 6-bit scales ``sc`` packed in
+  ``scales``; per half (``qs`` 32 bytes apart), element ``32k + l`` takes bits ``2k, 2k + 1`` of ``qs[l]`` and its
+  third bit from bit ``4 h + k`` of ``hmask[l]``; value ``d * (sc - 32) * (q - 4)``: groups of 16, symmetric, 3 bits.
+- ``Q2_K``: 256 elements, ``{u8 scales[16]; u8 qs[64]; f16 d; f16 dmin}``: ``scales[j // 16]`` holds ``sc`` (low
+  nibble) and ``m`` (high); per half, element ``32k + l`` is bits ``2k, 2k + 1`` of ``qs[l]``; value
+  ``d * sc * q - dmin * m``: groups of 16, 2 bits.
+
 All of these map without loss onto group-32 affine: a scale and a bias per 32 elements, each the product of an f16
 and an integer of at most 6 bits, exact in float32, and ``scale * q`` (at most 17 + 5 significant bits) is exact too,
 so the float32 dequantization equals ``gguf.quants.dequantize`` exactly (up to the sign of zero). Scales and biases are
 stored as float16 where every one of them is exactly a float16 (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, barring overflow),
 else float32 (:func:`compact_scales` decides); the K-quants' keep their two levels (6-bit integers, and an f16 ``d``
 and ``dmin`` per 256 elements: :class:`QuantizedArray`'s ``super_scales``), 4.625 bits per Q4_K element where
-float32 scales and biases took 6. The 16-element sub-block types (Q6_K, Q3_K, Q2_K) have no exact form
-with MLX's smallest group of 32; the loader re-quantizes them (``requantize``).
+float32 scales and biases took 6. The 16-element sub-block types (Q6_K, Q3_K, Q2_K) have no exact form with MLX's
+smallest group of 32; they keep their two levels too, with groups of 16 (a Q6_K weight in its file's 6.5625 bits per
+element), which our CPU kernels run; elsewhere the backend re-quantizes them (:meth:`QuantizedArray.regrouped`).
 
 Bits other than 2, 4 and 8 (3, 5, 6) pack as MLX packs them: a little-endian bitstream, element ``j`` at bit
 ``j * bits`` of the row's bytes (the 2-, 4- and 8-bit word layout above is the same stream).
@@ -47,10 +59,10 @@ import numpy as np
 from mlx_engine.weights.base import QuantizedArray, unpack
 
 __all__ = [
-    "GROUP_SIZE", "BITS", "BLOCKS", "REPACK_BITS", "Q4_0_BLOCK", "Q4_1_BLOCK", "Q8_0_BLOCK", "Q8_K_BLOCK",
-    "Q5_0_BLOCK", "Q5_1_BLOCK", "Q4_K_BLOCK", "Q5_K_BLOCK", "FP8_E4M3FN_TABLE", "unpack", "pack", "compact_scales",
-    "quantize_affine", "repack_gguf", "dequantize_q8_k", "bf16_to_float32", "fp8_e4m3fn_to_float32",
-    "fp8_e5m2_to_float32", "fp8_e8m0_to_float32",
+    "GROUP_SIZE", "BITS", "BLOCKS", "REPACK_BITS", "SUBBLOCK_TYPES", "Q4_0_BLOCK", "Q4_1_BLOCK", "Q8_0_BLOCK",
+    "Q8_K_BLOCK", "Q5_0_BLOCK", "Q5_1_BLOCK", "Q4_K_BLOCK", "Q5_K_BLOCK", "Q6_K_BLOCK", "Q3_K_BLOCK", "Q2_K_BLOCK",
+    "FP8_E4M3FN_TABLE", "unpack", "pack", "compact_scales", "quantize_affine", "repack_gguf", "dequantize_q8_k",
+    "bf16_to_float32", "fp8_e4m3fn_to_float32", "fp8_e5m2_to_float32", "fp8_e8m0_to_float32",
 ]
 
 GROUP_SIZE = 32
@@ -65,12 +77,18 @@ Q5_1_BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "<u4"), ("qs", "u1", (
 Q4_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])
 Q5_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qh", "u1", (32,)),
                        ("qs", "u1", (128,))])
+Q6_K_BLOCK = np.dtype([("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)), ("d", "<f2")])
+Q3_K_BLOCK = np.dtype([("hmask", "u1", (32,)), ("qs", "u1", (64,)), ("scales", "u1", (12,)), ("d", "<f2")])
+Q2_K_BLOCK = np.dtype([("scales", "u1", (16,)), ("qs", "u1", (64,)), ("d", "<f2"), ("dmin", "<f2")])
 
 #: GGUF types that map onto MLX's affine layout without loss, and the bits they take there.
-REPACK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5}
+REPACK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3,
+               "Q2_K": 2}
+#: those of them with 16-element sub-blocks (group size 16)
+SUBBLOCK_TYPES = frozenset({"Q6_K", "Q3_K", "Q2_K"})
 #: their block dtypes
 BLOCKS = {"Q4_0": Q4_0_BLOCK, "Q4_1": Q4_1_BLOCK, "Q8_0": Q8_0_BLOCK, "Q5_0": Q5_0_BLOCK, "Q5_1": Q5_1_BLOCK,
-          "Q4_K": Q4_K_BLOCK, "Q5_K": Q5_K_BLOCK}
+          "Q4_K": Q4_K_BLOCK, "Q5_K": Q5_K_BLOCK, "Q6_K": Q6_K_BLOCK, "Q3_K": Q3_K_BLOCK, "Q2_K": Q2_K_BLOCK}
 
 # Rows processed per chunk so that temporaries stay around this many bytes.
 _CHUNK_BYTES = 1 << 24
@@ -208,6 +226,36 @@ def _k_quants(blk: np.ndarray, type_name: str) -> np.ndarray:
     return q.reshape(-1, 256)
 
 
+def _sub_block_quants(blk: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, "np.ndarray | None",
+                                                                   np.ndarray]:
+    """Q6_K, Q3_K or Q2_K blocks -> (their integers ``q`` uint8 ``[n, 256]`` in element order, scales ``[n, 16]``
+    (int8 for Q6_K and Q3_K, uint8 for Q2_K), Q2_K's mins uint8 ``[n, 16]`` or None, super scales float16
+    ``[n, 1]`` (``d``) or ``[n, 2]`` (``d, -dmin``)); ``dequantize_row_q6_K`` / ``_q3_K`` / ``_q2_K`` in
+    llama.cpp's ggml-quants.c."""
+    n = blk.shape[0]
+    k = np.arange(4, dtype=np.uint8)
+    if type_name == "Q6_K":
+        ql = blk["ql"].reshape(n, 2, 2, 32)  # [n, half, k & 1, l]
+        low = np.stack([ql & np.uint8(0x0F), ql >> np.uint8(4)], axis=2).reshape(n, 2, 4, 32)  # k = 2 nibble + (k & 1)
+        high = (blk["qh"].reshape(n, 2, 1, 32) >> (2 * k)[None, None, :, None]) & np.uint8(3)
+        return (low | (high << np.uint8(4))).reshape(n, 256), blk["scales"], None, blk["d"][:, None]
+    two = (blk["qs"].reshape(n, 2, 1, 32) >> (2 * k)[None, None, :, None]) & np.uint8(3)  # [n, half, k, l]
+    if type_name == "Q3_K":
+        bit = np.arange(8, dtype=np.uint8).reshape(2, 4)  # hmask bit 4 half + k
+        third = (blk["hmask"][:, None, None, :] >> bit[None, :, :, None]) & np.uint8(1)
+        raw = blk["scales"]
+        lo, hi = raw[:, 0:8], raw[:, 8:12]
+        sc = np.empty((n, 16), np.uint8)
+        sc[:, 0:4] = (lo[:, 0:4] & 0xF) | ((hi & 3) << 4)
+        sc[:, 4:8] = (lo[:, 4:8] & 0xF) | (((hi >> 2) & 3) << 4)
+        sc[:, 8:12] = (lo[:, 0:4] >> 4) | (((hi >> 4) & 3) << 4)
+        sc[:, 12:16] = (lo[:, 4:8] >> 4) | (((hi >> 6) & 3) << 4)
+        signed = (sc.astype(np.int16) - 32).astype(np.int8)
+        return (two | (third << np.uint8(2))).reshape(n, 256), signed, None, blk["d"][:, None]
+    sup = np.stack([blk["d"], -blk["dmin"]], axis=-1)  # (a sign flip: exact)
+    return two.reshape(n, 256), blk["scales"] & np.uint8(0x0F), blk["scales"] >> np.uint8(4), sup
+
+
 def _decode(blk: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_0, Q4_1, Q5_0 or Q5_1 blocks -> (``q`` uint8 ``[n, 32]`` in element order, scales and biases float32
     ``[n, 1]``)."""
@@ -226,7 +274,7 @@ def _decode(blk: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np
 def repack_gguf(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedArray:
     """GGUF blocks of a type in :data:`REPACK_BITS` -> a lossless :class:`QuantizedArray` ``[rows, cols]``, group size
     32, with float16 scales and biases where they are exact (:func:`compact_scales`), two-level ones for Q4_K and
-    Q5_K (``super_scales``).
+    Q5_K (``super_scales``); group size 16 and two-level scales for Q6_K, Q3_K and Q2_K.
 
     Args:
         blocks: a 1-D array of the type's blocks, of its structured dtype in :data:`BLOCKS` (a view of the file is
@@ -235,6 +283,8 @@ def repack_gguf(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Qua
         rows, cols: the logical shape in NumPy order (``cols`` is GGUF's first dimension, a multiple of the block).
     """
     bits = REPACK_BITS[type_name]
+    if type_name in SUBBLOCK_TYPES:
+        return _repack_sub_blocks(blocks, type_name, rows, cols)
     k_quant = type_name.endswith("_K")
     block_elems = 256 if k_quant else GROUP_SIZE
     nb = cols // block_elems
@@ -278,6 +328,28 @@ def repack_gguf(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Qua
     if k_quant:
         return QuantizedArray(weight, scales, biases, GROUP_SIZE, bits, supers)
     return compact_scales(QuantizedArray(weight, scales, biases, GROUP_SIZE, bits))
+
+
+def _repack_sub_blocks(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedArray:
+    """Q6_K, Q3_K or Q2_K blocks -> a lossless :class:`QuantizedArray` with groups of 16 and the file's two levels of
+    scales (see :func:`repack_gguf`)."""
+    bits = REPACK_BITS[type_name]
+    nb, ng = cols // 256, cols // 16
+    weight = np.empty((rows, cols * bits // 32), np.uint32)
+    signed = type_name != "Q2_K"
+    scales = np.empty((rows, ng), np.int8 if signed else np.uint8)
+    biases = None if signed else np.empty((rows, ng), np.uint8)
+    supers = np.empty((rows, nb, 1 if signed else 2), np.float16)
+    step = max(1, _CHUNK_BYTES // max(1, cols))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        q, sc, mn, sup = _sub_block_quants(blocks[r0 * nb:r1 * nb], type_name)
+        weight[r0:r1] = pack(q.reshape(r1 - r0, cols), bits)
+        scales[r0:r1] = sc.reshape(r1 - r0, ng)
+        if biases is not None:
+            biases[r0:r1] = mn.reshape(r1 - r0, ng)
+        supers[r0:r1] = sup.reshape(r1 - r0, nb, -1)
+    return QuantizedArray(weight, scales, biases, 16, bits, supers)
 
 
 def dequantize_q8_k(blocks: np.ndarray) -> np.ndarray:

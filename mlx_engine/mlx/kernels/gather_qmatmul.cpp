@@ -3,8 +3,8 @@
 // gather_qmatmul(x, w, scales, biases, indices, group_size, bits, activations) -> float32 [N, k, I]:
 //     out[n, j] = x[n] @ dequantize(w[e], scales[e], biases[e]).T,   e = indices[n, j]
 // for x [N, K], expert weights w [E, I, K * bits / 32] (uint32, MLX's affine layout, see qmatmul.cpp) with scales and
-// biases [E, I, K / group_size] (or two-level ones: uint8 with super scales [E, I, K / group_size / 8, 2], as
-// qmatmul's), and indices [N, k] (int32 or uint32) in [0, E). The products are those of qmatmul
+// biases [E, I, K / group_size] (or two-level ones with super scales [E, I, K / 256, 2 or 1], as qmatmul's), and
+// indices [N, k] (int32 or uint32) in [0, E). The products are those of qmatmul
 // (the same kernel, so the same bits as qmatmul(x[n], w[e], ...)). A decode step (N = 1) runs its k experts as one
 // parallel job; a prompt's tokens are grouped by expert first, so that each expert's weights are read once for all
 // the tokens routed to it (llama.cpp's mul_mat_id does the same). Why our own: MLX's CPU gather_qmm dequantizes as
@@ -85,8 +85,9 @@ class GatherQMatmul : public mx::Primitive {
                        : scales.dtype() == mx::float16 ? mlx_engine::kF16
                                                        : mlx_engine::kBF16;
         if (factored) {
-          p.scale_type = mlx_engine::kU8;
-          p.super = static_cast<const uint16_t*>(data[5]) + size_t(e) * I * (groups / 8) * 2;
+          const bool is_signed = scales.dtype() == mx::int8;
+          p.scale_type = is_signed ? mlx_engine::kI8 : mlx_engine::kU8;
+          p.super = static_cast<const uint16_t*>(data[5]) + size_t(e) * I * (K / 256) * (is_signed ? 1 : 2);
         }
         return p;
       };
@@ -156,18 +157,17 @@ mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array
                                 "\"");
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("gather_qmatmul: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
-  if (group_size != 32 && group_size != 64 && group_size != 128)
-    throw std::invalid_argument("gather_qmatmul: group_size must be 32, 64 or 128, not " + std::to_string(group_size));
+  mlx_engine::check_group(group_size, bits, "gather_qmatmul");
   if (w.ndim() != 3 || w.dtype() != mx::uint32) throw std::invalid_argument("gather_qmatmul: w must be 3-D uint32");
   const int E = w.shape(0), I = w.shape(1), K = int(int64_t(w.shape(2)) * 32 / bits);
   if (x.ndim() != 2 || x.shape(1) != K)
     throw std::invalid_argument("gather_qmatmul: x must be [N, " + std::to_string(K) + "]");
-  if (K % group_size) throw std::invalid_argument("gather_qmatmul: the row length is not a multiple of group_size");
+  if (K % group_size || K % 32)
+    throw std::invalid_argument("gather_qmatmul: the row length is not a multiple of group_size and of 32");
   const mx::array& b = biases ? *biases : scales;
   const mx::Shape gshape{E, I, K / group_size};
   if (super) {
-    if (!biases) throw std::invalid_argument("gather_qmatmul: two-level scales need their biases (mins)");
-    mlx_engine::check_factored(gshape, scales, b, *super, "gather_qmatmul");
+    mlx_engine::check_factored(gshape, group_size, scales, biases ? &*biases : nullptr, *super, "gather_qmatmul");
   } else if (scales.shape() != gshape || b.shape() != gshape || scales.dtype() != b.dtype()) {
     throw std::invalid_argument("gather_qmatmul: scales and biases must both be [E, I, K / group_size] of one dtype");
   } else if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16) {

@@ -55,6 +55,7 @@ namespace {
 using mlx_engine::kBF16;
 using mlx_engine::kF16;
 using mlx_engine::kF32;
+using mlx_engine::kI8;
 using mlx_engine::Problem;
 using mlx_engine::half_to_float;
 
@@ -164,11 +165,13 @@ const float* prepare_x(const float* x, int M, int K, int bits) {
   return xp.data();
 }
 
-// Output rows [n0, n1) of p with the row kernel `rows`; a kU8 problem (two-level scales) per block of 64 rows, the
-// block's scales and biases made float32 first by `factored` into a buffer of the thread (the kernels then read them
-// as any other float32 scales: the same values, so the same bits as a weight held with float32 scales).
-void run_rows(RowsFn rows, FactoredFn factored, const Problem& p, int n0, int n1) {
-  if (p.scale_type != mlx_engine::kU8) return rows(p, n0, n1);
+// Output rows [n0, n1) of p with the row kernel `rows` (`int8_rows` where p has x quantized); a problem of two-level
+// scales per block of 64 rows, the block's scales and biases made float32 first by `factored` into a buffer of the
+// thread (the kernels then read them as any other float32 scales: the same values, so the same bits as a weight held
+// with float32 scales).
+void run_rows(RowsFn float_rows, RowsFn int8_rows, FactoredFn factored, const Problem& p, int n0, int n1) {
+  const RowsFn rows = p.qx ? int8_rows : float_rows;
+  if (p.scale_type != mlx_engine::kU8 && p.scale_type != mlx_engine::kI8) return rows(p, n0, n1);
   constexpr int kBlock = 64;
   const int groups = p.K / p.group_size;
   const size_t row_bytes = size_t(p.K) * p.bits / 8;
@@ -187,16 +190,30 @@ void run_rows(RowsFn rows, FactoredFn factored, const Problem& p, int n0, int n1
 
 }  // namespace
 
-void mlx_engine::check_factored(const mx::Shape& gshape, const mx::array& scales, const mx::array& biases,
-                                const mx::array& super, const std::string& who) {
-  if (scales.shape() != gshape || biases.shape() != gshape || scales.dtype() != mx::uint8 ||
-      biases.dtype() != mx::uint8)
-    throw std::invalid_argument(who + ": two-level scales and biases must both be uint8 [..., K / group_size]");
+int mlx_engine::check_factored(const mx::Shape& gshape, int group_size, const mx::array& scales,
+                               const mx::array* biases, const mx::array& super, const std::string& who) {
+  const bool is_signed = scales.dtype() == mx::int8;
+  if (group_size != 16 && group_size != 32)
+    throw std::invalid_argument(who + ": two-level scales take groups of 16 or 32, not " + std::to_string(group_size));
+  if (scales.shape() != gshape || (!is_signed && scales.dtype() != mx::uint8) ||
+      (!is_signed && (!biases || biases->shape() != gshape || biases->dtype() != mx::uint8)) || (is_signed && biases))
+    throw std::invalid_argument(who + ": two-level scales must be uint8 [..., K / group_size] with biases the same, or "
+                                      "int8 without biases");
+  const int per_super = 256 / group_size;
   mx::Shape sshape = gshape;
-  sshape.back() = gshape.back() / 8;
-  sshape.push_back(2);
-  if (gshape.back() % 8 || super.shape() != sshape || super.dtype() != mx::float16)
-    throw std::invalid_argument(who + ": super scales must be float16 [..., K / group_size / 8, 2]");
+  sshape.back() = gshape.back() / per_super;
+  sshape.push_back(is_signed ? 1 : 2);
+  if (gshape.back() % per_super || super.shape() != sshape || super.dtype() != mx::float16)
+    throw std::invalid_argument(who + ": super scales must be float16 [..., K / 256, " + (is_signed ? "1" : "2") +
+                                "] (the row length a multiple of 256)");
+  return is_signed ? mlx_engine::kI8 : mlx_engine::kU8;
+}
+
+void mlx_engine::check_group(int group_size, int bits, const std::string& who) {
+  if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128)
+    throw std::invalid_argument(who + ": group_size must be 16, 32, 64 or 128, not " + std::to_string(group_size));
+  if (group_size == 16 && bits == 4)
+    throw std::invalid_argument(who + ": 4-bit weights take groups of 32, 64 or 128, not 16");
 }
 
 // Products of one x with several weights (a layer's q, k and v share x) as one parallel job: output rows in units of
@@ -205,16 +222,22 @@ void mlx_engine::check_factored(const mx::Shape& gshape, const mx::array& scales
 // int8: x quantized to int8 and the int8 kernel, where the CPU has it.
 void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   const int M = ps[0].M, K = ps[0].K;
-  RowsFn rows = rows_for_cpu();
+  const RowsFn rows = rows_for_cpu();
+  RowsFn int8_rows = nullptr;
   const FactoredFn factored = factored_for_cpu();
+  for (auto& p : ps) p.qx = nullptr;
 #ifdef X86_KERNELS
   static const bool vnni_here = int8_supported();
   if (int8 && vnni_here) {
     bool nib = false, own = false;  // the layouts of x_q these widths read
-    for (auto& p : ps) (p.bits == 4 ? nib : own) = true;
-    const void* qx = &vnni::quantize_x(ps[0].x, M, K, nib, own);
-    for (auto& p : ps) p.qx = qx;
-    rows = &vnni::rows;
+    for (auto& p : ps)
+      if (p.group_size != 16) (p.bits == 4 ? nib : own) = true;
+    if (nib || own) {
+      const void* qx = &vnni::quantize_x(ps[0].x, M, K, nib, own);
+      for (auto& p : ps)
+        if (p.group_size != 16) p.qx = qx;
+      int8_rows = &vnni::rows;
+    }
   } else
 #endif
   {
@@ -235,7 +258,7 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   const int units = first.back();
   const int threads = mlx_engine::pool_threads();
   if (threads == 1 || units <= 1 || work < 2 * min_work) {
-    for (auto& p : ps) run_rows(rows, factored, p, 0, p.N);
+    for (auto& p : ps) run_rows(rows, int8_rows, factored, p, 0, p.N);
     return;
   }
   // four chunks per thread (fewer for a small job)
@@ -244,7 +267,8 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
     const int u0 = int(int64_t(units) * c / chunks), u1 = int(int64_t(units) * (c + 1) / chunks);
     for (size_t i = 0; i < ps.size(); ++i) {
       const int a = std::max(u0, first[i]), b = std::min(u1, first[i + 1]);
-      if (a < b) run_rows(rows, factored, ps[i], (a - first[i]) * 16, std::min(ps[i].N, (b - first[i]) * 16));
+      if (a < b)
+        run_rows(rows, int8_rows, factored, ps[i], (a - first[i]) * 16, std::min(ps[i].N, (b - first[i]) * 16));
     }
   });
 }
@@ -342,7 +366,8 @@ class QMatmul : public mx::Primitive {
         p.group_size = gs[i];
         p.bits = bits[i];
         p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
-        if (factored[i]) p.scale_type = mlx_engine::kU8, p.super = data[super_at++];
+        if (factored[i])
+          p.scale_type = scales.dtype() == mx::int8 ? mlx_engine::kI8 : mlx_engine::kU8, p.super = data[super_at++];
       }
       mlx_engine::qmatmul_run(ps, int8);
       size_t norm_at = w0 + 3 * ps.size();
@@ -401,17 +426,18 @@ int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales
   // (biases: the scales again for a symmetric weight; super: two-level scales, see kU8)
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("qmatmul: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
-  if (group_size != 32 && group_size != 64 && group_size != 128)
-    throw std::invalid_argument("qmatmul: group_size must be 32, 64 or 128, not " + std::to_string(group_size));
+  mlx_engine::check_group(group_size, bits, "qmatmul");
   if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument("qmatmul: w must be 2-D uint32");
   int N = w.shape(0);
   int K = int(int64_t(w.shape(1)) * 32 / bits);
   if (x.ndim() < 1 || x.shape(-1) != K)
     throw std::invalid_argument("qmatmul: x's last axis must be " + std::to_string(K));
-  if (K % group_size) throw std::invalid_argument("qmatmul: the row length is not a multiple of group_size");
+  if (K % group_size || K % 32)
+    throw std::invalid_argument("qmatmul: the row length is not a multiple of group_size and of 32");
   mx::Shape gshape{N, K / group_size};
   if (super) {
-    mlx_engine::check_factored(gshape, scales, biases, *super, "qmatmul");
+    mlx_engine::check_factored(gshape, group_size, scales, scales.dtype() == mx::int8 ? nullptr : &biases, *super,
+                               "qmatmul");
     return N;
   }
   if (scales.shape() != gshape || biases.shape() != gshape || scales.dtype() != biases.dtype())
@@ -476,7 +502,10 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
     const mx::array& b = biases[i] ? *biases[i] : scales[i];
     mx::Shape shape = x.shape();
     const std::optional<mx::array> super = supers ? (*supers)[i] : std::nullopt;
-    if (super && !biases[i]) throw std::invalid_argument("qmatmul: two-level scales need their biases (mins)");
+    if (super && scales[i].dtype() != mx::int8 && !biases[i])
+      throw std::invalid_argument("qmatmul: two-level uint8 scales need their biases (mins)");
+    if (super && scales[i].dtype() == mx::int8 && biases[i])
+      throw std::invalid_argument("qmatmul: two-level int8 scales are a symmetric weight's: give no biases");
     shape.back() = check_weight(x, ws[i], scales[i], b, group_sizes[i], bits[i], super);
     if (out_shapes) {
       mx::Shape given((*out_shapes)[i].begin(), (*out_shapes)[i].end());
@@ -547,9 +576,10 @@ NB_MODULE(_kernels, m) {
         nb::arg("super").none() = nb::none(),
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream; biases None: "
         "-2**(bits - 1) * scales (a symmetric weight); activations \"int8\": x quantized per 32 elements to int8 "
-        "first (llama.cpp's Q8_0), where int8_supported(); super (float16 [N, K / group_size / 8, 2]): two-level "
-        "scales, scales and biases uint8 integers sc and m, scale = super[.., 0] * sc, bias = super[.., 1] * m "
-        "per 8 groups (GGUF's Q4_K and Q5_K).");
+        "first (llama.cpp's Q8_0), where int8_supported(); super: two-level scales per 256 elements, either float16 "
+        "[N, K / 256, 2] with scales and biases uint8 integers sc and m, scale = super[.., 0] * sc, bias = "
+        "super[.., 1] * m (GGUF's Q4_K, Q5_K, Q2_K), or float16 [N, K / 256, 1] with int8 scales sc and no biases, "
+        "scale = super[.., 0] * sc (GGUF's Q6_K, Q3_K); group_size 16 (but for 4 bits), 32, 64 or 128.");
   m.def("qmatmul_many", &qmatmul_many, nb::arg("x"), nb::arg("ws"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_sizes"), nb::arg("bits"), nb::arg("out_shapes") = nb::none(),
         nb::arg("activations") = "float32", nb::arg("prologue") = "none",

@@ -10,11 +10,14 @@
 
 namespace mlx_engine {
 
-// kU8: a K-quant's two-level scales (GGUF Q4_K, Q5_K): scales and biases are 6-bit integers sc and m (uint8), and
-// Problem::super holds per 8 groups (256 elements) two float16 d and -dmin; scale = d * sc, bias = -dmin * m (each
-// an exact float32 product). Held so, a Q4_K weight takes 4.625 bits per element (the file's 4.5), where float32
-// scales and biases took 6.
-enum ScaleType { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3 };
+// Two-level scales (GGUF's K-quants as their files hold them), Problem::super holding float16s per super-block of
+// 256 elements (8 groups of 32, or 16 of 16):
+// kU8: scales and biases are unsigned integers sc and m (uint8), super two float16 d and -dmin per super-block;
+//   scale = d * sc, bias = -dmin * m (each an exact float32 product). Q4_K, Q5_K (groups of 32), Q2_K (of 16). Held
+//   so, a Q4_K weight takes 4.625 bits per element (the file's 4.5), where float32 scales and biases took 6.
+// kI8: a symmetric weight (no biases) whose scales are signed integers sc (int8), super one float16 d per
+//   super-block; scale = d * sc, bias = -2**(bits - 1) * scale. Q6_K (6 bits), Q3_K (3 bits), groups of 16.
+enum ScaleType { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kI8 = 4 };
 
 // y [M, N] = x [M, K] @ dequantize(w, scales, biases).T, the weight in MLX's affine layout (see qmatmul.cpp).
 struct Problem {
@@ -25,18 +28,23 @@ struct Problem {
   float* out;  // [M, N]
   int M, N, K, group_size, bits, scale_type;
   const void* qx = nullptr;  // x quantized to int8 (vnni::QX), for the int8 kernel
-  const void* super = nullptr;  // kU8: float16 [N, K / group_size / 8, 2], (d, -dmin) per 8 groups
+  const void* super = nullptr;  // kU8: float16 [N, K / 256, 2], (d, -dmin); kI8: float16 [N, K / 256, 1], d
   int ldo = 0;  // the row stride of out (N, but for a block of a weight's rows)
 };
 
 // Products of one x (every problem's x, M and K the same) with one or more weights as one parallel job; int8: x
-// quantized to int8 and the int8 kernel, where the CPU has it. Problems of kU8 scales run per block of rows, their
-// scales and biases made float32 first.
+// quantized to int8 and the int8 kernel, where the CPU has it (groups of 16 take the float32 kernel: the int8 one
+// sums per 32). Problems of two-level scales run per block of rows, their scales and biases made float32 first.
 void qmatmul_run(std::vector<Problem>& ps, bool int8);
 
-// The checks of two-level scales: scales and biases uint8 of shape gshape ([..., groups]), super float16
-// [..., groups / 8, 2]; throws std::invalid_argument naming `who`.
-void check_factored(const mlx::core::Shape& gshape, const mlx::core::array& scales, const mlx::core::array& biases,
-                    const mlx::core::array& super, const std::string& who);
+// The checks of two-level scales of weights with `group_size` (16 or 32) elements per group: scales of shape
+// gshape ([..., groups]), uint8 with biases the same (kU8) or int8 without biases (kI8), super float16
+// [..., groups * group_size / 256, 2 or 1]; returns the ScaleType, throws std::invalid_argument naming `who`.
+int check_factored(const mlx::core::Shape& gshape, int group_size, const mlx::core::array& scales,
+                   const mlx::core::array* biases, const mlx::core::array& super, const std::string& who);
+
+// Whether a weight of `bits` bits may have groups of `group_size`: 32, 64 or 128, or 16 but for 4 bits (the kernels
+// read 4-bit elements per 32 as even and odd ones); throws std::invalid_argument naming `who` where not.
+void check_group(int group_size, int bits, const std::string& who);
 
 }  // namespace mlx_engine

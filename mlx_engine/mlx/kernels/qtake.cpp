@@ -4,8 +4,9 @@
 // layout (see qmatmul.cpp) as
 //     scales[r, j / group_size] * q[r, j] + biases[r, j / group_size]   (the product and the sum each rounded)
 // which is mx.dequantize's arithmetic, so the rows are bit for bit mx.dequantize(w[ids], ...)'s; biases None: a
-// symmetric weight, -2**(bits - 1) * scales (exact); super: two-level scales (qmatmul's kU8), uint8 scales and
-// biases times super's float16 per 8 groups (exact float32 products). Why: MLX dequantizes on the CPU as about 20
+// symmetric weight, -2**(bits - 1) * scales (exact); super: two-level scales (qmatmul's kU8 and kI8), integer scales
+// (and biases) times super's float16 per 256 elements (exact float32 products; a symmetric weight's values then
+// (q - 2**(bits - 1)) * scale, exact, as qmatmul's). Why: MLX dequantizes on the CPU as about 20
 // graph nodes of shifts and masks, and a decode step looks up one row.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -39,9 +40,12 @@ float scale_at(const void* base, mx::Dtype t, size_t i) {
   return f;
 }
 
+// `exact`: a symmetric weight's (q - 2**(bits - 1)) * scale, exact in float32 for GGUF's two-level int8 scales
+// (where q * scale alone may not be), as the fused multiply-add of qmatmul gives it
 __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* row, const void* scales,
                                                                   const void* biases, mx::Dtype st, size_t g0, int K,
-                                                                  int group_size, int bits, float* out) {
+                                                                  int group_size, int bits, float* out,
+                                                                  bool exact = false) {
   const uint32_t mask = (1u << bits) - 1;
   const float zero_point = -float(1 << (bits - 1));
   for (int g = 0; g < K / group_size; ++g) {
@@ -52,6 +56,10 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* 
       uint32_t v = row[byte];
       if ((bit & 7) + bits > 8) v |= uint32_t(row[byte + 1]) << 8;  // the element runs into the next byte
       const float q = float((v >> (bit & 7)) & mask);
+      if (exact) {
+        out[j] = (q + zero_point) * s;
+        continue;
+      }
       const float p = q * s;
       out[j] = p + b;
     }
@@ -84,16 +92,23 @@ class QTake : public mx::UnaryPrimitive {
         r = r < 0 ? 0 : r >= N ? N - 1 : r;
         const uint8_t* row = static_cast<const uint8_t*>(data[0]) + r * row_bytes;
         float* dst = out.data<float>() + i * size_t(K);
-        if (factored) {
+        if (factored) {  // the scales (and biases) as float32 first: exact products of the file's integers
+          const bool is_signed = inputs[1].dtype() == mx::int8;
+          const int per_super = 256 / gs, width = is_signed ? 1 : 2;
           row_scales.resize(2 * size_t(G));
-          const uint8_t *sc = static_cast<const uint8_t*>(data[1]) + size_t(r) * G,
-                        *m = static_cast<const uint8_t*>(data[2]) + size_t(r) * G;
-          const uint16_t* sup = static_cast<const uint16_t*>(data[3]) + size_t(r) * (G / 8) * 2;
+          const uint16_t* sup = static_cast<const uint16_t*>(data[is_signed ? 2 : 3]) + size_t(r) * (K / 256) * width;
           for (int g = 0; g < G; ++g) {
-            row_scales[g] = mlx_engine::half_to_float(sup[(g / 8) * 2]) * float(sc[g]);
-            row_scales[G + g] = mlx_engine::half_to_float(sup[(g / 8) * 2 + 1]) * float(m[g]);
+            const float d = mlx_engine::half_to_float(sup[(g / per_super) * width]);
+            if (is_signed) {
+              row_scales[g] = d * float(static_cast<const int8_t*>(data[1])[size_t(r) * G + g]);
+              continue;
+            }
+            row_scales[g] = d * float(static_cast<const uint8_t*>(data[1])[size_t(r) * G + g]);
+            row_scales[G + g] = mlx_engine::half_to_float(sup[(g / per_super) * width + 1]) *
+                                float(static_cast<const uint8_t*>(data[2])[size_t(r) * G + g]);
           }
-          dequantize_row(row, row_scales.data(), row_scales.data() + G, mx::float32, 0, K, gs, bits, dst);
+          dequantize_row(row, row_scales.data(), is_signed ? nullptr : row_scales.data() + G, mx::float32, 0, K, gs,
+                         bits, dst, is_signed);
           continue;
         }
         dequantize_row(row, data[1], symmetric ? nullptr : data[2], inputs[1].dtype(), size_t(r) * G, K, gs, bits,
@@ -129,15 +144,13 @@ mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional
                 const mx::array& ids, int group_size, int bits, const std::optional<mx::array>& super) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("qtake: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
-  if (group_size != 32 && group_size != 64 && group_size != 128)
-    throw std::invalid_argument("qtake: group_size must be 32, 64 or 128, not " + std::to_string(group_size));
+  mlx_engine::check_group(group_size, bits, "qtake");
   if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument("qtake: w must be 2-D uint32");
   const int K = int(int64_t(w.shape(1)) * 32 / bits);
   if (K % group_size) throw std::invalid_argument("qtake: the row length is not a multiple of group_size");
   mx::Shape gshape{w.shape(0), K / group_size};
   if (super) {
-    if (!biases) throw std::invalid_argument("qtake: two-level scales need their biases (mins)");
-    mlx_engine::check_factored(gshape, scales, *biases, *super, "qtake");
+    mlx_engine::check_factored(gshape, group_size, scales, biases ? &*biases : nullptr, *super, "qtake");
   } else if (scales.shape() != gshape ||
              (biases && (biases->shape() != gshape || biases->dtype() != scales.dtype())) ||
              (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16)) {
