@@ -697,7 +697,8 @@ def test_linear_many_is_linear_of_each():
 
 @pytest.mark.parametrize("args, message", [
     (dict(bits=7), "bits must be"),
-    (dict(group_size=16), "group_size must be"),
+    (dict(group_size=24), "group_size must be"),
+    (dict(group_size=16), "4-bit weights take groups of 32"),
     (dict(k=100), "last axis must be"),
     (dict(scale_shape=(5, 3)), "scales and biases"),
     (dict(activations="bf16"), "activations must be"),

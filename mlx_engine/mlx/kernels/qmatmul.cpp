@@ -182,7 +182,8 @@ void run_rows(RowsFn float_rows, RowsFn int8_rows, FactoredFn factored, const Pr
     const int count = std::min(kBlock, n1 - nb);
     factored(p, nb, count, s, b);
     Problem q = p;
-    q.w = p.w + size_t(nb) * row_bytes, q.scales = s, q.biases = b, q.super = nullptr;
+    // (a symmetric weight's biases are made by the kernels from its scales, or not at all: see row_dot)
+    q.w = p.w + size_t(nb) * row_bytes, q.scales = s, q.biases = p.biases ? b : nullptr, q.super = nullptr;
     q.scale_type = mlx_engine::kF32, q.out = p.out + nb, q.N = count;
     rows(q, 0, count);
   }
