@@ -41,8 +41,10 @@ _ROLES = [
     (re.compile(r"\.(?:ffn_up|mlp\.up_proj)\.weight$"), "up"),
     (re.compile(r"\.(?:ffn_down|mlp\.down_proj)\.weight$"), "down"),
 ]
-#: MLP columns go to ranks in multiples of this, the quantization group of every GGUF type and of our repacks
-MLP_UNIT = 32
+#: MLP columns go to ranks in multiples of the K-quants' super-block where there are enough of them (a cut inside one
+#: leaves a weight of two-level scales with a float32 scale and bias per group instead: 10 bits per Q6_K element where
+#: the file has 6.56), else of 32, the quantization group of every other GGUF type and of our repacks
+MLP_UNITS = (256, 32)
 
 
 def stage_rank(stage: int, size: int) -> int:
@@ -250,10 +252,11 @@ def plan(wf: Any, mode: str, rank: int, size: int) -> Plan:
         every = (0, c.num_heads)
         return Plan(mode, rank, size, stages, every, (0, c.num_kv_heads), (0, c.intermediate_size), c.head_dim)
     heads, kv_heads = _split_heads(c, rank, size)
-    unit = MLP_UNIT if c.intermediate_size % MLP_UNIT == 0 else 1
+    unit = next((u for u in MLP_UNITS if c.intermediate_size % u == 0 and c.intermediate_size // u >= size), 1)
     blocks = c.intermediate_size // unit
     if blocks < size:
         raise UnsupportedError(f"tensor parallelism over {size} ranks: the MLP has {c.intermediate_size} columns, "
                                f"too few to share; use fewer ranks, or --parallel pipeline")
-    m0, m1 = _even(blocks, size, rank)
+    # the larger MLP parts to the lower ranks, where _even puts the larger head counts on the higher ones
+    m0, m1 = (blocks - b for b in reversed(_even(blocks, size, size - 1 - rank)))
     return Plan(mode, rank, size, [range(layers)], heads, kv_heads, (m0 * unit, m1 * unit), c.head_dim)

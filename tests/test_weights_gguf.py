@@ -440,15 +440,15 @@ def test_sub_block_types_regroup_for_mlx(tmp_path: Path, qtype: T, bits: int):
         q = wf.load("w", requantize=8)
     assert q.group_size == 16 and q.bits == {T.Q6_K: 6, T.Q3_K: 3, T.Q2_K: 2}[qtype]
     f = q.dequantize(symmetric=q.biases is None)
-    r = q.regrouped(bits)
+    r = quant.regroup(q, bits)
     ref = quant.quantize_affine(f, bits, 32)
     assert (r.bits, r.group_size, r.shape) == (bits, 32, shape)
     for a, b in ((r.weight, ref.weight), (r.scales, ref.scales), (r.biases, ref.biases)):
         np.testing.assert_array_equal(a, b)
     stack = q.stacked((2,))
-    assert stack.shape == (2, 3, 512) and stack.regrouped(bits).shape == (2, 3, 512)
-    np.testing.assert_array_equal(stack.regrouped(bits).weight.reshape(6, -1), ref.weight)
-    assert r.regrouped(8) is r  # groups of 32 already
+    assert stack.shape == (2, 3, 512) and quant.regroup(stack, bits).shape == (2, 3, 512)
+    np.testing.assert_array_equal(quant.regroup(stack, bits).weight.reshape(6, -1), ref.weight)
+    assert quant.regroup(r, 8) is r  # groups of 32 already
 
 
 def test_lossless_types_ignore_requantize(tmp_path: Path):

@@ -190,7 +190,7 @@ def test_gemma3_q6_k_is_lossless_and_regroups_for_mlx(gemma3_gguf: Path):
             assert q.nbytes == wf.nbytes(name)
             np.testing.assert_array_equal(q.dequantize(symmetric=True), f)
             for bits in (4, 8):
-                r = q.regrouped(bits)
+                r = quant.regroup(q, bits)
                 ref = quant.quantize_affine(f, bits)
                 assert r.shape == f.shape and (r.bits, r.group_size) == (bits, 32)
                 np.testing.assert_array_equal(r.weight, ref.weight)

@@ -15,6 +15,7 @@ from mlx_engine.mlx import cpu_kernels, runtime
 from mlx_engine.mlx.runtime import blas_description, mx, select_device
 from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
 from mlx_engine.weights import QuantizedArray, open_weights
+from mlx_engine.weights.quant import regroup
 
 
 ATTENTION_BLOCK = 256
@@ -421,7 +422,7 @@ class MLXBackend(Backend):
         ours = self._device == "cpu" and cpu_kernels.qmatmul is not None
         if isinstance(host, QuantizedArray) and host.group_size == 16 and not ours:
             # MLX's kernels take groups of 32 or more: the closest MLX form, or float
-            host = host.regrouped(self._requantize) if self._requantize else host.dequantize()
+            host = regroup(host, self._requantize) if self._requantize else host.dequantize()
         if isinstance(host, QuantizedArray) and self._keep_quantized:
             if host.super_scales is not None and not ours:
                 host = host.expanded()  # MLX's kernels take one float scale and bias per group

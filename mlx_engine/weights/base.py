@@ -53,7 +53,7 @@ class QuantizedArray:
         scales, biases: float32 or float16 (both the same) ``[rows, cols / group_size]`` (with the same leading axes);
             for two-level scales see above.
         group_size: elements per scale (32 for GGUF types and for re-quantized tensors; 16 for Q6_K, Q3_K, Q2_K,
-            which only our CPU kernels run: see :meth:`regrouped`).
+            which only our CPU kernels run: see ``quant.regroup``).
         bits: 2, 3, 4, 5, 6 or 8.
     """
 
@@ -102,18 +102,6 @@ class QuantizedArray:
         else:
             b = self.biases.astype(np.float32) * sup[..., 1]
         return QuantizedArray(self.weight, s, b, self.group_size, self.bits)
-
-    def regrouped(self, bits: int) -> "QuantizedArray":
-        """A weight with groups of 16 (which MLX's own kernels do not take) re-quantized to ``bits`` (4 or 8) with
-        groups of 32 (``quant.quantize_affine``, MLX's formula); itself for other group sizes."""
-        if self.group_size != 16:
-            return self
-        from mlx_engine.weights.quant import quantize_affine
-
-        lead = self.weight.shape[:-2]
-        flat = self.dequantize().reshape(-1, self.shape[-1])
-        out = quantize_affine(flat, bits, 32)
-        return out.stacked(lead) if lead else out
 
     @property
     def nbytes(self) -> int:

@@ -44,7 +44,7 @@ else float32 (:func:`compact_scales` decides); the K-quants' keep their two leve
 and ``dmin`` per 256 elements: :class:`QuantizedArray`'s ``super_scales``), 4.625 bits per Q4_K element where
 float32 scales and biases took 6. The 16-element sub-block types (Q6_K, Q3_K, Q2_K) have no exact form with MLX's
 smallest group of 32; they keep their two levels too, with groups of 16 (a Q6_K weight in its file's 6.5625 bits per
-element), which our CPU kernels run; elsewhere the backend re-quantizes them (:meth:`QuantizedArray.regrouped`).
+element), which our CPU kernels run; elsewhere the backend re-quantizes them (:func:`regroup`).
 
 Bits other than 2, 4 and 8 (3, 5, 6) pack as MLX packs them: a little-endian bitstream, element ``j`` at bit
 ``j * bits`` of the row's bytes (the 2-, 4- and 8-bit word layout above is the same stream).
@@ -61,7 +61,8 @@ from mlx_engine.weights.base import QuantizedArray, unpack
 __all__ = [
     "GROUP_SIZE", "BITS", "BLOCKS", "REPACK_BITS", "SUBBLOCK_TYPES", "Q4_0_BLOCK", "Q4_1_BLOCK", "Q8_0_BLOCK",
     "Q8_K_BLOCK", "Q5_0_BLOCK", "Q5_1_BLOCK", "Q4_K_BLOCK", "Q5_K_BLOCK", "Q6_K_BLOCK", "Q3_K_BLOCK", "Q2_K_BLOCK",
-    "FP8_E4M3FN_TABLE", "unpack", "pack", "compact_scales", "quantize_affine", "repack_gguf", "dequantize_q8_k",
+    "FP8_E4M3FN_TABLE", "unpack", "pack", "compact_scales", "quantize_affine", "regroup", "repack_gguf",
+    "dequantize_q8_k",
     "bf16_to_float32", "fp8_e4m3fn_to_float32", "fp8_e5m2_to_float32", "fp8_e8m0_to_float32",
 ]
 
@@ -187,6 +188,16 @@ def quantize_affine(w: np.ndarray, bits: int, group_size: int = GROUP_SIZE) -> Q
             scales[r0:r0 + step] = scale
             biases[r0:r0 + step] = bias
     return QuantizedArray(weight, scales, biases, group_size, bits)
+
+
+def regroup(qa: QuantizedArray, bits: int) -> QuantizedArray:
+    """A weight with groups of 16 (which MLX's own kernels do not take) re-quantized to ``bits`` (4 or 8) in groups of
+    32 by :func:`quantize_affine` (MLX's formula) from its exact values; ``qa`` itself for other group sizes."""
+    if qa.group_size != 16:
+        return qa
+    lead = qa.weight.shape[:-2]
+    out = quantize_affine(qa.dequantize().reshape(-1, qa.shape[-1]), bits, GROUP_SIZE)
+    return out.stacked(lead) if lead else out
 
 
 def _repack_q4_nibbles(qs: np.ndarray) -> np.ndarray:
