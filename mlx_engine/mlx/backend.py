@@ -416,6 +416,15 @@ class MLXBackend(Backend):
                     if wanted[name] is not None:
                         host = _cut(host, *wanted[name])
                     self._weights[name] = self._to_device(host)
+        #: bytes of the weights' memory backed by huge pages (Linux, on the CPU: a decode step streams every weight,
+        #: and 4 KiB pages cost a TLB miss each; see ``cpu_kernels.huge_pages``); 0 where not
+        self.huge_page_bytes = 0
+        if self._weights and self._device == "cpu" and cpu_kernels.huge_pages is not None:
+            arrays = []
+            for t in self._weights.values():
+                parts = (t.w, t.scales, t.biases, t.super_scales) if isinstance(t, MLXQuantizedTensor) else (t.a,)
+                arrays += [a for a in parts if a is not None]
+            self.huge_page_bytes = cpu_kernels.huge_pages(arrays)
 
     def _to_device(self, host: "np.ndarray | QuantizedArray") -> MLXTensor:
         dt = TO_MX[self._dtype]

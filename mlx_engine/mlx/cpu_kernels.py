@@ -8,8 +8,9 @@ of a quantized weight, dequantized: an embedding lookup), ``rms_norm``
 (RMSNorm as one graph node; ``add_rms_norm``: a residual add and the norm after it as one) and ``activation`` (SiLU
 and tanh-form GELU, vectorized; times a gated MLP's up projection; ``qmatmul_many`` runs these as the prologue of its
 products, and RMSNorms of its outputs, in the same node), ``widen`` (float16 / bfloat16 to float32, vectorized,
-exactly as astype: a 16-bit KV cache read apart) and ``softmax`` (over the last axis, the bits of MLX's, vectorized
-and threaded: a prefill's attention scores) are None when the module is missing (not built:
+exactly as astype: a 16-bit KV cache read apart), ``softmax`` (over the last axis, the bits of MLX's, vectorized
+and threaded: a prefill's attention scores) and ``huge_pages`` (the weights' memory in transparent huge pages, on
+Linux) are None when the module is missing (not built:
 no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one
 installed, or fails its self-test; then quantized weights run through MLX's own operations and
 :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time. ``activations`` says what the
@@ -39,6 +40,7 @@ add_rms_norm: "Callable | None" = None
 activation: "Callable | None" = None
 widen: "Callable | None" = None
 softmax: "Callable | None" = None
+huge_pages: "Callable | None" = None
 # What qmatmul does with x unless a model was loaded with activations=: "float32" (the exact product of x with the
 # dequantized weight: the float model's tokens), or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel
 # (AVX-512 VNNI) "int8" (quantized per 32 elements and integer dot products, as llama.cpp does: decode about 1.2x
@@ -312,7 +314,7 @@ def rope_row(position: int, dims: int, base, scale: float) -> tuple:
 
 def _load() -> None:
     global qmatmul, qmatmul_many, gather_qmatmul, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm
-    global activation, widen, softmax
+    global activation, widen, softmax, huge_pages
     global activations, _status, _note, _kernels_module
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
@@ -352,6 +354,7 @@ def _load() -> None:
     attend_cached, qtake = _kernels.attend_cached, _kernels.qtake
     rms_norm, add_rms_norm, activation = _kernels.rms_norm, _kernels.add_rms_norm, _kernels.activation
     widen, softmax, gather_qmatmul = _kernels.widen, _kernels.softmax, _kernels.gather_qmatmul
+    huge_pages = _kernels.huge_pages
     _kernels_module = _kernels
     _status = f"{_kernels.isa()}, {_kernels.threads()} threads"
     asked = os.environ.get("MLX_ENGINE_ACTIVATIONS", "float32").lower()

@@ -569,6 +569,7 @@ void register_qtake(nb::module_& m);       // qtake.cpp
 void register_half(nb::module_& m);        // half.cpp
 void register_softmax(nb::module_& m);     // softmax.cpp
 void register_gather_qmatmul(nb::module_& m);  // gather_qmatmul.cpp
+void register_hugepages(nb::module_& m);  // hugepages.cpp
 
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
@@ -603,6 +604,7 @@ NB_MODULE(_kernels, m) {
   register_qtake(m);
   register_softmax(m);
   register_gather_qmatmul(m);
+  register_hugepages(m);
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
   m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI).");
