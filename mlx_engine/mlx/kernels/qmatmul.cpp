@@ -217,6 +217,10 @@ void mlx_engine::check_group(int group_size, int bits, const std::string& who) {
     throw std::invalid_argument(who + ": 4-bit weights take groups of 32, 64 or 128, not 16");
 }
 
+void mlx_engine::factored_scales(const Problem& p, int n0, int count, float* s, float* b) {
+  factored_for_cpu()(p, n0, count, s, b);
+}
+
 // Products of one x with several weights (a layer's q, k and v share x) as one parallel job: output rows in units of
 // 16 over all the products, in chunks claimed by whichever thread is free (pool.h). A product too small to be worth a
 // second thread on its own (a decode step's k and v) is split with the rest.

@@ -37,6 +37,11 @@ struct Problem {
 // sums per 32). Problems of two-level scales run per block of rows, their scales and biases made float32 first.
 void qmatmul_run(std::vector<Problem>& ps, bool int8);
 
+// Rows [n0, n0 + count) of a problem with two-level scales (kU8, kI8): their scales and biases as float32 into `s`
+// and `b` ([count, K / group_size] each; a kI8 weight's biases -2**(bits - 1) * scale), exact products, with the
+// vector code of this CPU's row kernel.
+void factored_scales(const Problem& p, int n0, int count, float* s, float* b);
+
 // The checks of two-level scales of weights with `group_size` (16 or 32) elements per group: scales of shape
 // gshape ([..., groups]), uint8 with biases the same (kU8) or int8 without biases (kI8), super float16
 // [..., groups * group_size / 256, 2 or 1]; returns the ScaleType, throws std::invalid_argument naming `who`.

@@ -94,19 +94,11 @@ class QTake : public mx::UnaryPrimitive {
         float* dst = out.data<float>() + i * size_t(K);
         if (factored) {  // the scales (and biases) as float32 first: exact products of the file's integers
           const bool is_signed = inputs[1].dtype() == mx::int8;
-          const int per_super = 256 / gs, width = is_signed ? 1 : 2;
+          mlx_engine::Problem p{};
+          p.scales = data[1], p.biases = is_signed ? nullptr : data[2], p.super = data[is_signed ? 2 : 3];
+          p.K = K, p.group_size = gs, p.bits = bits, p.scale_type = is_signed ? mlx_engine::kI8 : mlx_engine::kU8;
           row_scales.resize(2 * size_t(G));
-          const uint16_t* sup = static_cast<const uint16_t*>(data[is_signed ? 2 : 3]) + size_t(r) * (K / 256) * width;
-          for (int g = 0; g < G; ++g) {
-            const float d = mlx_engine::half_to_float(sup[(g / per_super) * width]);
-            if (is_signed) {
-              row_scales[g] = d * float(static_cast<const int8_t*>(data[1])[size_t(r) * G + g]);
-              continue;
-            }
-            row_scales[g] = d * float(static_cast<const uint8_t*>(data[1])[size_t(r) * G + g]);
-            row_scales[G + g] = mlx_engine::half_to_float(sup[(g / per_super) * width + 1]) *
-                                float(static_cast<const uint8_t*>(data[2])[size_t(r) * G + g]);
-          }
+          mlx_engine::factored_scales(p, int(r), 1, row_scales.data(), row_scales.data() + G);
           dequantize_row(row, row_scales.data(), is_signed ? nullptr : row_scales.data() + G, mx::float32, 0, K, gs,
                          bits, dst, is_signed);
           continue;
