@@ -403,13 +403,13 @@ def test_every_block_type_matches_gguf_dequantize(tmp_path: Path, qtype: T):
         np.testing.assert_array_equal(got, ref)
 
 
-@pytest.mark.parametrize("qtype", [T.TQ2_0, T.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.TQ2_0, T.IQ3_S], ids=lambda t: t.name)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_requantize(tmp_path: Path, qtype: T, bits: int):
     shape = (6, 512)
     if qtype == T.TQ2_0:
         raw = quantized(shape, qtype)[1]
-    else:  # IQ4_NL ({f16 d; u8 qs[16]}, a non-linear grid): random bytes with a finite, small d
+    else:  # IQ3_S ({f16 d; ...}, a lattice, no affine grid): random bytes with a finite, small d
         raw = random_blocks(shape, qtype).copy()
         raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])[:, :2] = np.array([0.01], np.float16).view(np.uint8)
     path = write_gguf(tmp_path / "r.gguf", {"w": (raw, qtype), "v": (np.ones(4, np.float32), None)})

@@ -15,7 +15,7 @@ from mlx_engine.mlx import cpu_kernels, runtime
 from mlx_engine.mlx.runtime import blas_description, mx, select_device
 from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
 from mlx_engine.weights import QuantizedArray, open_weights
-from mlx_engine.weights.quant import regroup
+from mlx_engine.weights.quant import codebook_to_affine, regroup
 
 
 ATTENTION_BLOCK = 256
@@ -325,7 +325,7 @@ def _cut(host: "np.ndarray | QuantizedArray", axis: int, start: int, stop: int) 
 def _symmetric(host: QuantizedArray) -> bool:
     """Whether every bias is ``-2**(bits - 1)`` times its scale, exactly (GGUF's Q8_0, Q4_0 and Q5_0 repacked: a
     signed integer times its scale, stored as an unsigned one with that zero point)."""
-    if host.super_scales is not None:  # a K-quant's: its biases are its mins, or none (Q6_K, Q3_K)
+    if host.super_scales is not None or host.biases is None:  # a K-quant's: its mins, or none (Q6_K, Q3_K, IQ4)
         return host.biases is None
     return bool(np.array_equal(host.biases, host.scales * np.asarray(-(2 ** (host.bits - 1)), host.scales.dtype)))
 
@@ -432,6 +432,8 @@ class MLXBackend(Backend):
         if isinstance(host, QuantizedArray) and host.group_size == 16 and not ours:
             # MLX's kernels take groups of 32 or more: the closest MLX form, or float
             host = regroup(host, self._requantize) if self._requantize else host.dequantize()
+        if isinstance(host, QuantizedArray) and host.codebook is not None and not ours:
+            host = codebook_to_affine(host)  # MLX's kernels are affine: 8 bits hold the levels exactly
         if isinstance(host, QuantizedArray) and self._keep_quantized:
             if host.super_scales is not None and not ours:
                 host = host.expanded()  # MLX's kernels take one float scale and bias per group
@@ -443,7 +445,8 @@ class MLXBackend(Backend):
                 b = None  # our kernel makes them from the scales: Q8_0 held in its file's 34 bytes per 32, not 36
             sup = None if host.super_scales is None else mx.array(host.super_scales)
             t = MLXQuantizedTensor(mx.array(host.weight), s, b, host.group_size, host.bits, dtype=dt,
-                                   activations=self.activations, super_scales=sup)
+                                   activations=self.activations, super_scales=sup,
+                                   codebook=None if host.codebook is None else mx.array(host.codebook))
             mx.eval(t.w, t.scales, *([] if b is None else [b]), *([] if sup is None else [sup]))
             return t
         if isinstance(host, QuantizedArray):

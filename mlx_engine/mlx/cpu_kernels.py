@@ -26,7 +26,10 @@ import threading
 from collections import OrderedDict
 from typing import Callable
 
+import numpy as np
+
 from mlx_engine.mlx.runtime import mx
+from mlx_engine.weights.quant import IQ4_NL_VALUES
 
 qmatmul: "Callable | None" = None
 qmatmul_many: "Callable | None" = None
@@ -81,7 +84,7 @@ def _self_test(fn, many) -> str | None:
         err = mx.abs(g - want).max().item()
         if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
             return f"{bits}-bit product off by {err:.3g} among several of one x"
-    return _sub_block_self_test(fn)
+    return _sub_block_self_test(fn) or _codebook_self_test(fn)
 
 
 def _sub_block_self_test(fn) -> str | None:
@@ -98,6 +101,23 @@ def _sub_block_self_test(fn) -> str | None:
     err = mx.abs(fn(x, w, sc, None, 16, 6, "float32", d) - want).max().item()
     if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
         return f"a product with groups of 16 (two-level int8 scales) off by {err:.3g}"
+    return None
+
+
+def _codebook_self_test(fn) -> str | None:
+    """A 4-bit codebook weight (GGUF's IQ4_NL: ``scale * kvalues[q]``) against its values made here; None when they
+    agree."""
+    k1, k2, k3 = mx.random.split(mx.random.key(17), 3)
+    w = mx.random.randint(0, 2 ** 31, (24, 8), key=k1).astype(mx.uint32)  # any bits are 64 4-bit integers a row
+    s = (mx.random.uniform(shape=(24, 2), key=k2) * 1e-2).astype(mx.float16)
+    x = mx.random.normal((3, 64), key=k3)
+    one = mx.ones((24, 2))
+    q = mx.dequantize(w, one, mx.zeros_like(one), group_size=32, bits=4).astype(mx.int32)
+    levels = mx.take(mx.array(IQ4_NL_VALUES.astype(np.float32)), q).reshape(24, 2, 32)
+    want = x @ (levels * s.astype(mx.float32)[..., None]).reshape(24, 64).T
+    err = mx.abs(fn(x, w, s, None, 32, 4, "float32", None, True) - want).max().item()
+    if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
+        return f"a product of a codebook weight (IQ4_NL) off by {err:.3g}"
     return None
 
 

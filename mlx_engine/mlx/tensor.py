@@ -103,7 +103,7 @@ class MLXTensor(Tensor):
         if isinstance(weight, MLXQuantizedTensor):
             if runtime.on_cpu and cpu_kernels.qmatmul is not None:
                 y = cpu_kernels.qmatmul(self.a, weight.w, weight.scales, weight.biases, weight.group_size, weight.bits,
-                                        weight.activations, weight.super_scales)
+                                        weight.activations, weight.super_scales, weight.codebook is not None)
             else:
                 y = mx.quantized_matmul(self.a, weight.w, *weight.float_scales(), transpose=True,
                                         group_size=weight.group_size, bits=weight.bits)
@@ -126,7 +126,8 @@ class MLXTensor(Tensor):
                                           [w.biases for w in weights], [w.group_size for w in weights],
                                           [w.bits for w in weights],
                                           None if shapes is None else [list(shape) for shape in shapes],
-                                          weights[0].activations, supers=[w.super_scales for w in weights])
+                                          weights[0].activations, supers=[w.super_scales for w in weights],
+                                          codebooks=[w.codebook is not None for w in weights])
             biases = biases if biases is not None else [None] * len(weights)
             return [MLXTensor(y if b is None else y + b.a) for y, b in zip(ys, biases)]
         return super().linear_many(weights, biases, shapes)
@@ -145,7 +146,7 @@ class MLXTensor(Tensor):
             [w.group_size for w in weights], [w.bits for w in weights],
             None if shapes is None else [list(shape) for shape in shapes], weights[0].activations, prologue,
             [t.a for t in inputs], None if out_norms is None else [raw(t) for t in out_norms], eps,
-            [w.super_scales for w in weights])
+            [w.super_scales for w in weights], [w.codebook is not None for w in weights])
 
     def norm_linear(self, weights, norm, eps, residual=None, shapes=None, out_norms=None):
         if residual is None or residual.shape == self.shape:
@@ -260,7 +261,7 @@ class MLXTensor(Tensor):
             if runtime.on_cpu and cpu_kernels.gather_qmatmul is not None and cpu_kernels.gather_problem() is None:
                 return MLXTensor(cpu_kernels.gather_qmatmul(self.a, weight.w, weight.scales, weight.biases, i,
                                                             weight.group_size, weight.bits, weight.activations,
-                                                            weight.super_scales))
+                                                            weight.super_scales, weight.codebook is not None))
             y = mx.gather_qmm(self.a[:, None, None, :], weight.w, *weight.float_scales(), rhs_indices=i,
                               transpose=True, group_size=weight.group_size, bits=weight.bits)
             return MLXTensor(y.squeeze(2))
@@ -383,14 +384,16 @@ class MLXQuantizedTensor(MLXTensor):
     values. Scales and biases may be stored in a narrower dtype than ``dtype`` (float16 where that is exact); they
     are widened to ``dtype`` before any arithmetic, so dequantized values are exact in ``dtype``. ``biases`` None: a
     symmetric weight (GGUF's Q8_0, Q4_0, Q5_0), whose biases are ``-2**(bits - 1) * scales`` (exact: a power of
-    two), made where needed instead of held (our CPU kernel makes them per row).
+    two), made where needed instead of held (our CPU kernel makes them per row). ``codebook`` (int8 ``[16]``, 4 bits,
+    no biases; GGUF's IQ4_NL and IQ4_XS, on the CPU with our kernels only): element ``scale * codebook[q]``.
     """
 
-    __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape", "_dtype", "activations", "super_scales")
+    __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape", "_dtype", "activations", "super_scales",
+                 "codebook")
 
     def __init__(self, w, scales, biases, group_size: int, bits: int, dtype=None, activations: str | None = None,
-                 super_scales=None):
-        self.w, self.scales, self.biases = w, scales, biases
+                 super_scales=None, codebook=None):
+        self.w, self.scales, self.biases, self.codebook = w, scales, biases, codebook
         #: two-level scales (GGUF's K-quants on the CPU), per 256 elements: ``scales`` and ``biases`` uint8 integers
         #: ``sc`` and ``m`` with this float16 ``[..., cols / 256, 2]`` holding ``(d, -dmin)`` (scale ``d * sc``, bias
         #: ``-dmin * m``: Q4_K, Q5_K, Q2_K), or int8 ``scales`` and no biases with ``[..., cols / 256, 1]`` holding
@@ -414,6 +417,8 @@ class MLXQuantizedTensor(MLXTensor):
             sup = mx.repeat(sup.astype(mx.float32), 256 // self.group_size, axis=-2)  # [..., groups, 2 or 1]
             s = self.scales if rows is None else self.scales[rows]
             s = s.astype(mx.float32) * sup[..., 0]
+            if self.codebook is not None:  # float32, rounded to the dtype once with the levels (_dequantized)
+                return s, None
             if self.biases is None:  # int8 scales: a symmetric weight
                 return s.astype(self._dtype), (s * -(2 ** (self.bits - 1))).astype(self._dtype)
             b = self.biases if rows is None else self.biases[rows]
@@ -421,6 +426,8 @@ class MLXQuantizedTensor(MLXTensor):
         s = self.scales if rows is None else self.scales[rows]
         if s.dtype != self._dtype:
             s = s.astype(self._dtype)
+        if self.codebook is not None:
+            return s, None
         if self.biases is None:
             return s, s * -(2 ** (self.bits - 1))
         b = self.biases if rows is None else self.biases[rows]
@@ -428,6 +435,12 @@ class MLXQuantizedTensor(MLXTensor):
 
     def _dequantized(self, w, s, b):
         """``w`` (this weight's packed rows) with its scales ``s`` and biases ``b`` (from :meth:`float_scales`)."""
+        if self.codebook is not None:  # the integers from MLX, each looked up, times its scale (one rounding)
+            one = mx.ones(s.shape, mx.float32)
+            q = mx.dequantize(w, one, mx.zeros_like(one), group_size=self.group_size, bits=self.bits)
+            levels = mx.take(self.codebook.astype(mx.float32), q.astype(mx.int32))
+            out = levels.reshape(*s.shape, -1) * s.astype(mx.float32)[..., None]
+            return out.reshape(*out.shape[:-2], -1).astype(self._dtype)
         if self.group_size != 16:
             return mx.dequantize(w, s, b, group_size=self.group_size, bits=self.bits)
         # not one of MLX's group sizes: the integers from MLX, the arithmetic here
@@ -467,7 +480,7 @@ class MLXQuantizedTensor(MLXTensor):
         t = MLXQuantizedTensor(mx.take(self.w, i, axis=0), mx.take(self.scales, i, axis=0),
                                None if self.biases is None else mx.take(self.biases, i, axis=0), self.group_size,
                                self.bits, dtype=self._dtype, activations=self.activations,
-                               super_scales=None if sup is None else mx.take(sup, i, axis=0))
+                               super_scales=None if sup is None else mx.take(sup, i, axis=0), codebook=self.codebook)
         mx.eval(t.w, t.scales, *([] if t.biases is None else [t.biases]),  # apart from the weight it came from
                 *([] if sup is None else [t.super_scales]))
         return t
@@ -479,7 +492,7 @@ class MLXQuantizedTensor(MLXTensor):
         if runtime.on_cpu and cpu_kernels.qtake is not None and self._dtype == mx.float32 and isinstance(i, mx.array):
             # one graph node, where MLX's CPU dequantize is about 20 (the same values, bit for bit)
             return MLXTensor(cpu_kernels.qtake(self.w, self.scales, self.biases, i, self.group_size, self.bits,
-                                               self.super_scales))
+                                               self.super_scales, self.codebook is not None))
         return MLXTensor(self._dequantized(self.w[i], *self.float_scales(i)))
 
     def dequantize(self):

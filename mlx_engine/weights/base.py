@@ -48,6 +48,9 @@ class QuantizedArray:
     Each product is exact in float32 (:meth:`expanded` makes them). A Q4_K weight so takes 4.625 bits per element
     (its file's 4.5), not 6; a Q6_K one 6.5625, its file's.
 
+    A codebook weight (GGUF's IQ4_NL and IQ4_XS: ``codebook`` int8 ``[16]``, 4 bits, no biases): element
+    ``scale * codebook[q]`` (one rounding), the scales float16 (IQ4_NL) or two-level int8 ones (IQ4_XS).
+
     Attributes:
         weight: uint32 ``[rows, cols * bits / 32]`` (``[experts, rows, cols * bits / 32]`` for a stack).
         scales, biases: float32 or float16 (both the same) ``[rows, cols / group_size]`` (with the same leading axes);
@@ -55,6 +58,7 @@ class QuantizedArray:
         group_size: elements per scale (32 for GGUF types and for re-quantized tensors; 16 for Q6_K, Q3_K, Q2_K,
             which only our CPU kernels run: see ``quant.regroup``).
         bits: 2, 3, 4, 5, 6 or 8.
+        codebook: int8 ``[2**bits]``, the values the integers stand for, or None (affine).
     """
 
     weight: np.ndarray
@@ -63,13 +67,16 @@ class QuantizedArray:
     group_size: int
     bits: int
     super_scales: "np.ndarray | None" = None
+    codebook: "np.ndarray | None" = None
 
     def __post_init__(self) -> None:
         two_level = self.scales.dtype in (np.uint8, np.int8)
         if (self.super_scales is not None) != two_level:
             raise ValueError("two-level scales are integer scales with their super_scales, and only those")
-        if (self.biases is None) != (self.scales.dtype == np.int8):
-            raise ValueError("a weight has biases but for two-level int8 scales (a symmetric weight's)")
+        if self.codebook is not None and (self.biases is not None or self.codebook.shape != (1 << self.bits,)):
+            raise ValueError("a codebook weight has no biases and one value per integer")
+        if (self.biases is None) != (self.scales.dtype == np.int8 or self.codebook is not None):
+            raise ValueError("a weight has biases but for two-level int8 scales or a codebook (a symmetric weight's)")
         if self.super_scales is not None and self.super_scales.shape[-1] != (1 if self.biases is None else 2):
             raise ValueError(f"super scales of shape {self.super_scales.shape} do not fit their scales")
 
@@ -88,15 +95,17 @@ class QuantizedArray:
         w, s = (a.reshape(*lead, -1, a.shape[-1]) for a in (self.weight, self.scales))
         b = None if self.biases is None else self.biases.reshape(*lead, -1, self.biases.shape[-1])
         return QuantizedArray(w, s, b, self.group_size, self.bits,
-                              None if sup is None else sup.reshape(*lead, -1, *sup.shape[-2:]))
+                              None if sup is None else sup.reshape(*lead, -1, *sup.shape[-2:]), self.codebook)
 
     def expanded(self) -> "QuantizedArray":
         """The same weight with one float32 scale and bias per group (itself when it has them already); a symmetric
-        one's biases ``-2**(bits - 1) * scale`` (exact)."""
+        one's biases ``-2**(bits - 1) * scale`` (exact); a codebook weight's scales alone (still no biases)."""
         if self.super_scales is None:
             return self
         sup = np.repeat(self.super_scales.astype(np.float32), self.per_super, axis=-2)
         s = self.scales.astype(np.float32) * sup[..., 0]
+        if self.codebook is not None:
+            return QuantizedArray(self.weight, s, None, self.group_size, self.bits, codebook=self.codebook)
         if self.biases is None:
             b = s * np.float32(-(2 ** (self.bits - 1)))
         else:
@@ -140,25 +149,31 @@ class QuantizedArray:
             sup = None if sup is None else sup[:, start // 256:-(-stop // 256)]
         return QuantizedArray(np.ascontiguousarray(w), np.ascontiguousarray(s),
                               None if b is None else np.ascontiguousarray(b), self.group_size, self.bits,
-                              None if sup is None else np.ascontiguousarray(sup))
+                              None if sup is None else np.ascontiguousarray(sup), self.codebook)
 
     def dequantize(self, rows_per_chunk: int = 4096, symmetric: bool = False) -> np.ndarray:
         """float32 ``[rows, cols]`` (a stack: ``[experts, rows, cols]``): ``scale * q + bias`` evaluated in float32
         (for GGUF Q4_0, Q4_1 and Q8_0 this equals ``gguf.quants.dequantize`` exactly), or for a symmetric weight of
         two-level scales (``symmetric``, GGUF's Q6_K and Q3_K) ``(q - 2**(bits - 1)) * scale``, exact (``q * scale``
-        alone may not be). Works through ``rows_per_chunk`` rows at a time, so the only large allocation is the
-        result."""
+        alone may not be), or for a codebook weight ``codebook[q] * scale`` (one rounding, as ``gguf``'s). Works
+        through ``rows_per_chunk`` rows at a time, so the only large allocation is the result."""
         if self.super_scales is not None:
             return self.expanded().dequantize(rows_per_chunk, symmetric=self.biases is None)
         shape = self.shape
         cols = shape[-1]
-        weight, scales, biases = (a.reshape(-1, a.shape[-1]) for a in (self.weight, self.scales, self.biases))
+        weight, scales = (a.reshape(-1, a.shape[-1]) for a in (self.weight, self.scales))
+        biases = None if self.biases is None else self.biases.reshape(-1, self.biases.shape[-1])
         rows = weight.shape[0]
         out = np.empty((rows, cols), np.float32)
         for r0 in range(0, rows, rows_per_chunk):
             r1 = min(rows, r0 + rows_per_chunk)
-            g = unpack(weight[r0:r1], self.bits).astype(np.float32).reshape(r1 - r0, -1, self.group_size)
+            g = unpack(weight[r0:r1], self.bits)
+            g = (g if self.codebook is None else self.codebook[g]).astype(np.float32)
+            g = g.reshape(r1 - r0, -1, self.group_size)
             s = scales[r0:r1, :, None].astype(np.float32)
+            if self.codebook is not None:
+                out[r0:r1] = (g * s).reshape(r1 - r0, cols)
+                continue
             b = biases[r0:r1, :, None].astype(np.float32)
             if symmetric:
                 out[r0:r1] = ((g - np.float32(2 ** (self.bits - 1))) * s).reshape(r1 - r0, cols)

@@ -36,7 +36,13 @@ GGUF block formats (``ggml/src/ggml-common.h`` in llama.cpp; the ``gguf`` packag
   nibble) and ``m`` (high); per half, element ``32k + l`` is bits ``2k, 2k + 1`` of ``qs[l]``; value
   ``d * sc * q - dmin * m``: groups of 16, 2 bits.
 
-All of these map without loss onto group-32 affine: a scale and a bias per 32 elements, each the product of an f16
+- ``IQ4_NL``: 32 elements, ``{f16 d; u8 qs[16]}``, nibbles as Q4_0; value ``d * kvalues[q]`` with ``kvalues`` the
+  16 int8 levels of :data:`IQ4_NL_VALUES` (``kvalues_iq4nl``): a codebook, not an affine grid.
+- ``IQ4_XS``: 256 elements, ``{f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}``: eight sub-blocks of 32, each
+  with a 6-bit scale ``ls`` (low 4 bits from nibble ``j`` of ``scales_l``, high 2 from bits ``2j`` of ``scales_h``)
+  and 16 bytes of nibbles as Q4_0; value ``d * (ls - 32) * kvalues[q]``.
+
+All of the affine ones map without loss onto group-32 affine: a scale and a bias per 32 elements, each the product of an f16
 and an integer of at most 6 bits, exact in float32, and ``scale * q`` (at most 17 + 5 significant bits) is exact too,
 so the float32 dequantization equals ``gguf.quants.dequantize`` exactly (up to the sign of zero). Scales and biases are
 stored as float16 where every one of them is exactly a float16 (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, barring overflow),
@@ -49,6 +55,11 @@ element), which our CPU kernels run; elsewhere the backend re-quantizes them (:f
 Bits other than 2, 4 and 8 (3, 5, 6) pack as MLX packs them: a little-endian bitstream, element ``j`` at bit
 ``j * bits`` of the row's bytes (the 2-, 4- and 8-bit word layout above is the same stream).
 
+The two codebook types keep their 4-bit integers and the file's scales (two levels for IQ4_XS: ``ls - 32`` as int8
+and ``d`` per 256), with :class:`QuantizedArray`'s ``codebook``: our CPU kernels look each integer up (4.25 and 4.5
+bits per element, the files' own); elsewhere :func:`codebook_to_affine` makes them 8-bit affine without loss (the
+levels plus 128 as bytes, zero point 128).
+
 This module imports NumPy only (never ``mlx``).
 """
 
@@ -60,7 +71,8 @@ from mlx_engine.weights.base import QuantizedArray, unpack
 
 __all__ = [
     "GROUP_SIZE", "BITS", "BLOCKS", "REPACK_BITS", "SUBBLOCK_TYPES", "Q4_0_BLOCK", "Q4_1_BLOCK", "Q8_0_BLOCK",
-    "Q8_K_BLOCK", "Q5_0_BLOCK", "Q5_1_BLOCK", "Q4_K_BLOCK", "Q5_K_BLOCK", "Q6_K_BLOCK", "Q3_K_BLOCK", "Q2_K_BLOCK",
+    "Q8_K_BLOCK", "Q5_0_BLOCK", "IQ4_NL_BLOCK", "IQ4_XS_BLOCK", "IQ4_NL_VALUES", "CODEBOOK_TYPES",
+    "codebook_to_affine", "Q5_1_BLOCK", "Q4_K_BLOCK", "Q5_K_BLOCK", "Q6_K_BLOCK", "Q3_K_BLOCK", "Q2_K_BLOCK",
     "FP8_E4M3FN_TABLE", "unpack", "pack", "compact_scales", "quantize_affine", "regroup", "repack_gguf",
     "dequantize_q8_k",
     "bf16_to_float32", "fp8_e4m3fn_to_float32", "fp8_e5m2_to_float32", "fp8_e8m0_to_float32",
@@ -81,15 +93,23 @@ Q5_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), (
 Q6_K_BLOCK = np.dtype([("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)), ("d", "<f2")])
 Q3_K_BLOCK = np.dtype([("hmask", "u1", (32,)), ("qs", "u1", (64,)), ("scales", "u1", (12,)), ("d", "<f2")])
 Q2_K_BLOCK = np.dtype([("scales", "u1", (16,)), ("qs", "u1", (64,)), ("d", "<f2"), ("dmin", "<f2")])
+IQ4_NL_BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
+IQ4_XS_BLOCK = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", (4,)), ("qs", "u1", (128,))])
+
+#: IQ4_NL's and IQ4_XS's 16 levels (``kvalues_iq4nl`` in llama.cpp's ggml-common.h)
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 #: GGUF types that map onto MLX's affine layout without loss, and the bits they take there.
 REPACK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3,
-               "Q2_K": 2}
+               "Q2_K": 2, "IQ4_NL": 4, "IQ4_XS": 4}
 #: those of them with 16-element sub-blocks (group size 16)
 SUBBLOCK_TYPES = frozenset({"Q6_K", "Q3_K", "Q2_K"})
+#: those whose integers index a codebook (:data:`IQ4_NL_VALUES`)
+CODEBOOK_TYPES = frozenset({"IQ4_NL", "IQ4_XS"})
 #: their block dtypes
 BLOCKS = {"Q4_0": Q4_0_BLOCK, "Q4_1": Q4_1_BLOCK, "Q8_0": Q8_0_BLOCK, "Q5_0": Q5_0_BLOCK, "Q5_1": Q5_1_BLOCK,
-          "Q4_K": Q4_K_BLOCK, "Q5_K": Q5_K_BLOCK, "Q6_K": Q6_K_BLOCK, "Q3_K": Q3_K_BLOCK, "Q2_K": Q2_K_BLOCK}
+          "Q4_K": Q4_K_BLOCK, "Q5_K": Q5_K_BLOCK, "Q6_K": Q6_K_BLOCK, "Q3_K": Q3_K_BLOCK, "Q2_K": Q2_K_BLOCK,
+          "IQ4_NL": IQ4_NL_BLOCK, "IQ4_XS": IQ4_XS_BLOCK}
 
 # Rows processed per chunk so that temporaries stay around this many bytes.
 _CHUNK_BYTES = 1 << 24
@@ -200,6 +220,27 @@ def regroup(qa: QuantizedArray, bits: int) -> QuantizedArray:
     return out.stacked(lead) if lead else out
 
 
+def codebook_to_affine(qa: QuantizedArray) -> QuantizedArray:
+    """A codebook weight (IQ4_NL, IQ4_XS) as 8-bit affine without loss, for MLX's kernels: each integer ``q`` becomes
+    the byte ``codebook[q] + 128``, with one scale per group of 32 and bias ``-128 * scale`` (so each element is
+    ``scale * codebook[q]``, one rounding, as in the file's dequantization); float16 scales and biases where exact.
+    ``qa`` itself if it has no codebook."""
+    if qa.codebook is None:
+        return qa
+    lead, cols = qa.weight.shape[:-2], qa.shape[-1]
+    flat = qa.expanded()
+    levels = (qa.codebook.astype(np.int16) + 128).astype(np.uint8)
+    weight = flat.weight.reshape(-1, flat.weight.shape[-1])
+    out = np.empty((weight.shape[0], cols // 4), np.uint32)
+    step = max(1, _CHUNK_BYTES // max(1, cols))
+    for r0 in range(0, weight.shape[0], step):
+        out[r0:r0 + step] = pack(levels[unpack(weight[r0:r0 + step], 4)], 8)
+    s = flat.scales.reshape(-1, flat.scales.shape[-1]).astype(np.float32)
+    with np.errstate(all="ignore"):
+        result = compact_scales(QuantizedArray(out, s, s * np.float32(-128), GROUP_SIZE, 8))
+    return result.stacked(lead) if lead else result
+
+
 def _repack_q4_nibbles(qs: np.ndarray) -> np.ndarray:
     """GGUF Q4 nibbles ``[n_blocks, 16]`` (element ``i < 16`` low nibble of byte ``i``, ``i + 16`` high nibble of
     byte ``i``) -> MLX bytes ``[n_blocks, 16]`` (element ``2k`` low nibble of byte ``k``, ``2k + 1`` high nibble)."""
@@ -296,6 +337,8 @@ def repack_gguf(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Qua
     bits = REPACK_BITS[type_name]
     if type_name in SUBBLOCK_TYPES:
         return _repack_sub_blocks(blocks, type_name, rows, cols)
+    if type_name in CODEBOOK_TYPES:
+        return _repack_codebook(blocks, type_name, rows, cols)
     k_quant = type_name.endswith("_K")
     block_elems = 256 if k_quant else GROUP_SIZE
     nb = cols // block_elems
@@ -361,6 +404,32 @@ def _repack_sub_blocks(blocks: np.ndarray, type_name: str, rows: int, cols: int)
             biases[r0:r1] = mn.reshape(r1 - r0, ng)
         supers[r0:r1] = sup.reshape(r1 - r0, nb, -1)
     return QuantizedArray(weight, scales, biases, 16, bits, supers)
+
+
+def _repack_codebook(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedArray:
+    """IQ4_NL or IQ4_XS blocks -> a lossless :class:`QuantizedArray` with :data:`IQ4_NL_VALUES` as its codebook:
+    the nibbles in MLX's order, IQ4_NL's ``d`` as float16 scales, IQ4_XS's ``ls - 32`` as int8 scales under ``d``
+    per 256 elements (``dequantize_row_iq4_nl`` / ``_iq4_xs`` in llama.cpp's ggml-quants.c)."""
+    xs = type_name == "IQ4_XS"
+    nb = cols // (256 if xs else GROUP_SIZE)
+    ng = cols // GROUP_SIZE
+    weight = np.empty((rows, cols // 8), np.uint32)
+    scales = np.empty((rows, ng), np.int8 if xs else np.float16)
+    supers = np.empty((rows, nb, 1), np.float16) if xs else None
+    step = max(1, _CHUNK_BYTES // max(1, cols))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        blk = blocks[r0 * nb:r1 * nb]
+        weight[r0:r1] = _as_words(_repack_q4_nibbles(blk["qs"].reshape(-1, 16)).reshape(r1 - r0, cols // 2))
+        if not xs:
+            scales[r0:r1] = blk["d"].reshape(r1 - r0, nb)
+            continue
+        j = np.arange(8)
+        low = (blk["scales_l"][:, j // 2] >> (4 * (j % 2)).astype(np.uint8)) & np.uint8(0x0F)
+        high = ((blk["scales_h"][:, None] >> (2 * j).astype(np.uint16)) & np.uint16(3)).astype(np.uint8)
+        scales[r0:r1] = ((low | (high << np.uint8(4))).astype(np.int16) - 32).astype(np.int8).reshape(r1 - r0, ng)
+        supers[r0:r1, :, 0] = blk["d"].reshape(r1 - r0, nb)
+    return QuantizedArray(weight, scales, None, GROUP_SIZE, 4, supers, codebook=IQ4_NL_VALUES)
 
 
 def dequantize_q8_k(blocks: np.ndarray) -> np.ndarray:

@@ -39,13 +39,14 @@ using mlx_engine::Problem;
 
 class GatherQMatmul : public mx::Primitive {
  public:
-  GatherQMatmul(mx::Stream stream, int group_size, int bits, bool symmetric, bool int8, bool factored)
+  GatherQMatmul(mx::Stream stream, int group_size, int bits, bool symmetric, bool int8, bool factored, bool codebook)
       : mx::Primitive(stream),
         group_size_(group_size),
         bits_(bits),
         symmetric_(symmetric),
         int8_(int8),
-        factored_(factored) {}
+        factored_(factored),
+        codebook_(codebook) {}
 
   // inputs: x [N, K] float32, w [E, I, Kw], scales, biases (the scales again when symmetric), indices [N, k], and
   // the super scales when factored
@@ -56,7 +57,7 @@ class GatherQMatmul : public mx::Primitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_, int8 = int8_,
-                      factored = factored_]() mutable {
+                      factored = factored_, codebook = codebook_]() mutable {
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
       if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
       std::vector<const void*> data(inputs.size());
@@ -81,6 +82,7 @@ class GatherQMatmul : public mx::Primitive {
         p.biases = symmetric ? nullptr : static_cast<const uint8_t*>(data[3]) + size_t(e) * I * groups * scale_bytes;
         p.out = ys;
         p.M = M, p.N = p.ldo = I, p.K = K, p.group_size = gs, p.bits = bits;
+        p.codebook = codebook ? mlx_engine::kIQ4NL : nullptr;
         p.scale_type = scales.dtype() == mx::float32 ? mlx_engine::kF32
                        : scales.dtype() == mx::float16 ? mlx_engine::kF16
                                                        : mlx_engine::kBF16;
@@ -137,7 +139,7 @@ class GatherQMatmul : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const GatherQMatmul&>(other);
     return group_size_ == o.group_size_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ && int8_ == o.int8_ &&
-           factored_ == o.factored_;
+           factored_ == o.factored_ && codebook_ == o.codebook_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -146,18 +148,20 @@ class GatherQMatmul : public mx::Primitive {
 
  private:
   int group_size_, bits_;
-  bool symmetric_, int8_, factored_;
+  bool symmetric_, int8_, factored_, codebook_;
 };
 
 mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                          const std::optional<mx::array>& biases, const mx::array& indices, int group_size, int bits,
-                         const std::string& activations, const std::optional<mx::array>& super) {
+                         const std::string& activations, const std::optional<mx::array>& super, bool codebook) {
   if (activations != "float32" && activations != "int8")
     throw std::invalid_argument("gather_qmatmul: activations must be \"float32\" or \"int8\", not \"" + activations +
                                 "\"");
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("gather_qmatmul: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   mlx_engine::check_group(group_size, bits, "gather_qmatmul");
+  if (codebook && (bits != 4 || biases))
+    throw std::invalid_argument("gather_qmatmul: a codebook weight has 4 bits and no biases");
   if (w.ndim() != 3 || w.dtype() != mx::uint32) throw std::invalid_argument("gather_qmatmul: w must be 3-D uint32");
   const int E = w.shape(0), I = w.shape(1), K = int(int64_t(w.shape(2)) * 32 / bits);
   if (x.ndim() != 2 || x.shape(1) != K)
@@ -181,7 +185,7 @@ mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array
   if (super) inputs.push_back(*super);
   auto y = mx::array(mx::Shape{indices.shape(0), indices.shape(1), I}, mx::float32,
                      std::make_shared<GatherQMatmul>(s, group_size, bits, !biases.has_value(), activations == "int8",
-                                                     super.has_value()),
+                                                     super.has_value(), codebook),
                      std::move(inputs));
   return mx::astype(y, x.dtype(), s);
 }
@@ -191,8 +195,8 @@ mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array
 void register_gather_qmatmul(nb::module_& m) {
   m.def("gather_qmatmul", &gather_qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(),
         nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"), nb::arg("activations") = "float32",
-        nb::arg("super").none() = nb::none(),
+        nb::arg("super").none() = nb::none(), nb::arg("codebook") = false,
         "x [N, K] through the experts indices [N, k] of w [E, I, K * bits / 32] -> [N, k, I] in x's dtype "
         "(out[n, j] = x[n] @ dequantize(w[e], scales[e], biases[e]).T, e = indices[n, j]), on the CPU stream; "
-        "biases None: -2**(bits - 1) * scales; activations and super (two-level scales) as qmatmul's.");
+        "biases None: -2**(bits - 1) * scales; activations, super (two-level scales) and codebook as qmatmul's.");
 }

@@ -58,6 +58,7 @@ using mlx_engine::kF32;
 using mlx_engine::kI8;
 using mlx_engine::Problem;
 using mlx_engine::half_to_float;
+using mlx_engine::zero_point_of;
 
 // One copy of the row kernel per instruction set; `rows_for_cpu` picks one once.
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -191,6 +192,9 @@ void run_rows(RowsFn float_rows, RowsFn int8_rows, FactoredFn factored, const Pr
 
 }  // namespace
 
+// kvalues_iq4nl (llama.cpp's ggml-common.h) plus 128
+const uint8_t mlx_engine::kIQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
 int mlx_engine::check_factored(const mx::Shape& gshape, int group_size, const mx::array& scales,
                                const mx::array* biases, const mx::array& super, const std::string& who) {
   const bool is_signed = scales.dtype() == mx::int8;
@@ -236,21 +240,20 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   if (int8 && vnni_here) {
     bool nib = false, own = false;  // the layouts of x_q these widths read
     for (auto& p : ps)
-      if (p.group_size != 16) (p.bits == 4 ? nib : own) = true;
+      if (p.group_size != 16 && !p.codebook) (p.bits == 4 ? nib : own) = true;
     if (nib || own) {
       const void* qx = &vnni::quantize_x(ps[0].x, M, K, nib, own);
       for (auto& p : ps)
-        if (p.group_size != 16) p.qx = qx;
+        if (p.group_size != 16 && !p.codebook) p.qx = qx;
       int8_rows = &vnni::rows;
     }
-  } else
+  }
 #endif
-  {
-    const float* reordered = nullptr;
-    for (auto& p : ps) {
-      if (p.bits == 4 && !reordered) reordered = prepare_x(p.x, M, K, 4);
-      if (p.bits == 4) p.x = reordered;
-    }
+  const float* reordered = nullptr;  // x in the float32 kernel's order for its 4-bit weights
+  for (auto& p : ps) {
+    if (p.qx || p.bits != 4) continue;
+    if (!reordered) reordered = prepare_x(p.x, M, K, 4);
+    p.x = reordered;
   }
   static const int64_t min_work =
       std::getenv("MLX_ENGINE_MIN_WORK") ? std::atoll(std::getenv("MLX_ENGINE_MIN_WORK")) : 1 << 17;
@@ -307,9 +310,10 @@ class QMatmul : public mx::Primitive {
   // int8: x quantized to int8 (see qmatmul_int8.inc) where the CPU has the kernel
   // prologue: see Prologue; out_norms[i]: output i is normed; eps: the norms' epsilon
   // factored[i]: weight i has two-level scales (kU8), its super scales among the inputs after the norms' weights
+  // codebook[i]: weight i is a codebook weight (4 bits, symmetric: see mlx_engine::kIQ4NL)
   QMatmul(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, std::vector<bool> symmetric,
           std::vector<mx::Shape> out_shapes, bool int8, int prologue = kNone, std::vector<bool> out_norms = {},
-          float eps = 0.f, std::vector<bool> factored = {})
+          float eps = 0.f, std::vector<bool> factored = {}, std::vector<bool> codebook = {})
       : mx::Primitive(stream),
         group_sizes_(std::move(group_sizes)),
         bits_(std::move(bits)),
@@ -319,9 +323,11 @@ class QMatmul : public mx::Primitive {
         prologue_(prologue),
         out_norms_(std::move(out_norms)),
         eps_(eps),
-        factored_(std::move(factored)) {
+        factored_(std::move(factored)),
+        codebook_(std::move(codebook)) {
     out_norms_.resize(bits_.size(), false);
     factored_.resize(bits_.size(), false);
+    codebook_.resize(bits_.size(), false);
   }
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -330,7 +336,8 @@ class QMatmul : public mx::Primitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     for (auto& out : outputs) encoder.set_output_array(out);
     encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_, symmetric = symmetric_, int8 = int8_,
-                      prologue = prologue_, out_norms = out_norms_, eps = eps_, factored = factored_]() mutable {
+                      prologue = prologue_, out_norms = out_norms_, eps = eps_, factored = factored_,
+                      codebook = codebook_]() mutable {
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
       // x after the prologue: a decode step's in a buffer kept per thread, a prefill's freed after it
       static thread_local std::vector<float> row_buf;
@@ -370,6 +377,7 @@ class QMatmul : public mx::Primitive {
         p.M = M;
         p.group_size = gs[i];
         p.bits = bits[i];
+        p.codebook = codebook[i] ? mlx_engine::kIQ4NL : nullptr;
         p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
         if (factored[i])
           p.scale_type = scales.dtype() == mx::int8 ? mlx_engine::kI8 : mlx_engine::kU8, p.super = data[super_at++];
@@ -396,7 +404,7 @@ class QMatmul : public mx::Primitive {
     auto& o = static_cast<const QMatmul&>(other);
     return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ &&
            out_shapes_ == o.out_shapes_ && int8_ == o.int8_ && prologue_ == o.prologue_ &&
-           out_norms_ == o.out_norms_ && eps_ == o.eps_ && factored_ == o.factored_;
+           out_norms_ == o.out_norms_ && eps_ == o.eps_ && factored_ == o.factored_ && codebook_ == o.codebook_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -422,7 +430,7 @@ class QMatmul : public mx::Primitive {
   int prologue_;
   std::vector<bool> out_norms_;
   float eps_;
-  std::vector<bool> factored_;
+  std::vector<bool> factored_, codebook_;
 };
 
 // The checks of one weight against x [..., K]; returns N.
@@ -486,13 +494,14 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
                                     const std::vector<mx::array>& prologue_in,
                                     const std::optional<std::vector<std::optional<mx::array>>>& out_norms,
                                     float eps,
-                                    const std::optional<std::vector<std::optional<mx::array>>>& supers) {
+                                    const std::optional<std::vector<std::optional<mx::array>>>& supers,
+                                    const std::optional<std::vector<bool>>& codebooks) {
   if (activations != "float32" && activations != "int8")
     throw std::invalid_argument("qmatmul: activations must be \"float32\" or \"int8\", not \"" + activations + "\"");
   const size_t n = ws.size();
   if (n == 0 || scales.size() != n || biases.size() != n || group_sizes.size() != n || bits.size() != n ||
       (out_shapes && out_shapes->size() != n) || (out_norms && out_norms->size() != n) ||
-      (supers && supers->size() != n))
+      (supers && supers->size() != n) || (codebooks && codebooks->size() != n))
     throw std::invalid_argument(
         "qmatmul_many: give one or more weights, each with its scales, biases, group size and bits (and shape, and "
         "norm)");
@@ -511,6 +520,8 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
       throw std::invalid_argument("qmatmul: two-level uint8 scales need their biases (mins)");
     if (super && scales[i].dtype() == mx::int8 && biases[i])
       throw std::invalid_argument("qmatmul: two-level int8 scales are a symmetric weight's: give no biases");
+    if (codebooks && (*codebooks)[i] && (bits[i] != 4 || biases[i]))
+      throw std::invalid_argument("qmatmul: a codebook weight has 4 bits and no biases");
     shape.back() = check_weight(x, ws[i], scales[i], b, group_sizes[i], bits[i], super);
     if (out_shapes) {
       mx::Shape given((*out_shapes)[i].begin(), (*out_shapes)[i].end());
@@ -550,7 +561,8 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
   auto ys = mx::array::make_arrays(all_shapes, std::vector<mx::Dtype>(all_shapes.size(), mx::float32),
                                    std::make_shared<QMatmul>(s, group_sizes, bits, symmetric,
                                                              out_shapes ? shapes : std::vector<mx::Shape>{},
-                                                             activations == "int8", prologue, normed, eps, factored),
+                                                             activations == "int8", prologue, normed, eps, factored,
+                                                             codebooks ? *codebooks : std::vector<bool>{}),
                                    inputs);
   for (auto& y : ys) y = mx::astype(y, x.dtype(), s);
   return ys;
@@ -558,9 +570,9 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
 
 mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                   const std::optional<mx::array>& biases, int group_size, int bits, const std::string& activations,
-                  const std::optional<mx::array>& super) {
+                  const std::optional<mx::array>& super, bool codebook) {
   return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits}, std::nullopt, activations, "none", {},
-                      std::nullopt, 0.f, std::vector<std::optional<mx::array>>{super})[0];
+                      std::nullopt, 0.f, std::vector<std::optional<mx::array>>{super}, std::vector<bool>{codebook})[0];
 }
 
 }  // namespace
@@ -579,9 +591,10 @@ NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(),
         nb::arg("group_size"), nb::arg("bits"), nb::arg("activations") = "float32",
-        nb::arg("super").none() = nb::none(),
+        nb::arg("super").none() = nb::none(), nb::arg("codebook") = false,
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream; biases None: "
-        "-2**(bits - 1) * scales (a symmetric weight); activations \"int8\": x quantized per 32 elements to int8 "
+        "-2**(bits - 1) * scales (a symmetric weight); codebook (4 bits, no biases): element scale * kvalues[q] "
+        "(GGUF's IQ4_NL and IQ4_XS, llama.cpp's kvalues_iq4nl; int8 activations run it in float32); activations \"int8\": x quantized per 32 elements to int8 "
         "first (llama.cpp's Q8_0), where int8_supported(); super: two-level scales per 256 elements, either float16 "
         "[N, K / 256, 2] with scales and biases uint8 integers sc and m, scale = super[.., 0] * sc, bias = "
         "super[.., 1] * m (GGUF's Q4_K, Q5_K, Q2_K), or float16 [N, K / 256, 1] with int8 scales sc and no biases, "
@@ -590,10 +603,10 @@ NB_MODULE(_kernels, m) {
         nb::arg("group_sizes"), nb::arg("bits"), nb::arg("out_shapes") = nb::none(),
         nb::arg("activations") = "float32", nb::arg("prologue") = "none",
         nb::arg("prologue_inputs") = std::vector<mx::array>{}, nb::arg("out_norms") = nb::none(),
-        nb::arg("eps") = 0.f, nb::arg("supers") = nb::none(),
+        nb::arg("eps") = 0.f, nb::arg("supers") = nb::none(), nb::arg("codebooks") = nb::none(),
         "[x @ dequantize(w_i, scales_i, biases_i).T for each weight], as one graph node and one parallel job "
         "(a biases_i of None: -2**(bits_i - 1) * scales_i; supers[i]: weight i's two-level scales, as qmatmul's "
-        "super); "
+        "super; codebooks[i]: weight i a codebook weight, as qmatmul's codebook); "
         "out_shapes: each result's shape (its elements in row-major order), instead of x.shape[:-1] + [N_i]; "
         "prologue, on float32 x first: \"norm\" (inputs [w]: x = rms_norm(x, w, eps)), \"add_norm\" "
         "([residual, w]: s = x + residual, x = rms_norm(s, w, eps), s returned first), \"silu\" or "

@@ -30,11 +30,20 @@ struct Problem {
   const void* qx = nullptr;  // x quantized to int8 (vnni::QX), for the int8 kernel
   const void* super = nullptr;  // kU8: float16 [N, K / 256, 2], (d, -dmin); kI8: float16 [N, K / 256, 1], d
   int ldo = 0;  // the row stride of out (N, but for a block of a weight's rows)
+  const uint8_t* codebook = nullptr;  // 4 bits only: kIQ4NL (a codebook weight, see there), else null
 };
 
+// A 4-bit weight whose integers index a codebook: GGUF's IQ4_NL and IQ4_XS, value scale * kvalues[q] with
+// kvalues_iq4nl of llama.cpp's ggml-common.h. The kernels read q as the byte kIQ4NL[q] = kvalues[q] + 128, a
+// symmetric weight of zero point 128: (byte - 128) * scale, one rounding of the exact product, as gguf's dequantize.
+extern const uint8_t kIQ4NL[16];
+
+// The zero point a symmetric weight's biases are made from: bias = zero_point_of(p) * scale (exact).
+inline float zero_point_of(const Problem& p) { return p.codebook ? -128.f : -float(1 << (p.bits - 1)); }
+
 // Products of one x (every problem's x, M and K the same) with one or more weights as one parallel job; int8: x
-// quantized to int8 and the int8 kernel, where the CPU has it (groups of 16 take the float32 kernel: the int8 one
-// sums per 32). Problems of two-level scales run per block of rows, their scales and biases made float32 first.
+// quantized to int8 and the int8 kernel, where the CPU has it (groups of 16 and codebook weights take the float32
+// kernel: the int8 one sums per 32, and reads a weight's integers as they lie). Problems of two-level scales run per block of rows, their scales and biases made float32 first.
 void qmatmul_run(std::vector<Problem>& ps, bool int8);
 
 // Rows [n0, n0 + count) of a problem with two-level scales (kU8, kI8): their scales and biases as float32 into `s`

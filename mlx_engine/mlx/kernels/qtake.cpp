@@ -6,7 +6,8 @@
 // which is mx.dequantize's arithmetic, so the rows are bit for bit mx.dequantize(w[ids], ...)'s; biases None: a
 // symmetric weight, -2**(bits - 1) * scales (exact); super: two-level scales (qmatmul's kU8 and kI8), integer scales
 // (and biases) times super's float16 per 256 elements (exact float32 products; a symmetric weight's values then
-// (q - 2**(bits - 1)) * scale, exact, as qmatmul's). Why: MLX dequantizes on the CPU as about 20
+// (q - 2**(bits - 1)) * scale, exact, as qmatmul's); codebook: 4-bit integers indexing kvalues_iq4nl (GGUF's IQ4_NL
+// and IQ4_XS), values scale * kvalues[q] rounded once, as qmatmul's and gguf's. Why: MLX dequantizes on the CPU as about 20
 // graph nodes of shifts and masks, and a decode step looks up one row.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -41,13 +42,16 @@ float scale_at(const void* base, mx::Dtype t, size_t i) {
 }
 
 // `exact`: a symmetric weight's (q - 2**(bits - 1)) * scale, exact in float32 for GGUF's two-level int8 scales
-// (where q * scale alone may not be), as the fused multiply-add of qmatmul gives it
+// (where q * scale alone may not be), as the fused multiply-add of qmatmul gives it. `codebook` (kIQ4NL, or null):
+// each q read as codebook[q], zero point 128 (then always so: scale * kvalues[q], one rounding)
 __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* row, const void* scales,
                                                                   const void* biases, mx::Dtype st, size_t g0, int K,
                                                                   int group_size, int bits, float* out,
-                                                                  bool exact = false) {
+                                                                  bool exact = false,
+                                                                  const uint8_t* codebook = nullptr) {
   const uint32_t mask = (1u << bits) - 1;
-  const float zero_point = -float(1 << (bits - 1));
+  const float zero_point = codebook ? -128.f : -float(1 << (bits - 1));
+  exact = exact || codebook;
   for (int g = 0; g < K / group_size; ++g) {
     const float s = scale_at(scales, st, g0 + g);
     const float b = biases ? scale_at(biases, st, g0 + g) : s * zero_point;
@@ -55,7 +59,8 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* 
       const size_t bit = size_t(j) * bits, byte = bit >> 3;
       uint32_t v = row[byte];
       if ((bit & 7) + bits > 8) v |= uint32_t(row[byte + 1]) << 8;  // the element runs into the next byte
-      const float q = float((v >> (bit & 7)) & mask);
+      const uint32_t qi = (v >> (bit & 7)) & mask;
+      const float q = float(codebook ? codebook[qi] : qi);
       if (exact) {
         out[j] = (q + zero_point) * s;
         continue;
@@ -68,8 +73,13 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* 
 
 class QTake : public mx::UnaryPrimitive {
  public:
-  QTake(mx::Stream stream, int group_size, int bits, bool symmetric, bool factored)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), symmetric_(symmetric), factored_(factored) {}
+  QTake(mx::Stream stream, int group_size, int bits, bool symmetric, bool factored, bool codebook)
+      : mx::UnaryPrimitive(stream),
+        group_size_(group_size),
+        bits_(bits),
+        symmetric_(symmetric),
+        factored_(factored),
+        codebook_(codebook) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -77,7 +87,7 @@ class QTake : public mx::UnaryPrimitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_,
-                      factored = factored_]() mutable {
+                      factored = factored_, codebook = codebook_ ? mlx_engine::kIQ4NL : nullptr]() mutable {
       static thread_local std::vector<uint8_t> bufs[5];
       static thread_local std::vector<float> row_scales;  // a factored row's scales, then its biases
       const void* data[5] = {};
@@ -100,11 +110,11 @@ class QTake : public mx::UnaryPrimitive {
           row_scales.resize(2 * size_t(G));
           mlx_engine::factored_scales(p, int(r), 1, row_scales.data(), row_scales.data() + G);
           dequantize_row(row, row_scales.data(), is_signed ? nullptr : row_scales.data() + G, mx::float32, 0, K, gs,
-                         bits, dst, is_signed);
+                         bits, dst, is_signed, codebook);
           continue;
         }
         dequantize_row(row, data[1], symmetric ? nullptr : data[2], inputs[1].dtype(), size_t(r) * G, K, gs, bits,
-                       dst);
+                       dst, false, codebook);
       }
     });
   }
@@ -118,7 +128,7 @@ class QTake : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QTake&>(other);
     return group_size_ == o.group_size_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ &&
-           factored_ == o.factored_;
+           factored_ == o.factored_ && codebook_ == o.codebook_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -129,14 +139,17 @@ class QTake : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
-  bool symmetric_, factored_;
+  bool symmetric_, factored_, codebook_;
 };
 
 mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional<mx::array>& biases,
-                const mx::array& ids, int group_size, int bits, const std::optional<mx::array>& super) {
+                const mx::array& ids, int group_size, int bits, const std::optional<mx::array>& super,
+                bool codebook) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("qtake: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   mlx_engine::check_group(group_size, bits, "qtake");
+  if (codebook && (bits != 4 || biases))
+    throw std::invalid_argument("qtake: a codebook weight has 4 bits and no biases");
   if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument("qtake: w must be 2-D uint32");
   const int K = int(int64_t(w.shape(1)) * 32 / bits);
   if (K % group_size) throw std::invalid_argument("qtake: the row length is not a multiple of group_size");
@@ -156,7 +169,7 @@ mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional
   inputs.push_back(ids.dtype() == mx::int32 ? ids : mx::astype(ids, mx::int32, s));
   mx::Shape shape = ids.shape();
   shape.push_back(K);
-  return mx::array(shape, mx::float32, std::make_shared<QTake>(s, group_size, bits, !biases, super.has_value()),
+  return mx::array(shape, mx::float32, std::make_shared<QTake>(s, group_size, bits, !biases, super.has_value(), codebook),
                    std::move(inputs));
 }
 
@@ -164,7 +177,7 @@ mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional
 
 void register_qtake(nb::module_& m) {
   m.def("qtake", &qtake, nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("ids"),
-        nb::arg("group_size"), nb::arg("bits"), nb::arg("super").none() = nb::none(),
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("super").none() = nb::none(), nb::arg("codebook") = false,
         "Rows ids of dequantize(w, scales, biases) -> float32 [*ids.shape, K] (biases None: -2**(bits - 1) * "
-        "scales; super: two-level scales, as qmatmul's), on the CPU stream.");
+        "scales; super: two-level scales; codebook: as qmatmul's), on the CPU stream.");
 }

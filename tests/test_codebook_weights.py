@@ -1,0 +1,226 @@
+"""GGUF's codebook types (IQ4_NL, IQ4_XS) held as their files hold them: 4-bit integers that index llama.cpp's 16
+levels ``kvalues_iq4nl``, times float16 scales (IQ4_NL) or int8 ones under an f16 per 256 elements (IQ4_XS). Exact
+against gguf.quants.dequantize; every CPU kernel (qmatmul and its many and int8 forms, qtake, gather_qmatmul) gives
+the dense product; the backend holds them in about the file's bytes on the CPU and, where MLX's kernels run them,
+as 8-bit affine without loss (they had been re-quantized to 8 bits from their values, with an 8-bit grid's error)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from mlx_engine.mlx import MLXBackend, cpu_kernels  # noqa: E402
+from mlx_engine.mlx.tensor import MLXQuantizedTensor, MLXTensor  # noqa: E402
+from mlx_engine.weights import QuantizedArray  # noqa: E402
+from mlx_engine.weights import quant  # noqa: E402
+from mlx_engine.weights.gguf import GGUFFile  # noqa: E402
+from tests.test_weights_gguf import write_gguf  # noqa: E402
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.qmatmul is None, reason="the CPU kernels are not built here")
+
+pytestmark = pytest.mark.usefixtures("mlx_on_the_cpu")
+
+TYPES = ["IQ4_NL", "IQ4_XS"]
+ELEMENTS = {"IQ4_NL": 32, "IQ4_XS": 256}  # per block
+
+
+def blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks (gguf cannot quantize these types): any integers and sub-scales, small finite d."""
+    dt = quant.BLOCKS[type_name]
+    n = rows * cols // ELEMENTS[type_name]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, dt.itemsize), dtype=np.uint8).view(dt).reshape(n).copy()
+    b["d"] = rng.uniform(1e-4, 2e-3, n).astype(np.float16)
+    return b
+
+
+def dense(type_name: str, blk: np.ndarray, rows: int) -> np.ndarray:
+    return gguf.quants.dequantize(blk.view(np.uint8).reshape(rows, -1), gguf.GGMLQuantizationType[type_name])
+
+
+def device_arrays(qa: QuantizedArray):
+    """(w, scales, super or None) as MLX arrays."""
+    return (mx.array(qa.weight), mx.array(qa.scales),
+            None if qa.super_scales is None else mx.array(qa.super_scales))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_codebook_types_repack_exactly_in_their_bytes(tmp_path, type_name):
+    blk = blocks(type_name, 24, 768)
+    raw = blk.view(np.uint8).reshape(24, -1)
+    path = write_gguf(tmp_path / "iq.gguf", {"w": (raw, gguf.GGMLQuantizationType[type_name])})
+    with GGUFFile(path) as wf:
+        qa = wf.load("w")
+    want = dense(type_name, blk, 24)
+    assert isinstance(qa, QuantizedArray) and (qa.bits, qa.group_size, qa.biases) == (4, 32, None)
+    np.testing.assert_array_equal(qa.codebook, gguf.quants.IQ4_NL.kvalues)
+    np.testing.assert_array_equal(qa.dequantize(), want)
+    if type_name == "IQ4_NL":  # exactly the file's 18 bytes per 32 elements
+        assert qa.super_scales is None and qa.scales.dtype == np.float16 and qa.nbytes == raw.nbytes
+    else:  # an int8 sub-scale where the file packs 6 bits: 1.015x
+        assert qa.scales.dtype == np.int8 and qa.super_scales.shape == (24, 3, 1)
+        assert qa.nbytes <= 1.02 * raw.nbytes
+        np.testing.assert_array_equal(qa.expanded().dequantize(), want)
+    # rows, columns, a cut inside a super-block and a stack keep the codebook and the values
+    for part, ref in ((qa.slice(0, 5, 17), want[5:17]), (qa.slice(1, 256, 768), want[:, 256:]),
+                      (qa.slice(1, 32, 96), want[:, 32:96]), (qa.stacked((4,)), want.reshape(4, 6, 768))):
+        assert part.codebook is not None
+        np.testing.assert_array_equal(part.dequantize(), ref)
+    affine = quant.codebook_to_affine(qa)  # MLX's form: 8 bits, exact
+    assert (affine.bits, affine.group_size, affine.codebook) == (8, 32, None)
+    np.testing.assert_array_equal(affine.dequantize(), want)
+    stacked = quant.codebook_to_affine(qa.stacked((3,)))
+    assert stacked.shape == (3, 8, 768)
+    np.testing.assert_array_equal(stacked.dequantize(), want.reshape(3, 8, 768))
+
+
+def test_quantized_array_refuses_a_codebook_that_does_not_fit():
+    qa = quant.repack_gguf(blocks("IQ4_NL", 4, 64), "IQ4_NL", 4, 64)
+    with pytest.raises(ValueError, match="no biases and one value per integer"):
+        QuantizedArray(qa.weight, qa.scales, qa.scales, 32, 4, codebook=qa.codebook)
+    with pytest.raises(ValueError, match="no biases and one value per integer"):
+        QuantizedArray(qa.weight, qa.scales, None, 32, 4, codebook=qa.codebook[:8])
+    with pytest.raises(ValueError, match="a codebook"):  # float scales without biases or a codebook
+        QuantizedArray(qa.weight, qa.scales, None, 32, 4)
+
+
+def _activations() -> list[str]:
+    if cpu_kernels.qmatmul is None:
+        return []
+    return ["float32"] + (["int8"] if cpu_kernels.int8_problem() is None else [])
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 40])
+def test_qmatmul_of_a_codebook_weight_is_the_dense_product(type_name, m):
+    """Decode rows (1, 3), tiles (8) and panels (40): within float32 rounding of the dense product, and bit for bit
+    the same with the float32 scales the two levels stand for; int8 activations run these weights in float32."""
+    blk = blocks(type_name, 72, 512, seed=m)
+    qa = quant.repack_gguf(blk, type_name, 72, 512)
+    w, s, sup = device_arrays(qa)
+    x = mx.random.normal((m, 512), key=mx.random.key(m))
+    got = cpu_kernels.qmatmul(x, w, s, None, 32, 4, "float32", sup, True)
+    want = x @ mx.array(dense(type_name, blk, 72)).T
+    assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
+    flat = cpu_kernels.qmatmul(x, w, mx.array(qa.expanded().scales), None, 32, 4, "float32", None, True)
+    assert mx.array_equal(got, flat).item()
+    # the integers read as they lie (an affine 4-bit weight) are another product altogether
+    assert not mx.array_equal(cpu_kernels.qmatmul(x, w, s, None, 32, 4, "float32", sup), got).item()
+    for activations in _activations():
+        assert mx.array_equal(cpu_kernels.qmatmul(x, w, s, None, 32, 4, activations, sup, True), got).item()
+    # beside an affine 4-bit weight in one node (a layer's q, k and v): each product its own
+    q4, s4, b4 = mx.quantize(mx.random.normal((40, 512), key=mx.random.key(99)), group_size=32, bits=4)
+    for activations in _activations():
+        ys = cpu_kernels.qmatmul_many(x, [w, q4], [s, s4], [None, b4], [32, 32], [4, 4], None, activations,
+                                      supers=[sup, None], codebooks=[True, False])
+        assert mx.array_equal(ys[0], got).item()
+        assert mx.array_equal(ys[1], cpu_kernels.qmatmul(x, q4, s4, b4, 32, 4, activations)).item()
+
+
+@needs_kernels
+def test_bad_codebook_weights_are_refused():
+    qa = quant.repack_gguf(blocks("IQ4_NL", 4, 64), "IQ4_NL", 4, 64)
+    w, s, _ = device_arrays(qa)
+    x = mx.ones((1, 64))
+    with pytest.raises(ValueError, match="codebook weight has 4 bits and no biases"):
+        cpu_kernels.qmatmul(x, w, s, s, 32, 4, "float32", None, True)
+    with pytest.raises(ValueError, match="codebook weight has 4 bits and no biases"):
+        cpu_kernels.qmatmul(x, mx.zeros((4, 16), dtype=mx.uint32), s, None, 32, 8, "float32", None, True)
+    with pytest.raises(ValueError, match="codebook weight has 4 bits and no biases"):
+        cpu_kernels.qtake(w, s, s, mx.array([0]), 32, 4, None, True)
+    with pytest.raises(ValueError, match="one or more weights"):
+        cpu_kernels.qmatmul_many(x, [w], [s], [None], [32], [4], codebooks=[True, False])
+
+
+@needs_kernels
+def test_the_self_test_catches_a_wrong_codebook_product():
+    assert cpu_kernels._codebook_self_test(cpu_kernels.qmatmul) is None
+    assert "codebook" in cpu_kernels._codebook_self_test(lambda x, *a: mx.zeros((x.shape[0], 24)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", TYPES)
+def test_qtake_and_gather_of_a_codebook_weight(type_name):
+    blk = blocks(type_name, 48, 512, seed=3)
+    qa = quant.repack_gguf(blk, type_name, 48, 512)
+    want = dense(type_name, blk, 48)
+    w, s, sup = device_arrays(qa)
+    ids = mx.array([0, 47, 5, 5], dtype=mx.int32)
+    np.testing.assert_array_equal(np.array(cpu_kernels.qtake(w, s, None, ids, 32, 4, sup, True)), want[[0, 47, 5, 5]])
+    stack = device_arrays(qa.stacked((4,)))
+    for n in (1, 6):
+        x = mx.random.normal((n, 512), key=mx.random.key(n))
+        idx = mx.array(np.random.default_rng(n).integers(0, 4, (n, 2)).astype(np.int32))
+        got = cpu_kernels.gather_qmatmul(x, stack[0], stack[1], None, idx, 32, 4, "float32", stack[2], True)
+        for t in range(n):
+            for j in range(2):
+                e = int(idx[t, j].item())
+                one = cpu_kernels.qmatmul(x[t:t + 1], stack[0][e], stack[1][e], None, 32, 4, "float32",
+                                          None if stack[2] is None else stack[2][e], True)
+                assert mx.abs(got[t, j] - one[0]).max().item() <= 1e-5 * (1 + mx.abs(one).max().item())
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_tensor_dequantizes_a_codebook_weight_exactly(type_name):
+    """The tensor's own dequantization (operations other than products, rows in another dtype, no kernels)."""
+    blk = blocks(type_name, 16, 512, seed=5)
+    qa = quant.repack_gguf(blk, type_name, 16, 512)
+    w, s, sup = device_arrays(qa)
+    want = dense(type_name, blk, 16)
+    t = MLXQuantizedTensor(w, s, None, 32, 4, dtype=mx.float32, super_scales=sup, codebook=mx.array(qa.codebook))
+    np.testing.assert_array_equal(np.array(t.a), want)
+    np.testing.assert_array_equal(np.array(t.rows([3, 0]).a), want[[3, 0]])
+    half = MLXQuantizedTensor(w, s, None, 32, 4, dtype=mx.float16, super_scales=sup, codebook=mx.array(qa.codebook))
+    rows = half.take(MLXTensor(mx.array([3, 0])), axis=0)
+    np.testing.assert_array_equal(np.array(rows.a), want[[3, 0]].astype(np.float16))
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_the_backend_holds_iq4_xs_in_its_bytes_or_as_exact_8_bits(tmp_path, kernels, monkeypatch):
+    """On the CPU with our kernels an IQ4_XS tensor keeps its codebook in about its file's bytes; where MLX's kernels
+    run it (GPUs; here the CPU without ours) it is 8-bit affine holding the same values. Both give the dense
+    product (the re-quantization to 8 bits these types had before moved it by an 8-bit grid's step)."""
+    if kernels and cpu_kernels.qmatmul is None:
+        pytest.skip("the CPU kernels are not built here")
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "qmatmul", None)
+    blk = blocks("IQ4_XS", 64, 512, seed=4)
+    raw = blk.view(np.uint8).reshape(64, -1)
+    write_gguf(tmp_path / "iq.gguf", {"w": (raw, gguf.GGMLQuantizationType.IQ4_XS)})
+    want = dense("IQ4_XS", blk, 64)
+    backend = MLXBackend(tmp_path / "iq.gguf", device="cpu", quantized=True)
+    try:
+        w = backend.weights["w"]
+        assert isinstance(w, MLXQuantizedTensor)
+        np.testing.assert_array_equal(np.array(w.a), want)
+        x = mx.random.normal((2, 512), key=mx.random.key(0))
+        y = np.array(MLXTensor(x).linear(w).a)
+        ref = np.array(x) @ want.T
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        if kernels:
+            assert (w.bits, w.codebook is not None) == (4, True) and w.nbytes <= 1.02 * raw.nbytes
+        else:
+            assert (w.bits, w.codebook) == (8, None)
+    finally:
+        backend.close()
+
+
+def test_the_avx2_kernels_with_a_codebook():
+    """The AVX2 copy of the row kernels (which an AVX-512 machine never picks by itself) on these weights, in a
+    process told to take it."""
+    if cpu_kernels.qmatmul is None:
+        pytest.skip("the CPU kernels are not built here")
+    env = {**os.environ, "MLX_ENGINE_CPU_ISA": "avx2"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "dense_product or qtake_and_gather"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert int(r.stdout.rsplit(" passed", 1)[0].split()[-1]) >= 10, r.stdout[-500:]
