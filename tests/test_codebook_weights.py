@@ -91,6 +91,15 @@ def test_quantized_array_refuses_a_codebook_that_does_not_fit():
         QuantizedArray(qa.weight, qa.scales, None, 32, 4)
 
 
+def int8_x(x: "mx.array") -> np.ndarray:
+    """x as the int8 activations see it (llama.cpp's Q8_0 blocks: d = max|x| / 127 per 32, x_q = round(x / d)), as
+    float64 ``d * x_q``."""
+    blocks = np.array(x, np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    return (np.rint(blocks * inv[..., None]) * d[..., None].astype(np.float64)).reshape(x.shape)
+
+
 def _activations() -> list[str]:
     if cpu_kernels.qmatmul is None:
         return []
@@ -102,7 +111,8 @@ def _activations() -> list[str]:
 @pytest.mark.parametrize("m", [1, 3, 8, 40])
 def test_qmatmul_of_a_codebook_weight_is_the_dense_product(type_name, m):
     """Decode rows (1, 3), tiles (8) and panels (40): within float32 rounding of the dense product, and bit for bit
-    the same with the float32 scales the two levels stand for; int8 activations run these weights in float32."""
+    the same with the float32 scales the two levels stand for; with int8 activations, of x rounded as llama.cpp
+    rounds it."""
     blk = blocks(type_name, 72, 512, seed=m)
     qa = quant.repack_gguf(blk, type_name, 72, 512)
     w, s, sup = device_arrays(qa)
@@ -114,14 +124,17 @@ def test_qmatmul_of_a_codebook_weight_is_the_dense_product(type_name, m):
     assert mx.array_equal(got, flat).item()
     # the integers read as they lie (an affine 4-bit weight) are another product altogether
     assert not mx.array_equal(cpu_kernels.qmatmul(x, w, s, None, 32, 4, "float32", sup), got).item()
-    for activations in _activations():
-        assert mx.array_equal(cpu_kernels.qmatmul(x, w, s, None, 32, 4, activations, sup, True), got).item()
+    if "int8" in _activations():  # llama.cpp's: x rounded per 32 elements, integer sums of kvalues[q] * x_q
+        got8 = cpu_kernels.qmatmul(x, w, s, None, 32, 4, "int8", sup, True)
+        want8 = int8_x(x) @ dense(type_name, blk, 72).astype(np.float64).T
+        np.testing.assert_allclose(np.array(got8), want8, rtol=0, atol=1e-5 * np.abs(want8).max())
+        assert not mx.array_equal(got8, got).item()  # (x was rounded: the check above can fail)
     # beside an affine 4-bit weight in one node (a layer's q, k and v): each product its own
     q4, s4, b4 = mx.quantize(mx.random.normal((40, 512), key=mx.random.key(99)), group_size=32, bits=4)
     for activations in _activations():
         ys = cpu_kernels.qmatmul_many(x, [w, q4], [s, s4], [None, b4], [32, 32], [4, 4], None, activations,
                                       supers=[sup, None], codebooks=[True, False])
-        assert mx.array_equal(ys[0], got).item()
+        assert mx.array_equal(ys[0], cpu_kernels.qmatmul(x, w, s, None, 32, 4, activations, sup, True)).item()
         assert mx.array_equal(ys[1], cpu_kernels.qmatmul(x, q4, s4, b4, 32, 4, activations)).item()
 
 

@@ -166,6 +166,10 @@ const float* prepare_x(const float* x, int M, int K, int bits) {
   return xp.data();
 }
 
+// Whether the int8 kernel runs p: it sums per 32 elements (groups of 16 take the float32 kernel), and looks a
+// codebook weight up in groups of 32 only.
+bool int8_kernel_takes(const Problem& p) { return p.group_size != 16 && (!p.codebook || p.group_size == 32); }
+
 // Output rows [n0, n1) of p with the row kernel `rows` (`int8_rows` where p has x quantized); a problem of two-level
 // scales per block of 64 rows, the block's scales and biases made float32 first by `factored` into a buffer of the
 // thread (the kernels then read them as any other float32 scales: the same values, so the same bits as a weight held
@@ -240,11 +244,11 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   if (int8 && vnni_here) {
     bool nib = false, own = false;  // the layouts of x_q these widths read
     for (auto& p : ps)
-      if (p.group_size != 16 && !p.codebook) (p.bits == 4 ? nib : own) = true;
+      if (int8_kernel_takes(p)) (p.bits == 4 ? nib : own) = true;
     if (nib || own) {
       const void* qx = &vnni::quantize_x(ps[0].x, M, K, nib, own);
       for (auto& p : ps)
-        if (p.group_size != 16 && !p.codebook) p.qx = qx;
+        if (int8_kernel_takes(p)) p.qx = qx;
       int8_rows = &vnni::rows;
     }
   }
@@ -594,7 +598,8 @@ NB_MODULE(_kernels, m) {
         nb::arg("super").none() = nb::none(), nb::arg("codebook") = false,
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream; biases None: "
         "-2**(bits - 1) * scales (a symmetric weight); codebook (4 bits, no biases): element scale * kvalues[q] "
-        "(GGUF's IQ4_NL and IQ4_XS, llama.cpp's kvalues_iq4nl; int8 activations run it in float32); activations \"int8\": x quantized per 32 elements to int8 "
+        "(GGUF's IQ4_NL and IQ4_XS, llama.cpp's kvalues_iq4nl); activations \"int8\": x quantized per 32 "
+        "elements to int8 "
         "first (llama.cpp's Q8_0), where int8_supported(); super: two-level scales per 256 elements, either float16 "
         "[N, K / 256, 2] with scales and biases uint8 integers sc and m, scale = super[.., 0] * sc, bias = "
         "super[.., 1] * m (GGUF's Q4_K, Q5_K, Q2_K), or float16 [N, K / 256, 1] with int8 scales sc and no biases, "

@@ -42,8 +42,8 @@ extern const uint8_t kIQ4NL[16];
 inline float zero_point_of(const Problem& p) { return p.codebook ? -128.f : -float(1 << (p.bits - 1)); }
 
 // Products of one x (every problem's x, M and K the same) with one or more weights as one parallel job; int8: x
-// quantized to int8 and the int8 kernel, where the CPU has it (groups of 16 and codebook weights take the float32
-// kernel: the int8 one sums per 32, and reads a weight's integers as they lie). Problems of two-level scales run per block of rows, their scales and biases made float32 first.
+// quantized to int8 and the int8 kernel, where the CPU has it (groups of 16 take the float32 kernel: the int8 one
+// sums per 32). Problems of two-level scales run per block of rows, their scales and biases made float32 first.
 void qmatmul_run(std::vector<Problem>& ps, bool int8);
 
 // Rows [n0, n0 + count) of a problem with two-level scales (kU8, kI8): their scales and biases as float32 into `s`

@@ -7,8 +7,8 @@
 // symmetric weight, -2**(bits - 1) * scales (exact); super: two-level scales (qmatmul's kU8 and kI8), integer scales
 // (and biases) times super's float16 per 256 elements (exact float32 products; a symmetric weight's values then
 // (q - 2**(bits - 1)) * scale, exact, as qmatmul's); codebook: 4-bit integers indexing kvalues_iq4nl (GGUF's IQ4_NL
-// and IQ4_XS), values scale * kvalues[q] rounded once, as qmatmul's and gguf's. Why: MLX dequantizes on the CPU as about 20
-// graph nodes of shifts and masks, and a decode step looks up one row.
+// and IQ4_XS), values scale * kvalues[q] rounded once, as qmatmul's and gguf's. Why: MLX dequantizes on the CPU as
+// about 20 graph nodes of shifts and masks, and a decode step looks up one row.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 
@@ -169,7 +169,8 @@ mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional
   inputs.push_back(ids.dtype() == mx::int32 ? ids : mx::astype(ids, mx::int32, s));
   mx::Shape shape = ids.shape();
   shape.push_back(K);
-  return mx::array(shape, mx::float32, std::make_shared<QTake>(s, group_size, bits, !biases, super.has_value(), codebook),
+  return mx::array(shape, mx::float32,
+                   std::make_shared<QTake>(s, group_size, bits, !biases, super.has_value(), codebook),
                    std::move(inputs));
 }
 
