@@ -29,6 +29,9 @@ __all__ = ["MODES", "load_sharded", "launched_rank", "PeerLostError", "peer_lost
 #: seconds for every rank to connect and agree on the model (``MLX_ENGINE_RANK_TIMEOUT``); the ring transport's
 #: listening side would otherwise wait for a rank that never starts for ever
 START_TIMEOUT = 120.0
+#: seconds rank 0 waits for the other ranks to take a control message (``MLX_ENGINE_PEER_TIMEOUT``); they wait for
+#: it between passes, so only a rank that is gone or stuck takes longer
+PEER_TIMEOUT = 60.0
 
 
 class _Watchdog:
@@ -50,6 +53,40 @@ class _Watchdog:
         if self.child.poll() is None:
             self.child.kill()
             self.child.wait()
+
+
+class _PeerWatch:
+    """Rank 0's watch over its control messages: ends this process with a clear message when one takes longer than
+    ``seconds``. A collective to a peer that is gone can wait for ever (the ring transport ends its thread for a peer
+    once it has failed that peer's transfers, and a later transfer to it is never made), and while it waits it holds
+    the interpreter; so the watch is a small child process, told over a pipe when each message starts (``arm``) and
+    ends (``disarm``): a byte each way, a few microseconds a step. It ends when this process does (its pipe closes)."""
+
+    _CODE = ("import os, select, signal, sys, time\n"
+             "pid, seconds, message, fd = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.stdin.fileno()\n"
+             "deadline = None\n"
+             "while True:\n"
+             "    wait = None if deadline is None else max(0.0, deadline - time.monotonic())\n"
+             "    if not select.select([fd], [], [], wait)[0]:\n"
+             "        sys.stderr.write(message); sys.stderr.flush(); os.kill(pid, signal.SIGKILL); sys.exit(0)\n"
+             "    data = os.read(fd, 4096)\n"
+             "    if not data:\n"
+             "        sys.exit(0)\n"
+             "    deadline = time.monotonic() + seconds if data[-1:] == b'a' else None\n")
+
+    def __init__(self, seconds: float):
+        message = (f"Error: rank 0: the other ranks of the distributed run did not take a control message within "
+                   f"{seconds:g} s (MLX_ENGINE_PEER_TIMEOUT): one of them is gone or stuck. Stopping; start every "
+                   "rank again (mlx.launch restarts them all).\n")
+        self.child = subprocess.Popen([sys.executable, "-c", self._CODE, str(os.getpid()), str(seconds), message],
+                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        self._fd = self.child.stdin.fileno()
+
+    def arm(self) -> None:
+        os.write(self._fd, b"a")
+
+    def disarm(self) -> None:
+        os.write(self._fd, b"d")
 
 
 def launched_rank() -> int:
@@ -126,6 +163,7 @@ def load_sharded(path: Path, make_backend: Callable[..., Any], parallel: str, tr
     finally:
         watchdog.cancel()
     if group.rank == 0:
+        model.watch = _PeerWatch(float(os.environ.get("MLX_ENGINE_PEER_TIMEOUT", PEER_TIMEOUT)))
         atexit.register(model.stop)
         return text, model
     follow(model)

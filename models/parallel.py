@@ -10,7 +10,9 @@ inside the lazy graph, through the ``Group`` interface, so decode stays pipeline
 Every collective runs in the same order on every rank: rank 0 dispatches each forward pass as soon as it has built it
 (whether or not its caller reads the logits), and the control message of the next one waits behind it on the
 device's stream. A rank that is gone makes the others' next collective raise ``RuntimeError`` within moments (the
-transport sees the connection close); :func:`follow` turns that into :class:`PeerLostError`.
+transport sees the connection close); :func:`follow` turns that into :class:`PeerLostError`. Where the transport
+had already given that peer up (it died between two passes), rank 0's next control message would wait for ever:
+rank 0's :attr:`DistributedModel.watch` ends the process then, with a message that says so.
 """
 
 from __future__ import annotations
@@ -86,14 +88,30 @@ class DistributedModel:
         self.stopped = False
         #: each rank's share, from :meth:`rank_stats` at load (rank, layers, heads, weights_bytes, peak_bytes...)
         self.ranks: list[dict[str, Any]] = []
+        #: rank 0: told when each control message starts and ends (``arm()``, ``disarm()``), or None; the loader's
+        #: ends the process when a message takes too long (a peer gone between two passes)
+        self.watch: Any = None
+        self._pending: tuple[Context, Tensor] | None = None  # the pass last dispatched, until the next message
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
     # ---- control messages (rank 0 -> the others) ------------------------------------------------------------------
     def send_control(self, op: str, **args: Any) -> None:
-        """Rank 0: tell the other ranks to do ``op``."""
-        self.group.broadcast_bytes(json.dumps({"op": op, **args}).encode())
+        """Rank 0: tell the other ranks to do ``op``. The pass dispatched before (whose collectives the message would
+        wait behind) is waited for first, so that :attr:`watch` times the message alone: every other rank is waiting
+        for it by then."""
+        if self._pending is not None:
+            ctx, out = self._pending
+            self._pending = None
+            ctx.evaluate(out)
+        if self.watch is not None:
+            self.watch.arm()
+        try:
+            self.group.broadcast_bytes(json.dumps({"op": op, **args}).encode())
+        finally:
+            if self.watch is not None:
+                self.watch.disarm()
 
     def receive_control(self) -> dict[str, Any]:
         """Another rank: the next message from rank 0."""
@@ -150,6 +168,7 @@ class DistributedModel:
                               inputs=None if on_device else batch.inputs.tolist())
             out = self.run(ctx, batch, cache.inner)
             ctx.evaluate_async(out)  # every rank runs this pass's collectives now, whether or not the caller reads it
+            self._pending = (ctx, out)
         return out
 
     # ---- every rank ---------------------------------------------------------------------------------------------

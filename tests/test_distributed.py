@@ -395,3 +395,37 @@ def test_a_rank_that_never_starts_stops_the_others_in_bounded_time(tmp_path, smo
                        timeout=60)
     assert r.returncode != 0 and time.monotonic() - t0 < 30
     assert "did not all connect and agree on the model within 3 s" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_control_message_that_never_completes_ends_rank_0_with_a_clear_message():
+    """A collective to a peer the transport has given up waits for ever (holding the interpreter): rank 0's watch
+    ends the process MLX_ENGINE_PEER_TIMEOUT seconds into a control message, and only then (a message that completes
+    disarms it, however long the process then idles)."""
+    code = """if True:
+        import threading, time
+        from mlx_engine.models.parallel import DistributedModel
+        from mlx_engine.parallel import _PeerWatch
+
+        class Group:  # the first message goes through, the second never completes
+            rank, size, calls = 0, 2, 0
+
+            def broadcast_bytes(self, data, capacity=4096):
+                self.calls += 1
+                if self.calls > 1:
+                    threading.Event().wait()
+                return data
+
+        model = DistributedModel(None, None, Group(), None)
+        model.watch = _PeerWatch(1.5)
+        model.send_control("stats")
+        time.sleep(3)
+        print("idle past the timeout", flush=True)
+        model.send_control("forward")
+        print("never here", flush=True)
+    """
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL and time.monotonic() - t0 < 30
+    assert r.stdout.splitlines() == ["idle past the timeout"]
+    assert "did not take a control message within 1.5 s (MLX_ENGINE_PEER_TIMEOUT)" in r.stderr
+    assert "Traceback" not in r.stderr
