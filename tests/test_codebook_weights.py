@@ -237,3 +237,16 @@ def test_the_avx2_kernels_with_a_codebook():
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:]
     assert int(r.stdout.rsplit(" passed", 1)[0].split()[-1]) >= 10, r.stdout[-500:]
+
+
+@needs_kernels
+def test_a_codebook_our_kernels_do_not_hold_goes_to_exact_8_bits():
+    """Our kernels hold IQ4_NL's levels only: a weight of other levels is made 8-bit affine at load, the same values."""
+    blk = blocks("IQ4_NL", 8, 256, seed=6)
+    qa = quant.repack_gguf(blk, "IQ4_NL", 8, 256)
+    other = QuantizedArray(qa.weight, qa.scales, None, 32, 4, codebook=np.arange(-8, 8, dtype=np.int8))
+    backend = MLXBackend(device="cpu", quantized=True)
+    held, kept = backend._to_device(other), backend._to_device(qa)
+    assert (held.bits, held.codebook) == (8, None) and (kept.bits, kept.codebook is not None) == (4, True)
+    np.testing.assert_array_equal(np.array(held.a), other.dequantize())
+    np.testing.assert_array_equal(np.array(kept.a), dense("IQ4_NL", blk, 8))

@@ -15,7 +15,7 @@ from mlx_engine.mlx import cpu_kernels, runtime
 from mlx_engine.mlx.runtime import blas_description, mx, select_device
 from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
 from mlx_engine.weights import QuantizedArray, open_weights
-from mlx_engine.weights.quant import codebook_to_affine, regroup
+from mlx_engine.weights.quant import IQ4_NL_VALUES, codebook_to_affine, regroup
 
 
 ATTENTION_BLOCK = 256
@@ -432,7 +432,8 @@ class MLXBackend(Backend):
         if isinstance(host, QuantizedArray) and host.group_size == 16 and not ours:
             # MLX's kernels take groups of 32 or more: the closest MLX form, or float
             host = regroup(host, self._requantize) if self._requantize else host.dequantize()
-        if isinstance(host, QuantizedArray) and host.codebook is not None and not ours:
+        if isinstance(host, QuantizedArray) and host.codebook is not None and not (
+                ours and np.array_equal(host.codebook, IQ4_NL_VALUES)):  # (the one codebook our kernels hold)
             host = codebook_to_affine(host)  # MLX's kernels are affine: 8 bits hold the levels exactly
         if isinstance(host, QuantizedArray) and self._keep_quantized:
             if host.super_scales is not None and not ours:
