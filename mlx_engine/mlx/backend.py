@@ -355,10 +355,12 @@ class MLXBackend(Backend):
         device: ``cpu``, ``gpu``, ``metal``, ``cuda`` or None (automatic; see ``mlx_engine.mlx.runtime``).
         dtype: the compute dtype; float weights are cast to it. Default: float32 on CPU (MLX's CPU backend has no
             fast half-precision matmul), ``half_dtype`` on GPUs.
-        requantize: re-quantize tensors of quantized types that have no exact affine form (IQ*, TQ*...), and on
+        requantize: re-quantize tensors of quantized types that have no exact form (IQ3_S, TQ2_0...), and on
             GPUs (or without our CPU kernels) those of 16-element groups (Q6_K, Q3_K, Q2_K, which only our CPU
             kernels run), to this many bits (4 or 8, group size 32); 0 keeps them dequantized (float). Default: 8
             where weights stay quantized (the closest MLX form: an 8-bit grid is 4x finer than Q6_K's own), else 0.
+            (IQ4_NL and IQ4_XS keep their codebook on the CPU with our kernels, and are 8-bit affine without loss
+            elsewhere.)
         quantized: keep quantized weights quantized. Default: yes on GPUs (``mx.quantized_matmul``), and on the CPU
             where our CPU kernels loaded (:mod:`mlx_engine.mlx.cpu_kernels`); without them, no on the CPU, where
             MLX's own quantized matmul is far slower than a BLAS float32 matmul (512x576 @ 576x1536: 396 ms vs 9 ms;

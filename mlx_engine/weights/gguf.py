@@ -249,11 +249,12 @@ class GGUFFile(WeightFile):
 
     :meth:`load` returns, by stored type:
 
-    - ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``, ``Q3_K``, ``Q2_K`` 2-D tensors,
-      and 3-D ones (a mixture of experts' stacked weights, ``[experts, rows, cols]``): a lossless
-      :class:`QuantizedArray` (4, 4, 8, 5, 5, 4, 5, 6, 3, 2 bits; group size 32, 16 for the last three) whose
-      ``dequantize()`` equals ``gguf.quants.dequantize`` exactly. Other ranks: float32 (dequantized).
-    - other quantized types (``IQ*``, ``TQ*``, ``MXFP4``...): float32 from
+    - ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``, ``Q3_K``, ``Q2_K``, ``IQ4_NL``,
+      ``IQ4_XS`` 2-D tensors, and 3-D ones (a mixture of experts' stacked weights, ``[experts, rows, cols]``): a
+      lossless :class:`QuantizedArray` (4, 4, 8, 5, 5, 4, 5, 6, 3, 2, 4, 4 bits; group size 32, 16 for Q6_K, Q3_K
+      and Q2_K; the IQ4 types with their ``codebook``) whose ``dequantize()`` equals ``gguf.quants.dequantize``
+      exactly. Other ranks: float32 (dequantized).
+    - other quantized types (the other ``IQ*``, ``TQ*``, ``MXFP4``...): float32 from
       ``gguf.quants.dequantize`` (``Q8_K`` by this package), or, with ``requantize=4`` or ``8`` and a 2-D or 3-D
       shape whose last axis is a multiple of 32, a :class:`QuantizedArray` made by :func:`quant.quantize_affine`
       (MLX's formula).
