@@ -34,33 +34,13 @@ START_TIMEOUT = 120.0
 PEER_TIMEOUT = 60.0
 
 
-class _Watchdog:
-    """Ends this process with a clear message unless cancelled within ``seconds``. The transport's connect is a
-    blocking call that holds the interpreter (no Python thread or signal handler runs meanwhile), so the watch is a
-    small child process: it sleeps, then writes the message to our stderr and kills us."""
-
-    _CODE = ("import os, signal, sys, time; time.sleep(float(sys.argv[2])); sys.stderr.write(sys.argv[3]); "
-             "sys.stderr.flush(); os.kill(int(sys.argv[1]), signal.SIGKILL)")
-
-    def __init__(self, seconds: float):
-        message = (f"Error: the ranks of the distributed run did not all connect and agree on the model within "
-                   f"{seconds:g} s (MLX_ENGINE_RANK_TIMEOUT); is every rank started, and can each reach the others' "
-                   "addresses? Stopping.\n")
-        self.child = subprocess.Popen([sys.executable, "-c", self._CODE, str(os.getpid()), str(seconds), message],
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-
-    def cancel(self) -> None:
-        if self.child.poll() is None:
-            self.child.kill()
-            self.child.wait()
-
-
-class _PeerWatch:
-    """Rank 0's watch over its control messages: ends this process with a clear message when one takes longer than
-    ``seconds``. A collective to a peer that is gone can wait for ever (the ring transport ends its thread for a peer
-    once it has failed that peer's transfers, and a later transfer to it is never made), and while it waits it holds
-    the interpreter; so the watch is a small child process, told over a pipe when each message starts (``arm``) and
-    ends (``disarm``): a byte each way, a few microseconds a step. It ends when this process does (its pipe closes)."""
+class _Watch:
+    """Ends this process with ``message`` once an armed stretch lasts more than ``seconds``. What it watches (the
+    transport's connect; a collective to a peer that is gone, which the ring transport never completes once it has
+    failed that peer's transfers) is a blocking call that holds the interpreter, so no Python thread or signal handler
+    would run: the watch is a small child process, told over a pipe when a stretch starts (:meth:`arm`) and ends
+    (:meth:`disarm`), a byte each way (a few microseconds). It ends with this process (its pipe closes), or at
+    :meth:`close`."""
 
     _CODE = ("import os, select, signal, sys, time\n"
              "pid, seconds, message, fd = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.stdin.fileno()\n"
@@ -74,10 +54,7 @@ class _PeerWatch:
              "        sys.exit(0)\n"
              "    deadline = time.monotonic() + seconds if data[-1:] == b'a' else None\n")
 
-    def __init__(self, seconds: float):
-        message = (f"Error: rank 0: the other ranks of the distributed run did not take a control message within "
-                   f"{seconds:g} s (MLX_ENGINE_PEER_TIMEOUT): one of them is gone or stuck. Stopping; start every "
-                   "rank again (mlx.launch restarts them all).\n")
+    def __init__(self, seconds: float, message: str):
         self.child = subprocess.Popen([sys.executable, "-c", self._CODE, str(os.getpid()), str(seconds), message],
                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
         self._fd = self.child.stdin.fileno()
@@ -87,6 +64,28 @@ class _PeerWatch:
 
     def disarm(self) -> None:
         os.write(self._fd, b"d")
+
+    def close(self) -> None:
+        if self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
+        self.child.stdin.close()
+
+
+def _start_watch(seconds: float) -> _Watch:
+    """Armed now: the ranks must connect and agree on the model within ``seconds``."""
+    watch = _Watch(seconds, f"Error: the ranks of the distributed run did not all connect and agree on the model "
+                            f"within {seconds:g} s (MLX_ENGINE_RANK_TIMEOUT); is every rank started, and can each "
+                            "reach the others' addresses? Stopping.\n")
+    watch.arm()
+    return watch
+
+
+def _peer_watch(seconds: float) -> _Watch:
+    """Rank 0's, armed over each control message (``DistributedModel.watch``)."""
+    return _Watch(seconds, f"Error: rank 0: the other ranks of the distributed run did not take a control message "
+                           f"within {seconds:g} s (MLX_ENGINE_PEER_TIMEOUT): one of them is gone or stuck. Stopping; "
+                           "start every rank again (mlx.launch restarts them all).\n")
 
 
 def launched_rank() -> int:
@@ -129,14 +128,14 @@ def load_sharded(path: Path, make_backend: Callable[..., Any], parallel: str, tr
     """
     if parallel not in MODES:
         raise InvalidRequestError(f"unknown parallel mode {parallel!r}; use {' or '.join(MODES)}")
-    watchdog = _Watchdog(float(os.environ.get("MLX_ENGINE_RANK_TIMEOUT", START_TIMEOUT)))
+    watchdog = _start_watch(float(os.environ.get("MLX_ENGINE_RANK_TIMEOUT", START_TIMEOUT)))
     try:
         group = init_group(transport)
     except BaseException:
-        watchdog.cancel()
+        watchdog.close()
         raise
     if group.size < 2:
-        watchdog.cancel()
+        watchdog.close()
         raise InvalidRequestError(
             f"parallel={parallel!r} needs several ranks, but this process runs alone; start it with mlx.launch, "
             "e.g. mlx.launch -n 2 --backend ring -- mlx-engine run MODEL PROMPT --parallel pipeline")
@@ -146,7 +145,7 @@ def load_sharded(path: Path, make_backend: Callable[..., Any], parallel: str, tr
         try:
             _handshake(group, wf, {"parallel": parallel, "size": group.size, **(settings or {})})
         finally:
-            watchdog.cancel()
+            watchdog.close()
         holder["plan"] = plan(wf, parallel, group.rank, group.size)
         holder["config"] = file_config(wf)
         return holder["plan"].tensors(wf)
@@ -161,9 +160,9 @@ def load_sharded(path: Path, make_backend: Callable[..., Any], parallel: str, tr
     except RuntimeError as e:  # the transport: a rank that failed to load has gone
         raise peer_lost(group.rank, e) from None
     finally:
-        watchdog.cancel()
+        watchdog.close()
     if group.rank == 0:
-        model.watch = _PeerWatch(float(os.environ.get("MLX_ENGINE_PEER_TIMEOUT", PEER_TIMEOUT)))
+        model.watch = _peer_watch(float(os.environ.get("MLX_ENGINE_PEER_TIMEOUT", PEER_TIMEOUT)))
         atexit.register(model.stop)
         return text, model
     follow(model)

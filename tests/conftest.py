@@ -7,6 +7,8 @@ on first use, so a second test run does not download them again.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +100,13 @@ def mlx_on_the_cpu():
     mx.set_default_device(mx.cpu)
     yield
     mx.set_default_device(before)
+
+
+def passed_on_avx2(test_file: str, selection: str) -> int:
+    """How many of ``test_file``'s tests that ``selection`` (pytest's ``-k``) picks pass in a process told to take
+    the AVX2 copy of the CPU kernels ($MLX_ENGINE_CPU_ISA=avx2, which an AVX-512 machine never picks by itself);
+    asserts that none fails."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", selection],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "MLX_ENGINE_CPU_ISA": "avx2"})
+    assert r.returncode == 0, r.stdout[-3000:]
+    return int(r.stdout.rsplit(" passed", 1)[0].split()[-1])

@@ -6,10 +6,6 @@ as 8-bit affine without loss (they had been re-quantized to 8 bits from their va
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import gguf
 import numpy as np
 import pytest
@@ -21,6 +17,7 @@ from mlx_engine.mlx.tensor import MLXQuantizedTensor, MLXTensor  # noqa: E402
 from mlx_engine.weights import QuantizedArray  # noqa: E402
 from mlx_engine.weights import quant  # noqa: E402
 from mlx_engine.weights.gguf import GGUFFile  # noqa: E402
+from tests.conftest import passed_on_avx2  # noqa: E402
 from tests.test_weights_gguf import write_gguf  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.qmatmul is None, reason="the CPU kernels are not built here")
@@ -231,12 +228,7 @@ def test_the_avx2_kernels_with_a_codebook():
     process told to take it."""
     if cpu_kernels.qmatmul is None:
         pytest.skip("the CPU kernels are not built here")
-    env = {**os.environ, "MLX_ENGINE_CPU_ISA": "avx2"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "dense_product or qtake_and_gather"],
-                       capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-3000:]
-    assert int(r.stdout.rsplit(" passed", 1)[0].split()[-1]) >= 10, r.stdout[-500:]
+    assert passed_on_avx2(__file__, "dense_product or qtake_and_gather") >= 10
 
 
 @needs_kernels

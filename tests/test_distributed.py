@@ -404,7 +404,7 @@ def test_a_control_message_that_never_completes_ends_rank_0_with_a_clear_message
     code = """if True:
         import threading, time
         from mlx_engine.models.parallel import DistributedModel
-        from mlx_engine.parallel import _PeerWatch
+        from mlx_engine.parallel import _peer_watch
 
         class Group:  # the first message goes through, the second never completes
             rank, size, calls = 0, 2, 0
@@ -416,7 +416,7 @@ def test_a_control_message_that_never_completes_ends_rank_0_with_a_clear_message
                 return data
 
         model = DistributedModel(None, None, Group(), None)
-        model.watch = _PeerWatch(1.5)
+        model.watch = _peer_watch(1.5)
         model.send_control("stats")
         time.sleep(3)
         print("idle past the timeout", flush=True)
