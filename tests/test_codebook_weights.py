@@ -18,6 +18,7 @@ from mlx_engine.weights import QuantizedArray  # noqa: E402
 from mlx_engine.weights import quant  # noqa: E402
 from mlx_engine.weights.gguf import GGUFFile  # noqa: E402
 from tests.conftest import passed_on_avx2  # noqa: E402
+from tests.test_sub_block_scales import held_on_the_cpu  # noqa: E402
 from tests.test_weights_gguf import write_gguf  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.qmatmul is None, reason="the CPU kernels are not built here")
@@ -198,29 +199,17 @@ def test_the_backend_holds_iq4_xs_in_its_bytes_or_as_exact_8_bits(tmp_path, kern
     """On the CPU with our kernels an IQ4_XS tensor keeps its codebook in about its file's bytes; where MLX's kernels
     run it (GPUs; here the CPU without ours) it is 8-bit affine holding the same values. Both give the dense
     product (the re-quantization to 8 bits these types had before moved it by an 8-bit grid's step)."""
-    if kernels and cpu_kernels.qmatmul is None:
-        pytest.skip("the CPU kernels are not built here")
-    if not kernels:
-        monkeypatch.setattr(cpu_kernels, "qmatmul", None)
     blk = blocks("IQ4_XS", 64, 512, seed=4)
     raw = blk.view(np.uint8).reshape(64, -1)
-    write_gguf(tmp_path / "iq.gguf", {"w": (raw, gguf.GGMLQuantizationType.IQ4_XS)})
     want = dense("IQ4_XS", blk, 64)
-    backend = MLXBackend(tmp_path / "iq.gguf", device="cpu", quantized=True)
-    try:
-        w = backend.weights["w"]
-        assert isinstance(w, MLXQuantizedTensor)
+    with held_on_the_cpu(tmp_path, monkeypatch, kernels, raw, gguf.GGMLQuantizationType.IQ4_XS) as (w, x, y):
         np.testing.assert_array_equal(np.array(w.a), want)
-        x = mx.random.normal((2, 512), key=mx.random.key(0))
-        y = np.array(MLXTensor(x).linear(w).a)
-        ref = np.array(x) @ want.T
+        ref = x @ want.T
         np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
         if kernels:
             assert (w.bits, w.codebook is not None) == (4, True) and w.nbytes <= 1.02 * raw.nbytes
         else:
             assert (w.bits, w.codebook) == (8, None)
-    finally:
-        backend.close()
 
 
 def test_the_avx2_kernels_with_a_codebook():

@@ -6,6 +6,7 @@ kernels elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
 import gguf
 import numpy as np
 import pytest
@@ -186,33 +187,40 @@ def test_the_tensor_dequantizes_groups_of_16_exactly():
         np.testing.assert_allclose(np.array(rows.a.astype(mx.float32)), want[[3, 0]], rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("kernels", [True, False])
-def test_the_backend_holds_q6_k_in_its_bytes_or_regroups_it(tmp_path, kernels, monkeypatch):
-    """On the CPU with our kernels a Q6_K tensor is held in exactly its file's bytes and its products are the dense
-    ones; where MLX's kernels run it (GPUs; here the CPU without ours) it is 8-bit in groups of 32."""
+@contextlib.contextmanager
+def held_on_the_cpu(tmp_path, monkeypatch, kernels: bool, raw: np.ndarray, qtype):
+    """The backend's tensor ``w`` of a GGUF file holding ``raw`` as ``qtype``, on the CPU with our kernels or (as
+    where MLX's kernels run it) without them, and its product with a random x ``[2, cols]``: ``(w, x, y)``. Skips
+    where the kernels are asked for and not built."""
     if kernels and cpu_kernels.qmatmul is None:
         pytest.skip("the CPU kernels are not built here")
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "qmatmul", None)
-    blk = blocks("Q6_K", 64, 512, seed=4)
-    raw = blk.view(np.uint8).reshape(64, -1)
-    write_gguf(tmp_path / "k.gguf", {"w": (raw, gguf.GGMLQuantizationType.Q6_K)})
-    want = dense("Q6_K", blk, 64)
-    backend = MLXBackend(tmp_path / "k.gguf", device="cpu", quantized=True)
+    write_gguf(tmp_path / "w.gguf", {"w": (raw, qtype)})
+    backend = MLXBackend(tmp_path / "w.gguf", device="cpu", quantized=True)
     try:
         w = backend.weights["w"]
         assert isinstance(w, MLXQuantizedTensor)
-        x = mx.random.normal((2, 512), key=mx.random.key(0))
-        y = np.array(MLXTensor(x).linear(w).a)
-        ref = np.array(x) @ want.T
+        x = mx.random.normal((2, w.shape[1]), key=mx.random.key(0))
+        yield w, np.array(x), np.array(MLXTensor(x).linear(w).a)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_the_backend_holds_q6_k_in_its_bytes_or_regroups_it(tmp_path, kernels, monkeypatch):
+    """On the CPU with our kernels a Q6_K tensor is held in exactly its file's bytes and its products are the dense
+    ones; where MLX's kernels run it (GPUs; here the CPU without ours) it is 8-bit in groups of 32."""
+    blk = blocks("Q6_K", 64, 512, seed=4)
+    raw = blk.view(np.uint8).reshape(64, -1)
+    with held_on_the_cpu(tmp_path, monkeypatch, kernels, raw, gguf.GGMLQuantizationType.Q6_K) as (w, x, y):
+        ref = x @ dense("Q6_K", blk, 64).T
         if kernels:
             assert (w.group_size, w.bits, w.nbytes) == (16, 6, raw.nbytes)
             np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
         else:
             assert (w.group_size, w.bits) == (32, 8)
             np.testing.assert_allclose(y, ref, rtol=0, atol=2e-2 * np.abs(ref).max())  # an 8-bit grid
-    finally:
-        backend.close()
 
 
 def test_the_avx2_kernels_with_groups_of_16():

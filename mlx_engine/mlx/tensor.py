@@ -424,10 +424,10 @@ class MLXQuantizedTensor(MLXTensor):
             b = self.biases if rows is None else self.biases[rows]
             return s.astype(self._dtype), (b.astype(mx.float32) * sup[..., 1]).astype(self._dtype)
         s = self.scales if rows is None else self.scales[rows]
+        if self.codebook is not None:  # as stored (float16), rounded to the dtype once with the levels
+            return s, None
         if s.dtype != self._dtype:
             s = s.astype(self._dtype)
-        if self.codebook is not None:
-            return s, None
         if self.biases is None:
             return s, s * -(2 ** (self.bits - 1))
         b = self.biases if rows is None else self.biases[rows]
