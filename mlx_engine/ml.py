@@ -19,6 +19,7 @@ Conventions (fixed here for every implementation):
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -170,6 +171,21 @@ class Tensor(abc.ABC):
         the values are the same. Raises ValueError for an activation :meth:`gated` does not know."""
         y = self.gated(up, activation).linear(weight)
         return y if out_norm is None else y.rms_norm(out_norm, eps)
+
+    def output_mlp(self, h: "Tensor", o_weight: "Tensor", norm: "Tensor", gate: "Tensor", up: "Tensor",
+                   down: "Tensor", activation: str, eps: float, o_norm: "Tensor | None" = None,
+                   down_norm: "Tensor | None" = None) -> "tuple[Tensor, Tensor]":
+        """A decoder layer after attention, ``self`` the attention output whose rows in row-major order are those of
+        ``h [..., D]`` (one token's ``[1, H, 1, Dh]``, or ``[..., H * Dh]``): ``y = o.linear(o_weight)`` (then
+        RMSNorm-ed with ``o_norm``, Gemma 3's), ``s = h + y``, ``x = s.rms_norm(norm, eps)``, ``m = (act(x @ gate) *
+        (x @ up)) @ down`` (then RMSNorm-ed with ``down_norm``); returns ``(s, m)``, the layer's output being
+        ``s + m``. A backend may run it as one operation; the values are the same (:meth:`linear_norm`,
+        :meth:`norm_linear` and :meth:`gated_linear` in turn). Raises ValueError for an activation :meth:`gated`
+        does not know."""
+        o = self.reshape(*h.shape[:-1], math.prod(self.shape) // math.prod(h.shape[:-1]))
+        y = o.linear(o_weight) if o_norm is None else o.linear_norm(o_weight, o_norm, eps)
+        s, (g, u) = h.norm_linear([gate, up], norm, eps, y)
+        return s, g.gated_linear(u, activation, down, down_norm, eps)
 
     def linear_norm(self, weight: "Tensor", norm: "Tensor", eps: float) -> "Tensor":
         """``self.linear(weight).rms_norm(norm, eps)`` (Gemma 3's attention output projection and the norm after it).

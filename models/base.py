@@ -143,6 +143,13 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     projections (output and down) over the ranks, before the residual add and the sandwich norms (Megatron-LM's
     layout, Shoeybi et al. 2019)."""
     n = h.shape[1]
+    if n == 1 and reduce is None and w.get("attn_gate") is None and w.get("router") is None:
+        # one token: the output projection, the norms and the MLP as one operation where the backend can
+        norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
+        h, m = o.output_mlp(h, w["o"], norm, w["gate"], w["up"], w["down"], c.activation, c.rms_norm_eps,
+                            w["post_attn_norm"] if c.sandwich_norm else None,
+                            w["post_ffn_norm"] if c.sandwich_norm else None)
+        return (h, m) if defer else h + m
     o = (o if n == 1 else o.transpose(0, 2, 1, 3)).reshape(1, n, c.num_heads * c.head_dim)
     if w.get("attn_gate") is not None:  # gated attention (Qwen3-Next): the gate reads the layer's normed input
         o = o * h.rms_norm(w["attn_gate_norm"], c.rms_norm_eps).linear(w["attn_gate"]).sigmoid()

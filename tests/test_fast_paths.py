@@ -171,8 +171,9 @@ def test_a_whole_step_without_our_kernels_reads_its_cells_from_an_array(kind, kv
 @pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma3"])
 def test_fused_products_give_the_bits_of_the_operations_apart(kind, tmp_path, monkeypatch):
     """With quantized projections, a decode step's norms and activations run in the products' node (the prologue
-    and the output norms of ``qmatmul_many``): the same logits to the bit over 60 steps as the composed operations
-    of ``Tensor``'s defaults (each one our kernel apart), the compiled steps and the first, uncompiled prefill."""
+    and the output norms of ``qmatmul_many``), and everything after attention in one node (``output_mlp``): the
+    same logits to the bit over 60 steps as the composed operations of ``Tensor``'s defaults (each one our kernel
+    apart), the compiled steps and the first, uncompiled prefill."""
     from mlx_engine.ml import Tensor
     from mlx_engine.mlx import cpu_kernels
     from mlx_engine.mlx.tensor import MLXTensor
@@ -190,9 +191,11 @@ def test_fused_products_give_the_bits_of_the_operations_apart(kind, tmp_path, mo
         monkeypatch.setattr(cpu_kernels, "qmatmul_many",
                             lambda *a, **k: prologues.append((a[8], a[10] is not None) if len(a) > 8
                                                              else ("none", False)) or real(*a, **k))
+        real_mlp, mlps = cpu_kernels.output_mlp, []
+        monkeypatch.setattr(cpu_kernels, "output_mlp", lambda *a: mlps.append(a[7]) or real_mlp(*a))
     fused = _decode(model, backend, tokens, 60, capacity=128)
     with monkeypatch.context() as apart:
-        for name in ("norm_linear", "gated_linear", "linear_norm"):
+        for name in ("norm_linear", "gated_linear", "linear_norm", "output_mlp"):
             apart.setattr(MLXTensor, name, getattr(Tensor, name))
         model._compiled.clear()
         model._block_of.clear()
@@ -205,6 +208,8 @@ def test_fused_products_give_the_bits_of_the_operations_apart(kind, tmp_path, mo
     assert {"norm", "add_norm", "gelu_tanh" if kind == "gemma3" else "silu"} <= {p for p, _ in prologues}
     # the query and key norms per head, and Gemma 3's norms after the output and down projections
     assert any(normed for _, normed in prologues) == (kind != "llama3")
+    # every layer of a decode step after attention as one node (traced once per alike layers)
+    assert mlps and set(mlps) == {"gelu_tanh" if kind == "gemma3" else "silu"}
 
 
 # ------------------------------------------------------------------------------------ attention over visible blocks

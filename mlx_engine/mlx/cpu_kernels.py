@@ -1,6 +1,7 @@
 """Our CPU kernels (``mlx_engine.mlx._kernels``, built from ``kernels/`` by setup.py at install), or why not.
 
 ``qmatmul`` (quantized matrix products; ``qmatmul_many``: several of one x as one graph node and one parallel job;
+``output_mlp``: a decoder layer after attention, its output projection, norms and gated MLP, as one graph node;
 ``gather_qmatmul``: a mixture of experts' products, each row of x through its experts of a quantized stack),
 ``rope_apply`` (RoPE from a table), ``attend`` (attention of a few queries per head, decode steps;
 ``attend_cached``: with the RoPE of the queries and new keys and their write into the KV cache), ``qtake`` (rows
@@ -33,6 +34,7 @@ from mlx_engine.weights.quant import IQ4_NL_VALUES
 
 qmatmul: "Callable | None" = None
 qmatmul_many: "Callable | None" = None
+output_mlp: "Callable | None" = None
 gather_qmatmul: "Callable | None" = None
 rope_apply: "Callable | None" = None
 attend: "Callable | None" = None
@@ -269,6 +271,27 @@ def _prologue_self_test(many, norm_fn, add_fn, act_fn) -> str | None:
     return None
 
 
+def _output_mlp_self_test(fn, many) -> str | None:
+    """``output_mlp`` against its three ``qmatmul_many`` nodes apart (the output projection with its norm; the
+    residual add, the norm, gate and up; the activation and down with its norm): the same bits; None when so."""
+    keys = iter(mx.random.split(mx.random.key(19), 9))
+    o, h = mx.random.normal((1, 2, 64), key=next(keys)), mx.random.normal((1, 1, 32), key=next(keys))
+    norms = [mx.random.normal((32,), key=next(keys)) for _ in range(3)]
+    ws = [mx.quantize(mx.random.normal(shape, key=next(keys)), group_size=32, bits=4)
+          for shape in ((32, 128), (64, 32), (64, 32), (32, 64))]
+    arg = [(q, s, b, 32, 4, None, False) for q, s, b in ws]
+    for act, kind, o_norm, d_norm in (("silu", 0, None, None), ("gelu_tanh", 1, norms[1], norms[2])):
+        s_got, m_got = fn(o, h, arg[0], norms[0], arg[1], arg[2], arg[3], act, 1e-5, o_norm, d_norm)
+        y = many(o.reshape(1, 1, 128), [ws[0][0]], [ws[0][1]], [ws[0][2]], [32], [4], None, "float32", "none", [],
+                 [o_norm], 1e-5)[0]
+        s_want, g, u = many(h, [w[0] for w in ws[1:3]], [w[1] for w in ws[1:3]], [w[2] for w in ws[1:3]], [32, 32],
+                            [4, 4], None, "float32", "add_norm", [y, norms[0]], None, 1e-5)
+        m_want = many(g, [ws[3][0]], [ws[3][1]], [ws[3][2]], [32], [4], None, "float32", act, [u], [d_norm], 1e-5)[0]
+        if not (mx.array_equal(s_got, s_want).item() and mx.array_equal(m_got, m_want).item()):
+            return f"output_mlp ({act}) differs from its products apart"
+    return None
+
+
 def _softmax_self_test(fn) -> str | None:
     """Against MLX's softmax, rows of an odd length with -inf among them; a row of -inf only gives zeros. Within
     rounding, not bit for bit (the tests ask that): another MLX's exp must not turn every kernel off."""
@@ -333,8 +356,8 @@ def rope_row(position: int, dims: int, base, scale: float) -> tuple:
 
 
 def _load() -> None:
-    global qmatmul, qmatmul_many, gather_qmatmul, rope_apply, attend, attend_cached, qtake, rms_norm, add_rms_norm
-    global activation, widen, softmax, huge_pages
+    global qmatmul, qmatmul_many, output_mlp, gather_qmatmul, rope_apply, attend, attend_cached, qtake, rms_norm
+    global add_rms_norm, activation, widen, softmax, huge_pages
     global activations, _status, _note, _kernels_module
     if os.environ.get("MLX_ENGINE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         _status = "off (MLX_ENGINE_KERNELS=0)"
@@ -363,7 +386,8 @@ def _load() -> None:
                        or _activation_self_test(_kernels.activation) or _widen_self_test(_kernels.widen)
                        or _softmax_self_test(_kernels.softmax)
                        or _prologue_self_test(_kernels.qmatmul_many, _kernels.rms_norm, _kernels.add_rms_norm,
-                                              _kernels.activation))
+                                              _kernels.activation)
+                       or _output_mlp_self_test(_kernels.output_mlp, _kernels.qmatmul_many))
     except Exception as e:  # a broken build must not stop the engine: it falls back to MLX's operations
         problem = f"{type(e).__name__}: {e}"
     if problem:
@@ -374,6 +398,7 @@ def _load() -> None:
     attend_cached, qtake = _kernels.attend_cached, _kernels.qtake
     rms_norm, add_rms_norm, activation = _kernels.rms_norm, _kernels.add_rms_norm, _kernels.activation
     widen, softmax, gather_qmatmul = _kernels.widen, _kernels.softmax, _kernels.gather_qmatmul
+    output_mlp = _kernels.output_mlp
     huge_pages = _kernels.huge_pages
     _kernels_module = _kernels
     _status = f"{_kernels.isa()}, {_kernels.threads()} threads"

@@ -164,6 +164,20 @@ class MLXTensor(Tensor):
                 return MLXTensor(ys[0])
         return super().gated_linear(up, activation, weight, out_norm, eps)
 
+    def output_mlp(self, h, o_weight, norm, gate, up, down, activation, eps, o_norm=None, down_norm=None):
+        # one graph node for the six of the operations apart, where our kernel runs them all
+        weights = (o_weight, gate, up, down)
+        if (runtime.on_cpu and cpu_kernels.output_mlp is not None and activation in ("silu", "gelu_tanh")
+                and self.a.dtype == mx.float32 and h.a.dtype == mx.float32
+                and all(isinstance(w, MLXQuantizedTensor) for w in weights)
+                and all(t is None or t.a.dtype == mx.float32 for t in (norm, o_norm, down_norm))):
+            wo, wg, wu, wd = [(w.w, w.scales, w.biases, w.group_size, w.bits, w.super_scales, w.codebook is not None)
+                              for w in weights]
+            s, m = cpu_kernels.output_mlp(self.a, h.a, wo, norm.a, wg, wu, wd, activation, eps, raw(o_norm),
+                                          raw(down_norm), o_weight.activations)
+            return MLXTensor(s), MLXTensor(m)
+        return super().output_mlp(h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm)
+
     def linear_norm(self, weight, norm, eps):
         ys = self._fused_qmatmul([weight], "none", [], None, [norm], eps)
         return super().linear_norm(weight, norm, eps) if ys is None else MLXTensor(ys[0])

@@ -285,116 +285,106 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   });
 }
 
+size_t mlx_engine::Stage::weight_inputs() const {
+  size_t n = 3 * bits.size();
+  for (size_t i = 0; i < bits.size(); ++i) n += out_norms[i] + factored[i];
+  return n;
+}
+
+bool mlx_engine::Stage::operator==(const Stage& o) const {
+  return group_sizes == o.group_sizes && bits == o.bits && symmetric == o.symmetric && out_norms == o.out_norms &&
+         factored == o.factored && codebook == o.codebook && prologue == o.prologue && eps == o.eps && int8 == o.int8;
+}
+
+void mlx_engine::run_stage(const Stage& st, const std::vector<mx::array>& inputs, const std::vector<const void*>& data,
+                           size_t w0, const float* x, int M, int K, const float* const* pro, float* sum,
+                           float* const* outs, const int* norm_dims) {
+  // x after the prologue: a decode step's in a buffer kept per thread, a prefill's freed after it
+  static thread_local std::vector<float> row_buf;
+  std::vector<float> rows_buf;
+  if (st.prologue != kNone) {
+    std::vector<float>& buf = M <= 16 ? row_buf : rows_buf;
+    buf.resize(size_t(M) * K);
+    if (st.prologue == kNorm)
+      norm_rows(x, nullptr, pro[0], nullptr, buf.data(), M, K, st.eps);
+    else if (st.prologue == kAddNorm)
+      norm_rows(x, pro[0], pro[1], sum, buf.data(), M, K, st.eps);
+    else
+      activate_all(x, pro[0], buf.data(), int64_t(M) * K, st.prologue == kSiLU ? 0 : 1);
+    x = buf.data();
+  }
+  std::vector<Problem> ps(st.bits.size());
+  size_t super_at = w0 + 3 * ps.size();  // the super scales, after the norms' weights
+  for (size_t i = 0; i < ps.size(); ++i) super_at += st.out_norms[i];
+  for (size_t i = 0; i < ps.size(); ++i) {
+    Problem& p = ps[i];
+    const mx::array& scales = inputs[w0 + 1 + 3 * i];
+    p.x = x;
+    p.w = static_cast<const uint8_t*>(data[w0 + 3 * i]);
+    p.scales = data[w0 + 1 + 3 * i];
+    p.biases = st.symmetric[i] ? nullptr : data[w0 + 2 + 3 * i];
+    p.out = outs[i];
+    p.N = p.ldo = inputs[w0 + 3 * i].shape(0);
+    p.K = K;
+    p.M = M;
+    p.group_size = st.group_sizes[i];
+    p.bits = st.bits[i];
+    p.codebook = st.codebook[i] ? kIQ4NL : nullptr;
+    p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
+    if (st.factored[i]) p.scale_type = scales.dtype() == mx::int8 ? kI8 : mlx_engine::kU8, p.super = data[super_at++];
+  }
+  qmatmul_run(ps, st.int8);
+  size_t norm_at = w0 + 3 * ps.size();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (!st.out_norms[i]) continue;
+    const int64_t D = norm_dims[i];
+    norm_rows(outs[i], nullptr, static_cast<const float*>(data[norm_at++]), nullptr, outs[i],
+              int64_t(M) * ps[i].N / D, D, st.eps);
+  }
+}
+
 namespace {
 
 // ------------------------------------------------------------------------------------------------ the primitive
 
-// What a product does to x first (the operation before a decoder layer's products), in the same node: each graph
-// node of a decode step costs about 5 us of MLX's scheduling, more than a norm of one row. Computed by the code of
-// the operation's own primitive (rows.h), so the bits are those of the operations apart.
-enum Prologue {
-  kNone = 0,
-  kNorm = 1,  // x = rms_norm(x, weight): inputs x, weight
-  kAddNorm = 2,  // s = x + residual, x = rms_norm(s, weight): inputs x, residual, weight; s is the first output
-  kSiLU = 3,  // x = silu(x) * up (a gated MLP's down projection): inputs x, up
-  kGeluTanh = 4,  // x = gelu_tanh(x) * up
-};
+using mlx_engine::kAddNorm;
+using mlx_engine::kNone;
+using mlx_engine::kNorm;
+using mlx_engine::kSiLU;
+using mlx_engine::prologue_inputs;
+using mlx_engine::Stage;
 const char* const kPrologueNames[] = {"none", "norm", "add_norm", "silu", "gelu_tanh"};
 
-int prologue_inputs(int prologue) { return prologue == kNone ? 0 : prologue == kAddNorm ? 2 : 1; }
-
-// y_i = x @ dequantize(w_i, scales_i, biases_i).T for one x and one or more weights: inputs x and the prologue's,
-// then w, scales and biases of each weight, then the weight of each output's norm; one float32 output per weight
-// (after the prologue's sum, for kAddNorm). An output with a norm (out_norms[i]) is RMSNorm-ed over its last axis
-// in place after the product (a layer's query and key norms per head, Gemma 3's norms after its projections).
+// y_i = x @ dequantize(w_i, scales_i, biases_i).T for one x and one or more weights (a Stage): inputs x and the
+// prologue's, then the stage's weights; one float32 output per weight (after the prologue's sum, for kAddNorm). An
+// output with a norm is RMSNorm-ed over its last axis in place after the product (a layer's query and key norms per
+// head, Gemma 3's norms after its projections).
 class QMatmul : public mx::Primitive {
  public:
   // out_shapes: empty, or each output's shape as given to qmatmul_many
-  // symmetric[i]: weight i has no biases (its scales stand in their place among the inputs), see Problem::biases
-  // int8: x quantized to int8 (see qmatmul_int8.inc) where the CPU has the kernel
-  // prologue: see Prologue; out_norms[i]: output i is normed; eps: the norms' epsilon
-  // factored[i]: weight i has two-level scales (kU8), its super scales among the inputs after the norms' weights
-  // codebook[i]: weight i is a codebook weight (4 bits, symmetric: see mlx_engine::kIQ4NL)
-  QMatmul(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, std::vector<bool> symmetric,
-          std::vector<mx::Shape> out_shapes, bool int8, int prologue = kNone, std::vector<bool> out_norms = {},
-          float eps = 0.f, std::vector<bool> factored = {}, std::vector<bool> codebook = {})
-      : mx::Primitive(stream),
-        group_sizes_(std::move(group_sizes)),
-        bits_(std::move(bits)),
-        symmetric_(std::move(symmetric)),
-        out_shapes_(std::move(out_shapes)),
-        int8_(int8),
-        prologue_(prologue),
-        out_norms_(std::move(out_norms)),
-        eps_(eps),
-        factored_(std::move(factored)),
-        codebook_(std::move(codebook)) {
-    out_norms_.resize(bits_.size(), false);
-    factored_.resize(bits_.size(), false);
-    codebook_.resize(bits_.size(), false);
-  }
+  QMatmul(mx::Stream stream, Stage stage, std::vector<mx::Shape> out_shapes)
+      : mx::Primitive(stream), stage_(std::move(stage)), out_shapes_(std::move(out_shapes)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     for (auto& out : outputs) encoder.set_output_array(out);
-    encoder.dispatch([inputs, outputs, gs = group_sizes_, bits = bits_, symmetric = symmetric_, int8 = int8_,
-                      prologue = prologue_, out_norms = out_norms_, eps = eps_, factored = factored_,
-                      codebook = codebook_]() mutable {
+    encoder.dispatch([inputs, outputs, st = stage_]() mutable {
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
-      // x after the prologue: a decode step's in a buffer kept per thread, a prefill's freed after it
-      static thread_local std::vector<float> row_buf;
-      std::vector<float> rows_buf;
       if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
       std::vector<const void*> data(inputs.size());
       for (size_t i = 0; i < inputs.size(); ++i) data[i] = mlx_engine::row_major(inputs[i], buffers[i]);
-      auto f32 = [&](size_t i) { return static_cast<const float*>(data[i]); };
       const mx::array& x = inputs[0];
-      const int K = x.shape(-1), M = int(x.size() / K);
-      const float* xd = f32(0);
-      if (prologue != kNone) {
-        std::vector<float>& buf = M <= 16 ? row_buf : rows_buf;
-        buf.resize(size_t(M) * K);
-        if (prologue == kNorm)
-          mlx_engine::norm_rows(xd, nullptr, f32(1), nullptr, buf.data(), M, K, eps);
-        else if (prologue == kAddNorm)
-          mlx_engine::norm_rows(xd, f32(1), f32(2), outputs[0].data<float>(), buf.data(), M, K, eps);
-        else
-          mlx_engine::activate_all(xd, f32(1), buf.data(), int64_t(M) * K, prologue == kSiLU ? 0 : 1);
-        xd = buf.data();
-      }
-      const size_t w0 = 1 + prologue_inputs(prologue), y0 = prologue == kAddNorm;
-      std::vector<Problem> ps(bits.size());
-      size_t super_at = w0 + 3 * ps.size();  // the super scales, after the norms' weights
-      for (size_t i = 0; i < ps.size(); ++i) super_at += out_norms[i];
-      for (size_t i = 0; i < ps.size(); ++i) {
-        Problem& p = ps[i];
-        const mx::array& scales = inputs[w0 + 1 + 3 * i];
-        p.x = xd;
-        p.w = static_cast<const uint8_t*>(data[w0 + 3 * i]);
-        p.scales = data[w0 + 1 + 3 * i];
-        p.biases = symmetric[i] ? nullptr : data[w0 + 2 + 3 * i];
-        p.out = outputs[y0 + i].data<float>();
-        p.N = p.ldo = inputs[w0 + 3 * i].shape(0);
-        p.K = K;
-        p.M = M;
-        p.group_size = gs[i];
-        p.bits = bits[i];
-        p.codebook = codebook[i] ? mlx_engine::kIQ4NL : nullptr;
-        p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
-        if (factored[i])
-          p.scale_type = scales.dtype() == mx::int8 ? mlx_engine::kI8 : mlx_engine::kU8, p.super = data[super_at++];
-      }
-      mlx_engine::qmatmul_run(ps, int8);
-      size_t norm_at = w0 + 3 * ps.size();
-      for (size_t i = 0; i < ps.size(); ++i) {
-        if (!out_norms[i]) continue;
-        mx::array& y = outputs[y0 + i];
-        const int64_t D = y.shape(-1);
-        mlx_engine::norm_rows(y.data<float>(), nullptr, f32(norm_at++), nullptr, y.data<float>(),
-                              int64_t(y.size()) / D, D, eps);
-      }
+      const int K = x.shape(-1), M = int(x.size() / K), npro = prologue_inputs(st.prologue);
+      const float* pro[2] = {};
+      for (int i = 0; i < npro; ++i) pro[i] = static_cast<const float*>(data[1 + i]);
+      const size_t y0 = st.prologue == kAddNorm, n = st.bits.size();
+      std::vector<float*> outs(n);
+      std::vector<int> dims(n);
+      for (size_t i = 0; i < n; ++i) outs[i] = outputs[y0 + i].data<float>(), dims[i] = outputs[y0 + i].shape(-1);
+      mlx_engine::run_stage(st, inputs, data, 1 + npro, static_cast<const float*>(data[0]), M, K, pro,
+                            y0 ? outputs[0].data<float>() : nullptr, outs.data(), dims.data());
     });
   }
 
@@ -406,19 +396,17 @@ class QMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ &&
-           out_shapes_ == o.out_shapes_ && int8_ == o.int8_ && prologue_ == o.prologue_ &&
-           out_norms_ == o.out_norms_ && eps_ == o.eps_ && factored_ == o.factored_ && codebook_ == o.codebook_;
+    return stage_ == o.stage_ && out_shapes_ == o.out_shapes_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     std::vector<mx::Shape> shapes;
-    if (prologue_ == kAddNorm) shapes.push_back(inputs[0].shape());
+    if (stage_.prologue == kAddNorm) shapes.push_back(inputs[0].shape());
     if (!out_shapes_.empty()) {
       shapes.insert(shapes.end(), out_shapes_.begin(), out_shapes_.end());
       return shapes;
     }
-    for (size_t i = 0, w0 = 1 + prologue_inputs(prologue_); i < bits_.size(); ++i) {
+    for (size_t i = 0, w0 = 1 + prologue_inputs(stage_.prologue); i < stage_.bits.size(); ++i) {
       mx::Shape shape = inputs[0].shape();
       shape.back() = inputs[w0 + 3 * i].shape(0);
       shapes.push_back(shape);
@@ -427,42 +415,60 @@ class QMatmul : public mx::Primitive {
   }
 
  private:
-  std::vector<int> group_sizes_, bits_;
-  std::vector<bool> symmetric_;
+  Stage stage_;
   std::vector<mx::Shape> out_shapes_;
-  bool int8_;
-  int prologue_;
-  std::vector<bool> out_norms_;
-  float eps_;
-  std::vector<bool> factored_, codebook_;
 };
 
-// The checks of one weight against x [..., K]; returns N.
-int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                 int group_size, int bits, const std::optional<mx::array>& super = std::nullopt) {
-  // (biases: the scales again for a symmetric weight; super: two-level scales, see kU8)
+}  // namespace
+
+int mlx_engine::check_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                             int group_size, int bits, const mx::array* super, const std::string& who) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
-    throw std::invalid_argument("qmatmul: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
-  mlx_engine::check_group(group_size, bits, "qmatmul");
-  if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument("qmatmul: w must be 2-D uint32");
+    throw std::invalid_argument(who + ": bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
+  mlx_engine::check_group(group_size, bits, who);
+  if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument(who + ": w must be 2-D uint32");
   int N = w.shape(0);
   int K = int(int64_t(w.shape(1)) * 32 / bits);
   if (x.ndim() < 1 || x.shape(-1) != K)
-    throw std::invalid_argument("qmatmul: x's last axis must be " + std::to_string(K));
+    throw std::invalid_argument(who + ": x's last axis must be " + std::to_string(K));
   if (K % group_size || K % 32)
-    throw std::invalid_argument("qmatmul: the row length is not a multiple of group_size and of 32");
+    throw std::invalid_argument(who + ": the row length is not a multiple of group_size and of 32");
   mx::Shape gshape{N, K / group_size};
   if (super) {
-    mlx_engine::check_factored(gshape, group_size, scales, scales.dtype() == mx::int8 ? nullptr : &biases, *super,
-                               "qmatmul");
+    mlx_engine::check_factored(gshape, group_size, scales, scales.dtype() == mx::int8 ? nullptr : &biases, *super, who);
     return N;
   }
   if (scales.shape() != gshape || biases.shape() != gshape || scales.dtype() != biases.dtype())
-    throw std::invalid_argument("qmatmul: scales and biases must both be [N, K / group_size] of one dtype");
+    throw std::invalid_argument(who + ": scales and biases must both be [N, K / group_size] of one dtype");
   if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16)
-    throw std::invalid_argument("qmatmul: scales must be float32, float16 or bfloat16");
+    throw std::invalid_argument(who + ": scales must be float32, float16 or bfloat16");
   return N;
 }
+
+int mlx_engine::add_weight(Stage& st, std::vector<mx::array>& inputs, std::vector<mx::array>& supers,
+                           const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const std::optional<mx::array>& biases, int group_size, int bits,
+                           const std::optional<mx::array>& super, bool codebook, const std::string& who) {
+  if (super && scales.dtype() != mx::int8 && !biases)
+    throw std::invalid_argument(who + ": two-level uint8 scales need their biases (mins)");
+  if (super && scales.dtype() == mx::int8 && biases)
+    throw std::invalid_argument(who + ": two-level int8 scales are a symmetric weight's: give no biases");
+  if (codebook && (bits != 4 || biases))
+    throw std::invalid_argument(who + ": a codebook weight has 4 bits and no biases");
+  const mx::array& b = biases ? *biases : scales;
+  const int N = check_weight(x, w, scales, b, group_size, bits, super ? &*super : nullptr, who);
+  st.group_sizes.push_back(group_size);
+  st.bits.push_back(bits);
+  st.symmetric.push_back(!biases);
+  st.out_norms.push_back(false);
+  st.factored.push_back(bool(super));
+  st.codebook.push_back(codebook);
+  inputs.insert(inputs.end(), {w, scales, b});
+  if (super) supers.push_back(*super);
+  return N;
+}
+
+namespace {
 
 // The checks of a prologue's inputs (see Prologue) against x [..., K]; returns the Prologue.
 int check_prologue(const mx::array& x, const std::string& name, const std::vector<mx::array>& in) {
@@ -514,19 +520,14 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
   std::vector<mx::array> inputs{mx::astype(x, mx::float32, s)};
   inputs.insert(inputs.end(), prologue_in.begin(), prologue_in.end());
   std::vector<mx::Shape> shapes;
-  std::vector<bool> symmetric(n);
+  Stage st;
+  st.prologue = prologue, st.eps = eps, st.int8 = activations == "int8";
+  std::vector<mx::array> super_inputs;
   for (size_t i = 0; i < n; ++i) {
-    symmetric[i] = !biases[i].has_value();
-    const mx::array& b = biases[i] ? *biases[i] : scales[i];
     mx::Shape shape = x.shape();
-    const std::optional<mx::array> super = supers ? (*supers)[i] : std::nullopt;
-    if (super && scales[i].dtype() != mx::int8 && !biases[i])
-      throw std::invalid_argument("qmatmul: two-level uint8 scales need their biases (mins)");
-    if (super && scales[i].dtype() == mx::int8 && biases[i])
-      throw std::invalid_argument("qmatmul: two-level int8 scales are a symmetric weight's: give no biases");
-    if (codebooks && (*codebooks)[i] && (bits[i] != 4 || biases[i]))
-      throw std::invalid_argument("qmatmul: a codebook weight has 4 bits and no biases");
-    shape.back() = check_weight(x, ws[i], scales[i], b, group_sizes[i], bits[i], super);
+    shape.back() = mlx_engine::add_weight(st, inputs, super_inputs, x, ws[i], scales[i], biases[i], group_sizes[i],
+                                          bits[i], supers ? (*supers)[i] : std::nullopt,
+                                          codebooks && (*codebooks)[i], "qmatmul");
     if (out_shapes) {
       mx::Shape given((*out_shapes)[i].begin(), (*out_shapes)[i].end());
       int64_t want = 1, got = 1;
@@ -541,32 +542,23 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
       shape = given;
     }
     shapes.push_back(shape);
-    inputs.insert(inputs.end(), {ws[i], scales[i], b});
   }
-  std::vector<bool> normed(n, false);
   for (size_t i = 0; out_norms && i < n; ++i) {
     const auto& w = (*out_norms)[i];
     if (!w) continue;
     if (w->dtype() != mx::float32 || w->shape() != mx::Shape{shapes[i].back()})
       throw std::invalid_argument("qmatmul_many: output " + std::to_string(i) + "'s norm weight must be float32 [" +
                                   std::to_string(shapes[i].back()) + "]");
-    normed[i] = true;
+    st.out_norms[i] = true;
     inputs.push_back(*w);
   }
-  std::vector<bool> factored(n, false);
-  for (size_t i = 0; supers && i < n; ++i) {
-    if (!(*supers)[i]) continue;
-    factored[i] = true;
-    inputs.push_back(*(*supers)[i]);
-  }
+  inputs.insert(inputs.end(), super_inputs.begin(), super_inputs.end());
   std::vector<mx::Shape> all_shapes = shapes;
   if (prologue == kAddNorm) all_shapes.insert(all_shapes.begin(), x.shape());
   // No graph node beyond the products themselves (the primitive takes its inputs in any layout).
   auto ys = mx::array::make_arrays(all_shapes, std::vector<mx::Dtype>(all_shapes.size(), mx::float32),
-                                   std::make_shared<QMatmul>(s, group_sizes, bits, symmetric,
-                                                             out_shapes ? shapes : std::vector<mx::Shape>{},
-                                                             activations == "int8", prologue, normed, eps, factored,
-                                                             codebooks ? *codebooks : std::vector<bool>{}),
+                                   std::make_shared<QMatmul>(s, std::move(st),
+                                                             out_shapes ? shapes : std::vector<mx::Shape>{}),
                                    inputs);
   for (auto& y : ys) y = mx::astype(y, x.dtype(), s);
   return ys;
@@ -590,6 +582,7 @@ void register_half(nb::module_& m);        // half.cpp
 void register_softmax(nb::module_& m);     // softmax.cpp
 void register_gather_qmatmul(nb::module_& m);  // gather_qmatmul.cpp
 void register_hugepages(nb::module_& m);  // hugepages.cpp
+void register_output_mlp(nb::module_& m);  // output_mlp.cpp
 
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
@@ -627,6 +620,7 @@ NB_MODULE(_kernels, m) {
   register_softmax(m);
   register_gather_qmatmul(m);
   register_hugepages(m);
+  register_output_mlp(m);
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
   m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI).");

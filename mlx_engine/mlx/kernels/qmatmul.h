@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,60 @@ inline float zero_point_of(const Problem& p) { return p.codebook ? -128.f : -flo
 // quantized to int8 and the int8 kernel, where the CPU has it (groups of 16 take the float32 kernel: the int8 one
 // sums per 32). Problems of two-level scales run per block of rows, their scales and biases made float32 first.
 void qmatmul_run(std::vector<Problem>& ps, bool int8);
+
+// What a product node does to x first (the operation before a decoder layer's products), in the same node: each graph
+// node of a decode step costs about 5 us of MLX's scheduling, more than a norm of one row. Computed by the code of
+// the operation's own primitive (rows.h), so the bits are those of the operations apart.
+enum Prologue {
+  kNone = 0,
+  kNorm = 1,  // x = rms_norm(x, weight): inputs weight
+  kAddNorm = 2,  // s = x + residual, x = rms_norm(s, weight): inputs residual, weight; s an output
+  kSiLU = 3,  // x = silu(x) * up (a gated MLP's down projection): inputs up
+  kGeluTanh = 4,  // x = gelu_tanh(x) * up
+};
+
+// The inputs a prologue takes besides x.
+inline int prologue_inputs(int prologue) { return prologue == kNone ? 0 : prologue == kAddNorm ? 2 : 1; }
+
+// One product node's work (the qmatmul primitive's, or one stage of output_mlp's): the prologue on x, then the
+// products of x with one or more weights as one parallel job, then the norms of the outputs that have one. Weight i
+// takes 3 inputs (w, scales, biases: the scales again for a symmetric weight), after them come the weights of the
+// outputs' norms, then the super scales of the factored weights.
+struct Stage {
+  std::vector<int> group_sizes, bits;
+  std::vector<bool> symmetric;  // no biases (see Problem::biases)
+  std::vector<bool> out_norms;  // output i RMSNorm-ed over its last axis after the product
+  std::vector<bool> factored;  // two-level scales (kU8 or kI8), the super scales among the inputs
+  std::vector<bool> codebook;  // a codebook weight (kIQ4NL)
+  int prologue = kNone;
+  float eps = 0.f;  // the norms' epsilon (prologue and outputs)
+  bool int8 = false;  // x quantized to int8 where the CPU has the kernel
+  // How many inputs the weights take (3 each, the norms' weights, the super scales).
+  size_t weight_inputs() const;
+  bool operator==(const Stage& o) const;
+};
+
+// Runs `st` on float32 x [M, K] (row-major): `pro` the prologue's inputs (kNorm: the norm's weight; kAddNorm: the
+// residual and the weight; the activations: up), `sum` kAddNorm's x + residual; the weights' inputs from `w0` on
+// (`inputs` and their row-major `data`); output i into outs[i] [M, N_i], normed (out_norms[i]) per norm_dims[i]
+// elements.
+void run_stage(const Stage& st, const std::vector<mlx::core::array>& inputs, const std::vector<const void*>& data,
+               size_t w0, const float* x, int M, int K, const float* const* pro, float* sum, float* const* outs,
+               const int* norm_dims);
+
+// The checks of a weight for a product with x [..., K] (biases: the scales again for a symmetric weight; super:
+// two-level scales); returns N, throws std::invalid_argument naming `who`.
+int check_weight(const mlx::core::array& x, const mlx::core::array& w, const mlx::core::array& scales,
+                 const mlx::core::array& biases, int group_size, int bits, const mlx::core::array* super,
+                 const std::string& who);
+
+// One weight of a product node: checks it against x [..., K] (check_weight; biases null: a symmetric weight; super:
+// two-level scales; codebook: kIQ4NL) and appends it to `st`, its w, scales and biases (the scales again where it has
+// none) to `inputs` and its super scales to `supers` (the caller appends these after the outputs' norms); returns N.
+int add_weight(Stage& st, std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& supers,
+               const mlx::core::array& x, const mlx::core::array& w, const mlx::core::array& scales,
+               const std::optional<mlx::core::array>& biases, int group_size, int bits,
+               const std::optional<mlx::core::array>& super, bool codebook, const std::string& who);
 
 // Rows [n0, n0 + count) of a problem with two-level scales (kU8, kI8): their scales and biases as float32 into `s`
 // and `b` ([count, K / group_size] each; a kI8 weight's biases -2**(bits - 1) * scale), exact products, with the
