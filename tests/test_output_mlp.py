@@ -142,3 +142,35 @@ def test_bad_arguments_are_refused_with_what_was_wrong():
     for change, message in cases:
         with pytest.raises(ValueError, match=message):
             call(**change)
+
+
+def test_product_nodes_keep_constant_weights_and_stay_apart_under_compile():
+    """A product node keeps the evaluated constants among its inputs (a model's weights: each graph input costs MLX
+    time at every call of a compiled step) instead of as graph inputs; two nodes alike but for the weights they keep
+    must not be merged by compile's common-subexpression pass, and the same weights given as a compiled function's
+    arguments (tracers: graph inputs) give the same bits."""
+    import io
+    import re
+
+    keys = iter(mx.random.split(mx.random.key(3), 4))
+    w1, w2 = (mx.quantize(mx.random.normal((64, 128), key=next(keys)), group_size=32, bits=4) for _ in range(2))
+    x = mx.random.normal((1, 128), key=next(keys))
+    mx.eval(w1, w2, x)
+
+    def two(x, a, b):
+        return (cpu_kernels.qmatmul(x, *a, 32, 4), cpu_kernels.qmatmul(x, *b, 32, 4))
+
+    want = [np.array(x) @ (np.array(mx.dequantize(*w, group_size=32, bits=4)).T) for w in (w1, w2)]
+    eager = two(x, w1, w2)
+    closed = mx.compile(lambda x: two(x, w1, w2))(x)  # constants: kept by the nodes
+    traced = mx.compile(lambda x, *ws: two(x, ws[:3], ws[3:]))(x, *w1, *w2)  # arguments: graph inputs
+    for got in (eager, closed, traced):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.array(g), w, rtol=1e-5, atol=1e-4)
+        assert all(mx.array_equal(g, e).item() for g, e in zip(got, eager))
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *two(x, w1, w2))
+    nodes = re.findall(r'\{ (\d+) \[label ="MLXEngineQMatmul"', dot.getvalue())
+    assert len(nodes) == 2
+    for node in nodes:  # x alone goes in: no weight among the graph's edges
+        assert len(re.findall(rf'"\w+" -> {node}\n', dot.getvalue())) == 1

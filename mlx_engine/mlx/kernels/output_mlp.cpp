@@ -36,14 +36,16 @@ using mlx_engine::Stage;
 // both of h's shape (the caller adds them: a decode step defers the add to the next layer's input norm).
 class OutputMLP : public mx::Primitive {
  public:
-  OutputMLP(mx::Stream stream, std::vector<Stage> stages) : mx::Primitive(stream), stages_(std::move(stages)) {}
+  OutputMLP(mx::Stream stream, std::vector<Stage> stages, mlx_engine::HeldInputs held)
+      : mx::Primitive(stream), stages_(std::move(stages)), held_(std::move(held)) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+  void eval_cpu(const std::vector<mx::array>& graph_inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
+    for (const auto& a : graph_inputs) encoder.set_input_array(a);
     for (auto& out : outputs) encoder.set_output_array(out);
-    encoder.dispatch([inputs, outputs, stages = stages_]() mutable {
+    encoder.dispatch([graph_inputs, outputs, stages = stages_, held = held_]() mutable {
+      const std::vector<mx::array> inputs = held.join(graph_inputs);
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
       if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
       std::vector<const void*> data(inputs.size());
@@ -77,15 +79,18 @@ class OutputMLP : public mx::Primitive {
   const char* name() const override { return "MLXEngineOutputMLP"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return stages_ == static_cast<const OutputMLP&>(other).stages_;
+    auto& o = static_cast<const OutputMLP&>(other);
+    return stages_ == o.stages_ && held_ == o.held_;
   }
 
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[1].shape(), inputs[1].shape()};
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& graph_inputs) override {
+    const mx::Shape h = held_.join(graph_inputs)[1].shape();
+    return {h, h};
   }
 
  private:
   std::vector<Stage> stages_;  // the output projection; add, norm, gate and up; the activation and down
+  mlx_engine::HeldInputs held_;  // (see there)
 };
 
 // A weight as Python gives it: (w, scales, biases or None, group_size, bits, super or None, codebook).
@@ -150,8 +155,10 @@ std::vector<mx::array> output_mlp(const mx::array& o, const mx::array& h, const 
   add_norm(st[2], inputs, down_norm, D, 0, "down_norm");
   inputs.insert(inputs.end(), supers.begin(), supers.end());
   mx::Stream s = mx::default_stream(mx::Device::cpu);
+  mlx_engine::HeldInputs held;
+  inputs = held.split(std::move(inputs));
   return mx::array::make_arrays({h.shape(), h.shape()}, {mx::float32, mx::float32},
-                                std::make_shared<OutputMLP>(s, std::move(st)), std::move(inputs));
+                                std::make_shared<OutputMLP>(s, std::move(st), std::move(held)), std::move(inputs));
 }
 
 }  // namespace

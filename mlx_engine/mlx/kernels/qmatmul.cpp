@@ -296,6 +296,32 @@ bool mlx_engine::Stage::operator==(const Stage& o) const {
          factored == o.factored && codebook == o.codebook && prologue == o.prologue && eps == o.eps && int8 == o.int8;
 }
 
+std::vector<mx::array> mlx_engine::HeldInputs::split(std::vector<mx::array> all) {
+  std::vector<mx::array> graph, kept;
+  kept_.assign(all.size(), false);
+  for (size_t i = 0; i < all.size(); ++i) {
+    kept_[i] = i > 0 && !all[i].is_tracer() && all[i].is_available();
+    (kept_[i] ? kept : graph).push_back(std::move(all[i]));
+  }
+  arrays_ = std::make_shared<const std::vector<mx::array>>(std::move(kept));
+  return graph;
+}
+
+std::vector<mx::array> mlx_engine::HeldInputs::join(const std::vector<mx::array>& inputs) const {
+  if (arrays_->empty()) return inputs;
+  std::vector<mx::array> all;
+  all.reserve(kept_.size());
+  for (size_t i = 0, g = 0, k = 0; i < kept_.size(); ++i) all.push_back(kept_[i] ? (*arrays_)[k++] : inputs[g++]);
+  return all;
+}
+
+bool mlx_engine::HeldInputs::operator==(const HeldInputs& o) const {
+  if (kept_ != o.kept_ || arrays_->size() != o.arrays_->size()) return false;
+  for (size_t i = 0; i < arrays_->size(); ++i)
+    if ((*arrays_)[i].id() != (*o.arrays_)[i].id()) return false;
+  return true;
+}
+
 void mlx_engine::run_stage(const Stage& st, const std::vector<mx::array>& inputs, const std::vector<const void*>& data,
                            size_t w0, const float* x, int M, int K, const float* const* pro, float* sum,
                            float* const* outs, const int* norm_dims) {
@@ -362,15 +388,17 @@ const char* const kPrologueNames[] = {"none", "norm", "add_norm", "silu", "gelu_
 class QMatmul : public mx::Primitive {
  public:
   // out_shapes: empty, or each output's shape as given to qmatmul_many
-  QMatmul(mx::Stream stream, Stage stage, std::vector<mx::Shape> out_shapes)
-      : mx::Primitive(stream), stage_(std::move(stage)), out_shapes_(std::move(out_shapes)) {}
+  // held: the inputs it keeps (see HeldInputs)
+  QMatmul(mx::Stream stream, Stage stage, std::vector<mx::Shape> out_shapes, mlx_engine::HeldInputs held)
+      : mx::Primitive(stream), stage_(std::move(stage)), out_shapes_(std::move(out_shapes)), held_(std::move(held)) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+  void eval_cpu(const std::vector<mx::array>& graph_inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
+    for (const auto& a : graph_inputs) encoder.set_input_array(a);
     for (auto& out : outputs) encoder.set_output_array(out);
-    encoder.dispatch([inputs, outputs, st = stage_]() mutable {
+    encoder.dispatch([graph_inputs, outputs, st = stage_, held = held_]() mutable {
+      const std::vector<mx::array> inputs = held.join(graph_inputs);
       static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
       if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
       std::vector<const void*> data(inputs.size());
@@ -396,10 +424,11 @@ class QMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return stage_ == o.stage_ && out_shapes_ == o.out_shapes_;
+    return stage_ == o.stage_ && out_shapes_ == o.out_shapes_ && held_ == o.held_;
   }
 
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& graph_inputs) override {
+    const std::vector<mx::array> inputs = held_.join(graph_inputs);
     std::vector<mx::Shape> shapes;
     if (stage_.prologue == kAddNorm) shapes.push_back(inputs[0].shape());
     if (!out_shapes_.empty()) {
@@ -417,6 +446,7 @@ class QMatmul : public mx::Primitive {
  private:
   Stage stage_;
   std::vector<mx::Shape> out_shapes_;
+  mlx_engine::HeldInputs held_;
 };
 
 }  // namespace
@@ -556,9 +586,12 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
   std::vector<mx::Shape> all_shapes = shapes;
   if (prologue == kAddNorm) all_shapes.insert(all_shapes.begin(), x.shape());
   // No graph node beyond the products themselves (the primitive takes its inputs in any layout).
+  mlx_engine::HeldInputs held;
+  inputs = held.split(std::move(inputs));
   auto ys = mx::array::make_arrays(all_shapes, std::vector<mx::Dtype>(all_shapes.size(), mx::float32),
                                    std::make_shared<QMatmul>(s, std::move(st),
-                                                             out_shapes ? shapes : std::vector<mx::Shape>{}),
+                                                             out_shapes ? shapes : std::vector<mx::Shape>{},
+                                                             std::move(held)),
                                    inputs);
   for (auto& y : ys) y = mx::astype(y, x.dtype(), s);
   return ys;

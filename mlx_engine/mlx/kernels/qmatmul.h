@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -77,6 +78,23 @@ struct Stage {
   // How many inputs the weights take (3 each, the norms' weights, the super scales).
   size_t weight_inputs() const;
   bool operator==(const Stage& o) const;
+};
+
+// A node's inputs that are evaluated constants (a model's weights and norms, in a compiled decode step), kept by its
+// primitive instead of as graph inputs: MLX spends about 1 us of the calling thread on each graph input of a node at
+// every call of a compiled step (its replay and eval build hash maps over them), and a layer's products have about 25.
+// Input 0 (x) always stays a graph input.
+class HeldInputs {
+ public:
+  // The graph inputs of `all`; the others are kept here.
+  std::vector<mlx::core::array> split(std::vector<mlx::core::array> all);
+  // A node's graph inputs with the kept ones back in their places.
+  std::vector<mlx::core::array> join(const std::vector<mlx::core::array>& inputs) const;
+  bool operator==(const HeldInputs& o) const;
+
+ private:
+  std::vector<bool> kept_;  // per place of the full input list
+  std::shared_ptr<const std::vector<mlx::core::array>> arrays_ = std::make_shared<std::vector<mlx::core::array>>();
 };
 
 // Runs `st` on float32 x [M, K] (row-major): `pro` the prologue's inputs (kNorm: the norm's weight; kAddNorm: the
