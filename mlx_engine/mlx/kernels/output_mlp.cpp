@@ -96,9 +96,8 @@ class OutputMLP : public mx::Primitive {
 // A weight as Python gives it: (w, scales, biases or None, group_size, bits, super or None, codebook).
 using WeightArg = std::tuple<mx::array, mx::array, std::optional<mx::array>, int, int, std::optional<mx::array>, bool>;
 
-int add(Stage& st, std::vector<mx::array>& inputs, std::vector<mx::array>& supers, const mx::array& x,
-        const WeightArg& a) {
-  return mlx_engine::add_weight(st, inputs, supers, x, std::get<0>(a), std::get<1>(a), std::get<2>(a), std::get<3>(a),
+int add(Stage& st, std::vector<mx::array>& inputs, std::vector<mx::array>& supers, int K, const WeightArg& a) {
+  return mlx_engine::add_weight(st, inputs, supers, K, std::get<0>(a), std::get<1>(a), std::get<2>(a), std::get<3>(a),
                                 std::get<4>(a), std::get<5>(a), std::get<6>(a), "output_mlp");
 }
 
@@ -133,24 +132,22 @@ std::vector<mx::array> output_mlp(const mx::array& o, const mx::array& h, const 
                                 " inputs each");
   if (norm.dtype() != mx::float32 || norm.shape() != mx::Shape{D})
     throw std::invalid_argument("output_mlp: the MLP's norm weight must be float32 [" + std::to_string(D) + "]");
-  const mx::array x_o = mx::reshape(o, {int(M), K}, mx::default_stream(mx::Device::cpu));  // for the checks only
   std::vector<mx::array> inputs{o, h, norm}, supers;
   std::vector<Stage> st(3);
   for (auto& s : st) s.eps = eps, s.int8 = activations == "int8";
   st[1].prologue = mlx_engine::kAddNorm;
   st[2].prologue = activation == "silu" ? mlx_engine::kSiLU : mlx_engine::kGeluTanh;
-  if (add(st[0], inputs, supers, x_o, wo) != D)
+  if (add(st[0], inputs, supers, K, wo) != D)
     throw std::invalid_argument("output_mlp: the output projection must give h's " + std::to_string(D) + " features");
   add_norm(st[0], inputs, o_norm, D, 0, "o_norm");
   inputs.insert(inputs.end(), supers.begin(), supers.end());
   supers.clear();
-  const int F = add(st[1], inputs, supers, h, gate);
-  if (add(st[1], inputs, supers, h, up) != F)
+  const int F = add(st[1], inputs, supers, D, gate);
+  if (add(st[1], inputs, supers, D, up) != F)
     throw std::invalid_argument("output_mlp: the gate and up projections must have as many outputs");
   inputs.insert(inputs.end(), supers.begin(), supers.end());
   supers.clear();
-  const mx::array x_d = mx::zeros({1, F}, mx::float32);  // (never evaluated: its shape for the checks)
-  if (add(st[2], inputs, supers, x_d, down) != D)
+  if (add(st[2], inputs, supers, F, down) != D)
     throw std::invalid_argument("output_mlp: the down projection must give h's " + std::to_string(D) + " features");
   add_norm(st[2], inputs, down_norm, D, 0, "down_norm");
   inputs.insert(inputs.end(), supers.begin(), supers.end());

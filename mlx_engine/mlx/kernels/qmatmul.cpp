@@ -451,16 +451,19 @@ class QMatmul : public mx::Primitive {
 
 }  // namespace
 
-int mlx_engine::check_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                             int group_size, int bits, const mx::array* super, const std::string& who) {
+namespace {
+
+// The checks of a weight for a product with x [..., Kx] (biases: the scales again for a symmetric weight; super:
+// two-level scales); returns N.
+int check_weight(int Kx, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                 const mx::array* super, const std::string& who) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument(who + ": bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   mlx_engine::check_group(group_size, bits, who);
   if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument(who + ": w must be 2-D uint32");
   int N = w.shape(0);
   int K = int(int64_t(w.shape(1)) * 32 / bits);
-  if (x.ndim() < 1 || x.shape(-1) != K)
-    throw std::invalid_argument(who + ": x's last axis must be " + std::to_string(K));
+  if (Kx != K) throw std::invalid_argument(who + ": x's last axis must be " + std::to_string(K));
   if (K % group_size || K % 32)
     throw std::invalid_argument(who + ": the row length is not a multiple of group_size and of 32");
   mx::Shape gshape{N, K / group_size};
@@ -475,8 +478,10 @@ int mlx_engine::check_weight(const mx::array& x, const mx::array& w, const mx::a
   return N;
 }
 
-int mlx_engine::add_weight(Stage& st, std::vector<mx::array>& inputs, std::vector<mx::array>& supers,
-                           const mx::array& x, const mx::array& w, const mx::array& scales,
+}  // namespace
+
+int mlx_engine::add_weight(Stage& st, std::vector<mx::array>& inputs, std::vector<mx::array>& supers, int K,
+                           const mx::array& w, const mx::array& scales,
                            const std::optional<mx::array>& biases, int group_size, int bits,
                            const std::optional<mx::array>& super, bool codebook, const std::string& who) {
   if (super && scales.dtype() != mx::int8 && !biases)
@@ -486,7 +491,7 @@ int mlx_engine::add_weight(Stage& st, std::vector<mx::array>& inputs, std::vecto
   if (codebook && (bits != 4 || biases))
     throw std::invalid_argument(who + ": a codebook weight has 4 bits and no biases");
   const mx::array& b = biases ? *biases : scales;
-  const int N = check_weight(x, w, scales, b, group_size, bits, super ? &*super : nullptr, who);
+  const int N = check_weight(K, w, scales, b, group_size, bits, super ? &*super : nullptr, who);
   st.group_sizes.push_back(group_size);
   st.bits.push_back(bits);
   st.symmetric.push_back(!biases);
@@ -555,7 +560,8 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
   std::vector<mx::array> super_inputs;
   for (size_t i = 0; i < n; ++i) {
     mx::Shape shape = x.shape();
-    shape.back() = mlx_engine::add_weight(st, inputs, super_inputs, x, ws[i], scales[i], biases[i], group_sizes[i],
+    shape.back() = mlx_engine::add_weight(st, inputs, super_inputs, x.ndim() ? x.shape(-1) : -1, ws[i], scales[i],
+                                          biases[i], group_sizes[i],
                                           bits[i], supers ? (*supers)[i] : std::nullopt,
                                           codebooks && (*codebooks)[i], "qmatmul");
     if (out_shapes) {

@@ -105,17 +105,12 @@ void run_stage(const Stage& st, const std::vector<mlx::core::array>& inputs, con
                size_t w0, const float* x, int M, int K, const float* const* pro, float* sum, float* const* outs,
                const int* norm_dims);
 
-// The checks of a weight for a product with x [..., K] (biases: the scales again for a symmetric weight; super:
-// two-level scales); returns N, throws std::invalid_argument naming `who`.
-int check_weight(const mlx::core::array& x, const mlx::core::array& w, const mlx::core::array& scales,
-                 const mlx::core::array& biases, int group_size, int bits, const mlx::core::array* super,
-                 const std::string& who);
-
-// One weight of a product node: checks it against x [..., K] (check_weight; biases null: a symmetric weight; super:
-// two-level scales; codebook: kIQ4NL) and appends it to `st`, its w, scales and biases (the scales again where it has
-// none) to `inputs` and its super scales to `supers` (the caller appends these after the outputs' norms); returns N.
-int add_weight(Stage& st, std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& supers,
-               const mlx::core::array& x, const mlx::core::array& w, const mlx::core::array& scales,
+// One weight of a product node: checks it for inputs of `K` elements a row (x [..., K]; biases null: a symmetric
+// weight; super: two-level scales; codebook: kIQ4NL), throwing std::invalid_argument naming `who`, and appends it to
+// `st`, its w, scales and biases (the scales again where it has none) to `inputs` and its super scales to `supers`
+// (the caller appends these after the outputs' norms); returns N.
+int add_weight(Stage& st, std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& supers, int K,
+               const mlx::core::array& w, const mlx::core::array& scales,
                const std::optional<mlx::core::array>& biases, int group_size, int bits,
                const std::optional<mlx::core::array>& super, bool codebook, const std::string& who);
 
