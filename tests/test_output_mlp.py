@@ -142,6 +142,8 @@ def test_bad_arguments_are_refused_with_what_was_wrong():
     for change, message in cases:
         with pytest.raises(ValueError, match=message):
             call(**change)
+    s, m = call(o=mx.zeros((1, 0, K_O)), h=mx.zeros((1, 0, D)))  # no rows: empty results
+    assert s.shape == m.shape == (1, 0, D) and s.size == m.size == 0
 
 
 def test_product_nodes_keep_constant_weights_and_stay_apart_under_compile():

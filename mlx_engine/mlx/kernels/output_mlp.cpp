@@ -52,8 +52,9 @@ class OutputMLP : public mx::Primitive {
       for (size_t i = 0; i < inputs.size(); ++i) data[i] = mlx_engine::row_major(inputs[i], buffers[i]);
       auto f32 = [&](size_t i) { return static_cast<const float*>(data[i]); };
       const size_t w1 = 3, w2 = w1 + stages[0].weight_inputs(), w3 = w2 + stages[1].weight_inputs();
-      const int D = inputs[1].shape(-1), M = int(inputs[1].size() / D), K = int(inputs[0].size() / M);
-      const int F = inputs[w2].shape(0);
+      const int D = inputs[1].shape(-1), M = int(inputs[1].size() / D);
+      if (M == 0) return;  // no rows: nothing to compute
+      const int K = int(inputs[0].size() / M), F = inputs[w2].shape(0);
       // the products' results between the stages: a decode step's in buffers kept per thread
       static thread_local std::vector<float> row_buf;
       std::vector<float> rows_buf;
