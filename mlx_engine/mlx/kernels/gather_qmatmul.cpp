@@ -58,10 +58,7 @@ class GatherQMatmul : public mx::Primitive {
     encoder.set_output_array(out);
     encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_, int8 = int8_,
                       factored = factored_, codebook = codebook_]() mutable {
-      static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
-      if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
-      std::vector<const void*> data(inputs.size());
-      for (size_t i = 0; i < inputs.size(); ++i) data[i] = mlx_engine::row_major(inputs[i], buffers[i]);
+      const std::vector<const void*> data = mlx_engine::row_major_all(inputs);
       const mx::array &w = inputs[1], &scales = inputs[2], &idx = inputs[4];
       const int K = inputs[0].shape(-1), N = int(inputs[0].size() / K), k = idx.shape(-1);
       const int E = w.shape(0), I = w.shape(1), groups = K / gs;

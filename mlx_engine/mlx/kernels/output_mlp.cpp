@@ -37,19 +37,19 @@ using mlx_engine::Stage;
 class OutputMLP : public mx::Primitive {
  public:
   OutputMLP(mx::Stream stream, std::vector<Stage> stages, mlx_engine::HeldInputs held)
-      : mx::Primitive(stream), stages_(std::move(stages)), held_(std::move(held)) {}
+      : mx::Primitive(stream),
+        stages_(std::make_shared<const std::vector<Stage>>(std::move(stages))),
+        held_(std::move(held)) {}
 
   void eval_cpu(const std::vector<mx::array>& graph_inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : graph_inputs) encoder.set_input_array(a);
     for (auto& out : outputs) encoder.set_output_array(out);
-    encoder.dispatch([graph_inputs, outputs, stages = stages_, held = held_]() mutable {
+    encoder.dispatch([graph_inputs, outputs, shared = stages_, held = held_]() mutable {
+      const std::vector<Stage>& stages = *shared;
       const std::vector<mx::array> inputs = held.join(graph_inputs);
-      static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
-      if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
-      std::vector<const void*> data(inputs.size());
-      for (size_t i = 0; i < inputs.size(); ++i) data[i] = mlx_engine::row_major(inputs[i], buffers[i]);
+      const std::vector<const void*> data = mlx_engine::row_major_all(inputs);
       auto f32 = [&](size_t i) { return static_cast<const float*>(data[i]); };
       const size_t w1 = 3, w2 = w1 + stages[0].weight_inputs(), w3 = w2 + stages[1].weight_inputs();
       const int D = inputs[1].shape(-1), M = int(inputs[1].size() / D);
@@ -81,7 +81,7 @@ class OutputMLP : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const OutputMLP&>(other);
-    return stages_ == o.stages_ && held_ == o.held_;
+    return *stages_ == *o.stages_ && held_ == o.held_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& graph_inputs) override {
@@ -90,7 +90,8 @@ class OutputMLP : public mx::Primitive {
   }
 
  private:
-  std::vector<Stage> stages_;  // the output projection; add, norm, gate and up; the activation and down
+  // the output projection; add, norm, gate and up; the activation and down (shared with the tasks)
+  std::shared_ptr<const std::vector<Stage>> stages_;
   mlx_engine::HeldInputs held_;  // (see there)
 };
 

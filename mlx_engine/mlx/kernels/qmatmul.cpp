@@ -297,28 +297,31 @@ bool mlx_engine::Stage::operator==(const Stage& o) const {
 }
 
 std::vector<mx::array> mlx_engine::HeldInputs::split(std::vector<mx::array> all) {
-  std::vector<mx::array> graph, kept;
-  kept_.assign(all.size(), false);
+  std::vector<mx::array> graph;
+  Kept kept;
+  kept.places.assign(all.size(), false);
   for (size_t i = 0; i < all.size(); ++i) {
-    kept_[i] = i > 0 && !all[i].is_tracer() && all[i].is_available();
-    (kept_[i] ? kept : graph).push_back(std::move(all[i]));
+    kept.places[i] = i > 0 && !all[i].is_tracer() && all[i].is_available();
+    (kept.places[i] ? kept.arrays : graph).push_back(std::move(all[i]));
   }
-  arrays_ = std::make_shared<const std::vector<mx::array>>(std::move(kept));
+  kept_ = std::make_shared<const Kept>(std::move(kept));
   return graph;
 }
 
 std::vector<mx::array> mlx_engine::HeldInputs::join(const std::vector<mx::array>& inputs) const {
-  if (arrays_->empty()) return inputs;
+  const Kept& k = *kept_;
+  if (k.arrays.empty()) return inputs;
   std::vector<mx::array> all;
-  all.reserve(kept_.size());
-  for (size_t i = 0, g = 0, k = 0; i < kept_.size(); ++i) all.push_back(kept_[i] ? (*arrays_)[k++] : inputs[g++]);
+  all.reserve(k.places.size());
+  for (size_t i = 0, g = 0, j = 0; i < k.places.size(); ++i) all.push_back(k.places[i] ? k.arrays[j++] : inputs[g++]);
   return all;
 }
 
 bool mlx_engine::HeldInputs::operator==(const HeldInputs& o) const {
-  if (kept_ != o.kept_ || arrays_->size() != o.arrays_->size()) return false;
-  for (size_t i = 0; i < arrays_->size(); ++i)
-    if ((*arrays_)[i].id() != (*o.arrays_)[i].id()) return false;
+  const Kept &a = *kept_, &b = *o.kept_;
+  if (a.places != b.places || a.arrays.size() != b.arrays.size()) return false;
+  for (size_t i = 0; i < a.arrays.size(); ++i)
+    if (a.arrays[i].id() != b.arrays[i].id()) return false;
   return true;
 }
 
@@ -390,19 +393,20 @@ class QMatmul : public mx::Primitive {
   // out_shapes: empty, or each output's shape as given to qmatmul_many
   // held: the inputs it keeps (see HeldInputs)
   QMatmul(mx::Stream stream, Stage stage, std::vector<mx::Shape> out_shapes, mlx_engine::HeldInputs held)
-      : mx::Primitive(stream), stage_(std::move(stage)), out_shapes_(std::move(out_shapes)), held_(std::move(held)) {}
+      : mx::Primitive(stream),
+        stage_(std::make_shared<const Stage>(std::move(stage))),
+        out_shapes_(std::move(out_shapes)),
+        held_(std::move(held)) {}
 
   void eval_cpu(const std::vector<mx::array>& graph_inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : graph_inputs) encoder.set_input_array(a);
     for (auto& out : outputs) encoder.set_output_array(out);
-    encoder.dispatch([graph_inputs, outputs, st = stage_, held = held_]() mutable {
+    encoder.dispatch([graph_inputs, outputs, stage = stage_, held = held_]() mutable {
+      const Stage& st = *stage;
       const std::vector<mx::array> inputs = held.join(graph_inputs);
-      static thread_local std::vector<std::vector<uint8_t>> buffers;  // (strided.h)
-      if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
-      std::vector<const void*> data(inputs.size());
-      for (size_t i = 0; i < inputs.size(); ++i) data[i] = mlx_engine::row_major(inputs[i], buffers[i]);
+      const std::vector<const void*> data = mlx_engine::row_major_all(inputs);
       const mx::array& x = inputs[0];
       const int K = x.shape(-1), M = int(x.size() / K), npro = prologue_inputs(st.prologue);
       const float* pro[2] = {};
@@ -424,18 +428,18 @@ class QMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return stage_ == o.stage_ && out_shapes_ == o.out_shapes_ && held_ == o.held_;
+    return *stage_ == *o.stage_ && out_shapes_ == o.out_shapes_ && held_ == o.held_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& graph_inputs) override {
     const std::vector<mx::array> inputs = held_.join(graph_inputs);
     std::vector<mx::Shape> shapes;
-    if (stage_.prologue == kAddNorm) shapes.push_back(inputs[0].shape());
+    if (stage_->prologue == kAddNorm) shapes.push_back(inputs[0].shape());
     if (!out_shapes_.empty()) {
       shapes.insert(shapes.end(), out_shapes_.begin(), out_shapes_.end());
       return shapes;
     }
-    for (size_t i = 0, w0 = 1 + prologue_inputs(stage_.prologue); i < stage_.bits.size(); ++i) {
+    for (size_t i = 0, w0 = 1 + prologue_inputs(stage_->prologue); i < stage_->bits.size(); ++i) {
       mx::Shape shape = inputs[0].shape();
       shape.back() = inputs[w0 + 3 * i].shape(0);
       shapes.push_back(shape);
@@ -444,7 +448,7 @@ class QMatmul : public mx::Primitive {
   }
 
  private:
-  Stage stage_;
+  std::shared_ptr<const Stage> stage_;  // shared with the tasks (a copy per dispatch is a dozen allocations)
   std::vector<mx::Shape> out_shapes_;
   mlx_engine::HeldInputs held_;
 };

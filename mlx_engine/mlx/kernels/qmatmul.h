@@ -83,7 +83,7 @@ struct Stage {
 // A node's inputs that are evaluated constants (a model's weights and norms, in a compiled decode step), kept by its
 // primitive instead of as graph inputs: MLX spends about 1 us of the calling thread on each graph input of a node at
 // every call of a compiled step (its replay and eval build hash maps over them), and a layer's products have about 25.
-// Input 0 (x) always stays a graph input.
+// Input 0 (x) always stays a graph input. A copy shares the kept arrays (a node's task takes one per dispatch).
 class HeldInputs {
  public:
   // The graph inputs of `all`; the others are kept here.
@@ -93,8 +93,11 @@ class HeldInputs {
   bool operator==(const HeldInputs& o) const;
 
  private:
-  std::vector<bool> kept_;  // per place of the full input list
-  std::shared_ptr<const std::vector<mlx::core::array>> arrays_ = std::make_shared<std::vector<mlx::core::array>>();
+  struct Kept {
+    std::vector<bool> places;  // per place of the full input list: kept here
+    std::vector<mlx::core::array> arrays;  // those, in order
+  };
+  std::shared_ptr<const Kept> kept_ = std::make_shared<const Kept>();
 };
 
 // Runs `st` on float32 x [M, K] (row-major): `pro` the prologue's inputs (kNorm: the norm's weight; kAddNorm: the

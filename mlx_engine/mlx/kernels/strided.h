@@ -35,4 +35,14 @@ inline const void* row_major(const mlx::core::array& a, std::vector<uint8_t>& bu
   return buf.data();
 }
 
+// The data of each of a primitive's inputs in row-major order (row_major), the copies in buffers of the calling
+// thread, valid until its next call.
+inline std::vector<const void*> row_major_all(const std::vector<mlx::core::array>& inputs) {
+  static thread_local std::vector<std::vector<uint8_t>> buffers;
+  if (buffers.size() < inputs.size()) buffers.resize(inputs.size());
+  std::vector<const void*> data(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) data[i] = row_major(inputs[i], buffers[i]);
+  return data;
+}
+
 }  // namespace mlx_engine
