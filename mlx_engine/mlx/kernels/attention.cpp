@@ -136,6 +136,41 @@ INLINE f32x16 hsum16(const f32x16* a) {
          __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
+// acc[j]: the 16 lanes of q . k[r0 + j] for 16 keys, over the first D16 features (each lane summed over the
+// features in order, as dot_row's). NQ: D16 / 16 known at compile time (q then held in registers and each key's row
+// read start to end: with the features outside and the keys inside, 16 key pointers were live and spilled, and a
+// head size of 64 scored at about 10 GB/s a core), or 0 for any.
+template <int NQ>
+INLINE void dots16(const float* qn, View k, int64_t r0, int D16, f32x16* acc) {
+  if constexpr (NQ > 0) {
+    f32x16 a[NQ];
+    for (int i = 0; i < NQ; ++i) std::memcpy(&a[i], qn + 16 * i, 64);
+    const float* kj = k.row(r0);
+    // opaque to the optimizer: otherwise it keeps 16 key pointers (one per j) across the calls, and spills them
+    asm("" : "+r"(kj));
+    for (int j = 0; j < 16; ++j, kj += k.row_stride) {
+      f32x16 s{};
+      for (int i = 0; i < NQ; ++i) {
+        f32x16 b;
+        std::memcpy(&b, kj + 16 * i, 64);
+        s += a[i] * b;
+      }
+      acc[j] = s;
+    }
+  } else {
+    for (int j = 0; j < 16; ++j) acc[j] = f32x16{};
+    for (int i = 0; i < D16; i += 16) {
+      f32x16 a;
+      std::memcpy(&a, qn + i, 64);
+      for (int j = 0; j < 16; ++j) {
+        f32x16 b;
+        std::memcpy(&b, k.row(r0 + j) + i, 64);
+        acc[j] += a * b;
+      }
+    }
+  }
+}
+
 // The scores of one query over keys [s0, s0 + L) into `sc` (L rounded up to 16, the rest -inf), then exp(score - m)
 // in place; returns m, the largest score (-inf when the mask hides every key). Sixteen keys at a time: sixteen
 // independent sums, reduced across their lanes together (hsum16; a reduction per key had cost more than its dot
@@ -147,15 +182,12 @@ INLINE float score_chunk(const float* qn, const float* mn, View k, int s0, int L
   f32x16 tops = f32x16{} + top;
   int s = 0;
   for (; s + 16 <= L; s += 16) {
-    f32x16 acc[16] = {};
-    for (int i = 0; i < D16; i += 16) {
-      f32x16 a;
-      std::memcpy(&a, qn + i, 64);
-      for (int j = 0; j < 16; ++j) {
-        f32x16 b;
-        std::memcpy(&b, k.row(s0 + s + j) + i, 64);
-        acc[j] += a * b;
-      }
+    f32x16 acc[16];
+    switch (D16) {
+      case 64: dots16<4>(qn, k, s0 + s, D16, acc); break;
+      case 128: dots16<8>(qn, k, s0 + s, D16, acc); break;
+      case 256: dots16<16>(qn, k, s0 + s, D16, acc); break;
+      default: dots16<0>(qn, k, s0 + s, D16, acc);
     }
     f32x16 d = hsum16(acc);
     if (D16 < D)
