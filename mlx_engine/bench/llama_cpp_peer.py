@@ -96,10 +96,11 @@ class LlamaCppPeer:
         self.peak_counts = PEAK_COUNTS[result.pop("peak_counts")]
         return result
 
-    def perplexity(self, tokens: list[int]) -> float:
+    def perplexity(self, tokens: list[int], path: "str | None" = None) -> float:
         """``exp`` of the mean negative log-likelihood of ``tokens[1:]`` given their prefixes, from llama.cpp's
-        logits for every position (a second context that keeps them all)."""
-        return float(self._ask(op="perplexity", tokens=[int(t) for t in tokens])["perplexity"])
+        logits for every position (a second context that keeps them all), on the opened file or on the GGUF file
+        ``path`` (another form of its weights: see :mod:`mlx_engine.bench.float_reference`)."""
+        return float(self._ask(op="perplexity", tokens=[int(t) for t in tokens], path=path)["perplexity"])
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -150,7 +151,7 @@ def serve() -> None:
                 reply["result"].update(peak_bytes=float(peak), peak_counts="resident" if resident else "state")
             elif op == "perplexity":
                 tokens = request["tokens"]
-                scorer = llama_cpp.Llama(opened["path"], n_ctx=max(len(tokens), 8), n_batch=512,
+                scorer = llama_cpp.Llama(request.get("path") or opened["path"], n_ctx=max(len(tokens), 8), n_batch=512,
                                          n_threads=opened["threads"], n_threads_batch=opened["threads"],
                                          n_gpu_layers=opened["gpu_layers"], logits_all=True, verbose=False)
                 try:

@@ -25,7 +25,9 @@ order flips every repetition, so that a busy machine slows both alike):
   the file's own bytes set, whatever engine reads them;
 - ``weights_over_file``: the bytes of weights this engine holds over the file's tensor bytes;
 - ``perplexity``: of a fixed English text (the first ``perplexity_tokens`` tokens of ``PERPLEXITY_TEXT``), every
-  engine's own logits, scored the same way;
+  engine's own logits, scored the same way; with llama.cpp also ``perplexity_f32`` among its figures: its perplexity
+  on an F32 copy of the file's weights, where its products take float activations as ours do by default
+  (:mod:`mlx_engine.bench.float_reference`; ``float_reference`` says how it was measured, or why not);
 - ``decode_ctx_short`` / ``decode_ctx_long``: this engine's decode tokens/s after 128 and 4096 tokens of context
   (sliding-window layers keep the long one nearly flat);
 - ``chat_ttft_turn1`` / ``chat_ttft_turn10``: time to first token of turn 1 and turn 10 (the last turn: 3 in a quick
@@ -59,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from mlx_engine.bench.float_reference import describe, float_reference_perplexity
 from mlx_engine.bench.text import PERPLEXITY_TEXT
 from mlx_engine.ml import DType
 
@@ -113,6 +116,9 @@ class BenchResult:
     openblas: dict[str, Any] = field(default_factory=dict)
     runs: dict[str, dict[str, list[dict[str, float]]]] = field(default_factory=dict)
     peak_counts: dict[str, str] = field(default_factory=dict)  # per engine: what its peak_memory counts
+    # with llama.cpp: how its perplexity on the weights as F32 (peers["llama.cpp"]["perplexity_f32"]) was measured,
+    # or why it was not (mlx_engine.bench.float_reference)
+    float_reference: str = ""
     seconds: float = 0.0
 
     def to_json(self) -> str:
@@ -539,6 +545,11 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
         p = figures(peer.name)
         add_shares(p, peer.weights_bytes)
         p["perplexity"] = peer.perplexity(ppl_tokens)
+        if peer.name == "llama.cpp":
+            value, result.float_reference = float_reference_perplexity(
+                lambda path: peer.perplexity(ppl_tokens, path=path), model.path, say)
+            if value is not None:
+                p["perplexity_f32"] = value
         result.peers[peer.name] = p
         result.peak_counts[peer.name] = peer.peak_counts
         result.ratios[peer.name] = {k: result_ours[k] / p[k] for k in COMPARED}
@@ -608,6 +619,8 @@ def format_table(r: BenchResult) -> str:
         f"OpenBLAS gain, {ob['matmul_n']}x{ob['matmul_n']} float32 matmul: {ob['gain']:.1f}x "
         f"({ob['reference_seconds'] * 1000:.1f} ms with {ob['reference_blas']}, {ob['default_seconds'] * 1000:.1f} ms "
         f"with {ob['default_blas']})",
+        *([describe(r.peers["llama.cpp"].get("perplexity_f32"), r.float_reference, o["perplexity"])]
+          if "llama.cpp" in r.peers and r.float_reference else []),
         "peak memory counts: " + "; ".join(f"{name}: {what}" for name, what in r.peak_counts.items()),
         f"{r.model} on {r.device}, {r.dtype}, KV cache {r.kv_cache}; {r.machine['cpus']} CPUs, {r.machine['platform']}; medians of "
         f"{r.reps} repetition(s) after a warm-up, engines alternating; {r.seconds:.0f} s in all",
