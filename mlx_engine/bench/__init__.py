@@ -4,8 +4,9 @@ which it drives; nothing below it imports it, and ``mlx_lm`` and ``llama_cpp`` a
 tests."""
 
 from mlx_engine.bench.run import (COMPARED, LOWER_IS_BETTER, PEERS, PERPLEXITY_TEXT, BenchResult, BenchSizes,
-                                  cpu_threads, file_weight_bytes, format_table, matmul_probe, openblas_gain,
-                                  read_bandwidth, run_bench)
+                                  cpu_threads, file_weight_bytes, matmul_probe, openblas_gain, read_bandwidth,
+                                  run_bench)
+from mlx_engine.bench.table import format_table
 
 __all__ = ["COMPARED", "LOWER_IS_BETTER", "PEERS", "PERPLEXITY_TEXT", "BenchResult", "BenchSizes",
            "cpu_threads", "file_weight_bytes", "format_table", "matmul_probe", "openblas_gain", "read_bandwidth",
