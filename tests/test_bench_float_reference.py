@@ -4,6 +4,8 @@ made."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -66,7 +68,6 @@ def test_the_perplexity_is_asked_on_a_copy_that_is_removed_after(small_gguf):
     value, note = float_reference_perplexity(perplexity, small_gguf, said.append)
     assert value == 3.25 and "F32 copy" in note and len(seen) == 1
     assert "writing an F32 copy of small.gguf" in said[0]
-    from pathlib import Path
     assert not Path(seen[0]).exists() and not Path(seen[0]).parent.exists()
     line = describe(value, note, 3.26)
     assert "3.2500; ours 3.2600 (1.0031x)" in line

@@ -16,7 +16,8 @@ import math
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -33,6 +34,20 @@ def float_copy_bytes(path: Path) -> int:
     import gguf
 
     return sum(4 * int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
+
+
+def dequantized(reader) -> Iterator[tuple[Any, np.ndarray]]:
+    """``(tensor, values)`` for each tensor of a ``gguf.GGUFReader``, in file order: its values dequantized to
+    float32 by ``gguf.quants.dequantize``, NumPy shape (GGUF lists the fastest axis first). One at a time.
+
+    Raises:
+        NotImplementedError: gguf cannot dequantize a tensor's type.
+    """
+    import gguf
+
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        yield t, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
 
 
 def write_float_copy(src: Path, dst: Path) -> None:
@@ -56,18 +71,15 @@ def write_float_copy(src: Path, dst: Path) -> None:
             value = 0 if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
             writer.add_key_value(field.name, value, kind,
                                  sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-        shapes = []
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the fastest axis first
-            shapes.append(shape)
             writer.add_tensor_info(t.name, shape, np.dtype(np.float32), 4 * math.prod(shape),
                                    raw_dtype=gguf.GGMLQuantizationType.F32)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for t, shape in zip(reader.tensors, shapes):
-            values = gguf.quants.dequantize(t.data, t.tensor_type)
-            writer.write_tensor_data(np.ascontiguousarray(values, np.float32).reshape(shape))
+        for _, values in dequantized(reader):
+            writer.write_tensor_data(values)
     finally:
         writer.close()
 
@@ -107,4 +119,5 @@ def describe(value: Optional[float], note: str, ours: float) -> str:
     return f"{head}: {value:.4f}; ours {ours:.4f} ({ours / value:.4f}x)"
 
 
-__all__ = ["MAX_COPY_BYTES", "describe", "float_copy_bytes", "float_reference_perplexity", "write_float_copy"]
+__all__ = ["MAX_COPY_BYTES", "dequantized", "describe", "float_copy_bytes", "float_reference_perplexity",
+           "write_float_copy"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from mlx_engine.bench.float_reference import dequantized
 from mlx_engine.mlx.runtime import mx  # loads OpenBLAS before mlx on Linux
 from mlx_engine.models.runner import sum_nll
 
@@ -50,14 +51,9 @@ def dequantized_tensors(path: "str | Path") -> tuple[Any, dict[str, np.ndarray]]
     """``(reader, {gguf name: float32 array})``: every tensor of a GGUF file dequantized by the ``gguf`` package,
     NumPy order (outermost first)."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
-    out = {}
-    for t in reader.tensors:
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        out[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-    return reader, out
+    return reader, {t.name: values for t, values in dequantized(reader)}
 
 
 def mlx_lm_model(path: "str | Path", folder: "str | Path | None" = None) -> Any:
