@@ -555,9 +555,10 @@ def float_activations(monkeypatch):
 @pytest.mark.parametrize("bits, scale_dtype", [(8, mx.float16), (4, mx.float32), (5, mx.float16), (4, mx.bfloat16)])
 def test_symmetric_weight_is_its_implied_biases(m, bits, scale_dtype, float_activations):
     """A weight given without biases (GGUF's Q8_0, Q4_0, Q5_0: a signed integer times its scale) is the weight whose
-    biases are -2**(bits - 1) * scales, bit for bit, on the decode path (m = 1) and the many-row path (m = 5), alone
-    and among others in one job; and an MLXQuantizedTensor without biases takes, dequantizes and multiplies as the one
-    that holds them, through Backend.compile too, holding fewer bytes."""
+    biases are -2**(bits - 1) * scales: bit for bit on the many-row path (m = 5) and for 4 bits, and to float32
+    rounding on the decode path of other widths (m = 1: it sums (q - 2**(bits - 1)) * x per group before the scale),
+    alone and among others in one job; and an MLXQuantizedTensor without biases takes and dequantizes bit for bit as
+    the one that holds them, and multiplies as it does, through Backend.compile too, holding fewer bytes."""
     from mlx_engine.mlx import MLXBackend
     from mlx_engine.mlx.tensor import MLXQuantizedTensor, MLXTensor
 
@@ -567,10 +568,19 @@ def test_symmetric_weight_is_its_implied_biases(m, bits, scale_dtype, float_acti
     b = s * -(2 ** (bits - 1))
     x = mx.random.normal((m, k), key=mx.random.key(3))
     want = np.array(cpu_kernels.qmatmul(x, q, s, b, 32, bits))
-    assert np.array_equal(np.array(cpu_kernels.qmatmul(x, q, s, None, 32, bits)), want)
+    exact = m > 1 or bits == 4
+
+    def same(got, want):
+        if exact:
+            return np.array_equal(got, want)
+        # summed in another order: a few float32 roundings of the products' magnitude apart
+        return np.abs(got - want).max() <= 1e-6 * np.abs(want).max() * np.sqrt(k)
+
+    assert same(np.array(cpu_kernels.qmatmul(x, q, s, None, 32, bits)), want)
     q2, s2, b2 = mx.quantize(mx.random.normal((48, k), key=mx.random.key(4)), group_size=32, bits=4)
     both = cpu_kernels.qmatmul_many(x, [q2, q], [s2, s], [b2, None], [32, 32], [4, bits])
-    assert np.array_equal(np.array(both[1]), want)
+    assert np.array_equal(np.array(both[1]), np.array(cpu_kernels.qmatmul(x, q, s, None, 32, bits)))
+    assert same(np.array(both[1]), want)
     assert np.array_equal(np.array(both[0]), np.array(cpu_kernels.qmatmul(x, q2, s2, b2, 32, 4)))
 
     held = MLXQuantizedTensor(q, s, b, 32, bits, dtype=mx.float32)
@@ -580,9 +590,9 @@ def test_symmetric_weight_is_its_implied_biases(m, bits, scale_dtype, float_acti
     rows = MLXTensor(mx.array([3, 0, 199], mx.int32))
     assert np.array_equal(np.array(implied.take(rows).a), np.array(held.take(rows).a))
     xt = MLXTensor(x)
-    assert np.array_equal(np.array(xt.linear(implied).a), np.array(xt.linear(held).a))
+    assert same(np.array(xt.linear(implied).a), np.array(xt.linear(held).a))
     compiled = MLXBackend(None, device="cpu").compile(lambda h, w: h.linear(w) * 2.0)
-    assert np.array_equal(np.array(compiled(xt, implied).a), np.array(compiled(xt, held).a))
+    assert same(np.array(compiled(xt, implied).a), np.array(compiled(xt, held).a))
 
 
 def _int8_reference(x, q, s, b, group_size, bits):
