@@ -628,11 +628,12 @@ int8_here = pytest.mark.skipif(not _int8_supported(), reason="the int8 kernel ne
 @pytest.mark.parametrize("scale_dtype", ["float32", "float16", "bfloat16"])
 def test_int8_activations_are_their_definition(bits, group_size, scale_dtype):
     """activations="int8" against its float64 oracle: for every width, group size and scale dtype, with and without
-    biases, row lengths with and without a partial last register (576: 4.5 x 128; 160: 2.5 x 64), and rows of x for
-    decode (1, 3), the tiles (4, 8), their remainders (9) and enough to quantize x on several threads (40)."""
+    biases, row lengths with and without a partial last register (576: 4.5 x 128; 160: 1.25 x 128, 2.5 x 64; 224:
+    1.75 x 128, 3.5 x 64), and rows of x for decode (1, 3), the tiles (4, 8), their remainders (9) and enough to
+    quantize x on several threads (40)."""
     rng = np.random.default_rng(bits * 1000 + group_size)
     dt = getattr(mx, scale_dtype)
-    for k in (640, 576 if group_size <= 64 else 384, 160 if group_size == 32 else 128):
+    for k in (640, 576 if group_size <= 64 else 384, *((160, 224) if group_size == 32 else (128,))):
         w = mx.array(rng.standard_normal((37, k)).astype(np.float32))
         q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
         s, b = s.astype(dt), b.astype(dt)

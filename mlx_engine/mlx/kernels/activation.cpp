@@ -48,9 +48,20 @@ INLINE f32x16 gelu_tanh16(f32x16 x) {
 
 PER_ISA void activate(const float* x, const float* up, float* out, int64_t n, int kind) {
   int64_t i = 0;
-  for (; i < n; i += 16) {
+  for (; i + 16 <= n; i += 16) {  // whole registers (a copy of a run-time size is a call to memcpy)
+    f32x16 v;
+    std::memcpy(&v, x + i, 64);
+    v = kind == 0 ? silu16(v) : gelu_tanh16(v);
+    if (up) {
+      f32x16 u;
+      std::memcpy(&u, up + i, 64);
+      v = v * u;
+    }
+    std::memcpy(out + i, &v, 64);
+  }
+  if (i < n) {
     f32x16 v{};
-    const int64_t m = std::min<int64_t>(16, n - i);
+    const int64_t m = n - i;
     std::memcpy(&v, x + i, m * 4);
     v = kind == 0 ? silu16(v) : gelu_tanh16(v);
     if (up) {
