@@ -1,12 +1,15 @@
 // A fixed set of worker threads for the kernels (pool.h).
 //
-// Work is handed out index by index from one atomic word, not in fixed shares: on a machine with as many threads as
-// cores, Python's thread and MLX's own compete with the workers, and a worker that has lost its core would otherwise
-// keep the caller waiting for its share (measured: a sixth of a decode step spent so). The word holds the job's
-// number, its size and the next index, so a worker that wakes late can neither claim an index of a finished job nor
-// read the function of the next one before that job is published. Workers spin for a short while after a job (a
-// decode step runs a few hundred small jobs back to back, and waking a sleeping thread costs more than one of them),
-// yielding their core to any other thread that wants it, then sleep on a condition variable.
+// A job's indices are split into one contiguous region per thread, which that thread claims from its front, one
+// index at a time; a thread whose region is done takes indices from the back of the others' (so a worker that has
+// lost its core, or wakes late, holds back at most the index it is running: on a machine with as many threads as
+// cores, Python's thread and MLX's own compete with the workers). Contiguous regions keep each thread reading memory
+// in one ascending stream, as the hardware prefetchers follow best (indices handed out in turn from one counter had
+// each thread skip every other chunk of a weight: a new stream per chunk). Each region's word holds the job's
+// number, the region's end and its next index, so a worker that wakes late can neither claim an index of a finished
+// job nor read the function of the next one before that job is published. Workers spin for a short while after a
+// job (a decode step runs a few hundred small jobs back to back, and waking a sleeping thread costs more than one of
+// them), yielding their core to any other thread that wants it, then sleep on a condition variable.
 #include "pool.h"
 
 #include <algorithm>
@@ -48,7 +51,7 @@ int default_threads() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// The claim word: job number (20 bits, wrapping) | job size (22 bits) | next index (22 bits).
+// A region's claim word: job number (20 bits, wrapping) | the region's end (22 bits) | its next index (22 bits).
 constexpr int kIndexBits = 22;
 constexpr uint64_t kIndexMask = (uint64_t(1) << kIndexBits) - 1;
 constexpr uint64_t kJobMask = (uint64_t(1) << (64 - 2 * kIndexBits)) - 1;
@@ -57,7 +60,8 @@ class Pool {
  public:
   explicit Pool(int n) : n_(n) {
     if (const char* env = std::getenv("MLX_ENGINE_SPIN_US")) spin_ = std::chrono::microseconds(std::atoi(env));
-    for (int t = 1; t < n_; ++t) threads_.emplace_back([this] { worker(); });
+    regions_ = std::vector<std::atomic<uint64_t>>(n_);
+    for (int t = 1; t < n_; ++t) threads_.emplace_back([this, t] { worker(t); });
   }
   ~Pool() {
     stop_.store(true);
@@ -80,30 +84,45 @@ class Pool {
     fn_ = &f;
     completed_.store(0, std::memory_order_relaxed);
     job_ = (job_ + 1) & kJobMask;
-    claim_.store((job_ << (2 * kIndexBits)) | (uint64_t(n) << kIndexBits), std::memory_order_seq_cst);
+    for (int t = 0; t < n_; ++t) {
+      const uint64_t begin = uint64_t(n) * t / n_, end = uint64_t(n) * (t + 1) / n_;
+      regions_[t].store((job_ << (2 * kIndexBits)) | (end << kIndexBits) | begin, std::memory_order_seq_cst);
+    }
     epoch_.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lk(mu_);
       cv_.notify_all();
     }
-    work();
+    work(0);
     while (completed_.load(std::memory_order_acquire) < n) cpu_relax();
   }
 
  private:
-  // Claims and runs indices of the current job until none is left.
-  void work() {
+  // The next index of region t claimed from its front (or, `back`, its last one), or -1 when none is left.
+  int claim(int t, bool back) {
+    std::atomic<uint64_t>& word = regions_[t];
+    uint64_t c = word.load(std::memory_order_acquire);
     for (;;) {
-      uint64_t c = claim_.load(std::memory_order_acquire);
-      const uint64_t i = c & kIndexMask, total = (c >> kIndexBits) & kIndexMask;
-      if (i >= total) return;
-      if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) continue;
-      (*fn_)(int(i));  // the job cannot finish (and fn_ change) before this index is counted below
-      completed_.fetch_add(1, std::memory_order_release);
+      const uint64_t next = c & kIndexMask, end = (c >> kIndexBits) & kIndexMask;
+      if (next >= end) return -1;
+      const uint64_t to = back ? c - (uint64_t(1) << kIndexBits) : c + 1;
+      if (word.compare_exchange_weak(c, to, std::memory_order_acq_rel)) return int(back ? end - 1 : next);
     }
   }
 
-  void worker() {
+  void run_index(int i) {
+    (*fn_)(i);  // the job cannot finish (and fn_ change) before this index is counted below
+    completed_.fetch_add(1, std::memory_order_release);
+  }
+
+  // Runs thread `me`'s region of the current job, then what is left of the others', until no index is left.
+  void work(int me) {
+    for (int i; (i = claim(me, false)) >= 0;) run_index(i);
+    for (int k = 1; k < n_; ++k)
+      for (int i; (i = claim((me + k) % n_, true)) >= 0;) run_index(i);
+  }
+
+  void worker(int me) {
     uint64_t seen = 0;
     for (;;) {
       auto start = std::chrono::steady_clock::now();
@@ -122,7 +141,7 @@ class Pool {
       }
       seen = epoch_.load(std::memory_order_acquire);
       if (stop_.load()) return;
-      work();
+      work(me);
     }
   }
 
@@ -132,7 +151,7 @@ class Pool {
   std::chrono::microseconds spin_{30};
   std::vector<std::thread> threads_;
   uint64_t job_ = 0;
-  std::atomic<uint64_t> claim_{0};
+  std::vector<std::atomic<uint64_t>> regions_;  // one claim word per thread
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> completed_{0};
   std::atomic<int> sleepers_{0};
