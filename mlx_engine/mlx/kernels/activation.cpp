@@ -47,21 +47,10 @@ INLINE f32x16 gelu_tanh16(f32x16 x) {
 }
 
 PER_ISA void activate(const float* x, const float* up, float* out, int64_t n, int kind) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {  // whole registers (a copy of a run-time size is a call to memcpy)
-    f32x16 v;
-    std::memcpy(&v, x + i, 64);
-    v = kind == 0 ? silu16(v) : gelu_tanh16(v);
-    if (up) {
-      f32x16 u;
-      std::memcpy(&u, up + i, 64);
-      v = v * u;
-    }
-    std::memcpy(out + i, &v, 64);
-  }
-  if (i < n) {
+  // m elements from i: with m = 16 (a constant once inlined) the copies are a register's loads and store; a copy of
+  // a run-time size is a call to memcpy, so only the last, partial register takes one
+  const auto span = [&](int64_t i, int64_t m) __attribute__((always_inline)) {
     f32x16 v{};
-    const int64_t m = n - i;
     std::memcpy(&v, x + i, m * 4);
     v = kind == 0 ? silu16(v) : gelu_tanh16(v);
     if (up) {
@@ -70,7 +59,10 @@ PER_ISA void activate(const float* x, const float* up, float* out, int64_t n, in
       v = v * u;
     }
     std::memcpy(out + i, &v, m * 4);
-  }
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) span(i, 16);
+  if (i < n) span(i, n - i);
 }
 
 }  // namespace

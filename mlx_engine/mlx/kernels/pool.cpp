@@ -58,9 +58,8 @@ constexpr uint64_t kJobMask = (uint64_t(1) << (64 - 2 * kIndexBits)) - 1;
 
 class Pool {
  public:
-  explicit Pool(int n) : n_(n) {
+  explicit Pool(int n) : n_(n), regions_(n) {
     if (const char* env = std::getenv("MLX_ENGINE_SPIN_US")) spin_ = std::chrono::microseconds(std::atoi(env));
-    regions_ = std::vector<std::atomic<uint64_t>>(n_);
     for (int t = 1; t < n_; ++t) threads_.emplace_back([this, t] { worker(t); });
   }
   ~Pool() {
