@@ -10,4 +10,4 @@ from mlx_engine.ml import ACTIVATIONS
 ACTIVATIONS_OPTION = click.option(
     "--activations", type=click.Choice(ACTIVATIONS), default=None,
     help="What the CPU's quantized products do with x: float32 (exact: the float model's tokens) or int8 (llama.cpp's "
-         "Q8_0 numerics, faster; needs AVX-512 VNNI). Default: $MLX_ENGINE_ACTIVATIONS, else float32.")
+         "Q8_0 numerics, faster; needs AVX-512 VNNI or AVX2). Default: $MLX_ENGINE_ACTIVATIONS, else float32.")

@@ -486,14 +486,14 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     from a lone one into visible differences, and a greedy answer should not depend on what else the server runs.
     ``activations``: what the CPU's quantized products do with x: ``"float32"`` (the default, or
     ``$MLX_ENGINE_ACTIVATIONS``): the exact product with the dequantized weights, the float model's tokens; ``"int8"``:
-    x quantized per 32 elements as llama.cpp's Q8_0 and integer dot products (AVX-512 VNNI), llama.cpp's numerics and
+    x quantized per 32 elements as llama.cpp's Q8_0 and integer dot products (AVX-512 VNNI or AVX2), llama.cpp's numerics and
     a faster decode. A GPU takes x as it is (MLX's kernels).
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.
         UnsupportedError: an architecture we do not run (the message lists those we do).
         InvalidRequestError: float16 for an architecture whose activations outgrow it; activations neither float32
-            nor int8. UnsupportedError: int8 activations where they cannot run (a GPU, a CPU without AVX-512 VNNI).
+            nor int8. UnsupportedError: int8 activations where they cannot run (a GPU, a CPU without AVX-512 VNNI and AVX2).
     """
     resolved = Store().resolve(model, pull=pull, progress=progress)
     return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,

@@ -619,7 +619,7 @@ def _int8_reference(x, q, s, b, group_size, bits):
     return out
 
 
-int8_here = pytest.mark.skipif(not _int8_supported(), reason="the int8 kernel needs AVX-512 VNNI, which this CPU lacks")
+int8_here = pytest.mark.skipif(not _int8_supported(), reason="the int8 kernel needs AVX-512 VNNI or AVX2, which this CPU lacks")
 
 
 @int8_here

@@ -263,7 +263,7 @@ def _int8_supported() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _int8_supported(), reason="the int8 kernel needs AVX-512 VNNI, which this CPU lacks")
+@pytest.mark.skipif(not _int8_supported(), reason="the int8 kernel needs AVX-512 VNNI or AVX2, which this CPU lacks")
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_int8_activations_have_llama_cpps_perplexity(name, request, record_property):
     """With int8 activations (``load(activations="int8")``: llama.cpp's Q8 blocks) and the float32 KV cache, the

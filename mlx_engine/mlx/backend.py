@@ -372,14 +372,14 @@ class MLXBackend(Backend):
         half_dtype: the GPU's default compute dtype (the architecture's :attr:`DecoderModel.half_dtype`).
         activations: what the CPU's quantized products do with x: ``"float32"`` (the exact product with the
             dequantized weight: the float model's tokens) or ``"int8"`` (x quantized per 32 elements as llama.cpp's
-            Q8_0 and integer dot products: llama.cpp's numerics, faster; needs AVX-512 VNNI). Default:
+            Q8_0 and integer dot products: llama.cpp's numerics, faster; needs AVX-512 VNNI or AVX2). Default:
             ``$MLX_ENGINE_ACTIVATIONS``, else float32.
 
     Raises:
         WeightsError: the file is missing, truncated or corrupt (the message names it).
         InvalidRequestError: ``activations`` is neither float32 nor int8.
         UnsupportedError: int8 activations where they cannot run (a GPU, whose MLX kernels take x as it is; a CPU
-            without our kernels or without AVX-512 VNNI: the message says which).
+            without our kernels, or an x86-64 one without AVX-512 VNNI and AVX2: the message says which).
     """
 
     def __init__(self, path: "str | Path | None" = None, *, device: str | None = None, dtype: "DType | str | None" = None,

@@ -48,7 +48,7 @@ softmax: "Callable | None" = None
 huge_pages: "Callable | None" = None
 # What qmatmul does with x unless a model was loaded with activations=: "float32" (the exact product of x with the
 # dequantized weight: the float model's tokens), or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel
-# (AVX-512 VNNI) "int8" (quantized per 32 elements and integer dot products, as llama.cpp does: decode about 1.2x
+# (AVX-512 VNNI or AVX2) "int8" (quantized per 32 elements and integer dot products, as llama.cpp does: decode about 1.2x
 # faster, llama.cpp's numerics). Each quantized weight carries the value it was made with (a compiled graph keeps
 # what it was traced with).
 activations = "float32"
@@ -414,7 +414,7 @@ def _load() -> None:
 
 
 def int8_problem() -> str | None:
-    """Why int8 activations cannot run here (the kernels are off, the CPU lacks AVX-512 VNNI, or their self-test
+    """Why int8 activations cannot run here (the kernels are off, the CPU lacks both AVX-512 VNNI and AVX2, or their self-test
     failed), or None where they can. The self-test runs once per process, on first need."""
     global _int8_problem
     if qmatmul is None or _kernels_module is None:
@@ -422,7 +422,7 @@ def int8_problem() -> str | None:
     with _self_test_lock:
         if _int8_problem == "not checked":
             if not _kernels_module.int8_supported():
-                _int8_problem = "it needs AVX-512 VNNI, which this CPU lacks"
+                _int8_problem = "it needs AVX-512 VNNI or AVX2, which this CPU lacks"
             else:
                 with mx.stream(mx.cpu):
                     problem = _int8_self_test(_kernels_module.qmatmul)

@@ -6,10 +6,10 @@
 // q an unsigned `bits`-bit integer at bit offset j * bits of the row's bytes (little-endian, lowest bits first).
 // By default the activations stay float32: the result is the float32 product of x with the exactly dequantized
 // weight (only the order of the sums differs from a dense matmul), so a lossless repack of a GGUF file gives the
-// tokens of the float path. With activations="int8" (where the CPU has AVX-512 VNNI) x is quantized as llama.cpp
-// quantizes it and the sums are integer ones (qmatmul_int8.inc). Why our own: MLX's CPU quantized_matmul is 2.4x
-// slower than float32 for one row and 42x for 512 rows (measured on this project's machines); a decode step reads
-// every weight once, so its speed is the weight's bytes.
+// tokens of the float path. With activations="int8" (where the CPU has AVX-512 VNNI, or AVX2) x is quantized as
+// llama.cpp quantizes it and the sums are integer ones (qmatmul_int8.inc, qmatmul_int8_avx2.inc). Why our own:
+// MLX's CPU quantized_matmul is 2.4x slower than float32 for one row and 42x for 512 rows (measured on this
+// project's machines); a decode step reads every weight once, so its speed is the weight's bytes.
 //
 // Vectorized with GCC/Clang vector extensions (16 float lanes: one AVX-512 register, two AVX2 registers, four NEON
 // registers); on x86-64 the row kernel is compiled for x86-64-v4 (AVX-512), v3 (AVX2 + FMA) and the baseline, and
@@ -37,6 +37,7 @@
 #include "half.h"
 #include "pool.h"
 #include "qmatmul.h"
+#include "qmatmul_int8.h"
 #include "rows.h"
 #include "strided.h"
 
@@ -77,6 +78,9 @@ namespace avx512 {
 #define QMM_AVX2 1
 namespace avx2 {
 #include "qmatmul_rows.inc"
+namespace i8 {
+#include "qmatmul_int8_avx2.inc"
+}
 }
 #undef QMM_AVX2
 #pragma GCC pop_options
@@ -116,14 +120,19 @@ std::string isa() {
 #endif
 }
 
-// Whether this CPU has the int8 kernel (AVX-512 with VNNI).
-bool int8_supported() {
+// The int8 kernel for this CPU: "vnni" (AVX-512 with VNNI), "avx2" (AVX2, where the float32 kernel's copy is the
+// AVX2 one), or "" (none).
+std::string int8_isa() {
 #ifdef X86_KERNELS
-  return isa() == "avx512" && __builtin_cpu_supports("avx512vnni");
+  const std::string name = isa();
+  if (name == "avx512") return __builtin_cpu_supports("avx512vnni") ? "vnni" : "";
+  return name == "avx2" ? "avx2" : "";
 #else
-  return false;
+  return "";
 #endif
 }
+
+bool int8_supported() { return !int8_isa().empty(); }
 
 RowsFn rows_for_cpu() {
   static const RowsFn fn = [] {
@@ -230,6 +239,36 @@ void mlx_engine::factored_scales(const Problem& p, int n0, int count, float* s, 
   factored_for_cpu()(p, n0, count, s, b);
 }
 
+const mlx_engine::int8::QX& mlx_engine::int8::quantize_x(const float* x, int M, int K, bool nib, bool own,
+                                                         QuantizeRowFn row) {
+  static thread_local QXBuffers b;
+  static thread_local QX q;
+  const int blocks = K / 32, K4 = (K + 127) / 128 * 128, K8 = (K + 63) / 64 * 64;
+  if (nib) b.p4.assign(size_t(M) * (K4 / 128) * kRecord4, 0);
+  if (own) b.p8.assign(size_t(M) * (K8 / 64) * kRecord8, 0);
+  b.sx32.resize(size_t(M) * blocks), b.sx64.resize(size_t(M) * (K / 64) + 1), b.sx128.resize(size_t(M) * (K / 128) + 1);
+  const int chunks = std::min(M / 16, 4 * pool_threads());
+  if (chunks <= 1) {
+    for (int m = 0; m < M; ++m) row(x, K, m, nib, own, b);
+  } else {
+    QXBuffers& mine = b;  // (a thread_local named in the lambda would be each worker's own)
+    parallel_for(chunks, [&](int c) {
+      for (int m = int(int64_t(M) * c / chunks), e = int(int64_t(M) * (c + 1) / chunks); m < e; ++m)
+        row(x, K, m, nib, own, mine);
+    });
+  }
+  // the sums per 64 and 128 (groups of those sizes) from those per 32
+  for (int m = 0; m < M; ++m) {
+    const float* sx = b.sx32.data() + size_t(m) * blocks;
+    float* s64 = b.sx64.data() + size_t(m) * (K / 64);
+    for (int g = 0; g < K / 64; ++g) s64[g] = sx[2 * g] + sx[2 * g + 1];
+    float* s128 = b.sx128.data() + size_t(m) * (K / 128);
+    for (int g = 0; g < K / 128; ++g) s128[g] = (sx[4 * g] + sx[4 * g + 1]) + (sx[4 * g + 2] + sx[4 * g + 3]);
+  }
+  q = {K4, K8, b.p4.data(), b.p8.data(), {b.sx32.data(), b.sx64.data(), b.sx128.data()}};
+  return q;
+}
+
 // Products of one x with several weights (a layer's q, k and v share x) as one parallel job: output rows in units of
 // 16 over all the products, in chunks claimed by whichever thread is free (pool.h). A product too small to be worth a
 // second thread on its own (a decode step's k and v) is split with the rest.
@@ -241,16 +280,18 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   const FactoredFn factored = factored_for_cpu();
   for (auto& p : ps) p.qx = nullptr;
 #ifdef X86_KERNELS
-  static const bool vnni_here = int8_supported();
-  if (int8 && vnni_here) {
+  static const std::string int8_here = int8_isa();
+  if (int8 && !int8_here.empty()) {
     bool nib = false, own = false;  // the layouts of x_q these widths read
     for (auto& p : ps)
       if (int8_kernel_takes(p)) (p.bits == 4 ? nib : own) = true;
     if (nib || own) {
-      const void* qx = &vnni::quantize_x(ps[0].x, M, K, nib, own);
+      const bool vnni_here = int8_here == "vnni";
+      const auto quantize_row = vnni_here ? &vnni::quantize_row : &avx2::i8::quantize_row;
+      const void* qx = &mlx_engine::int8::quantize_x(ps[0].x, M, K, nib, own, quantize_row);
       for (auto& p : ps)
         if (int8_kernel_takes(p)) p.qx = qx;
-      int8_rows = &vnni::rows;
+      int8_rows = vnni_here ? &vnni::rows : &avx2::i8::rows;
     }
   }
 #endif
@@ -667,7 +708,7 @@ NB_MODULE(_kernels, m) {
   register_output_mlp(m);
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &isa, "The instruction set the kernels were picked for.");
-  m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI).");
+  m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI, or AVX2).");
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);
 }

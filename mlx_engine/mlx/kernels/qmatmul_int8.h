@@ -1,0 +1,52 @@
+// x quantized to int8 for qmatmul's int8 kernels (AVX-512 VNNI: qmatmul_int8.inc; AVX2: qmatmul_int8_avx2.inc),
+// the one layout both read, so that either gives the same integer sums.
+//
+// x is quantized per 32 elements as llama.cpp quantizes activations for its integer dot products (its Q8_0 block,
+// ggml-quants.c quantize_row_q8_0): d = max|x| / 127, q = round(x / d) (to nearest even), q in [-127, 127].
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace mlx_engine::int8 {
+
+// x quantized, as the row kernels read it: per row, one record per kernel step holding the step's x_q and the
+// 16 lanes of d and of the x_q sums that its 16 int32 sums meet (lane l: bytes 4l .. 4l + 3 of the step's x_q, as
+// vpdpbusd, or AVX2's vpmaddubsw and vpmaddwd, sum them), so that a step reads one place per row of x (with separate
+// arrays, 4 rows of x took 12 pointers, more than the registers, and the many-row kernel spilled). A row's last 128
+// (nibble order) or 64 (own order) elements are padded with zeros, so that every step is whole registers: what the
+// weight register holds past the row's end is multiplied by those zeros.
+struct QX {
+  int K4, K8;          // K rounded up to 128 and to 64
+  const uint8_t* p4;   // [M, K4 / 128] records of 256 bytes, for 4-bit weights: x_q per 128 elements, the 64 even
+                       // ones then the 64 odd ones (the nibbles' order; a last partial 128: its even ones, zeros to
+                       // 64, its odd ones, zeros); 16 floats, lane l the d of block l / 4 (0 past the row); 16 int32,
+                       // lane l minus the sum of the 8 x_q that lane l of the sums meets (4 even, 4 odd)
+  const uint8_t* p8;   // [M, K8 / 64] records of 192 bytes, for other widths: x_q per 64 elements in order; lane l
+                       // of the floats the d of block l / 8; of the int32s minus the sum of x_q 4l .. 4l + 3
+  const float* sx[3];  // [M, K / 32], [M, K / 64], [M, K / 128]: sums of x's rounded values (d * x_q) per 32, 64, 128
+};
+constexpr int kRecord4 = 256, kRecord8 = 192;
+
+// Buffers of one quantized x (kept per thread: a decode step makes a few hundred products).
+struct QXBuffers {
+  std::vector<uint8_t> p4, p8;
+  std::vector<float> sx32, sx64, sx128;
+};
+
+// One instruction set's quantization of row m of x [M, K] into b (sized, the padding zeroed, by quantize_x): the
+// records of the nibble order if `nib`, those of the own order if `own`, and the row's sums per 32 (sx32).
+using QuantizeRowFn = void (*)(const float* x, int K, int m, bool nib, bool own, QXBuffers& b);
+
+// The d of each lane of a record (16 floats): lane l that of block first + l / lanes_per_block, 0 past the row's
+// `blocks`.
+inline void record_scales(float* out, const float* d, int first, int lanes_per_block, int blocks) {
+  for (int l = 0; l < 16; ++l) out[l] = first + l / lanes_per_block < blocks ? d[first + l / lanes_per_block] : 0.f;
+}
+
+// x [M, K] quantized (K a multiple of 32) by `row`, into buffers of the calling thread: valid until its next call;
+// the records of the nibble order (for 4-bit weights) if `nib`, those of the own order (other widths) if `own`. Many
+// rows (prefill) are split over the kernels' threads. (qmatmul.cpp)
+const QX& quantize_x(const float* x, int M, int K, bool nib, bool own, QuantizeRowFn row);
+
+}  // namespace mlx_engine::int8
