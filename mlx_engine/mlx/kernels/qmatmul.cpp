@@ -120,13 +120,13 @@ std::string isa() {
 #endif
 }
 
-// The int8 kernel for this CPU: "vnni" (AVX-512 with VNNI), "avx2" (AVX2, where the float32 kernel's copy is the
-// AVX2 one), or "" (none).
+// The int8 kernel for this CPU: "vnni" (AVX-512 with VNNI), "avx2" (any other CPU with AVX2, an AVX-512 one
+// without VNNI included), or "" (none).
 std::string int8_isa() {
 #ifdef X86_KERNELS
   const std::string name = isa();
-  if (name == "avx512") return __builtin_cpu_supports("avx512vnni") ? "vnni" : "";
-  return name == "avx2" ? "avx2" : "";
+  if (name == "avx512" && __builtin_cpu_supports("avx512vnni")) return "vnni";
+  return name == "avx512" || name == "avx2" ? "avx2" : "";
 #else
   return "";
 #endif
