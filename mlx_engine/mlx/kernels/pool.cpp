@@ -80,6 +80,10 @@ class Pool {
       for (int i = 0; i < n; ++i) f(i);
       return;
     }
+    // One job at a time: each MLX stream evaluates on a thread of its own, and two streams (a server's text and
+    // image models, two loaded models) may call at once; a second job published over the first had a worker run
+    // one job's index with the other's function, on a frame already gone (a segmentation fault in the server tests)
+    std::lock_guard<std::mutex> one_job(run_mu_);
     fn_ = &f;
     completed_.store(0, std::memory_order_relaxed);
     job_ = (job_ + 1) & kJobMask;
@@ -157,6 +161,7 @@ class Pool {
   std::atomic<bool> stop_{false};
   const std::function<void(int)>* fn_ = nullptr;
   std::mutex mu_;
+  std::mutex run_mu_;  // held by the thread whose job is running
   std::condition_variable cv_;
 };
 

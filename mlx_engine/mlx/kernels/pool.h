@@ -10,8 +10,8 @@ int pool_threads();
 
 // Runs fn(0) .. fn(n - 1) on the calling thread and the pool's workers, and returns when all have run (n == 1: on
 // the calling thread alone, no worker woken). Each thread runs a contiguous share of the indices in ascending order,
-// then takes what is left of the others' from their ends. Not reentrant: MLX evaluates a stream's operations one at a
-// time on its own thread, and fn must not call parallel_for.
+// then takes what is left of the others' from their ends. Calls from several threads (MLX evaluates each stream on a
+// thread of its own) run one after another; fn must not call parallel_for.
 void parallel_for(int n, const std::function<void(int)>& fn);
 
 }  // namespace mlx_engine
