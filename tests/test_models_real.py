@@ -37,7 +37,8 @@ PROMPTS = {
 def pair(request):
     path = request.getfixturevalue(f"{request.param}_gguf")
     # every type of these files (Q4_1, Q8_0; Q4_K, Q5_0, Q6_K) runs quantized without loss: mlx-lm's float model
-    ours = mlx_engine.load(str(path), progress=False)
+    # float32 on every device (a GPU's default is float16 or bfloat16), as the reference computes
+    ours = mlx_engine.load(str(path), progress=False, dtype="float32")
     ref = mlx_lm_model(path)
     yield request.param, ours, ref
     ours.close()
@@ -203,8 +204,8 @@ def test_16bit_kv_cache_on_a_real_model(smollm2_gguf, record_property):
     size is half the float one's."""
     from mlx_engine.models.runner import logits_for
 
-    base = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=1024)
-    half = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=1024, kv_bits=16)
+    base = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=1024, dtype="float32")
+    half = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=1024, kv_bits=16, dtype="float32")
     assert half.kv_bits == 16 and half.kv_cache_type == "float16" and base.kv_cache_type == "float32"
     assert half.runner.cache.store_dtype == DType.FLOAT16 and base.runner.cache.store_dtype == DType.FLOAT32
     assert half.kv_cache_bytes * 2 == base.kv_cache_bytes
@@ -254,16 +255,10 @@ def test_8bit_kv_cache_on_a_real_model(smollm2_gguf, record_property):
     assert quant.runner.cache.nbytes() * 64 * item == base.runner.cache.nbytes() * (64 + 2 * item)
 
 
-def _int8_supported() -> bool:
-    import importlib
-
-    try:
-        return importlib.import_module("mlx_engine.mlx._kernels").int8_supported()
-    except ImportError:
-        return False
+_INT8_PROBLEM = cpu_kernels.int8_problem()  # None where int8 activations run here (the kernels in use, AVX2 or VNNI)
 
 
-@pytest.mark.skipif(not _int8_supported(), reason="the int8 kernel needs AVX-512 VNNI or AVX2, which this CPU lacks")
+@pytest.mark.skipif(_INT8_PROBLEM is not None, reason=f"int8 activations cannot run here: {_INT8_PROBLEM}")
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_int8_activations_have_llama_cpps_perplexity(name, request, record_property):
     """With int8 activations (``load(activations="int8")``: llama.cpp's Q8 blocks) and the float32 KV cache, the
@@ -298,6 +293,7 @@ def test_int8_activations_have_llama_cpps_perplexity(name, request, record_prope
     assert len(answer.split()) >= 2
 
 
+@pytest.mark.skipif(cpu_kernels.qmatmul is None, reason="the CPU kernels are not in use here")
 def test_q6_k_in_groups_of_16_gives_the_float_models_perplexity(gemma3_gguf, record_property, monkeypatch):
     """gemma3's Q6_K tensors (16-element sub-blocks) run in their own groups of 16, without loss, as every other type
     of the file: the perplexity of the bench's text is the float model's (the same weights to the bit; only the order
