@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-# On an NVIDIA GPU cuBLAS rounds float32 matrix products through TF32 (a 10-bit mantissa) unless this is 0: the tests
-# hold float32 results to float32 references, so they ask for IEEE float32 before MLX loads cuBLAS (no effect elsewhere).
+# On an NVIDIA GPU cuBLAS rounds float32 matrix products through TF32 (a 10-bit mantissa) unless this is 0: the
+# tests hold float32 results to float32 references, so they ask for IEEE float32 before MLX loads cuBLAS (no effect
+# elsewhere).
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 
 from mlx_engine.store import Store, default_root  # noqa: E402
