@@ -1,5 +1,7 @@
-"""A prefill's attention on the CPU: MLX's own computation (two products and a softmax) with our softmax kernel in
-place of MLX's, which runs one element at a time on one thread: the same bits, vectorized and threaded."""
+"""A prefill's attention on the CPU: our attention kernel in blocks of queries over the keys each block sees (within
+float32 rounding of the float64 definition), and where it does not run (several batch rows), MLX's own computation
+(two products and a softmax) with our softmax kernel in place of MLX's, which runs one element at a time on one
+thread: the same bits, vectorized and threaded."""
 
 from __future__ import annotations
 
@@ -71,9 +73,11 @@ def test_softmax_of_a_row_that_sees_nothing_is_zeros():
 
 @pytest.mark.parametrize("heads, kv_heads, n, dim", [(9, 3, 600, 64), (4, 4, 70, 32), (8, 1, 33, 256)])
 def test_prefill_attention_is_mlx_attention_bit_for_bit(heads, kv_heads, n, dim, monkeypatch):
-    """The backend's attention of many queries with our softmax gives the bits it gave with MLX's
+    """Off our attention kernel's path (``runtime.on_cpu`` false here: this module never selects the device), the
+    backend's attention of many queries with our softmax gives the bits it gave with MLX's
     (``mx.fast.scaled_dot_product_attention``): grouped heads, a causal mask (split into blocks of queries from 512
     queries on, each block MLX's attention over the keys it sees), and no mask (one call of MLX's)."""
+    assert not mlx_backend.runtime.on_cpu
     assert mlx_backend.cpu_kernels.softmax is not None
     rng = np.random.default_rng(heads * n)
     q, k, v = (MLXTensor(mx.array(rng.standard_normal((1, h, n, dim)).astype(np.float32)))
@@ -87,3 +91,46 @@ def test_prefill_attention_is_mlx_attention_bit_for_bit(heads, kv_heads, n, dim,
     want = [np.array(ctx.scaled_dot_product_attention(q, k, v, scale, m).a) for m in (mask, None)]
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
     assert np.array_equal(got[1], np.array(mx.fast.scaled_dot_product_attention(q.a, k.a, v.a, scale=scale)))
+
+
+def _attention64(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, visible: np.ndarray | None) -> np.ndarray:
+    """softmax(q k^T * scale + mask) v in float64, grouped heads (query head h reads key/value head h // rep)."""
+    rep = q.shape[1] // k.shape[1]
+    k64, v64 = (np.repeat(a.astype(np.float64), rep, axis=1) for a in (k, v))
+    scores = np.einsum("bhnd,bhsd->bhns", q.astype(np.float64), k64) * scale
+    if visible is not None:
+        scores = np.where(visible, scores, -np.inf)
+    return np.einsum("bhns,bhsd->bhnd", _softmax64(scores), v64)
+
+
+@pytest.mark.parametrize("heads, kv_heads, n, dim, window", [(9, 3, 600, 64, None), (4, 4, 70, 32, None),
+                                                             (8, 1, 200, 256, 48), (2, 1, 17, 64, None)])
+def test_prefill_attention_by_our_kernel_is_attention(heads, kv_heads, n, dim, window, monkeypatch):
+    """On the CPU with our kernels, a prefill's attention runs our kernel in blocks of ``PREFILL_BLOCK`` queries,
+    each over the keys its queries see: within float32 rounding of the float64 definition with a causal mask, a
+    sliding window (Gemma 3's local layers), no mask, grouped heads and a last partial block, each block over the keys
+    its queries see or over all of them; and MLX's products no longer run (so no BLAS)."""
+    monkeypatch.setattr(mlx_backend.runtime, "on_cpu", True)
+    rng = np.random.default_rng(heads * n + dim)
+    q, k, v = (rng.standard_normal((1, h, n, dim)).astype(np.float32) for h in (heads, kv_heads, kv_heads))
+    scale = dim ** -0.5
+    ctx = mlx_backend.MLXContext()
+    at = np.arange(n)
+    visible = at[None, :] <= at[:, None]
+    if window is not None:
+        visible &= at[None, :] > at[:, None] - window
+    mask = ctx.attention_mask(visible, DType.FLOAT32)
+    qt, kt, vt = (MLXTensor(mx.array(a)) for a in (q, k, v))
+    monkeypatch.setattr(mlx_backend, "_rows_attention", None)  # would raise if MLX's products ran
+    for m, seen in ((mask, visible), (None, None)):
+        got = np.array(ctx.scaled_dot_product_attention(qt, kt, vt, scale, m).a)
+        assert got.shape == (1, heads, n, dim) and got.dtype == np.float32
+        want = _attention64(q, k, v, scale, seen)
+        assert np.max(np.abs(got - want)) <= 2e-6 * np.max(np.abs(want)) * dim ** 0.5
+    spans = mask.spans
+    assert spans[0][0] == 0 and spans[1][-1] == n and spans[1][0] == 1  # the first query sees key 0 alone
+    # every block over all the keys (the mask hiding the rest): the same values to float32 rounding (the kernel's
+    # chunks of keys, so the order of its sums, follow the number of keys)
+    whole = np.array(mlx_backend._kernel_blocks_attention(qt.a, kt.a, vt.a, scale, mask.a, None))
+    want = _attention64(q, k, v, scale, visible)
+    assert np.max(np.abs(whole - want)) <= 2e-6 * np.max(np.abs(want)) * dim ** 0.5
