@@ -73,11 +73,12 @@ def test_softmax_of_a_row_that_sees_nothing_is_zeros():
 
 @pytest.mark.parametrize("heads, kv_heads, n, dim", [(9, 3, 600, 64), (4, 4, 70, 32), (8, 1, 33, 256)])
 def test_prefill_attention_is_mlx_attention_bit_for_bit(heads, kv_heads, n, dim, monkeypatch):
-    """Off our attention kernel's path (``runtime.on_cpu`` false here: this module never selects the device), the
-    backend's attention of many queries with our softmax gives the bits it gave with MLX's
+    """Where our attention kernel does not take a prefill (several batch rows; here turned off), the backend's
+    attention of many queries with our softmax gives the bits it gave with MLX's
     (``mx.fast.scaled_dot_product_attention``): grouped heads, a causal mask (split into blocks of queries from 512
     queries on, each block MLX's attention over the keys it sees), and no mask (one call of MLX's)."""
-    assert not mlx_backend.runtime.on_cpu
+    monkeypatch.setattr(mlx_backend.runtime, "on_cpu", True)
+    monkeypatch.setattr(mlx_backend, "_prefill_rows", lambda *a: False)
     assert mlx_backend.cpu_kernels.softmax is not None
     rng = np.random.default_rng(heads * n)
     q, k, v = (MLXTensor(mx.array(rng.standard_normal((1, h, n, dim)).astype(np.float32)))
