@@ -216,8 +216,8 @@ def _prefill_rows(q: "mx.array", k: "mx.array", v: "mx.array", m: Any) -> bool:
 
 
 def _decode_rows(q: "mx.array", k: "mx.array", v: "mx.array", m: Any) -> bool:
-    """Whether our CPU attention kernel runs: a few query rows (decode steps) in float32, no mask or an ``[N, S]``
-    one (prefill stays with MLX's attention, whose products OpenBLAS blocks)."""
+    """Whether our CPU attention kernel runs in one call: a few query rows (decode steps) in float32, no mask or an
+    ``[N, S]`` one (more rows: :func:`_prefill_rows`, in blocks)."""
     return (runtime.on_cpu and cpu_kernels.attend is not None and q.ndim == 4 and q.shape[0] == 1
             and q.shape[2] <= 16 and q.dtype == k.dtype == v.dtype == mx.float32
             and (m is None or (not isinstance(m, str) and m.ndim == 2 and m.shape == (q.shape[2], k.shape[2]))))
