@@ -123,8 +123,24 @@ def test_prefill_attention_by_our_kernel_is_attention(heads, kv_heads, n, dim, w
     mask = ctx.attention_mask(visible, DType.FLOAT32)
     qt, kt, vt = (MLXTensor(mx.array(a)) for a in (q, k, v))
     monkeypatch.setattr(mlx_backend, "_rows_attention", None)  # would raise if MLX's products ran
+    attend, keys = mlx_backend.cpu_kernels.attend, []
+
+    def counting(q_, k_, *rest):  # the keys each call of the kernel reads
+        keys.append(k_.shape[2])
+        return attend(q_, k_, *rest)
+    monkeypatch.setattr(mlx_backend.cpu_kernels, "attend", counting)
     for m, seen in ((mask, visible), (None, None)):
+        keys.clear()
         got = np.array(ctx.scaled_dot_product_attention(qt, kt, vt, scale, m).a)
+        blocks = -(-n // mlx_backend.PREFILL_BLOCK)
+        assert len(keys) == blocks
+        if m is not None and blocks > 1:  # a block reads only the keys its queries see
+            cols = [seen[q0:q0 + mlx_backend.PREFILL_BLOCK].any(axis=0).nonzero()[0]
+                    for q0 in range(0, n, mlx_backend.PREFILL_BLOCK)]
+            assert keys == [int(c[-1] - c[0]) + 1 for c in cols]
+            assert sum(keys) < blocks * n
+        elif m is None:
+            assert keys == [n] * blocks
         assert got.shape == (1, heads, n, dim) and got.dtype == np.float32
         want = _attention64(q, k, v, scale, seen)
         assert np.max(np.abs(got - want)) <= 2e-6 * np.max(np.abs(want)) * dim ** 0.5
