@@ -57,7 +57,8 @@ def test_the_avx2_kernels_where_the_cpu_has_avx512():
                          capture_output=True, text=True, timeout=120, env=env)
     assert got.stdout.strip() == ("avx2" if isa in ("avx512", "avx2") else isa), got.stderr[-2000:]
     selection = "kernels_are_built or qmatmul_matches or qmatmul_many or many_rows or int8_activations"
-    assert passed_on_avx2(__file__, selection) > 100
+    # off x86-64 (NEON: 58 pass under qemu-aarch64) the int8 tests skip, as they do in this process
+    assert passed_on_avx2(__file__, selection) > (100 if isa in ("avx512", "avx2") else 50)
 
 
 def _reference(x, q, s, b, group_size, bits):
