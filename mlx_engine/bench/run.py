@@ -17,12 +17,14 @@ order flips every repetition, so that a busy machine slows both alike):
   ``peak_counts`` says what each engine's figure counts;
 - ``bandwidth_share``: decode tokens/s times the bytes a decode step must read (every weight used per token, the
   output head included, plus the keys and values it attends to at the middle of the run), over the memory bandwidth
-  measured on the spot with a large copy (read + written bytes over its time, as STREAM counts a copy; on the CPU
-  on as many threads as the engine computes on);
+  of a large copy (read + written bytes over its time, as STREAM counts a copy; on the CPU on as many threads as
+  the engine computes on);
 - ``file_limit_share``: the figure a user compares: decode tokens/s times the bytes of the file's weight tensors,
-  over the read bandwidth of the engine's device measured on the spot (a sum over a large array, on the CPU split
-  over as many threads as the engine computes on); 1.0 is the limit
-  the file's own bytes set, whatever engine reads them;
+  over the read bandwidth of the engine's device (a sum over a large array, on the CPU split over as many threads
+  as the engine computes on); 1.0 is the limit the file's own bytes set, whatever engine reads them. Both
+  bandwidths are measured in every repetition, right after its decode runs, and each share is the median over the
+  repetitions of their decode over their own bandwidth (a shared machine's bandwidth drifts by a third from one
+  minute to the next);
 - ``weights_over_file``: the bytes of weights this engine holds over the file's tensor bytes;
 - ``perplexity``: of a fixed English text (the first ``perplexity_tokens`` tokens of ``PERPLEXITY_TEXT``), every
   engine's own logits, scored the same way; with llama.cpp also ``perplexity_f32`` among its figures: its perplexity
@@ -112,7 +114,8 @@ class BenchResult:
     ours: dict[str, float] = field(default_factory=dict)
     peers: dict[str, dict[str, float]] = field(default_factory=dict)
     ratios: dict[str, dict[str, float]] = field(default_factory=dict)
-    bandwidth: dict[str, float] = field(default_factory=dict)
+    # the medians of the bandwidths measured in each repetition (and, ``*_runs``, each of them)
+    bandwidth: dict[str, Any] = field(default_factory=dict)
     openblas: dict[str, Any] = field(default_factory=dict)
     runs: dict[str, dict[str, list[dict[str, float]]]] = field(default_factory=dict)
     peak_counts: dict[str, str] = field(default_factory=dict)  # per engine: what its peak_memory counts
@@ -475,6 +478,10 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
     }
     prompts = {k: random_prompt(n, vocab, seed=i) for i, (k, (n, _)) in enumerate(runs.items())}
     samples: dict[str, dict[str, list[dict[str, float]]]] = {e.name: {k: [] for k in runs} for e in engines}
+    # the bandwidths, measured in each repetition right after its decode runs: on a shared machine they drift by a
+    # third from one minute to the next (28.9 and 38.6 GB/s in two runs an hour apart), so each repetition's decode
+    # is set against the bandwidth of its own minute
+    reads, copies = [], []
     for rep in range(reps + 1):  # rep 0 is the warm-up
         say("warm-up" if rep == 0 else f"repetition {rep} of {reps}")
         order = engines if rep % 2 == 0 else engines[::-1]
@@ -483,6 +490,9 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
                 r = e.run(prompts[key], gen)
                 if rep:
                     samples[e.name][key].append(r)
+        if rep:
+            reads.append(ours.read_bandwidth(sizes.copy_bytes))
+            copies.append(ours.copy_bandwidth(sizes.copy_bytes))
 
     def figures(name: str) -> dict[str, float]:
         s = samples[name]
@@ -495,23 +505,22 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
                                     for a, b in zip(s["prefill_2048"], s["decode"])]),
         }
 
-    say("measuring the memory bandwidth")
-    bw = ours.copy_bandwidth(sizes.copy_bytes)
-    read_bw = ours.read_bandwidth(sizes.copy_bytes)
     file_bytes = file_weight_bytes(model.path)
     bpt = ours.bytes_per_token(sizes.decode_prompt + sizes.decode_tokens // 2)
 
-    def add_shares(f: dict[str, float], weights_bytes: float) -> None:
+    def add_shares(f: dict[str, float], name: str, weights_bytes: float) -> None:
+        # the median over repetitions of each one's decode over its own bandwidth
+        decodes = [r["decode_tps"] for r in samples[name]["decode"]]
         f["weights_bytes"] = float(weights_bytes)
         f["weights_over_file"] = weights_bytes / file_bytes
         f["bytes_per_token"] = float(bpt)
-        f["bandwidth_share"] = f["decode"] * bpt / bw
-        f["file_limit_share"] = f["decode"] * file_bytes / read_bw
+        f["bandwidth_share"] = _median([d * bpt / c for d, c in zip(decodes, copies)])
+        f["file_limit_share"] = _median([d * file_bytes / r for d, r in zip(decodes, reads)])
 
     say("perplexity")
     ppl_tokens = model.text_tokens(PERPLEXITY_TEXT)[:sizes.perplexity_tokens]
     result_ours = figures(ours.name)
-    add_shares(result_ours, model.backend.weights_nbytes())
+    add_shares(result_ours, ours.name, model.backend.weights_nbytes())
     result_ours["perplexity"] = ours.perplexity(ppl_tokens)
 
     say(f"decode at {sizes.context_short} and {sizes.context_long} tokens of context")
@@ -537,13 +546,14 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
         machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                  "cpus": os.cpu_count() or 0},
         sizes=asdict(sizes), reps=reps, ours=result_ours,
-        bandwidth={"copy_bytes_per_s": bw, "read_bytes_per_s": read_bw, "copy_bytes": float(sizes.copy_bytes),
-                   "file_weight_bytes": float(file_bytes)},
+        bandwidth={"copy_bytes_per_s": _median(copies), "read_bytes_per_s": _median(reads),
+                   "copy_bytes_per_s_runs": copies, "read_bytes_per_s_runs": reads,
+                   "copy_bytes": float(sizes.copy_bytes), "file_weight_bytes": float(file_bytes)},
         runs=samples, peak_counts={ours.name: ours.peak_counts},
     )
     for peer in peers:
         p = figures(peer.name)
-        add_shares(p, peer.weights_bytes)
+        add_shares(p, peer.name, peer.weights_bytes)
         p["perplexity"] = peer.perplexity(ppl_tokens)
         if peer.name == "llama.cpp":
             value, result.float_reference = float_reference_perplexity(

@@ -50,7 +50,7 @@ def format_table(r: BenchResult) -> str:
         "",
         f"the file's weight tensors: {bw['file_weight_bytes'] / mib:.0f} MiB; bytes this engine reads per decode "
         f"token: {o['bytes_per_token'] / mib:.0f} MiB; read bandwidth {bw['read_bytes_per_s'] / 1e9:.1f} GB/s, copy "
-        f"bandwidth {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s (measured now)",
+        f"bandwidth {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s (medians of those measured in each repetition)",
         f"decode tok/s at {s['context_short']} / {s['context_long']} tokens of context: "
         f"{o['decode_ctx_short']:.2f} / {o['decode_ctx_long']:.2f} (long/short {o['long_context_ratio']:.2f}x)",
         f"decode tok/s under a JSON schema: {o['structured_decode']:.2f} ({o['structured_ratio']:.2f}x free decode "
