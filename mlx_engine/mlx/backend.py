@@ -294,8 +294,9 @@ class MLXContext(Context):
         mask = mx.array(np.where(visible, np.float32(0.0), np.float32(-np.inf)))
         if dtype != DType.FLOAT32:
             mask = mask.astype(TO_MX[dtype])
-        runs = _visible_runs(visible[0]) if visible.shape[0] == 1 else None
-        return MLXMask(mask, _attention_blocks(visible, ATTENTION_BLOCK), runs, _visible_spans(visible))
+        one = visible.shape[0] == 1  # a decode step's row: its runs of keys; a prefill's rows: their spans
+        return MLXMask(mask, _attention_blocks(visible, ATTENTION_BLOCK), _visible_runs(visible[0]) if one else None,
+                       None if one else _visible_spans(visible))
 
     def scaled_dot_product_attention(self, q, k, v, scale, mask=None):
         m = mask if isinstance(mask, str) or mask is None else mask.a
