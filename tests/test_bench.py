@@ -15,10 +15,10 @@ from mlx_engine.cli.main import main
 from mlx_engine.bench import COMPARED, BenchResult, cpu_threads, format_table
 
 FIGURES = ("prefill_512", "prefill_2048", "decode", "ttft", "peak_memory", "weights_bytes", "bytes_per_token",
-           "bandwidth_share", "file_limit_share", "weights_over_file", "perplexity")
+           "bandwidth_share", "file_limit_share", "weights_over_file", "perplexity", "decode_ctx_short",
+           "decode_ctx_long", "long_context_ratio")
 PEER_NAMES = ("llama.cpp", "mlx-lm")
-OURS_ONLY = ("decode_ctx_short", "decode_ctx_long", "long_context_ratio", "chat_ttft_turn1", "chat_ttft_turn10",
-             "chat_turn_ratio", "structured_decode", "structured_ratio")
+OURS_ONLY = ("chat_ttft_turn1", "chat_ttft_turn10", "chat_turn_ratio", "structured_decode", "structured_ratio")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,8 @@ def test_quick_json_has_every_figure(quick_run):
     if sys.platform.startswith("linux") and "cpu" in d["device"]:  # llama.cpp's compute buffers counted too
         assert "resident memory" in d["peak_counts"]["llama.cpp"]
     assert d["reps"] == 1 and d["sizes"]["prefill_long"] < 512  # --quick sizes, one repetition
-    assert set(COMPARED) == {"decode", "prefill_512", "prefill_2048", "ttft", "peak_memory", "perplexity"}
+    assert set(COMPARED) == {"decode", "prefill_512", "prefill_2048", "ttft", "peak_memory", "perplexity",
+                             "decode_ctx_short", "decode_ctx_long"}
     for name in PEER_NAMES:
         assert set(d["ratios"][name]) == set(COMPARED)
     for side, keys in [(d["ours"], FIGURES + OURS_ONLY)] + [(d["peers"][n], FIGURES) for n in PEER_NAMES]:
@@ -105,7 +106,9 @@ def test_quick_json_figures_are_consistent(quick_run, smollm2_gguf):
     assert "F32 copy" in d["float_reference"] and _positive(reference)
     if "int8 activations" not in d["device"]:
         assert ours["perplexity"] == pytest.approx(reference, rel=5e-3)
-    assert ours["long_context_ratio"] == pytest.approx(ours["decode_ctx_long"] / ours["decode_ctx_short"], rel=1e-9)
+    for side in [ours, *d["peers"].values()]:  # every engine decodes after both contexts
+        assert side["long_context_ratio"] == pytest.approx(side["decode_ctx_long"] / side["decode_ctx_short"],
+                                                           rel=1e-9)
     assert ours["chat_turn_ratio"] == pytest.approx(ours["chat_ttft_turn10"] / ours["chat_ttft_turn1"], rel=1e-9)
     ob = d["openblas"]
     assert ob["gain"] == pytest.approx(ob["reference_seconds"] / ob["default_seconds"], rel=1e-9)
@@ -119,7 +122,8 @@ def test_table_says_which_way_is_better(quick_run):
     assert lines[0].split() == ["figure", "mlx-engine", "llama.cpp", "ratio", "vs", "llama.cpp", "mlx-lm", "ratio",
                                 "vs", "mlx-lm"]
     assert sum("lower is better" in ln for ln in lines) == 4  # time to first token, peak memory, weights, perplexity
-    assert sum("higher is better" in ln for ln in lines) == 5
+    assert sum("higher is better" in ln for ln in lines) == 7
+    assert "decode at 160 over 16 tokens of context: mlx-engine " in table and ", llama.cpp " in table
     assert "OpenBLAS gain" in table and "turn 1 / turn 3" in table and "read bandwidth" in table
     assert "float32, KV cache float16;" in table
     assert "llama.cpp's perplexity on the file's weights dequantized to F32" in table

@@ -96,6 +96,14 @@ class LlamaCppPeer:
         self.peak_counts = PEAK_COUNTS[result.pop("peak_counts")]
         return result
 
+    def decode_at_context(self, prompt: list[int], tokens: int, reps: int) -> float:
+        """Median decode tokens/s of ``tokens`` greedy tokens after ``prompt``, as
+        :meth:`mlx_engine.bench.run.EngineSide.decode_at_context` measures ours: the prompt is prefilled once, and
+        every repetition (after one untimed) keeps its cells but for the last token, which it feeds again
+        (llama-cpp-python's prefix reuse), then decodes."""
+        reply = self._ask(op="context", tokens=[int(t) for t in prompt], max_tokens=int(tokens), reps=int(reps))
+        return float(reply["decode_tps"])
+
     def perplexity(self, tokens: list[int], path: "str | None" = None) -> float:
         """``exp`` of the mean negative log-likelihood of ``tokens[1:]`` given their prefixes, from llama.cpp's
         logits for every position (a second context that keeps them all), on the opened file or on the GGUF file
@@ -149,6 +157,10 @@ def serve() -> None:
                     peak = (float(llama_cpp.llama_model_size(llm.model))
                             + float(llama_cpp.llama_state_get_size(llm.ctx)))
                 reply["result"].update(peak_bytes=float(peak), peak_counts="resident" if resident else "state")
+            elif op == "context":
+                rates = [_timed_run(llm, request["tokens"], request["max_tokens"])["decode_tps"]
+                         for _ in range(request["reps"] + 1)]
+                reply = {"decode_tps": float(np.median(rates[1:]))}  # the first run prefilled the prompt
             elif op == "perplexity":
                 tokens = request["tokens"]
                 scorer = llama_cpp.Llama(request.get("path") or opened["path"], n_ctx=max(len(tokens), 8), n_batch=512,

@@ -193,6 +193,38 @@ class MLXLMPeer:
         return {"ttft_s": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else 0.0,
                 "peak_bytes": float(peak), "tokens": float(n)}
 
+    def decode_at_context(self, prompt: list[int], tokens: int, reps: int) -> float:
+        """Median decode tokens/s of ``tokens`` greedy tokens after ``prompt``, as
+        :meth:`mlx_engine.bench.run.EngineSide.decode_at_context` measures ours: the prompt but its last token is
+        prefilled once (in chunks of 512, no LM head), its cache kept aside, and every repetition (after one
+        untimed) starts from a copy of it, feeds the last prompt token and decodes through ``generate_step``. A copy
+        rather than a trim: the sliding-window layers' rotating caches (Gemma 3) cannot be trimmed once they
+        wrapped."""
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        for begin in range(0, len(prompt) - 1, 512):
+            self.model.model(mx.array(prompt[begin:min(begin + 512, len(prompt) - 1)])[None], cache)
+            mx.eval([c.state for c in cache])
+        kept = [c.state for c in cache]
+        rates = []
+        for i in range(reps + 1):
+            for c, state in zip(cache, kept):  # each array copied: a cache updates its arrays in place
+                c.state = tuple(mx.array(a) if isinstance(a, mx.array) else a for a in state)
+            first = None
+            n = 0
+            for _tok, _ in generate_step(mx.array(prompt[-1:]), self.model, max_tokens=tokens, prompt_cache=cache):
+                n += 1
+                if first is None:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+            if i:  # the first run warmed up
+                rates.append((n - 1) / (end - first) if n > 1 and end > first else 0.0)
+        del cache, kept
+        mx.clear_cache()
+        return float(np.median(rates))
+
     def perplexity(self, tokens: list[int], chunk: int = 128) -> float:
         """``exp`` of the mean negative log-likelihood of ``tokens[1:]`` from mlx-lm's logits, ``chunk`` positions
         per forward pass through one prompt cache (scored as :meth:`Runner.perplexity` scores ours)."""

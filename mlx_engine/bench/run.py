@@ -30,8 +30,10 @@ order flips every repetition, so that a busy machine slows both alike):
   engine's own logits, scored the same way; with llama.cpp also ``perplexity_f32`` among its figures: its perplexity
   on an F32 copy of the file's weights, where its products take float activations as ours do by default
   (:mod:`mlx_engine.bench.float_reference`; ``float_reference`` says how it was measured, or why not);
-- ``decode_ctx_short`` / ``decode_ctx_long``: this engine's decode tokens/s after 128 and 4096 tokens of context
-  (sliding-window layers keep the long one nearly flat);
+- ``decode_ctx_short`` / ``decode_ctx_long``: decode tokens/s after 128 and 4096 tokens of context, of every engine
+  (compared: at 4096 a step reads the KV cache's bytes beside the weights, as many again as smollm2's weights with
+  float32 keys and values; sliding-window layers keep it nearly flat), each prompt prefilled once and every
+  repetition decoding from its end; ``long_context_ratio``: long over short, for each;
 - ``chat_ttft_turn1`` / ``chat_ttft_turn10``: time to first token of turn 1 and turn 10 (the last turn: 3 in a quick
   run) of one chat session, each turn prefilling only its new message;
 - ``structured_decode`` / ``structured_ratio``: this engine's decode tokens/s under a JSON Schema (an array of
@@ -67,7 +69,8 @@ from mlx_engine.bench.float_reference import float_reference_perplexity
 from mlx_engine.bench.text import PERPLEXITY_TEXT
 from mlx_engine.ml import DType
 
-COMPARED = ("decode", "prefill_512", "prefill_2048", "ttft", "peak_memory", "perplexity")
+COMPARED = ("decode", "prefill_512", "prefill_2048", "ttft", "peak_memory", "perplexity", "decode_ctx_short",
+            "decode_ctx_long")
 LOWER_IS_BETTER = ("ttft", "peak_memory", "perplexity")
 PEERS = ("llama.cpp", "mlx-lm")
 
@@ -524,11 +527,14 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
     result_ours["perplexity"] = ours.perplexity(ppl_tokens)
 
     say(f"decode at {sizes.context_short} and {sizes.context_long} tokens of context")
-    result_ours["decode_ctx_short"] = ours.decode_at_context(random_prompt(sizes.context_short, vocab, 7),
-                                                             sizes.context_tokens, reps)
-    result_ours["decode_ctx_long"] = ours.decode_at_context(random_prompt(sizes.context_long, vocab, 8),
-                                                            sizes.context_tokens, reps)
-    result_ours["long_context_ratio"] = result_ours["decode_ctx_long"] / result_ours["decode_ctx_short"]
+    at_context: dict[str, dict[str, float]] = {e.name: {} for e in engines}
+    for key, n, seed in (("decode_ctx_short", sizes.context_short, 7), ("decode_ctx_long", sizes.context_long, 8)):
+        prompt = random_prompt(n, vocab, seed)
+        for e in engines:  # each prefills the prompt once, then decodes from its end in every repetition
+            at_context[e.name][key] = e.decode_at_context(prompt, sizes.context_tokens, reps)
+    for name, f in at_context.items():
+        f["long_context_ratio"] = f["decode_ctx_long"] / f["decode_ctx_short"]
+    result_ours.update(at_context[ours.name])
 
     say("decode under a JSON schema")
     free, held = ours.structured_decode(random_prompt(sizes.context_short, vocab, 9), sizes.context_tokens, reps)
@@ -555,6 +561,7 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
         p = figures(peer.name)
         add_shares(p, peer.name, peer.weights_bytes)
         p["perplexity"] = peer.perplexity(ppl_tokens)
+        p.update(at_context[peer.name])
         if peer.name == "llama.cpp":
             value, result.float_reference = float_reference_perplexity(
                 lambda path: peer.perplexity(ppl_tokens, path=path), model.path, say)

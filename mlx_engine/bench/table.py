@@ -29,6 +29,10 @@ def format_table(r: BenchResult) -> str:
     row(f"prompt tok/s, {s['prefill_short']} tokens", "prefill_512", lambda v: f"{v:.1f}", "higher is better")
     row(f"prompt tok/s, {s['prefill_long']} tokens", "prefill_2048", lambda v: f"{v:.1f}", "higher is better")
     row(f"decode tok/s, {s['decode_tokens']} tokens", "decode", lambda v: f"{v:.2f}", "higher is better")
+    row(f"decode tok/s after {s['context_short']} tokens of context", "decode_ctx_short", lambda v: f"{v:.2f}",
+        "higher is better")
+    row(f"decode tok/s after {s['context_long']} tokens of context", "decode_ctx_long", lambda v: f"{v:.2f}",
+        "higher is better")
     row(f"time to first token, {s['decode_prompt']}-token prompt, ms", "ttft", lambda v: f"{v * 1000:.0f}",
         "lower is better")
     row("peak memory, MiB", "peak_memory", lambda v: f"{v / mib:.0f}", "lower is better")
@@ -51,8 +55,8 @@ def format_table(r: BenchResult) -> str:
         f"the file's weight tensors: {bw['file_weight_bytes'] / mib:.0f} MiB; bytes this engine reads per decode "
         f"token: {o['bytes_per_token'] / mib:.0f} MiB; read bandwidth {bw['read_bytes_per_s'] / 1e9:.1f} GB/s, copy "
         f"bandwidth {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s (medians of those measured in each repetition)",
-        f"decode tok/s at {s['context_short']} / {s['context_long']} tokens of context: "
-        f"{o['decode_ctx_short']:.2f} / {o['decode_ctx_long']:.2f} (long/short {o['long_context_ratio']:.2f}x)",
+        f"decode at {s['context_long']} over {s['context_short']} tokens of context: "
+        + ", ".join(f"{name} {f['long_context_ratio']:.2f}x" for name, f in [("mlx-engine", o), *r.peers.items()]),
         f"decode tok/s under a JSON schema: {o['structured_decode']:.2f} ({o['structured_ratio']:.2f}x free decode "
         "after the same prompt)",
         f"chat time to first token, turn 1 / turn {s['chat_turns']}: {o['chat_ttft_turn1'] * 1000:.0f} ms / "
