@@ -308,6 +308,14 @@ def test_attend_cached_reads_and_writes_a_16_bit_cache(dtype, heads, kv_heads, r
         cpu_kernels.attend_cached(q.astype(half), k, v, keys, values, cos, sin, at, 0.125, dim, False, mask)
 
 
+def test_a_float16_cache_widened_first_where_the_cpu_has_avx512():
+    """An AVX-512 CPU reads a float16 cache as it lies (the attention's chunk kernel converting each row as it loads
+    it); a CPU with AVX2 alone widens a chunk of it to float32 first: the 16-bit cache's tests again in a process told
+    to take the AVX2 copies ($MLX_ENGINE_CPU_ISA=avx2), each output still the bits of attention on the widened
+    cache."""
+    assert passed_on_avx2(__file__, "attend_cached_reads") >= 14
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("heads, kv_heads, dim, cells, start, runs", [
     (4, 1, 256, 700, 689, ((400, 690), (5, 300))),  # gemma3's heads: 16 chunks of 37 keys, one across the runs
