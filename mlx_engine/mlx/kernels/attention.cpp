@@ -154,10 +154,13 @@ INLINE float load1(const uint16_t* p) { return mlx_engine::half_to_float(*p); }
 // AVX2 copy then). On AVX2 alone a float16 cache is widened first: there a float x 16 is two registers, and the
 // kernel's conversions, once per query head for the keys, would add to a loop that already spills.
 bool half_kernel() {
-  static const char* asked = std::getenv("MLX_ENGINE_CPU_ISA");
-  static const bool which = !(asked && std::string(asked) == "avx2") && __builtin_cpu_supports("avx512f") &&
-                            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c");
+  static const bool which = [] {
+    __builtin_cpu_init();
+    const char* asked = std::getenv("MLX_ENGINE_CPU_ISA");
+    return !(asked && std::string(asked) == "avx2") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c");
+  }();
   return which;
 }
 #endif
