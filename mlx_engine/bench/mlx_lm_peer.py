@@ -172,7 +172,6 @@ class MLXLMPeer:
         second after the first; 0 when only one was asked), ``peak_bytes`` (the device's peak during the run, less
         what other owners held before it, plus these weights) and ``tokens`` (how many came).
         """
-        from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self.model)
@@ -180,6 +179,16 @@ class MLXLMPeer:
         mx.eval(prompt)
         others = mx.get_active_memory() - self.weights_bytes
         mx.reset_peak_memory()
+        timed = self._generate(prompt, max_tokens, cache)
+        timed["peak_bytes"] = float(mx.get_peak_memory() - others)
+        del cache
+        return timed
+
+    def _generate(self, prompt: Any, max_tokens: int, cache: list[Any]) -> dict[str, float]:
+        """``max_tokens`` greedy tokens after ``prompt`` (an int32 array) through ``generate_step`` on ``cache``:
+        ``ttft_s``, ``decode_tps`` (0 when only one was asked) and ``tokens``, as :meth:`run` returns them."""
+        from mlx_lm.generate import generate_step
+
         t0 = time.perf_counter()
         first = None
         n = 0
@@ -188,10 +197,8 @@ class MLXLMPeer:
             if first is None:
                 first = time.perf_counter()
         end = time.perf_counter()
-        peak = mx.get_peak_memory() - others
-        del cache
         return {"ttft_s": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else 0.0,
-                "peak_bytes": float(peak), "tokens": float(n)}
+                "tokens": float(n)}
 
     def decode_at_context(self, prompt: list[int], tokens: int, reps: int) -> float:
         """Median decode tokens/s of ``tokens`` greedy tokens after ``prompt``, as
@@ -200,7 +207,6 @@ class MLXLMPeer:
         untimed) starts from a copy of it, feeds the last prompt token and decodes through ``generate_step``. A copy
         rather than a trim: the sliding-window layers' rotating caches (Gemma 3) cannot be trimmed once they
         wrapped."""
-        from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self.model)
@@ -212,15 +218,9 @@ class MLXLMPeer:
         for i in range(reps + 1):
             for c, state in zip(cache, kept):  # each array copied: a cache updates its arrays in place
                 c.state = tuple(mx.array(a) if isinstance(a, mx.array) else a for a in state)
-            first = None
-            n = 0
-            for _tok, _ in generate_step(mx.array(prompt[-1:]), self.model, max_tokens=tokens, prompt_cache=cache):
-                n += 1
-                if first is None:
-                    first = time.perf_counter()
-            end = time.perf_counter()
+            decode = self._generate(mx.array(prompt[-1:]), tokens, cache)["decode_tps"]
             if i:  # the first run warmed up
-                rates.append((n - 1) / (end - first) if n > 1 and end > first else 0.0)
+                rates.append(decode)
         del cache, kept
         mx.clear_cache()
         return float(np.median(rates))

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -32,6 +31,7 @@
 #include "mlx/primitives.h"
 #include "half.h"
 #include "pool.h"
+#include "qmatmul.h"
 #include "rope.h"
 #include "strided.h"
 #include "vecmath.h"
@@ -150,18 +150,13 @@ INLINE float load1(const uint16_t* p) { return mlx_engine::half_to_float(*p); }
 }  // namespace f16_avx512
 #pragma GCC pop_options
 
-// Whether this CPU runs the float16 kernel: AVX-512 (with F16C), unless $MLX_ENGINE_CPU_ISA=avx2 (as qmatmul takes its
-// AVX2 copy then). On AVX2 alone a float16 cache is widened first: there a float x 16 is two registers, and the
-// kernel's conversions, once per query head for the keys, would add to a loop that already spills.
+// Whether this CPU runs the float16 kernel: where the kernels run their AVX-512 copies (not where
+// $MLX_ENGINE_CPU_ISA=avx2 asks for the AVX2 ones). On AVX2 alone a float16 cache is widened first: there a float x 16
+// is two registers, and the kernel's conversions, once per query head for the keys, would add to a loop that already
+// spills.
 bool half_kernel() {
-  static const bool which = [] {
-    __builtin_cpu_init();
-    const char* asked = std::getenv("MLX_ENGINE_CPU_ISA");
-    return !(asked && std::string(asked) == "avx2") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c");
-  }();
-  return which;
+  static const bool on = mlx_engine::isa() == "avx512";
+  return on;
 }
 #endif
 

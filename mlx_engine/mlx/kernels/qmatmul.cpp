@@ -102,29 +102,11 @@ namespace generic {
 using RowsFn = void (*)(const Problem&, int, int);
 using FactoredFn = void (*)(const Problem&, int, int, float*, float*);
 
-// $MLX_ENGINE_CPU_ISA=avx2 takes the AVX2 copy on a CPU with AVX-512 too (the tests run it so on AVX-512 machines).
-std::string isa() {
-#ifdef X86_KERNELS
-  __builtin_cpu_init();
-  const char* asked = std::getenv("MLX_ENGINE_CPU_ISA");
-  const bool avx2_only = asked && std::string(asked) == "avx2";
-  if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi"))
-    return "avx512";
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
-  return "x86-64 without AVX2";
-#elif defined(__aarch64__)
-  return "neon";
-#else
-  return "generic";
-#endif
-}
-
 // The int8 kernel for this CPU: "vnni" (AVX-512 with VNNI), "avx2" (any other CPU with AVX2, an AVX-512 one
 // without VNNI included), or "" (none).
 std::string int8_isa() {
 #ifdef X86_KERNELS
-  const std::string name = isa();
+  const std::string name = mlx_engine::isa();
   if (name == "avx512" && __builtin_cpu_supports("avx512vnni")) return "vnni";
   return name == "avx512" || name == "avx2" ? "avx2" : "";
 #else
@@ -136,7 +118,7 @@ bool int8_supported() { return !int8_isa().empty(); }
 
 RowsFn rows_for_cpu() {
   static const RowsFn fn = [] {
-    std::string name = isa();
+    std::string name = mlx_engine::isa();
 #ifdef X86_KERNELS
     if (name == "avx512") return &avx512::rows;
     if (name == "avx2") return &avx2::rows;
@@ -152,7 +134,7 @@ RowsFn rows_for_cpu() {
 FactoredFn factored_for_cpu() {
   static const FactoredFn fn = [] {
 #ifdef X86_KERNELS
-    return isa() == "avx512" ? &avx512::factored : &avx2::factored;
+    return mlx_engine::isa() == "avx512" ? &avx512::factored : &avx2::factored;
 #else
     return &generic::factored;
 #endif
@@ -205,6 +187,23 @@ void run_rows(RowsFn float_rows, RowsFn int8_rows, FactoredFn factored, const Pr
 }
 
 }  // namespace
+
+std::string mlx_engine::isa() {
+#ifdef X86_KERNELS
+  __builtin_cpu_init();
+  const char* asked = std::getenv("MLX_ENGINE_CPU_ISA");
+  const bool avx2_only = asked && std::string(asked) == "avx2";
+  if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi"))
+    return "avx512";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
+  return "x86-64 without AVX2";
+#elif defined(__aarch64__)
+  return "neon";
+#else
+  return "generic";
+#endif
+}
 
 // kvalues_iq4nl (llama.cpp's ggml-common.h) plus 128
 const uint8_t mlx_engine::kIQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -707,7 +706,7 @@ NB_MODULE(_kernels, m) {
   register_hugepages(m);
   register_output_mlp(m);
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
-  m.def("isa", &isa, "The instruction set the kernels were picked for.");
+  m.def("isa", &mlx_engine::isa, "The instruction set the kernels were picked for.");
   m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI, or AVX2).");
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);

@@ -128,6 +128,10 @@ void factored_scales(const Problem& p, int n0, int count, float* s, float* b);
 int check_factored(const mlx::core::Shape& gshape, int group_size, const mlx::core::array& scales,
                    const mlx::core::array* biases, const mlx::core::array& super, const std::string& who);
 
+// The copy of the kernels this CPU runs: "avx512" (with VBMI), "avx2", "x86-64 without AVX2", "neon" or "generic";
+// $MLX_ENGINE_CPU_ISA=avx2 takes the AVX2 copies on a CPU with AVX-512 too (the tests run them so on such machines).
+std::string isa();
+
 // Whether a weight of `bits` bits may have groups of `group_size`: 32, 64 or 128, or 16 but for 4 bits (the kernels
 // read 4-bit elements per 32 as even and odd ones); throws std::invalid_argument naming `who` where not.
 void check_group(int group_size, int bits, const std::string& who);
