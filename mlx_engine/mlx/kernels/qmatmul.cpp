@@ -142,12 +142,41 @@ FactoredFn factored_for_cpu() {
   return fn;
 }
 
-// x [M, K] -> the order the row kernel reads: for 4 bits, per 32 elements the 16 even ones then the 16 odd ones.
-// (Into a buffer kept per thread: a decode step makes a few hundred products, and a fresh allocation for each showed
-// up as a tenth of the step in malloc.)
-const float* prepare_x(const float* x, int M, int K, int bits) {
+// x [M, K] -> the order the row kernel reads: for 4 bits, per 32 elements the 16 even ones then the 16 odd ones;
+// with `blocks` (decode on AVX-512, see Problem::x_blocks) per 128 elements the transposed 16 x 8, and x's sums per
+// 32, 64 and 128 elements into `sums` (three pointers). (Into buffers kept per thread: a decode step makes a few
+// hundred products, and a fresh allocation for each showed up as a tenth of the step in malloc.)
+const float* prepare_x(const float* x, int M, int K, int bits, bool blocks, const float** sums) {
   if (bits != 4) return x;
-  static thread_local std::vector<float> xp;
+  static thread_local std::vector<float> xp, sx;
+  if (blocks) {
+    const int K128 = (K + 127) / 128 * 128;
+    // 64-byte aligned: the kernel's loads of x would each cross two cache lines otherwise (1.5x the cycles)
+    xp.assign(size_t(M) * K128 + 15, 0.f);
+    float* base = xp.data() + (16 - reinterpret_cast<uintptr_t>(xp.data()) / 4 % 16) % 16;
+    sx.resize(size_t(M) * (K / 32 + K / 64 + K / 128));
+    float* s32 = sx.data();
+    float* s64 = s32 + size_t(M) * (K / 32);
+    float* s128 = s64 + size_t(M) * (K / 64);
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + size_t(m) * K;
+      float* out = base + size_t(m) * K128;
+      for (int k0 = 0; k0 < K; k0 += 8)  // (K a multiple of 32)
+        for (int j = 0; j < 8; ++j) out[k0 / 128 * 128 + j * 16 + k0 % 128 / 8] = xm[k0 + j];
+      float* a = s32 + size_t(m) * (K / 32);
+      for (int g = 0; g < K / 32; ++g) {
+        float t[8] = {};  // eight sums side by side (one chain of 32 additions took a few microseconds a product)
+        for (int i = 0; i < 32; i += 8)
+          for (int j = 0; j < 8; ++j) t[j] += xm[32 * g + i + j];
+        a[g] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+      }
+      for (int g = 0; g < K / 64; ++g) s64[size_t(m) * (K / 64) + g] = a[2 * g] + a[2 * g + 1];
+      for (int g = 0; g < K / 128; ++g)
+        s128[size_t(m) * (K / 128) + g] = (a[4 * g] + a[4 * g + 1]) + (a[4 * g + 2] + a[4 * g + 3]);
+    }
+    sums[0] = s32, sums[1] = s64, sums[2] = s128;
+    return base;
+  }
   if (xp.size() < size_t(M) * K) xp.resize(size_t(M) * K);
   for (size_t c = 0; c < size_t(M) * K; c += 32) {
     for (int i = 0; i < 16; ++i) {
@@ -295,10 +324,19 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   }
 #endif
   const float* reordered = nullptr;  // x in the float32 kernel's order for its 4-bit weights
+#ifdef X86_KERNELS
+  static const bool avx512_here = rows == &avx512::rows;
+  const bool blocks = avx512_here && M < 4;
+#else
+  const bool blocks = false;
+#endif
+  const float* sums[3] = {nullptr, nullptr, nullptr};  // with blocks: x's sums per 32, 64 and 128 elements
   for (auto& p : ps) {
     if (p.qx || p.bits != 4) continue;
-    if (!reordered) reordered = prepare_x(p.x, M, K, 4);
+    if (!reordered) reordered = prepare_x(p.x, M, K, 4, blocks, sums);
     p.x = reordered;
+    p.x_blocks = blocks;
+    p.xsums = blocks ? sums[p.group_size == 32 ? 0 : p.group_size == 64 ? 1 : 2] : nullptr;
   }
   static const int64_t min_work =
       std::getenv("MLX_ENGINE_MIN_WORK") ? std::atoll(std::getenv("MLX_ENGINE_MIN_WORK")) : 1 << 17;

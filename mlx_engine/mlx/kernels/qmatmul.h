@@ -23,7 +23,7 @@ enum ScaleType { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kI8 = 4 };
 
 // y [M, N] = x [M, K] @ dequantize(w, scales, biases).T, the weight in MLX's affine layout (see qmatmul.cpp).
 struct Problem {
-  const float* x;  // [M, K], for 4-bit weights reordered per 32 elements (see prepare_x)
+  const float* x;  // [M, K], for 4-bit weights reordered (see prepare_x and x_blocks)
   const uint8_t* w;  // [N, K * bits / 8]
   const void* scales;  // [N, K / group_size]
   const void* biases;  // [N, K / group_size], or null: the zero point 2**(bits - 1), bias = -2**(bits - 1) * scale
@@ -33,6 +33,11 @@ struct Problem {
   const void* super = nullptr;  // kU8: float16 [N, K / 256, 2], (d, -dmin); kI8: float16 [N, K / 256, 1], d
   int ldo = 0;  // the row stride of out (N, but for a block of a weight's rows)
   const uint8_t* codebook = nullptr;  // 4 bits only: kIQ4NL (a codebook weight, see there), else null
+  // 4 bits, fewer than 4 rows of x, AVX-512 (qmatmul_decode.inc): x in blocks of 128 elements, element 8 i + j of a
+  // block at 16 j + i (the nibble j of the block's 32-bit word i), its rows K rounded up to 128 apart and zero past K;
+  // xsums [M, K / group_size] x's sums over each group (for the biases' term)
+  bool x_blocks = false;
+  const float* xsums = nullptr;
 };
 
 // A 4-bit weight whose integers index a codebook: GGUF's IQ4_NL and IQ4_XS, value scale * kvalues[q] with
