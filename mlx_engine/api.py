@@ -69,7 +69,8 @@ class Model:
         name: the name it was loaded by. architecture: ``llama``, ``gemma3`` or ``qwen3``.
         info: architecture, parameters, quantization, context_length, chat_template, license, source, path.
         context_length: the most tokens a sequence may hold here.
-        activations: what the CPU's quantized products do with x, ``float32`` or ``int8`` (see :func:`load`).
+        activations: what the CPU's quantized products do with x, ``float32``, ``int8`` or ``int16`` (see
+            :func:`load`).
         load_seconds, weights_bytes, load_peak_bytes: what loading took (seconds, bytes on the device, and the
             device's peak memory during the load above what other models held before it).
     """
@@ -487,13 +488,16 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     ``activations``: what the CPU's quantized products do with x: ``"float32"`` (the default, or
     ``$MLX_ENGINE_ACTIVATIONS``): the exact product with the dequantized weights, the float model's tokens; ``"int8"``:
     x quantized per 32 elements as llama.cpp's Q8_0 and integer dot products (AVX-512 VNNI or AVX2), llama.cpp's numerics and
-    a faster decode. A GPU takes x as it is (MLX's kernels).
+    a faster decode; ``"int16"``: x quantized per 32 elements to 16 bits (d = max|x| / 32639) and the same integer dot
+    products (AVX-512 VNNI), the float path's perplexity to 0.01 % and a decode between the two. A GPU takes x as it
+    is (MLX's kernels).
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.
         UnsupportedError: an architecture we do not run (the message lists those we do).
-        InvalidRequestError: float16 for an architecture whose activations outgrow it; activations neither float32
-            nor int8. UnsupportedError: int8 activations where they cannot run (a GPU, a CPU without AVX-512 VNNI and AVX2).
+        InvalidRequestError: float16 for an architecture whose activations outgrow it; activations none of float32,
+            int8, int16. UnsupportedError: int8 or int16 activations where they cannot run (a GPU; a CPU without
+            AVX-512 VNNI and AVX2, or for int16 without AVX-512 VNNI).
     """
     resolved = Store().resolve(model, pull=pull, progress=progress)
     return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,

@@ -495,10 +495,11 @@ def test_qmatmul_many_is_each_product_alone(m):
         assert np.array_equal(np.array(y), np.array(cpu_kernels.qmatmul(x, q, s, b, gs, bits)))
         want = _reference(x, q, s, b, gs, bits)
         np.testing.assert_allclose(np.array(y), want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max()))
-    if _int8_supported():  # int8 too: x quantized once, in the layouts the job's widths read, as alone
-        got8 = cpu_kernels.qmatmul_many(x, *[[w[i] for w in weights] for i in range(5)], None, "int8")
+    for kind in [k for k in ("int8", "int16") if _supported(k)]:
+        # int8 and int16 too: x quantized once, in the layouts the job's widths read, as alone
+        got8 = cpu_kernels.qmatmul_many(x, *[[w[i] for w in weights] for i in range(5)], None, kind)
         for y, (q, s, b, gs, bits) in zip(got8, weights):
-            assert np.array_equal(np.array(y), np.array(cpu_kernels.qmatmul(x, q, s, b, gs, bits, "int8")))
+            assert np.array_equal(np.array(y), np.array(cpu_kernels.qmatmul(x, q, s, b, gs, bits, kind)))
     with pytest.raises(ValueError, match="one or more weights"):
         cpu_kernels.qmatmul_many(x, [weights[0][0]], [], [], [], [])
     # outputs in the shapes asked for: the same elements in row-major order, no reshape node
@@ -606,15 +607,19 @@ def test_symmetric_weight_is_its_implied_biases(m, bits, scale_dtype, float_acti
     assert same(np.array(compiled(xt, implied).a), np.array(compiled(xt, held).a))
 
 
-def _int8_reference(x, q, s, b, group_size, bits):
-    """float64 oracle of qmatmul's int8 activations, from its definition (qmatmul_int8.inc; llama.cpp's Q8_0
-    activations, ggml-quants.c quantize_row_q8_0): x per 32 elements as d = max|x| / 127, x_q = round(x / d); integer
-    sums of w_q * x_q per 32 (of (w_q - 2**(bits - 1)) * x_q for a symmetric weight, b None) times scale * d; plus
-    each bias times the sum of x's rounded values d * x_q over its group."""
+# the largest x_q of int8 and int16 activations (qmatmul_int8.h): d = max|x| / LEVELS[kind]
+LEVELS = {"int8": 127, "int16": 32639}
+
+
+def _int8_reference(x, q, s, b, group_size, bits, kind="int8"):
+    """float64 oracle of qmatmul's int8 (int16) activations, from its definition (qmatmul_int8.inc; llama.cpp's Q8_0
+    activations, ggml-quants.c quantize_row_q8_0): x per 32 elements as d = max|x| / 127 (32639), x_q = round(x / d);
+    integer sums of w_q * x_q per 32 (of (w_q - 2**(bits - 1)) * x_q for a symmetric weight, b None) times scale * d;
+    plus each bias times the sum of x's rounded values d * x_q over its group."""
     x = np.array(x, np.float32)
     m, k = x.shape
     blocks = x.reshape(m, k // 32, 32)
-    d = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    d = (np.abs(blocks).max(-1) / np.float32(LEVELS[kind])).astype(np.float32)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     xq = np.rint(blocks * inv[..., None]).astype(np.int64)
     ones = mx.ones(s.shape, mx.float32)
@@ -630,18 +635,27 @@ def _int8_reference(x, q, s, b, group_size, bits):
     return out
 
 
-int8_here = pytest.mark.skipif(not _int8_supported(), reason="the int8 kernel needs AVX-512 VNNI or AVX2, which this CPU lacks")
+def _supported(kind: str) -> bool:
+    """Whether the built kernels run ``kind`` (int8 or int16) activations on this CPU."""
+    kernels = importlib.import_module("mlx_engine.mlx._kernels")
+    return _int8_supported() and (kind == "int8" or kernels.int16_supported())
 
 
-@int8_here
+KINDS = [pytest.param("int8", marks=pytest.mark.skipif(not _supported("int8"), reason="the int8 kernel needs "
+                                                        "AVX-512 VNNI or AVX2, which this CPU lacks")),
+         pytest.param("int16", marks=pytest.mark.skipif(not _supported("int16"), reason="the int16 kernel needs "
+                                                         "AVX-512 VNNI, which this CPU lacks"))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("scale_dtype", ["float32", "float16", "bfloat16"])
-def test_int8_activations_are_their_definition(bits, group_size, scale_dtype):
-    """activations="int8" against its float64 oracle: for every width, group size and scale dtype, with and without
-    biases, row lengths with and without a partial last register (576: 4.5 x 128; 160: 1.25 x 128, 2.5 x 64; 224:
-    1.75 x 128, 3.5 x 64), and rows of x for decode (1, 3), the tiles (4, 8), their remainders (9) and enough to
-    quantize x on several threads (40)."""
+def test_int8_activations_are_their_definition(kind, bits, group_size, scale_dtype):
+    """activations="int8" (and "int16") against its float64 oracle: for every width, group size and scale dtype, with
+    and without biases, row lengths with and without a partial last register (576: 4.5 x 128; 160: 1.25 x 128, 2.5 x
+    64; 224: 1.75 x 128, 3.5 x 64), and rows of x for decode (1, 3), the tiles (4, 8), their remainders (9) and
+    enough to quantize x on several threads (40)."""
     rng = np.random.default_rng(bits * 1000 + group_size)
     dt = getattr(mx, scale_dtype)
     for k in (640, 576 if group_size <= 64 else 384, *((160, 224) if group_size == 32 else (128,))):
@@ -653,32 +667,34 @@ def test_int8_activations_are_their_definition(bits, group_size, scale_dtype):
             x[0, :32] = 0  # a block of zeros (d = 0)
             x = mx.array(x)
             for biases in (b, None):
-                got = np.array(cpu_kernels.qmatmul(x, q, s, biases, group_size, bits, "int8"))
-                want = _int8_reference(x, q, s, biases, group_size, bits)
+                got = np.array(cpu_kernels.qmatmul(x, q, s, biases, group_size, bits, kind))
+                want = _int8_reference(x, q, s, biases, group_size, bits, kind)
                 # float32 sums of exact integer sums: a few ulps of the largest partial sums
                 np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
 
 
-@int8_here
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bits", [4, 5, 8])
-def test_int8_activations_stay_within_their_rounding(bits):
+def test_int8_activations_stay_within_their_rounding(kind, bits):
     """Against the exact float product, the int8 result is off by at most what rounding x to its blocks' grids can
-    give: sum_j |w_j| * d(j) / 2, d(j) = max|x| / 127 over element j's block (plus float32 rounding)."""
+    give: sum_j |w_j| * d(j) / 2, d(j) = max|x| / 127 over element j's block (int16: / 32639; plus float32
+    rounding)."""
     rng = np.random.default_rng(bits)
     k = 640
     q, s, b = mx.quantize(mx.array(rng.standard_normal((64, k)).astype(np.float32)), group_size=32, bits=bits)
     x = rng.standard_normal((5, k)).astype(np.float32) * np.exp(rng.standard_normal((5, k))).astype(np.float32)
     want = _reference(mx.array(x), q, s, b, 32, bits)
-    got = np.array(cpu_kernels.qmatmul(mx.array(x), q, s, b, 32, bits, "int8"))
+    got = np.array(cpu_kernels.qmatmul(mx.array(x), q, s, b, 32, bits, kind))
     w = np.array(mx.dequantize(q, s, b, group_size=32, bits=bits), np.float64)
-    d = np.repeat(np.abs(x.reshape(5, k // 32, 32)).max(-1) / 127, 32, axis=1)
+    d = np.repeat(np.abs(x.reshape(5, k // 32, 32)).max(-1) / LEVELS[kind], 32, axis=1)
     bound = (d / 2) @ np.abs(w).T + 1e-5 * np.abs(want).max()
     assert np.all(np.abs(got - want) <= bound)
     assert np.abs(got - want).max() > 0  # (x was rounded: the check above can fail)
 
 
 def test_engine_activations_follow_the_environment():
-    """float32 activations by default; MLX_ENGINE_ACTIVATIONS=int8 turns int8 on where the kernel runs."""
+    """float32 activations by default; MLX_ENGINE_ACTIVATIONS=int8 (int16) turns int8 (int16) on where the kernel
+    runs."""
     import importlib
 
     int8 = importlib.import_module("mlx_engine.mlx._kernels").int8_supported()
@@ -688,7 +704,9 @@ def test_engine_activations_follow_the_environment():
     assert out.stdout.strip().endswith(", float32 activations")
     asked = _status_in_subprocess({"MLX_ENGINE_ACTIVATIONS": "int8"})
     assert asked.endswith(", int8 activations" if int8 else "which this CPU lacks)")
-    assert "is neither int8 nor float32" in _status_in_subprocess({"MLX_ENGINE_ACTIVATIONS": "fp8"})
+    asked = _status_in_subprocess({"MLX_ENGINE_ACTIVATIONS": "int16"})
+    assert asked.endswith(", int16 activations" if _supported("int16") else "which this CPU lacks)")
+    assert "is none of float32, int8, int16" in _status_in_subprocess({"MLX_ENGINE_ACTIVATIONS": "fp8"})
 
 
 def test_linear_many_is_linear_of_each():

@@ -293,6 +293,40 @@ def test_int8_activations_have_llama_cpps_perplexity(name, request, record_prope
     assert len(answer.split()) >= 2
 
 
+_INT16_PROBLEM = cpu_kernels.activations_problem("int16")  # None where int16 activations run (AVX-512 VNNI)
+
+
+@pytest.mark.skipif(_INT16_PROBLEM is not None, reason=f"int16 activations cannot run here: {_INT16_PROBLEM}")
+def test_int16_activations_keep_the_float_models_tokens_and_perplexity(pair, request, record_property):
+    """With int16 activations (``load(activations="int16")``: x quantized per 32 elements to 16 bits, the integer
+    kernel's sums) the greedy tokens on the holdout prompts (64 each, the long one past Gemma's window) are the float
+    path's, and the perplexity of the bench's 1024 tokens is within 0.1 % of it (measured: smollm2 20.7946 against
+    20.7956, gemma3 9.0933 against 9.0935; int8 moves them by 0.4 % and 1.4 %)."""
+    import math
+
+    from mlx_engine.bench.text import PERPLEXITY_TEXT
+
+    name, exact, _ = pair
+    fine = mlx_engine.load(str(request.getfixturevalue(f"{name}_gguf")), progress=False, context_length=2048,
+                           activations="int16")
+    try:
+        assert fine.activations == "int16"
+        for prompt in PROMPTS[name]:
+            tokens = _prompt_tokens(exact, prompt)
+            assert _greedy(fine, tokens, 64) == _greedy(exact, tokens, 64), f"{name}: {len(tokens)}-token prompt"
+        text = exact.text_tokens(PERPLEXITY_TEXT)[:1024]
+        ppl = {}
+        for label, model in (("float32", exact), ("int16", fine)):
+            model.runner.reset()
+            with model.backend.new_context() as ctx:
+                ppl[label] = math.exp(model.runner.perplexity(ctx, text)[0])
+    finally:
+        fine.close()
+    record_property("int16_perplexity", ppl["int16"])
+    record_property("float32_perplexity", ppl["float32"])
+    assert len(text) == 1024 and abs(ppl["int16"] / ppl["float32"] - 1) <= 1e-3, ppl
+
+
 @pytest.mark.skipif(cpu_kernels.qmatmul is None, reason="the CPU kernels are not in use here")
 def test_q6_k_in_groups_of_16_gives_the_float_models_perplexity(gemma3_gguf, record_property, monkeypatch):
     """gemma3's Q6_K tensors (16-element sub-blocks) run in their own groups of 16, without loss, as every other type

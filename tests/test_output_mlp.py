@@ -84,7 +84,7 @@ KINDS = {
 
 
 def _activations() -> list[str]:
-    return ["float32"] + (["int8"] if cpu_kernels.int8_problem() is None else [])
+    return ["float32"] + [k for k in ("int8", "int16") if cpu_kernels.activations_problem(k) is None]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -127,7 +127,7 @@ def test_bad_arguments_are_refused_with_what_was_wrong():
 
     cases = [
         (dict(activation="relu"), "activation must be silu or gelu_tanh"),
-        (dict(activations="int4"), 'activations must be "float32" or "int8"'),
+        (dict(activations="int4"), 'activations must be "float32", "int8" or "int16"'),
         (dict(o=mx.zeros((1, 1, K_O), mx.float16)), "o and h must be float32"),
         (dict(o=mx.zeros((1, 1, K_O + 32))), f"o must hold h's rows of the output projection's {K_O} inputs"),
         (dict(norm=mx.ones((D + 1,))), f"the MLP's norm weight must be float32 \\[{D}\\]"),

@@ -15,8 +15,8 @@ Linux) are None when the module is missing (not built:
 no compiler or CMake at install, or ``MLX_ENGINE_NO_KERNELS=1``), was built against another MLX than the one
 installed, or fails its self-test; then quantized weights run through MLX's own operations and
 :func:`status` says why. ``MLX_ENGINE_KERNELS=0`` turns them off at run time. ``activations`` says what the
-engine's products do with x by default (float32, or int8 with ``MLX_ENGINE_ACTIVATIONS=int8``); a model loaded
-with ``activations=`` sets its own (:func:`int8_problem` says whether int8 runs here).
+engine's products do with x by default (float32, or int8 / int16 with ``MLX_ENGINE_ACTIVATIONS``); a model loaded
+with ``activations=`` sets its own (:func:`activations_problem` says whether int8 or int16 runs here).
 """
 
 from __future__ import annotations
@@ -49,13 +49,15 @@ huge_pages: "Callable | None" = None
 # What qmatmul does with x unless a model was loaded with activations=: "float32" (the exact product of x with the
 # dequantized weight: the float model's tokens), or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel
 # (AVX-512 VNNI or AVX2) "int8" (quantized per 32 elements and integer dot products, as llama.cpp does: decode about 1.2x
-# faster, llama.cpp's numerics). Each quantized weight carries the value it was made with (a compiled graph keeps
-# what it was traced with).
+# faster, llama.cpp's numerics), or with $MLX_ENGINE_ACTIVATIONS=int16 where the CPU has AVX-512 VNNI "int16" (16 bits
+# per 32 elements, the same integer dot products: the float path's perplexity to 0.01 %). Each quantized weight
+# carries the value it was made with (a compiled graph keeps what it was traced with).
 activations = "float32"
 _status = "not loaded"
 _note = ""  # what became of $MLX_ENGINE_ACTIVATIONS, where it was not taken
 _kernels_module = None
 _int8_problem: "str | None" = "not checked"
+_int16_problem: "str | None" = "not checked"
 _gather_problem: "str | None" = "not checked"
 _self_test_lock = threading.Lock()  # the self-tests run on first need
 
@@ -147,21 +149,21 @@ def _gather_self_test(fn, one) -> str | None:
     return None
 
 
-def _int8_self_test(fn) -> str | None:
-    """int8 activations compute x_hat @ w.T, x_hat = d * round(x / d) per 32 elements (d = max|x| / 127): the
-    integer sums are exact, the biases meet x_hat's sums. Checked against MLX's float product with x_hat, with and
-    without biases; None when they agree."""
+def _int8_self_test(fn, kind: str = "int8") -> str | None:
+    """int8 activations compute x_hat @ w.T, x_hat = d * round(x / d) per 32 elements (d = max|x| / 127; int16: /
+    32639): the integer sums are exact, the biases meet x_hat's sums. Checked against MLX's float product with
+    x_hat, with and without biases; None when they agree."""
     x = mx.random.normal((5, 160), key=mx.random.key(11))
-    d = mx.abs(x.reshape(5, 5, 32)).max(axis=-1, keepdims=True) / 127
+    d = mx.abs(x.reshape(5, 5, 32)).max(axis=-1, keepdims=True) / (127 if kind == "int8" else 32639)
     x_hat = (mx.round(x.reshape(5, 5, 32) * (1 / d)) * d).reshape(5, 160)
     for bits in (4, 5, 8):
         q, s, b = mx.quantize(mx.random.normal((24, 160), key=mx.random.key(bits)), group_size=32, bits=bits)
         for biases in (b, None):
             w = mx.dequantize(q, s, s * -(2 ** (bits - 1)) if biases is None else biases, group_size=32, bits=bits)
             want = x_hat @ w.T
-            err = mx.abs(fn(x, q, s, biases, 32, bits, "int8") - want).max().item()
+            err = mx.abs(fn(x, q, s, biases, 32, bits, kind) - want).max().item()
             if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
-                return f"{bits}-bit product with int8 activations off by {err:.3g}"
+                return f"{bits}-bit product with {kind} activations off by {err:.3g}"
     return None
 
 
@@ -405,29 +407,44 @@ def _load() -> None:
     _kernels_module = _kernels
     _status = f"{_kernels.isa()}, {_kernels.threads()} threads"
     asked = os.environ.get("MLX_ENGINE_ACTIVATIONS", "float32").lower()
-    if asked == "int8":
-        problem = int8_problem()
-        _note = f" (int8: {problem})" if problem else ""
-        activations = "float32" if problem else "int8"
+    if asked in ("int8", "int16"):
+        problem = activations_problem(asked)
+        _note = f" ({asked}: {problem})" if problem else ""
+        activations = "float32" if problem else asked
     elif asked != "float32":
-        _note = f" (MLX_ENGINE_ACTIVATIONS={asked!r} is neither int8 nor float32)"
+        _note = f" (MLX_ENGINE_ACTIVATIONS={asked!r} is none of float32, int8, int16)"
 
 
 def int8_problem() -> str | None:
     """Why int8 activations cannot run here (the kernels are off, the CPU lacks both AVX-512 VNNI and AVX2, or their self-test
     failed), or None where they can. The self-test runs once per process, on first need."""
-    global _int8_problem
+    return activations_problem("int8")
+
+
+def activations_problem(kind: str) -> str | None:
+    """Why ``kind`` activations (``"int8"`` or ``"int16"``) cannot run here (the kernels are off, the CPU lacks the
+    instructions: int8 needs AVX-512 VNNI or AVX2, int16 AVX-512 VNNI; or the kernel failed its self-test), or None
+    where they can. Each self-test runs once per process, on first need."""
+    global _int8_problem, _int16_problem
     if qmatmul is None or _kernels_module is None:
         return f"the CPU kernels are not in use: {_status}"
     with _self_test_lock:
-        if _int8_problem == "not checked":
-            if not _kernels_module.int8_supported():
-                _int8_problem = "it needs AVX-512 VNNI or AVX2, which this CPU lacks"
+        known = _int8_problem if kind == "int8" else _int16_problem
+        if known == "not checked":
+            supported = (_kernels_module.int8_supported() if kind == "int8" else
+                         _kernels_module.int16_supported())
+            if not supported:
+                known = (f"it needs {'AVX-512 VNNI or AVX2' if kind == 'int8' else 'AVX-512 VNNI'}, which this CPU "
+                         "lacks")
             else:
                 with mx.stream(mx.cpu):
-                    problem = _int8_self_test(_kernels_module.qmatmul)
-                _int8_problem = f"the int8 kernel failed its self-test ({problem})" if problem else None
-        return _int8_problem
+                    problem = _int8_self_test(_kernels_module.qmatmul, kind)
+                known = f"the {kind} kernel failed its self-test ({problem})" if problem else None
+            if kind == "int8":
+                _int8_problem = known
+            else:
+                _int16_problem = known
+        return known
 
 
 def gather_problem() -> str | None:

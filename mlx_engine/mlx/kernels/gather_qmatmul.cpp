@@ -39,12 +39,13 @@ using mlx_engine::Problem;
 
 class GatherQMatmul : public mx::Primitive {
  public:
-  GatherQMatmul(mx::Stream stream, int group_size, int bits, bool symmetric, bool int8, bool factored, bool codebook)
+  GatherQMatmul(mx::Stream stream, int group_size, int bits, bool symmetric, mlx_engine::Activations act,
+                bool factored, bool codebook)
       : mx::Primitive(stream),
         group_size_(group_size),
         bits_(bits),
         symmetric_(symmetric),
-        int8_(int8),
+        act_(act),
         factored_(factored),
         codebook_(codebook) {}
 
@@ -56,7 +57,7 @@ class GatherQMatmul : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_, int8 = int8_,
+    encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_, act = act_,
                       factored = factored_, codebook = codebook_]() mutable {
       const std::vector<const void*> data = mlx_engine::row_major_all(inputs);
       const mx::array &w = inputs[1], &scales = inputs[2], &idx = inputs[4];
@@ -102,7 +103,7 @@ class GatherQMatmul : public mx::Primitive {
           }
           ps.push_back(problem(expert[j], x, 1, y + size_t(j) * I));
         }
-        if (!ps.empty()) mlx_engine::qmatmul_run(ps, int8);
+        if (!ps.empty()) mlx_engine::qmatmul_run(ps, act);
         return;
       }
       // tokens grouped by expert: each expert's rows of x gathered, its products made, the outputs put back
@@ -121,7 +122,7 @@ class GatherQMatmul : public mx::Primitive {
         xs.resize(size_t(M) * K), ys.resize(size_t(M) * I);
         for (int i = 0; i < M; ++i) std::memcpy(xs.data() + size_t(i) * K, x + size_t(ts[i] / k) * K, size_t(K) * 4);
         std::vector<Problem> ps{problem(e, xs.data(), M, ys.data())};
-        mlx_engine::qmatmul_run(ps, int8);
+        mlx_engine::qmatmul_run(ps, act);
         for (int i = 0; i < M; ++i) std::memcpy(y + size_t(ts[i]) * I, ys.data() + size_t(i) * I, size_t(I) * 4);
       }
     });
@@ -135,7 +136,7 @@ class GatherQMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const GatherQMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ && int8_ == o.int8_ &&
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && symmetric_ == o.symmetric_ && act_ == o.act_ &&
            factored_ == o.factored_ && codebook_ == o.codebook_;
   }
 
@@ -145,15 +146,15 @@ class GatherQMatmul : public mx::Primitive {
 
  private:
   int group_size_, bits_;
-  bool symmetric_, int8_, factored_, codebook_;
+  bool symmetric_;
+  mlx_engine::Activations act_;
+  bool factored_, codebook_;
 };
 
 mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                          const std::optional<mx::array>& biases, const mx::array& indices, int group_size, int bits,
                          const std::string& activations, const std::optional<mx::array>& super, bool codebook) {
-  if (activations != "float32" && activations != "int8")
-    throw std::invalid_argument("gather_qmatmul: activations must be \"float32\" or \"int8\", not \"" + activations +
-                                "\"");
+  const mlx_engine::Activations act = mlx_engine::parse_activations(activations, "gather_qmatmul");
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("gather_qmatmul: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   mlx_engine::check_group(group_size, bits, "gather_qmatmul");
@@ -181,7 +182,7 @@ mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array
   std::vector<mx::array> inputs{mx::astype(x, mx::float32, s), w, scales, b, indices};
   if (super) inputs.push_back(*super);
   auto y = mx::array(mx::Shape{indices.shape(0), indices.shape(1), I}, mx::float32,
-                     std::make_shared<GatherQMatmul>(s, group_size, bits, !biases.has_value(), activations == "int8",
+                     std::make_shared<GatherQMatmul>(s, group_size, bits, !biases.has_value(), act,
                                                      super.has_value(), codebook),
                      std::move(inputs));
   return mx::astype(y, x.dtype(), s);

@@ -117,8 +117,7 @@ std::vector<mx::array> output_mlp(const mx::array& o, const mx::array& h, const 
                                   const WeightArg& gate, const WeightArg& up, const WeightArg& down,
                                   const std::string& activation, float eps, const std::optional<mx::array>& o_norm,
                                   const std::optional<mx::array>& down_norm, const std::string& activations) {
-  if (activations != "float32" && activations != "int8")
-    throw std::invalid_argument("output_mlp: activations must be \"float32\" or \"int8\", not \"" + activations + "\"");
+  const mlx_engine::Activations act = mlx_engine::parse_activations(activations, "output_mlp");
   if (activation != "silu" && activation != "gelu_tanh")
     throw std::invalid_argument("output_mlp: activation must be silu or gelu_tanh, not " + activation);
   if (o.dtype() != mx::float32 || h.dtype() != mx::float32 || h.ndim() < 1 || h.shape(-1) == 0)
@@ -136,7 +135,7 @@ std::vector<mx::array> output_mlp(const mx::array& o, const mx::array& h, const 
     throw std::invalid_argument("output_mlp: the MLP's norm weight must be float32 [" + std::to_string(D) + "]");
   std::vector<mx::array> inputs{o, h, norm}, supers;
   std::vector<Stage> st(3);
-  for (auto& s : st) s.eps = eps, s.int8 = activations == "int8";
+  for (auto& s : st) s.eps = eps, s.act = act;
   st[1].prologue = mlx_engine::kAddNorm;
   st[2].prologue = activation == "silu" ? mlx_engine::kSiLU : mlx_engine::kGeluTanh;
   if (add(st[0], inputs, supers, K, wo) != D)

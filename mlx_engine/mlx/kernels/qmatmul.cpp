@@ -7,7 +7,8 @@
 // By default the activations stay float32: the result is the float32 product of x with the exactly dequantized
 // weight (only the order of the sums differs from a dense matmul), so a lossless repack of a GGUF file gives the
 // tokens of the float path. With activations="int8" (where the CPU has AVX-512 VNNI, or AVX2) x is quantized as
-// llama.cpp quantizes it and the sums are integer ones (qmatmul_int8.inc, qmatmul_int8_avx2.inc). Why our own:
+// llama.cpp quantizes it and the sums are integer ones (qmatmul_int8.inc, qmatmul_int8_avx2.inc); "int16" (AVX-512
+// VNNI) quantizes it to 16 bits per 32 elements, two int8 parts through the same integer sums. Why our own:
 // MLX's CPU quantized_matmul is 2.4x slower than float32 for one row and 42x for 512 rows (measured on this
 // project's machines); a decode step reads every weight once, so its speed is the weight's bytes.
 //
@@ -115,6 +116,7 @@ std::string int8_isa() {
 }
 
 bool int8_supported() { return !int8_isa().empty(); }
+bool int16_supported() { return int8_isa() == "vnni"; }
 
 RowsFn rows_for_cpu() {
   static const RowsFn fn = [] {
@@ -268,12 +270,12 @@ void mlx_engine::factored_scales(const Problem& p, int n0, int count, float* s, 
 }
 
 const mlx_engine::int8::QX& mlx_engine::int8::quantize_x(const float* x, int M, int K, bool nib, bool own,
-                                                         QuantizeRowFn row) {
+                                                         QuantizeRowFn row, bool x16) {
   static thread_local QXBuffers b;
   static thread_local QX q;
   const int blocks = K / 32, K4 = (K + 127) / 128 * 128, K8 = (K + 63) / 64 * 64;
-  if (nib) b.p4.assign(size_t(M) * (K4 / 128) * kRecord4, 0);
-  if (own) b.p8.assign(size_t(M) * (K8 / 64) * kRecord8, 0);
+  if (nib) b.p4.assign(size_t(M) * (K4 / 128) * (x16 ? kRecord4x16 : kRecord4), 0);
+  if (own) b.p8.assign(size_t(M) * (K8 / 64) * (x16 ? kRecord8x16 : kRecord8), 0);
   b.sx32.resize(size_t(M) * blocks), b.sx64.resize(size_t(M) * (K / 64) + 1), b.sx128.resize(size_t(M) * (K / 128) + 1);
   const int chunks = std::min(M / 16, 4 * pool_threads());
   if (chunks <= 1) {
@@ -293,15 +295,29 @@ const mlx_engine::int8::QX& mlx_engine::int8::quantize_x(const float* x, int M, 
     float* s128 = b.sx128.data() + size_t(m) * (K / 128);
     for (int g = 0; g < K / 128; ++g) s128[g] = (sx[4 * g] + sx[4 * g + 1]) + (sx[4 * g + 2] + sx[4 * g + 3]);
   }
-  q = {K4, K8, b.p4.data(), b.p8.data(), {b.sx32.data(), b.sx64.data(), b.sx128.data()}};
+  q = {K4, K8, b.p4.data(), b.p8.data(), {b.sx32.data(), b.sx64.data(), b.sx128.data()}, x16};
   return q;
+}
+
+mlx_engine::Activations mlx_engine::parse_activations(const std::string& name, const std::string& who) {
+  if (name == "float32") return kActFloat32;
+  if (name == "int8") return kActInt8;
+  if (name == "int16") {
+    // checked here, where the graph is built, not in the kernel (an error there would surface from evaluation)
+    if (!int16_supported())
+      throw std::invalid_argument(who + ": int16 activations need AVX-512 VNNI, which this CPU lacks");
+    return kActInt16;
+  }
+  throw std::invalid_argument(who + ": activations must be \"float32\", \"int8\" or \"int16\", not \"" + name +
+                              "\"");
 }
 
 // Products of one x with several weights (a layer's q, k and v share x) as one parallel job: output rows in units of
 // 16 over all the products, in chunks claimed by whichever thread is free (pool.h). A product too small to be worth a
 // second thread on its own (a decode step's k and v) is split with the rest.
-// int8: x quantized to int8 and the int8 kernel, where the CPU has it.
-void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
+// act int8 or int16: x quantized so and the integer kernel, where the CPU has it (int16 only reaches here where it
+// has AVX-512 VNNI: parse_activations).
+void mlx_engine::qmatmul_run(std::vector<Problem>& ps, Activations act) {
   const int M = ps[0].M, K = ps[0].K;
   const RowsFn rows = rows_for_cpu();
   RowsFn int8_rows = nullptr;
@@ -309,14 +325,16 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, bool int8) {
   for (auto& p : ps) p.qx = nullptr;
 #ifdef X86_KERNELS
   static const std::string int8_here = int8_isa();
-  if (int8 && !int8_here.empty()) {
+  if (act != kActFloat32 && !int8_here.empty()) {
     bool nib = false, own = false;  // the layouts of x_q these widths read
     for (auto& p : ps)
       if (int8_kernel_takes(p)) (p.bits == 4 ? nib : own) = true;
     if (nib || own) {
       const bool vnni_here = int8_here == "vnni";
-      const auto quantize_row = vnni_here ? &vnni::quantize_row : &avx2::i8::quantize_row;
-      const void* qx = &mlx_engine::int8::quantize_x(ps[0].x, M, K, nib, own, quantize_row);
+      const bool x16 = act == kActInt16 && vnni_here;
+      const auto quantize_row =
+          x16 ? &vnni::quantize_row16 : vnni_here ? &vnni::quantize_row : &avx2::i8::quantize_row;
+      const void* qx = &mlx_engine::int8::quantize_x(ps[0].x, M, K, nib, own, quantize_row, x16);
       for (auto& p : ps)
         if (int8_kernel_takes(p)) p.qx = qx;
       int8_rows = vnni_here ? &vnni::rows : &avx2::i8::rows;
@@ -372,7 +390,7 @@ size_t mlx_engine::Stage::weight_inputs() const {
 
 bool mlx_engine::Stage::operator==(const Stage& o) const {
   return group_sizes == o.group_sizes && bits == o.bits && symmetric == o.symmetric && out_norms == o.out_norms &&
-         factored == o.factored && codebook == o.codebook && prologue == o.prologue && eps == o.eps && int8 == o.int8;
+         factored == o.factored && codebook == o.codebook && prologue == o.prologue && eps == o.eps && act == o.act;
 }
 
 std::vector<mx::array> mlx_engine::HeldInputs::split(std::vector<mx::array> all) {
@@ -441,7 +459,7 @@ void mlx_engine::run_stage(const Stage& st, const std::vector<mx::array>& inputs
     p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
     if (st.factored[i]) p.scale_type = scales.dtype() == mx::int8 ? kI8 : mlx_engine::kU8, p.super = data[super_at++];
   }
-  qmatmul_run(ps, st.int8);
+  qmatmul_run(ps, st.act);
   size_t norm_at = w0 + 3 * ps.size();
   for (size_t i = 0; i < ps.size(); ++i) {
     if (!st.out_norms[i]) continue;
@@ -624,8 +642,7 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
                                     float eps,
                                     const std::optional<std::vector<std::optional<mx::array>>>& supers,
                                     const std::optional<std::vector<bool>>& codebooks) {
-  if (activations != "float32" && activations != "int8")
-    throw std::invalid_argument("qmatmul: activations must be \"float32\" or \"int8\", not \"" + activations + "\"");
+  const mlx_engine::Activations act = mlx_engine::parse_activations(activations, "qmatmul");
   const size_t n = ws.size();
   if (n == 0 || scales.size() != n || biases.size() != n || group_sizes.size() != n || bits.size() != n ||
       (out_shapes && out_shapes->size() != n) || (out_norms && out_norms->size() != n) ||
@@ -639,7 +656,7 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
   inputs.insert(inputs.end(), prologue_in.begin(), prologue_in.end());
   std::vector<mx::Shape> shapes;
   Stage st;
-  st.prologue = prologue, st.eps = eps, st.int8 = activations == "int8";
+  st.prologue = prologue, st.eps = eps, st.act = act;
   std::vector<mx::array> super_inputs;
   for (size_t i = 0; i < n; ++i) {
     mx::Shape shape = x.shape();
@@ -715,7 +732,8 @@ NB_MODULE(_kernels, m) {
         "-2**(bits - 1) * scales (a symmetric weight); codebook (4 bits, no biases): element scale * kvalues[q] "
         "(GGUF's IQ4_NL and IQ4_XS, llama.cpp's kvalues_iq4nl); activations \"int8\": x quantized per 32 "
         "elements to int8 "
-        "first (llama.cpp's Q8_0), where int8_supported(); super: two-level scales per 256 elements, either float16 "
+        "first (llama.cpp's Q8_0), where int8_supported(); \"int16\": to 16 bits (d = max|x| / 32639), where "
+        "int16_supported(); super: two-level scales per 256 elements, either float16 "
         "[N, K / 256, 2] with scales and biases uint8 integers sc and m, scale = super[.., 0] * sc, bias = "
         "super[.., 1] * m (GGUF's Q4_K, Q5_K, Q2_K), or float16 [N, K / 256, 1] with int8 scales sc and no biases, "
         "scale = super[.., 0] * sc (GGUF's Q6_K, Q3_K); group_size 16 (but for 4 bits), 32, 64 or 128.");
@@ -746,6 +764,7 @@ NB_MODULE(_kernels, m) {
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &mlx_engine::isa, "The instruction set the kernels were picked for.");
   m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI, or AVX2).");
+  m.def("int16_supported", &int16_supported, "Whether qmatmul's int16 activations run here (AVX-512 VNNI).");
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);
 }

@@ -48,10 +48,19 @@ extern const uint8_t kIQ4NL[16];
 // The zero point a symmetric weight's biases are made from: bias = zero_point_of(p) * scale (exact).
 inline float zero_point_of(const Problem& p) { return p.codebook ? -128.f : -float(1 << (p.bits - 1)); }
 
-// Products of one x (every problem's x, M and K the same) with one or more weights as one parallel job; int8: x
-// quantized to int8 and the int8 kernel, where the CPU has it (groups of 16 take the float32 kernel: the int8 one
-// sums per 32). Problems of two-level scales run per block of rows, their scales and biases made float32 first.
-void qmatmul_run(std::vector<Problem>& ps, bool int8);
+// What the products do with x (qmatmul's `activations`): kActFloat32 take it as it is; kActInt8 quantize it per 32
+// elements to int8 (llama.cpp's Q8_0), kActInt16 to 16 bits (two int8 parts), for the integer kernels
+// (qmatmul_int8.h).
+enum Activations { kActFloat32 = 0, kActInt8 = 1, kActInt16 = 2 };
+
+// `name` ("float32", "int8" or "int16") as Activations; std::invalid_argument naming `who` for any other.
+Activations parse_activations(const std::string& name, const std::string& who);
+
+// Products of one x (every problem's x, M and K the same) with one or more weights as one parallel job; act int8 or
+// int16: x quantized so and the integer kernel, where the CPU has it (groups of 16 take the float32 kernel: the
+// integer one sums per 32; int16 needs AVX-512 VNNI: std::invalid_argument elsewhere). Problems of two-level scales
+// run per block of rows, their scales and biases made float32 first.
+void qmatmul_run(std::vector<Problem>& ps, Activations act);
 
 // What a product node does to x first (the operation before a decoder layer's products), in the same node: each graph
 // node of a decode step costs about 5 us of MLX's scheduling, more than a norm of one row. Computed by the code of
@@ -79,7 +88,7 @@ struct Stage {
   std::vector<bool> codebook;  // a codebook weight (kIQ4NL)
   int prologue = kNone;
   float eps = 0.f;  // the norms' epsilon (prologue and outputs)
-  bool int8 = false;  // x quantized to int8 where the CPU has the kernel
+  Activations act = kActFloat32;  // x quantized (int8, int16) where the CPU has the kernel
   // How many inputs the weights take (3 each, the norms' weights, the super scales).
   size_t weight_inputs() const;
   bool operator==(const Stage& o) const;
