@@ -56,8 +56,8 @@ activations = "float32"
 _status = "not loaded"
 _note = ""  # what became of $MLX_ENGINE_ACTIVATIONS, where it was not taken
 _kernels_module = None
-_int8_problem: "str | None" = "not checked"
-_int16_problem: "str | None" = "not checked"
+# why int8 / int16 activations cannot run here (None: they can), found on first need
+_activation_problems: "dict[str, str | None]" = {}
 _gather_problem: "str | None" = "not checked"
 _self_test_lock = threading.Lock()  # the self-tests run on first need
 
@@ -425,26 +425,19 @@ def activations_problem(kind: str) -> str | None:
     """Why ``kind`` activations (``"int8"`` or ``"int16"``) cannot run here (the kernels are off, the CPU lacks the
     instructions: int8 needs AVX-512 VNNI or AVX2, int16 AVX-512 VNNI; or the kernel failed its self-test), or None
     where they can. Each self-test runs once per process, on first need."""
-    global _int8_problem, _int16_problem
     if qmatmul is None or _kernels_module is None:
         return f"the CPU kernels are not in use: {_status}"
     with _self_test_lock:
-        known = _int8_problem if kind == "int8" else _int16_problem
-        if known == "not checked":
-            supported = (_kernels_module.int8_supported() if kind == "int8" else
-                         _kernels_module.int16_supported())
-            if not supported:
-                known = (f"it needs {'AVX-512 VNNI or AVX2' if kind == 'int8' else 'AVX-512 VNNI'}, which this CPU "
-                         "lacks")
+        if kind not in _activation_problems:
+            int8 = kind == "int8"
+            if not (_kernels_module.int8_supported() if int8 else _kernels_module.int16_supported()):
+                problem = f"it needs {'AVX-512 VNNI or AVX2' if int8 else 'AVX-512 VNNI'}, which this CPU lacks"
             else:
                 with mx.stream(mx.cpu):
-                    problem = _int8_self_test(_kernels_module.qmatmul, kind)
-                known = f"the {kind} kernel failed its self-test ({problem})" if problem else None
-            if kind == "int8":
-                _int8_problem = known
-            else:
-                _int16_problem = known
-        return known
+                    failed = _int8_self_test(_kernels_module.qmatmul, kind)
+                problem = f"the {kind} kernel failed its self-test ({failed})" if failed else None
+            _activation_problems[kind] = problem
+        return _activation_problems[kind]
 
 
 def gather_problem() -> str | None:
