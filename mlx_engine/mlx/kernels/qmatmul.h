@@ -29,7 +29,7 @@ struct Problem {
   const void* biases;  // [N, K / group_size], or null: the zero point 2**(bits - 1), bias = -2**(bits - 1) * scale
   float* out;  // [M, N]
   int M, N, K, group_size, bits, scale_type;
-  const void* qx = nullptr;  // x quantized to int8 (vnni::QX), for the int8 kernel
+  const void* qx = nullptr;  // x quantized to int8 or int16 (int8::QX), for the integer kernels
   const void* super = nullptr;  // kU8: float16 [N, K / 256, 2], (d, -dmin); kI8: float16 [N, K / 256, 1], d
   int ldo = 0;  // the row stride of out (N, but for a block of a weight's rows)
   const uint8_t* codebook = nullptr;  // 4 bits only: kIQ4NL (a codebook weight, see there), else null
