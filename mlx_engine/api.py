@@ -497,7 +497,7 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
         UnsupportedError: an architecture we do not run (the message lists those we do).
         InvalidRequestError: float16 for an architecture whose activations outgrow it; activations none of float32,
             int8, int16. UnsupportedError: int8 or int16 activations where they cannot run (a GPU; a CPU without
-            AVX-512 VNNI and AVX2, or for int16 without AVX-512 VNNI).
+            AVX-512 VNNI and AVX2).
     """
     resolved = Store().resolve(model, pull=pull, progress=progress)
     return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,

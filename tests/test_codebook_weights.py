@@ -89,19 +89,24 @@ def test_quantized_array_refuses_a_codebook_that_does_not_fit():
         QuantizedArray(qa.weight, qa.scales, None, 32, 4)
 
 
-def int8_x(x: "mx.array") -> np.ndarray:
+def int8_x(x: "mx.array", levels: int = 127) -> np.ndarray:
     """x as the int8 activations see it (llama.cpp's Q8_0 blocks: d = max|x| / 127 per 32, x_q = round(x / d)), as
-    float64 ``d * x_q``."""
+    float64 ``d * x_q``; ``levels=32639``: as the int16 activations see it."""
     blocks = np.array(x, np.float32).reshape(x.shape[0], -1, 32)
-    d = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    d = (np.abs(blocks).max(-1) / np.float32(levels)).astype(np.float32)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     return (np.rint(blocks * inv[..., None]) * d[..., None].astype(np.float64)).reshape(x.shape)
+
+
+def _kernels_isa() -> str:
+    from mlx_engine.mlx import _kernels
+    return _kernels.isa()
 
 
 def _activations() -> list[str]:
     if cpu_kernels.qmatmul is None:
         return []
-    return ["float32"] + (["int8"] if cpu_kernels.int8_problem() is None else [])
+    return ["float32"] + [k for k in ("int8", "int16") if cpu_kernels.activations_problem(k) is None]
 
 
 @needs_kernels
@@ -127,6 +132,13 @@ def test_qmatmul_of_a_codebook_weight_is_the_dense_product(type_name, m):
         want8 = int8_x(x) @ dense(type_name, blk, 72).astype(np.float64).T
         np.testing.assert_allclose(np.array(got8), want8, rtol=0, atol=1e-5 * np.abs(want8).max())
         assert not mx.array_equal(got8, got).item()  # (x was rounded: the check above can fail)
+    if "int16" in _activations():
+        got16 = cpu_kernels.qmatmul(x, w, s, None, 32, 4, "int16", sup, True)
+        if _kernels_isa() == "avx2":  # AVX2's int16 kernel leaves codebooks to the float32 one (its sign trick)
+            assert mx.array_equal(got16, got).item()
+        else:  # VNNI: integer sums of kvalues[q] * x_q, x rounded to 16 bits per 32
+            want16 = int8_x(x, 32639) @ dense(type_name, blk, 72).astype(np.float64).T
+            np.testing.assert_allclose(np.array(got16), want16, rtol=0, atol=1e-5 * np.abs(want16).max())
     # beside an affine 4-bit weight in one node (a layer's q, k and v): each product its own
     q4, s4, b4 = mx.quantize(mx.random.normal((40, 512), key=mx.random.key(99)), group_size=32, bits=4)
     for activations in _activations():

@@ -293,7 +293,7 @@ def test_int8_activations_have_llama_cpps_perplexity(name, request, record_prope
     assert len(answer.split()) >= 2
 
 
-_INT16_PROBLEM = cpu_kernels.activations_problem("int16")  # None where int16 activations run (AVX-512 VNNI)
+_INT16_PROBLEM = cpu_kernels.activations_problem("int16")  # None where int16 activations run (AVX-512 VNNI or AVX2)
 
 
 @pytest.mark.skipif(_INT16_PROBLEM is not None, reason=f"int16 activations cannot run here: {_INT16_PROBLEM}")

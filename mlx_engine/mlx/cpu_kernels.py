@@ -49,7 +49,7 @@ huge_pages: "Callable | None" = None
 # What qmatmul does with x unless a model was loaded with activations=: "float32" (the exact product of x with the
 # dequantized weight: the float model's tokens), or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel
 # (AVX-512 VNNI or AVX2) "int8" (quantized per 32 elements and integer dot products, as llama.cpp does: decode about 1.2x
-# faster, llama.cpp's numerics), or with $MLX_ENGINE_ACTIVATIONS=int16 where the CPU has AVX-512 VNNI "int16" (16 bits
+# faster, llama.cpp's numerics), or with $MLX_ENGINE_ACTIVATIONS=int16 on the same CPUs "int16" (16 bits
 # per 32 elements, the same integer dot products: the float path's perplexity to 0.01 %). Each quantized weight
 # carries the value it was made with (a compiled graph keeps what it was traced with).
 activations = "float32"
@@ -423,7 +423,7 @@ def int8_problem() -> str | None:
 
 def activations_problem(kind: str) -> str | None:
     """Why ``kind`` activations (``"int8"`` or ``"int16"``) cannot run here (the kernels are off, the CPU lacks the
-    instructions: int8 needs AVX-512 VNNI or AVX2, int16 AVX-512 VNNI; or the kernel failed its self-test), or None
+    instructions: int8 and int16 need AVX-512 VNNI or AVX2; or the kernel failed its self-test), or None
     where they can. Each self-test runs once per process, on first need."""
     if qmatmul is None or _kernels_module is None:
         return f"the CPU kernels are not in use: {_status}"
@@ -431,7 +431,7 @@ def activations_problem(kind: str) -> str | None:
         if kind not in _activation_problems:
             int8 = kind == "int8"
             if not (_kernels_module.int8_supported() if int8 else _kernels_module.int16_supported()):
-                problem = f"it needs {'AVX-512 VNNI or AVX2' if int8 else 'AVX-512 VNNI'}, which this CPU lacks"
+                problem = "it needs AVX-512 VNNI or AVX2, which this CPU lacks"
             else:
                 with mx.stream(mx.cpu):
                     failed = _int8_self_test(_kernels_module.qmatmul, kind)

@@ -7,8 +7,8 @@
 // By default the activations stay float32: the result is the float32 product of x with the exactly dequantized
 // weight (only the order of the sums differs from a dense matmul), so a lossless repack of a GGUF file gives the
 // tokens of the float path. With activations="int8" (where the CPU has AVX-512 VNNI, or AVX2) x is quantized as
-// llama.cpp quantizes it and the sums are integer ones (qmatmul_int8.inc, qmatmul_int8_avx2.inc); "int16" (AVX-512
-// VNNI) quantizes it to 16 bits per 32 elements, two int8 parts through the same integer sums. Why our own:
+// llama.cpp quantizes it and the sums are integer ones (qmatmul_int8.inc, qmatmul_int8_avx2.inc); "int16" (the
+// same CPUs) quantizes it to 16 bits per 32 elements, two int8 parts through the same integer sums. Why our own:
 // MLX's CPU quantized_matmul is 2.4x slower than float32 for one row and 42x for 512 rows (measured on this
 // project's machines); a decode step reads every weight once, so its speed is the weight's bytes.
 //
@@ -116,7 +116,7 @@ std::string int8_isa() {
 }
 
 bool int8_supported() { return !int8_isa().empty(); }
-bool int16_supported() { return int8_isa() == "vnni"; }
+bool int16_supported() { return !int8_isa().empty(); }
 
 RowsFn rows_for_cpu() {
   static const RowsFn fn = [] {
@@ -190,8 +190,11 @@ const float* prepare_x(const float* x, int M, int K, int bits, bool blocks, cons
 }
 
 // Whether the int8 kernel runs p: it sums per 32 elements (groups of 16 take the float32 kernel), and looks a
-// codebook weight up in groups of 32 only.
-bool int8_kernel_takes(const Problem& p) { return p.group_size != 16 && (!p.codebook || p.group_size == 32); }
+// codebook weight up in groups of 32 only, and not at all with int16 activations on AVX2 (`avx2_x16`: its sign trick
+// cannot take a lo byte of -128; qmatmul_int8_avx2.inc).
+bool int8_kernel_takes(const Problem& p, bool avx2_x16) {
+  return p.group_size != 16 && (!p.codebook || (p.group_size == 32 && !avx2_x16));
+}
 
 // Output rows [n0, n1) of p with the row kernel `rows` (`int8_rows` where p has x quantized); a problem of two-level
 // scales per block of 64 rows, the block's scales and biases made float32 first by `factored` into a buffer of the
@@ -305,7 +308,7 @@ mlx_engine::Activations mlx_engine::parse_activations(const std::string& name, c
   if (name == "int16") {
     // checked here, where the graph is built, not in the kernel (an error there would surface from evaluation)
     if (!int16_supported())
-      throw std::invalid_argument(who + ": int16 activations need AVX-512 VNNI, which this CPU lacks");
+      throw std::invalid_argument(who + ": int16 activations need AVX-512 VNNI or AVX2, which this CPU lacks");
     return kActInt16;
   }
   throw std::invalid_argument(who + ": activations must be \"float32\", \"int8\" or \"int16\", not \"" + name +
@@ -316,7 +319,7 @@ mlx_engine::Activations mlx_engine::parse_activations(const std::string& name, c
 // 16 over all the products, in chunks claimed by whichever thread is free (pool.h). A product too small to be worth a
 // second thread on its own (a decode step's k and v) is split with the rest.
 // act int8 or int16: x quantized so and the integer kernel, where the CPU has it (int16 only reaches here where it
-// has AVX-512 VNNI: parse_activations).
+// has AVX-512 VNNI or AVX2: parse_activations).
 void mlx_engine::qmatmul_run(std::vector<Problem>& ps, Activations act) {
   const int M = ps[0].M, K = ps[0].K;
   const RowsFn rows = rows_for_cpu();
@@ -326,17 +329,16 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, Activations act) {
 #ifdef X86_KERNELS
   static const std::string int8_here = int8_isa();
   if (act != kActFloat32 && !int8_here.empty()) {
+    const bool vnni_here = int8_here == "vnni", x16 = act == kActInt16;
     bool nib = false, own = false;  // the layouts of x_q these widths read
     for (auto& p : ps)
-      if (int8_kernel_takes(p)) (p.bits == 4 ? nib : own) = true;
+      if (int8_kernel_takes(p, x16 && !vnni_here)) (p.bits == 4 ? nib : own) = true;
     if (nib || own) {
-      const bool vnni_here = int8_here == "vnni";
-      const bool x16 = act == kActInt16 && vnni_here;
-      const auto quantize_row =
-          x16 ? &vnni::quantize_row16 : vnni_here ? &vnni::quantize_row : &avx2::i8::quantize_row;
+      const auto quantize_row = vnni_here ? (x16 ? &vnni::quantize_row16 : &vnni::quantize_row)
+                                          : (x16 ? &avx2::i8::quantize_row16 : &avx2::i8::quantize_row);
       const void* qx = &mlx_engine::int8::quantize_x(ps[0].x, M, K, nib, own, quantize_row, x16);
       for (auto& p : ps)
-        if (int8_kernel_takes(p)) p.qx = qx;
+        if (int8_kernel_takes(p, x16 && !vnni_here)) p.qx = qx;
       int8_rows = vnni_here ? &vnni::rows : &avx2::i8::rows;
     }
   }
@@ -764,7 +766,7 @@ NB_MODULE(_kernels, m) {
   m.def("threads", [] { return mlx_engine::pool_threads(); }, "Threads the kernels use.");
   m.def("isa", &mlx_engine::isa, "The instruction set the kernels were picked for.");
   m.def("int8_supported", &int8_supported, "Whether qmatmul's int8 activations run here (AVX-512 VNNI, or AVX2).");
-  m.def("int16_supported", &int16_supported, "Whether qmatmul's int16 activations run here (AVX-512 VNNI).");
+  m.def("int16_supported", &int16_supported, "Whether qmatmul's int16 activations run here (AVX-512 VNNI, or AVX2).");
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);
 }
