@@ -188,6 +188,18 @@ class Tensor(abc.ABC):
         s, (g, u) = h.norm_linear([gate, up], norm, eps, y)
         return s, g.gated_linear(u, activation, down, down_norm, eps)
 
+    def output_mlp_norm_linear(self, h: "Tensor", o_weight: "Tensor", norm: "Tensor", gate: "Tensor", up: "Tensor",
+                               down: "Tensor", activation: str, eps: float, o_norm: "Tensor | None",
+                               down_norm: "Tensor | None", next_norm: "Tensor", next_weights: "Sequence[Tensor]",
+                               shapes: "Sequence[tuple[int, ...]] | None" = None,
+                               out_norms: "Sequence[Tensor | None] | None" = None) -> "tuple[Tensor, list[Tensor]]":
+        """One layer's :meth:`output_mlp` and the next layer's input :meth:`norm_linear` (the sum of the first's two
+        outputs, normed with ``next_norm``, through ``next_weights``, in ``shapes``, each output RMSNorm-ed with
+        ``out_norms[i]`` where given); returns ``(s + m, ys)``. A backend may run it as one operation (a decode step's
+        layer boundary); the values are the same. Raises ValueError for an activation :meth:`gated` does not know."""
+        s, m = self.output_mlp(h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm)
+        return s.norm_linear(next_weights, next_norm, eps, m, shapes, out_norms)
+
     def linear_norm(self, weight: "Tensor", norm: "Tensor", eps: float) -> "Tensor":
         """``self.linear(weight).rms_norm(norm, eps)`` (Gemma 3's attention output projection and the norm after it).
         A backend may run it as one operation; the values are the same."""

@@ -19,7 +19,8 @@ from mlx_engine.batch import Batch
 from mlx_engine.errors import WeightsError
 from mlx_engine.ml import Backend, Context, DType, RopeAngles, Tensor
 from mlx_engine.models.config import ATTENTION_TYPES, DecoderConfig
-from mlx_engine.models.moe import moe_mlp
+from mlx_engine.models.layer import (apply_rope, attention_in, attention_out, attention_out_in,
+                                     rope_positions)
 from mlx_engine.models.step import NotWholeStep, WholeStep
 
 if TYPE_CHECKING:
@@ -66,129 +67,6 @@ def hf_names_from_gguf(weights: dict[str, Tensor], ffn_norm: str) -> dict[str, T
     return out
 
 
-def rope_positions(ctx: Context, batch: Batch) -> "int | Tensor":
-    """The RoPE offset for a batch: an int when its tokens are consecutive positions of one sequence (the fast
-    path), else an INT32 Tensor ``[N]`` with each token's own position."""
-    pos, seqs = batch.positions, batch.sequences
-    n = len(pos)
-    if n == 1 or (np.all(seqs == seqs[0]) and pos[-1] - pos[0] == n - 1 and np.all(np.diff(pos) == 1)):
-        return int(pos[0])
-    return ctx.from_numpy(pos, DType.INT32)
-
-
-def apply_rope(x: Tensor, positions: "int | Tensor | RopeAngles", dims: int, base: float | None, scale: float,
-               traditional: bool, freqs: "Tensor | None") -> Tensor:
-    """RoPE on ``x [1, H, N, Dh]`` at ``positions`` (see :func:`rope_positions`), or with the tokens' angles made
-    once for the forward pass (:meth:`Context.rope_angles`). Per-token positions put the tokens on the batch axis
-    (``[N, H, 1, Dh]``), where MLX's RoPE takes one offset per row."""
-    if isinstance(positions, (int, RopeAngles)):
-        return x.rope(positions, dims, base=base, scale=scale, traditional=traditional, freqs=freqs)
-    y = x.transpose(2, 1, 0, 3).rope(positions, dims, base=base, scale=scale, traditional=traditional, freqs=freqs)
-    return y.transpose(2, 1, 0, 3)
-
-
-def _heads(x: Tensor, heads: int, dim: int) -> Tensor:
-    """``[1, N, heads * dim]`` -> ``[1, heads, N, dim]`` (one token: a reshape alone, no transpose node)."""
-    n = x.shape[1]
-    if n == 1:
-        return x.reshape(1, heads, 1, dim)
-    return x.reshape(1, n, heads, dim).transpose(0, 2, 1, 3)
-
-
-def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | None"], h: Tensor,
-                 positions: "int | Tensor | RopeAngles | None", w: dict[str, Tensor | None],
-                 residual: "Tensor | None" = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One layer before attention: ``h [1, N, D]`` (plus ``residual``, the last layer's deferred residual term,
-    where given) -> queries ``[1, H, N, Dh]``, keys and values ``[1, H_kv, N, Dh]`` and the sum ``h``
-    (input norm, projections, query/key norms, RoPE ``(base, scale, freqs)`` at ``positions``, or by the tokens'
-    angles made for this RoPE; ``positions=None``: no RoPE, the caller's).
-    ``w`` holds the layer's weights by the names of :meth:`DecoderModel._layer_weights`."""
-    eps = c.rms_norm_eps
-    biases = [w.get("q_bias"), w.get("k_bias"), w.get("v_bias")]
-    qkv, n = [w["q"], w["k"], w["v"]], h.shape[1]
-    if n == 1 and all(b is None for b in biases):
-        # one token: the norm, the products in the heads' shape and the query/key norms as one operation where the
-        # backend can
-        shapes = [(1, c.num_heads, 1, c.head_dim)] + [(1, c.num_kv_heads, 1, c.head_dim)] * 2
-        norms = [w["q_norm"], w["k_norm"], None] if c.qk_norm else None
-        h, (q, k, v) = h.norm_linear(qkv, w["attn_norm"], eps, residual, shapes, norms)
-    else:
-        if all(b is None for b in biases):
-            h, (q, k, v) = h.norm_linear(qkv, w["attn_norm"], eps, residual)
-        else:
-            h, x = (h, h.rms_norm(w["attn_norm"], eps)) if residual is None else h.add_rms_norm(
-                residual, w["attn_norm"], eps)
-            q, k, v = x.linear_many(qkv, biases)
-        q = _heads(q, c.num_heads, c.head_dim)
-        k = _heads(k, c.num_kv_heads, c.head_dim)
-        v = _heads(v, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = q.rms_norm(w["q_norm"], eps)
-            k = k.rms_norm(w["k_norm"], eps)
-    if positions is None:  # the caller rotates (the KV cache's fused attention)
-        return q, k, v, h
-    base, scale, freqs = rope
-    dims = c.rope_dims or c.head_dim
-    q = apply_rope(q, positions, dims, base, scale, c.rope_traditional, freqs)
-    k = apply_rope(k, positions, dims, base, scale, c.rope_traditional, freqs)
-    return q, k, v, h
-
-
-def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None],
-                  reduce: "Callable[[Tensor], Tensor] | None" = None, defer: bool = False
-                  ) -> "Tensor | tuple[Tensor, Tensor]":
-    """One layer after attention: the attention output ``o [1, H, N, Dh]`` through the output projection, the
-    residual adds, the norms and the gated MLP; returns the new ``h [1, N, D]`` (``defer``: see
-    :func:`feed_forward`). ``reduce`` (tensor parallelism) sums the partial outputs of the two row-sharded
-    projections (output and down) over the ranks, before the residual add and the sandwich norms (Megatron-LM's
-    layout, Shoeybi et al. 2019)."""
-    n = h.shape[1]
-    if n == 1 and reduce is None and w.get("attn_gate") is None and w.get("router") is None:
-        # one token: the output projection, the norms and the MLP as one operation where the backend can
-        norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
-        h, m = o.output_mlp(h, w["o"], norm, w["gate"], w["up"], w["down"], c.activation, c.rms_norm_eps,
-                            w["post_attn_norm"] if c.sandwich_norm else None,
-                            w["post_ffn_norm"] if c.sandwich_norm else None)
-        return (h, m) if defer else h + m
-    o = (o if n == 1 else o.transpose(0, 2, 1, 3)).reshape(1, n, c.num_heads * c.head_dim)
-    if w.get("attn_gate") is not None:  # gated attention (Qwen3-Next): the gate reads the layer's normed input
-        o = o * h.rms_norm(w["attn_gate_norm"], c.rms_norm_eps).linear(w["attn_gate"]).sigmoid()
-    if c.sandwich_norm and reduce is None:  # the product and the norm after it as one operation where it can
-        return feed_forward(c, h, o.linear_norm(w["o"], w["post_attn_norm"], c.rms_norm_eps), w, reduce, defer,
-                            normed=True)
-    o = o.linear(w["o"])
-    if reduce is not None:
-        o = reduce(o)
-    return feed_forward(c, h, o, w, reduce, defer)
-
-
-def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None],
-                 reduce: "Callable[[Tensor], Tensor] | None" = None, defer: bool = False, normed: bool = False
-                 ) -> "Tensor | tuple[Tensor, Tensor]":
-    """The second half of a layer: ``h + o`` (the token mixer's output ``o [1, N, D]``, attention or recurrent;
-    ``normed``: through the sandwich norm already), the norms, and the gated MLP with its residual; returns the new
-    ``h [1, N, D]``, or with ``defer`` the two terms of its last residual add, ``(h', m)`` with ``h = h' + m``, for
-    the next layer's norm to add (one node)."""
-    eps = c.rms_norm_eps
-    if c.sandwich_norm and not normed:
-        o = o.rms_norm(w["post_attn_norm"], eps)
-    norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
-    if w.get("router") is not None:
-        h, x = h.add_rms_norm(o, norm, eps)
-        m = moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob)
-    else:
-        # the residual add, the norm and the products; the activation, the down projection and the norm after it:
-        # each as one operation where the backend can
-        h, (g, u) = h.norm_linear([w["gate"], w["up"]], norm, eps, o)
-        post = w["post_ffn_norm"] if c.sandwich_norm else None
-        m = g.gated_linear(u, c.activation, w["down"], post if reduce is None else None, eps)
-        if reduce is not None:
-            m = reduce(m)
-            if post is not None:
-                m = m.rms_norm(post, eps)
-    return (h, m) if defer else h + m
-
-
 class DecoderModel(abc.ABC):
     """A decoder-only transformer (Llama, Qwen3, Gemma 3) running on the ``ml`` interfaces.
 
@@ -222,6 +100,8 @@ class DecoderModel(abc.ABC):
         self.head = (weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
                      if self.part.head else None)
         self.layers = {i: self._layer_weights(i) for i in self.part.layers}
+        order = list(self.layers)
+        self._next_layer = dict(zip(order, order[1:]))  # each layer's successor in this part
         self.cache_options: dict[str, Any] = {}  # keyword arguments of the cache a hybrid model makes (checkpoints)
         self.vision: Any = None  # the image encoder of a multimodal checkpoint (models/vision.py), or None
         self.compile_decode = True  # single-token steps through Backend.compile (False: op by op, for comparison)
@@ -416,7 +296,9 @@ class DecoderModel(abc.ABC):
         positions or, with ``rope_args=2``, the cosines and sines of :class:`RopeAngles`, none with 0; with
         ``residual``, ``fn(h, m, *rope, *weights)`` adds the last layer's deferred ``m`` to ``h`` in its input norm
         and returns the sum after ``q, k, v``) or :func:`attention_out` (``"out"``, ``fn(h, o, *weights)``, its
-        last residual add deferred: ``(h, m)``) through ``Backend.compile``, the layer's weights ``names`` passed as
+        last residual add deferred: ``(h, m)``) or :func:`attention_out_in` (``"outin"``, ``fn(h, o, *weights,
+        *next_weights)``, names ``(this layer's, the next's)``: ``(q, k, v, h)`` of the next layer)
+        through ``Backend.compile``, the layer's weights ``names`` passed as
         arguments, so that alike layers share one trace. The traced functions hold the config and the RoPE arguments,
         not the model (no reference cycle keeps a closed model's weights alive)."""
         at = (kind, layer, rope_args, residual)
@@ -424,13 +306,24 @@ class DecoderModel(abc.ABC):
         if known is not None:  # one dict lookup per call: this runs twice per layer and decode step
             return known
         lw = self.layers[layer]
-        names = tuple(k for k in self._BLOCK_WEIGHTS[kind] if lw.get(k) is not None)
+        if kind == "outin":  # this layer's "out" and the next one's "in" (no RoPE): names, for each its own
+            nw = self.layers[self._next_layer[layer]]
+            names = (tuple(k for k in self._BLOCK_WEIGHTS["out"] if lw.get(k) is not None),
+                     tuple(k for k in self._BLOCK_WEIGHTS["in"] if nw.get(k) is not None))
+        else:
+            names = tuple(k for k in self._BLOCK_WEIGHTS[kind] if lw.get(k) is not None)
         rope = self._rope(layer) if kind == "in" else None
         key = (kind, names, rope[:2] if rope else None, rope_args, residual)
         fn = self._compiled.get(key)
         if fn is None:
             c = self.config
-            if kind == "in" and residual:
+            if kind == "outin":
+                split = len(names[0])
+
+                def block(h: Tensor, o: Tensor, *ws: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    return attention_out_in(c, h, o, dict(zip(names[0], ws[:split])),
+                                            dict(zip(names[1], ws[split:])))
+            elif kind == "in" and residual:
                 def block(h: Tensor, m: Tensor, *args: Tensor) -> tuple[Tensor, ...]:
                     at = RopeAngles(*args[:2]) if rope_args == 2 else args[0] if rope_args else None
                     w = dict(zip(names, args[rope_args:]))
@@ -520,6 +413,12 @@ class DecoderModel(abc.ABC):
         angles = dict(angles or {})  # per distinct RoPE: made once for all its layers
         # compiled steps: the last layer's final residual term, added to h by the next layer's input norm (one node)
         pending: Tensor | None = None
+        # compiled steps taking the fused attention: this layer's q, k, v, made by the last layer's "outin" block
+        ahead: tuple[Tensor, Tensor, Tensor] | None = None
+
+        def fused_attention(layer: int) -> bool:  # the layer takes the first branch below
+            return compiled and self.fuse_attention and self.is_attention(layer) and isinstance(rope_at(layer),
+                                                                                                 RopeAngles)
 
         def rope_at(layer: int) -> "int | Tensor | RopeAngles":
             base, scale, freqs = self._rope(layer)
@@ -542,8 +441,11 @@ class DecoderModel(abc.ABC):
             res = () if pending is None else (pending,)
             if compiled and isinstance(at, RopeAngles) and self.fuse_attention:
                 # RoPE, the cache write and attention as one node where the cache and backend can (7 nodes otherwise)
-                fn, names = self._compiled_block("in", i, 0, bool(res))
-                q, k, v, *hs = fn(h, *res, *[lw[name] for name in names])
+                if ahead is not None:  # (h is already this layer's input)
+                    (q, k, v), ahead = ahead, None
+                else:
+                    fn, names = self._compiled_block("in", i, 0, bool(res))
+                    q, k, v, *hs = fn(h, *res, *[lw[name] for name in names])
                 dims = c.rope_dims or c.head_dim
                 o = cache.attend(ctx, q, k, v, c.query_scale, at, dims, c.rope_traditional)
                 if o is None and whole:
@@ -566,7 +468,15 @@ class DecoderModel(abc.ABC):
                 cache.put(ctx, k, v)
                 keys, values, mask = cache.get(ctx)
                 o = ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
-            if compiled:
+            nxt = self._next_layer.get(i)
+            if (compiled and nxt is not None and (output_layer is None or nxt <= output_layer)
+                    and self.part.reduce is None and fused_attention(i) and fused_attention(nxt)):
+                # this layer's output and MLP and the next one's input norm and projections: one node where two
+                fn, (names, next_names) = self._compiled_block("outin", i)
+                nw = self.layers[nxt]
+                q, k, v, h = fn(h, o, *[lw[name] for name in names], *[nw[name] for name in next_names])
+                ahead = q, k, v
+            elif compiled:
                 fn, names = self._compiled_block("out", i)
                 h, pending = fn(h, o, *[lw[name] for name in names])
             else:

@@ -20,7 +20,8 @@ import numpy as np
 
 from mlx_engine.errors import WeightsError
 from mlx_engine.ml import Context, Tensor
-from mlx_engine.models.base import DecoderModel, feed_forward, hf_names_from_gguf
+from mlx_engine.models.base import DecoderModel, hf_names_from_gguf
+from mlx_engine.models.layer import feed_forward
 from mlx_engine.models.config import DecoderConfig, check_rope_scaling, hf_rope_parameters, metadata_getter, \
     vocab_size_of
 

@@ -28,7 +28,8 @@ import numpy as np
 
 from mlx_engine.errors import WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
-from mlx_engine.models.base import DecoderModel, ModelPart, feed_forward
+from mlx_engine.models.base import DecoderModel, ModelPart
+from mlx_engine.models.layer import feed_forward
 from mlx_engine.models.config import DecoderConfig, check_rope_scaling, hf_rope_parameters, metadata_getter, \
     vocab_size_of
 

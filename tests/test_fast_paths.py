@@ -190,10 +190,12 @@ def test_fused_products_give_the_bits_of_the_operations_apart(kind, tmp_path, mo
                             lambda *a, **k: prologues.append((a[8], a[10] is not None) if len(a) > 8
                                                              else ("none", False)) or real(*a, **k))
         real_mlp, mlps = cpu_kernels.output_mlp, []
-        monkeypatch.setattr(cpu_kernels, "output_mlp", lambda *a: mlps.append(a[7]) or real_mlp(*a))
+        # (the activation, and whether the node runs the next layer's input norm and projections too)
+        monkeypatch.setattr(cpu_kernels, "output_mlp",
+                            lambda *a: mlps.append((a[7], len(a) > 13 and bool(a[13]))) or real_mlp(*a))
     fused = _decode(model, backend, tokens, 60, capacity=128)
     with monkeypatch.context() as apart:
-        for name in ("norm_linear", "gated_linear", "linear_norm", "output_mlp"):
+        for name in ("norm_linear", "gated_linear", "linear_norm", "output_mlp", "output_mlp_norm_linear"):
             apart.setattr(MLXTensor, name, getattr(Tensor, name))
         model._compiled.clear()
         model._block_of.clear()
@@ -206,8 +208,10 @@ def test_fused_products_give_the_bits_of_the_operations_apart(kind, tmp_path, mo
     assert {"norm", "add_norm", "gelu_tanh" if kind == "gemma3" else "silu"} <= {p for p, _ in prologues}
     # the query and key norms per head, and Gemma 3's norms after the output and down projections
     assert any(normed for _, normed in prologues) == (kind != "llama3")
-    # every layer of a decode step after attention as one node (traced once per alike layers)
-    assert mlps and set(mlps) == {"gelu_tanh" if kind == "gemma3" else "silu"}
+    # every layer of a decode step after attention as one node (traced once per alike layers), with the next
+    # layer's input norm and projections but for the last layer's
+    assert mlps and {a for a, _ in mlps} == {"gelu_tanh" if kind == "gemma3" else "silu"}
+    assert {nxt for _, nxt in mlps} == {True, False}
 
 
 # ------------------------------------------------------------------------------------ attention over visible blocks

@@ -114,6 +114,36 @@ def test_output_mlp_gives_the_bits_of_its_nodes_apart(kind, rows, gemma):
     np.testing.assert_allclose(np.array(m).reshape(-1, D), m64, rtol=1e-4, atol=1e-4 * np.abs(m64).max())
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_output_mlp_with_the_next_layers_input_gives_the_bits_of_its_nodes_apart(kind, rows, qk_norm):
+    """With the next layer's input norm and projections as a fourth stage (a decode step's layer boundary as one
+    node): the sum s + m, and q, k, v in the heads' shapes (one token) with Qwen3 / Gemma 3's per-head norms, each
+    the bits of output_mlp and then qmatmul_many's add_norm node."""
+    shapes = ((D, K_O), (F, D), (F, D), (D, F), (K_O, D), (128, D), (128, D))
+    types = KINDS[kind] + (KINDS[kind][0], KINDS[kind][1], KINDS[kind][0])
+    ws = [weight(t, r, c, seed)[0] for seed, (t, (r, c)) in enumerate(zip(types, shapes))]
+    keys = iter(mx.random.split(mx.random.key(10 + rows), 6))
+    o = mx.random.normal((1, 8, 1, 64) if rows == 1 else (1, rows, K_O), key=next(keys))
+    h = mx.random.normal((1, rows, D), key=next(keys)) * 4
+    norm, next_norm = (mx.random.normal((D,), key=next(keys)) for _ in range(2))
+    q_norm, k_norm = (mx.random.normal((64,), key=next(keys)) for _ in range(2))
+    out_shapes = [[1, 8, 1, 64], [1, 2, 1, 64], [1, 2, 1, 64]] if rows == 1 else None
+    norms = [q_norm, k_norm, None] if qk_norm and rows == 1 else None
+    for activations in _activations():
+        s, m = cpu_kernels.output_mlp(o, h, ws[0], norm, ws[1], ws[2], ws[3], "silu", 1e-5, None, None, activations)
+        cols = [list(x) for x in zip(*ws[4:])]
+        want = cpu_kernels.qmatmul_many(s, *cols[:5], out_shapes, activations, "add_norm", [m, next_norm], norms,
+                                        1e-5, cols[5], cols[6])
+        got = cpu_kernels.output_mlp(o, h, ws[0], norm, ws[1], ws[2], ws[3], "silu", 1e-5, None, None, activations,
+                                     next_norm, ws[4:], out_shapes, norms)
+        assert len(got) == 4 and [g.shape for g in got] == [w.shape for w in want]
+        assert all(mx.array_equal(g, w).item() for g, w in zip(got, want)), activations
+        if rows == 1:
+            assert got[1].shape == (1, 8, 1, 64)
+
+
 def test_bad_arguments_are_refused_with_what_was_wrong():
     shapes = ((D, K_O), (F, D), (F, D), (D, F))
     ws = [weight("Q4_1", r, c, seed)[0] for seed, (r, c) in enumerate(shapes)]
@@ -138,6 +168,16 @@ def test_bad_arguments_are_refused_with_what_was_wrong():
         (dict(wo=weight("Q4_1", D + 32, K_O, 9)[0]), f"the output projection must give h's {D} features"),
         (dict(down=weight("Q4_1", D - 32, F, 9)[0]), f"the down projection must give h's {D} features"),
         (dict(wo=(*ws[0][:4], 7, *ws[0][5:])), "bits must be 2, 3, 4, 5, 6 or 8"),
+        # the next layer's input: its norm weight and weights together, of h's width, shapes that hold the products
+        (dict(next=[ws[1]]), "the next layer takes its norm weight and one or more weights"),
+        (dict(next_norm=norm), "the next layer takes its norm weight and one or more weights"),
+        (dict(next_norm=norm, next=[ws[1]], next_shapes=[[1], [2]]), "one or more weights"),
+        (dict(next_norm=mx.ones((D + 1,)), next=[ws[1]]), f"the next layer's norm weight must be float32 \\[{D}\\]"),
+        (dict(next_norm=norm, next=[ws[3]]), "x's last axis must be"),  # a weight that does not take D inputs
+        (dict(next_norm=norm, next=[ws[1]], next_shapes=[[1, 1, 7]]), f"must hold its product's {F} elements"),
+        (dict(next_norm=norm, next=[ws[1]], next_shapes=[[1, -1, -F]]), f"must hold its product's {F} elements"),
+        (dict(next_norm=norm, next=[ws[1]], next_norms=[mx.ones((3,))]),
+         f"a next layer's output norm must be float32 \\[{F}\\]"),
     ]
     for change, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -50,6 +50,12 @@ def _matvec(w: "mx.array", x: "mx.array") -> "mx.array":
     return mx.concatenate([w[i:i + rows] @ x for i in range(0, m, rows)], axis=0)
 
 
+def _weight_arg(w: "MLXQuantizedTensor") -> tuple:
+    """A quantized weight as our kernels' argument tuple (w, scales, biases, group size, bits, super scales,
+    codebook)."""
+    return (w.w, w.scales, w.biases, w.group_size, w.bits, w.super_scales, w.codebook is not None)
+
+
 class MLXTensor(Tensor):
     __slots__ = ("a",)
 
@@ -164,19 +170,37 @@ class MLXTensor(Tensor):
                 return MLXTensor(ys[0])
         return super().gated_linear(up, activation, weight, out_norm, eps)
 
+    def _output_mlp_node(self, h, weights, norms, activation) -> bool:
+        """Whether our kernel's output_mlp runs these (on the CPU, every weight quantized, everything float32)."""
+        return (runtime.on_cpu and cpu_kernels.output_mlp is not None and activation in ("silu", "gelu_tanh")
+                and self.a.dtype == mx.float32 and h.a.dtype == mx.float32
+                and all(isinstance(w, MLXQuantizedTensor) for w in weights)
+                and all(t is None or t.a.dtype == mx.float32 for t in norms))
+
     def output_mlp(self, h, o_weight, norm, gate, up, down, activation, eps, o_norm=None, down_norm=None):
         # one graph node for the six of the operations apart, where our kernel runs them all
         weights = (o_weight, gate, up, down)
-        if (runtime.on_cpu and cpu_kernels.output_mlp is not None and activation in ("silu", "gelu_tanh")
-                and self.a.dtype == mx.float32 and h.a.dtype == mx.float32
-                and all(isinstance(w, MLXQuantizedTensor) for w in weights)
-                and all(t is None or t.a.dtype == mx.float32 for t in (norm, o_norm, down_norm))):
-            wo, wg, wu, wd = [(w.w, w.scales, w.biases, w.group_size, w.bits, w.super_scales, w.codebook is not None)
-                              for w in weights]
+        if self._output_mlp_node(h, weights, (norm, o_norm, down_norm), activation):
+            wo, wg, wu, wd = [_weight_arg(w) for w in weights]
             s, m = cpu_kernels.output_mlp(self.a, h.a, wo, norm.a, wg, wu, wd, activation, eps, raw(o_norm),
                                           raw(down_norm), o_weight.activations)
             return MLXTensor(s), MLXTensor(m)
         return super().output_mlp(h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm)
+
+    def output_mlp_norm_linear(self, h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm, next_norm,
+                               next_weights, shapes=None, out_norms=None):
+        # one graph node for a layer's output_mlp and the next layer's norm_linear (each node of a decode step costs
+        # MLX about 5 us of the host's time and some of the stream thread's)
+        weights = (o_weight, gate, up, down, *next_weights)
+        if self._output_mlp_node(h, weights, (norm, o_norm, down_norm, next_norm, *(out_norms or ())), activation):
+            wo, wg, wu, wd, *nxt = [_weight_arg(w) for w in weights]
+            s, *ys = cpu_kernels.output_mlp(
+                self.a, h.a, wo, norm.a, wg, wu, wd, activation, eps, raw(o_norm), raw(down_norm),
+                o_weight.activations, next_norm.a, nxt, None if shapes is None else [list(x) for x in shapes],
+                None if out_norms is None else [raw(t) for t in out_norms])
+            return MLXTensor(s), [MLXTensor(y) for y in ys]
+        return super().output_mlp_norm_linear(h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm,
+                                              next_norm, next_weights, shapes, out_norms)
 
     def linear_norm(self, weight, norm, eps):
         ys = self._fused_qmatmul([weight], "none", [], None, [norm], eps)
