@@ -216,3 +216,23 @@ def test_product_nodes_keep_constant_weights_and_stay_apart_under_compile():
     assert len(nodes) == 2
     for node in nodes:  # x alone goes in: no weight among the graph's edges
         assert len(re.findall(rf'"\w+" -> {node}\n', dot.getvalue())) == 1
+
+
+def test_the_self_test_checks_output_mlp_and_the_layer_boundary():
+    """The load-time self-test passes on the built kernel and names what differs on one that errs: in the node's own
+    stages, or in the next layer's input (a decode step's layer boundary)."""
+    from mlx_engine.mlx import _kernels
+
+    real = _kernels.output_mlp
+    assert cpu_kernels._output_mlp_self_test(real, _kernels.qmatmul_many) is None
+
+    def wrong_boundary(*a):  # the next layer's first two outputs swapped
+        r = real(*a)
+        return [r[0], r[2], r[1], *r[3:]] if len(a) > 12 else r
+
+    def wrong_mlp(*a):  # the MLP's output off by one ulp-sized step
+        r = real(*a)
+        return r if len(a) > 12 else [r[0], r[1] * (1 + 2 ** -20)]
+
+    assert "next layer's input differs" in cpu_kernels._output_mlp_self_test(wrong_boundary, _kernels.qmatmul_many)
+    assert "differs from its products apart" in cpu_kernels._output_mlp_self_test(wrong_mlp, _kernels.qmatmul_many)

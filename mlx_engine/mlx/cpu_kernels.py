@@ -277,7 +277,9 @@ def _prologue_self_test(many, norm_fn, add_fn, act_fn) -> str | None:
 
 def _output_mlp_self_test(fn, many) -> str | None:
     """``output_mlp`` against its three ``qmatmul_many`` nodes apart (the output projection with its norm; the
-    residual add, the norm, gate and up; the activation and down with its norm): the same bits; None when so."""
+    residual add, the norm, gate and up; the activation and down with its norm), and with the next layer's input
+    (``next_norm`` and its weights) against ``output_mlp`` then that layer's ``add_norm`` node: the same bits; None
+    when so."""
     keys = iter(mx.random.split(mx.random.key(19), 9))
     o, h = mx.random.normal((1, 2, 64), key=next(keys)), mx.random.normal((1, 1, 32), key=next(keys))
     norms = [mx.random.normal((32,), key=next(keys)) for _ in range(3)]
@@ -293,6 +295,15 @@ def _output_mlp_self_test(fn, many) -> str | None:
         m_want = many(g, [ws[3][0]], [ws[3][1]], [ws[3][2]], [32], [4], None, "float32", act, [u], [d_norm], 1e-5)[0]
         if not (mx.array_equal(s_got, s_want).item() and mx.array_equal(m_got, m_want).item()):
             return f"output_mlp ({act}) differs from its products apart"
+    # with the next layer's input norm and projections (a decode step's layer boundary): that layer's node's bits
+    nxt = [arg[1], arg[2]]
+    got = fn(o, h, arg[0], norms[0], arg[1], arg[2], arg[3], "silu", 1e-5, None, None, "float32", norms[1], nxt,
+             [[1, 2, 1, 32], [1, 2, 1, 32]], [norms[2], None])
+    s, m = fn(o, h, arg[0], norms[0], arg[1], arg[2], arg[3], "silu", 1e-5, None, None)
+    want = many(s, [w[0] for w in ws[1:3]], [w[1] for w in ws[1:3]], [w[2] for w in ws[1:3]], [32, 32], [4, 4],
+                [[1, 2, 1, 32], [1, 2, 1, 32]], "float32", "add_norm", [m, norms[1]], [norms[2], None], 1e-5)
+    if len(got) != 3 or not all(mx.array_equal(a, b).item() for a, b in zip(got, want)):
+        return "output_mlp with the next layer's input differs from its products apart"
     return None
 
 
