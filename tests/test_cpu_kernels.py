@@ -692,6 +692,28 @@ def test_int8_activations_stay_within_their_rounding(kind, bits):
     assert np.abs(got - want).max() > 0  # (x was rounded: the check above can fail)
 
 
+@pytest.mark.skipif(not _supported("int16"), reason="the int16 kernel does not run here")
+def test_int16_activations_leave_many_rows_to_the_float_kernel():
+    """int16 activations quantize x for products of fewer than int16_max_rows() rows (decode steps, small batches);
+    from there on (a prompt) the float32 kernel is the faster, and runs: the float32 product's bits. Below it, the
+    int16 definition, not the float32 product."""
+    kernels = importlib.import_module("mlx_engine.mlx._kernels")
+    rows = kernels.int16_max_rows()
+    rng = np.random.default_rng(16)
+    k = 576
+    q, s, b = mx.quantize(mx.array(rng.standard_normal((48, k)).astype(np.float32)), group_size=32, bits=4)
+    for m in (rows - 1, rows, 3 * rows):
+        x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+        got = cpu_kernels.qmatmul(x, q, s, b, 32, 4, "int16")
+        exact = cpu_kernels.qmatmul(x, q, s, b, 32, 4, "float32")
+        if m >= rows:
+            assert mx.array_equal(got, exact).item(), m
+        else:
+            assert not mx.array_equal(got, exact).item()
+            want = _int8_reference(x, q, s, b, 32, 4, "int16")
+            np.testing.assert_allclose(np.array(got), want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
 def test_engine_activations_follow_the_environment():
     """float32 activations by default; MLX_ENGINE_ACTIVATIONS=int8 (int16) turns int8 (int16) on where the kernel
     runs."""

@@ -50,7 +50,8 @@ huge_pages: "Callable | None" = None
 # dequantized weight: the float model's tokens), or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel
 # (AVX-512 VNNI or AVX2) "int8" (quantized per 32 elements and integer dot products, as llama.cpp does: decode about 1.2x
 # faster, llama.cpp's numerics), or with $MLX_ENGINE_ACTIVATIONS=int16 on the same CPUs "int16" (16 bits
-# per 32 elements, the same integer dot products: the float path's perplexity to 0.01 %). Each quantized weight
+# per 32 elements, the same integer dot products, in products of fewer than 64 rows of x: the float path's numerics
+# to a few 1e-5). Each quantized weight
 # carries the value it was made with (a compiled graph keeps what it was traced with).
 activations = "float32"
 _status = "not loaded"

@@ -53,6 +53,10 @@ inline float zero_point_of(const Problem& p) { return p.codebook ? -128.f : -flo
 // (qmatmul_int8.h).
 enum Activations { kActFloat32 = 0, kActInt8 = 1, kActInt16 = 2 };
 
+// int16 activations apply to products of fewer rows of x than this (decode steps, small batches); a prompt's take
+// the float32 kernel, which is the faster there (int16's integer sums cost twice int8's: see qmatmul_run) and exact.
+constexpr int kInt16MaxRows = 64;
+
 // `name` ("float32", "int8" or "int16") as Activations; std::invalid_argument naming `who` for any other.
 Activations parse_activations(const std::string& name, const std::string& who);
 
