@@ -416,9 +416,9 @@ class DecoderModel(abc.ABC):
         # compiled steps taking the fused attention: this layer's q, k, v, made by the last layer's "outin" block
         ahead: tuple[Tensor, Tensor, Tensor] | None = None
 
-        def fused_attention(layer: int) -> bool:  # the layer takes the first branch below
-            return compiled and self.fuse_attention and self.is_attention(layer) and isinstance(rope_at(layer),
-                                                                                                 RopeAngles)
+        def fused_attention(layer: int) -> bool:  # an attention layer that takes the first branch below
+            return (compiled and self.fuse_attention and self.is_attention(layer)
+                    and isinstance(rope_at(layer), RopeAngles))
 
         def rope_at(layer: int) -> "int | Tensor | RopeAngles":
             base, scale, freqs = self._rope(layer)
@@ -439,7 +439,8 @@ class DecoderModel(abc.ABC):
             at = rope_at(i)
             o = None
             res = () if pending is None else (pending,)
-            if compiled and isinstance(at, RopeAngles) and self.fuse_attention:
+            fused = compiled and isinstance(at, RopeAngles) and self.fuse_attention
+            if fused:
                 # RoPE, the cache write and attention as one node where the cache and backend can (7 nodes otherwise)
                 if ahead is not None:  # (h is already this layer's input)
                     (q, k, v), ahead = ahead, None
@@ -470,7 +471,7 @@ class DecoderModel(abc.ABC):
                 o = ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
             nxt = self._next_layer.get(i)
             if (compiled and nxt is not None and (output_layer is None or nxt <= output_layer)
-                    and self.part.reduce is None and fused_attention(i) and fused_attention(nxt)):
+                    and self.part.reduce is None and fused and fused_attention(nxt)):
                 # this layer's output and MLP and the next one's input norm and projections: one node where two
                 fn, (names, next_names) = self._compiled_block("outin", i)
                 nw = self.layers[nxt]

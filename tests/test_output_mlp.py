@@ -174,8 +174,9 @@ def test_bad_arguments_are_refused_with_what_was_wrong():
         (dict(next_norm=norm, next=[ws[1]], next_shapes=[[1], [2]]), "one or more weights"),
         (dict(next_norm=mx.ones((D + 1,)), next=[ws[1]]), f"the next layer's norm weight must be float32 \\[{D}\\]"),
         (dict(next_norm=norm, next=[ws[3]]), "x's last axis must be"),  # a weight that does not take D inputs
-        (dict(next_norm=norm, next=[ws[1]], next_shapes=[[1, 1, 7]]), f"must hold its product's {F} elements"),
-        (dict(next_norm=norm, next=[ws[1]], next_shapes=[[1, -1, -F]]), f"must hold its product's {F} elements"),
+        (dict(next_norm=norm, next=[ws[1]], next_shapes=[[1, 1, 7]]), f"output shape 0 has 7 elements, the product "
+                                                                      f"has {F}"),
+        (dict(next_norm=norm, next=[ws[1]], next_shapes=[[1, -1, -F]]), "an output shape has a negative size"),
         (dict(next_norm=norm, next=[ws[1]], next_norms=[mx.ones((3,))]),
          f"a next layer's output norm must be float32 \\[{F}\\]"),
     ]

@@ -192,17 +192,8 @@ std::vector<mx::array> output_mlp(const mx::array& o, const mx::array& h, const 
     for (size_t i = 0; i < next.size(); ++i) {
       mx::Shape shape = h.shape();
       shape.back() = add(in, inputs, supers, D, next[i]);
-      if (next_shapes) {
-        const mx::Shape given((*next_shapes)[i].begin(), (*next_shapes)[i].end());
-        int64_t want = 1, got = 1;
-        for (int d : shape) want *= d;
-        for (int d : given) got *= d < 0 ? -1 : d;
-        if (got != want)
-          throw std::invalid_argument("output_mlp: the next layer's output shape " + std::to_string(i) +
-                                      " must hold its product's " + std::to_string(want) + " elements");
-        shape = given;
-      }
-      shapes.push_back(shape);
+      shapes.push_back(mlx_engine::out_shape(shape, next_shapes ? std::optional((*next_shapes)[i]) : std::nullopt,
+                                             "output_mlp", i));
     }
     for (size_t i = 0; next_norms && i < next.size(); ++i)
       add_norm(in, inputs, (*next_norms)[i], shapes[1 + i].back(), i, "a next layer's output norm");

@@ -428,6 +428,21 @@ bool mlx_engine::HeldInputs::operator==(const HeldInputs& o) const {
   return true;
 }
 
+mx::Shape mlx_engine::out_shape(const mx::Shape& product, const std::optional<std::vector<int>>& given,
+                                const std::string& who, size_t i) {
+  if (!given) return product;
+  int64_t want = 1, got = 1;
+  for (int d : product) want *= d;
+  for (int d : *given) {
+    if (d < 0) throw std::invalid_argument(who + ": an output shape has a negative size");
+    got *= d;
+  }
+  if (got != want)
+    throw std::invalid_argument(who + ": output shape " + std::to_string(i) + " has " + std::to_string(got) +
+                                " elements, the product has " + std::to_string(want));
+  return mx::Shape(given->begin(), given->end());
+}
+
 void mlx_engine::run_stage(const Stage& st, const std::vector<mx::array>& inputs, const std::vector<const void*>& data,
                            size_t w0, const float* x, int M, int K, const float* const* pro, float* sum,
                            float* const* outs, const int* norm_dims) {
@@ -670,20 +685,8 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
                                           biases[i], group_sizes[i],
                                           bits[i], supers ? (*supers)[i] : std::nullopt,
                                           codebooks && (*codebooks)[i], "qmatmul");
-    if (out_shapes) {
-      mx::Shape given((*out_shapes)[i].begin(), (*out_shapes)[i].end());
-      int64_t want = 1, got = 1;
-      for (int d : shape) want *= d;
-      for (int d : given) {
-        if (d < 0) throw std::invalid_argument("qmatmul_many: an output shape has a negative size");
-        got *= d;
-      }
-      if (got != want)
-        throw std::invalid_argument("qmatmul_many: output shape " + std::to_string(i) + " has " + std::to_string(got) +
-                                    " elements, the product has " + std::to_string(want));
-      shape = given;
-    }
-    shapes.push_back(shape);
+    shapes.push_back(mlx_engine::out_shape(shape, out_shapes ? std::optional((*out_shapes)[i]) : std::nullopt,
+                                           "qmatmul_many", i));
   }
   for (size_t i = 0; out_norms && i < n; ++i) {
     const auto& w = (*out_norms)[i];

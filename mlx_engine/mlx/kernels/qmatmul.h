@@ -135,6 +135,11 @@ int add_weight(Stage& st, std::vector<mlx::core::array>& inputs, std::vector<mlx
                const std::optional<mlx::core::array>& biases, int group_size, int bits,
                const std::optional<mlx::core::array>& super, bool codebook, const std::string& who);
 
+// An output's shape: the product's own (`product`), or `given` where given, whose element count must be the
+// product's; throws std::invalid_argument naming `who` and output `i` where it is not (or a size is negative).
+mlx::core::Shape out_shape(const mlx::core::Shape& product, const std::optional<std::vector<int>>& given,
+                           const std::string& who, size_t i);
+
 // Rows [n0, n0 + count) of a problem with two-level scales (kU8, kI8): their scales and biases as float32 into `s`
 // and `b` ([count, K / group_size] each; a kI8 weight's biases -2**(bits - 1) * scale), exact products, with the
 // vector code of this CPU's row kernel.
