@@ -22,7 +22,8 @@ HERE = Path(__file__).resolve().parent
 
 class CMakeExtension(Extension):
     def __init__(self, name: str, sourcedir: Path):
-        super().__init__(name, sources=[])
+        # optional: an install without the kernels (MLX_ENGINE_NO_KERNELS, a failed build) copies nothing in place
+        super().__init__(name, sources=[], optional=True)
         self.sourcedir = str(sourcedir)
 
 

@@ -1,0 +1,212 @@
+"""Small random models as their users hold them, for the architecture proofs: a Hugging Face folder written by
+transformers' own classes (``save_pretrained``, with a real tokenizer), the GGUF files that llama.cpp's own
+``convert_hf_to_gguf.py`` writes from it, quantized by llama.cpp's quantizer (``llama_model_quantize``, the function
+behind ``llama-quantize``), and llama.cpp's logits on those files. Converter and quantizer are those of the pinned
+``llama-cpp-python`` source distribution (its vendored llama.cpp); nothing comes from a model hub.
+
+The converter's source is cached outside the tree, in ``$MLX_ENGINE_TEST_CACHE`` (default
+``~/.cache/mlx-engine-tests``), fetched once by ``pip download``. Run as a script to fetch it ahead of the tests::
+
+    python -m tests.hf_gguf
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+#: The pinned source distribution: the same llama.cpp that the ``llama-cpp-python`` test dependency builds.
+LLAMA_CPP_PYTHON = "0.3.36"
+
+#: llama.cpp's file types by ``llama-quantize``'s names (``enum llama_ftype`` in llama.h).
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_S": 14,
+          "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30}
+
+
+def cache_root() -> Path:
+    root = Path(os.environ.get("MLX_ENGINE_TEST_CACHE") or Path.home() / ".cache" / "mlx-engine-tests")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` (a lock file), so that parallel test processes fetch and convert once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def llama_cpp_source() -> Path:
+    """The vendored ``llama.cpp`` folder of the pinned source distribution (its converter, ``gguf-py`` and
+    ``conversion`` package), fetched with pip on first use.
+
+    Raises:
+        RuntimeError: pip could not fetch the source distribution (the message ends with pip's output).
+    """
+    root = cache_root() / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
+    source = root / "vendor" / "llama.cpp"
+    done = root / ".complete"
+    with _locked(cache_root() / ".llama-cpp-source.lock"):
+        if done.exists():
+            return source
+        with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
+            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                  "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"],
+                                 capture_output=True, text=True)
+            archives = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+            if got.returncode != 0 or not archives:
+                raise RuntimeError(f"could not fetch llama-cpp-python=={LLAMA_CPP_PYTHON}'s source: "
+                                   f"{got.stdout[-2000:]}{got.stderr[-2000:]}")
+            # Only the converter's Python side: the C++ sources are built by the llama-cpp-python install.
+            with tarfile.open(archives[0]) as tar:
+                top = tar.getnames()[0].split("/")[0]
+                wanted = [m for m in tar.getmembers()
+                          if m.name.startswith(f"{top}/vendor/llama.cpp/")
+                          and (m.name.endswith(".py") or "/gguf-py/" in m.name or "/models/templates/" in m.name)]
+                tar.extractall(tmp, members=wanted, filter="data")
+            if root.exists():
+                import shutil
+                shutil.rmtree(root)
+            os.replace(Path(tmp) / top, root)
+        done.touch()
+    return source
+
+
+# The converter reads the tokenizer with AutoTokenizer, which in transformers 5 picks the class that the model type
+# names (Qwen2Tokenizer for qwen2, ...) and that class rebuilds its own pre-tokenizer over the vocabulary. The real
+# tokenizer written by save_tokenizer is another model's (smollm2's): read tokenizer.json as written, so that the
+# converter recognises it by its pre-tokenizer hash, as it would the model's own.
+_CONVERT = """
+import runpy, sys
+from transformers import AutoTokenizer, TokenizersBackend
+AutoTokenizer.from_pretrained = lambda path, *a, **k: TokenizersBackend.from_pretrained(path, *a, **k)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32") -> Path:
+    """``out``: the GGUF file that llama.cpp's ``convert_hf_to_gguf.py`` writes from the Hugging Face ``folder``
+    (``outtype``: ``f32``, ``f16``, ``bf16`` or ``q8_0``), with the converter's own ``gguf`` package.
+
+    Raises:
+        RuntimeError: the converter failed (the message ends with its output).
+    """
+    source = llama_cpp_source()
+    out = Path(out)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), str(source)]),
+               NO_LOCAL_GGUF="")
+    got = subprocess.run([sys.executable, "-c", _CONVERT, str(source / "convert_hf_to_gguf.py"), str(folder),
+                          "--outfile", str(out), "--outtype", outtype], capture_output=True, text=True, env=env)
+    if got.returncode != 0 or not out.exists():
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
+    return out
+
+
+# llama.cpp must be the first native library in its process (see mlx_engine.bench.llama_cpp_peer).
+_QUANTIZE = """
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = int(sys.argv[3])
+params.nthread = 2
+rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params))
+sys.exit(0 if rc == 0 else 1)
+"""
+
+
+def quantize(src: "str | Path", out: "str | Path", kind: str) -> Path:
+    """``out``: ``src`` (an F32 / F16 GGUF) quantized to ``kind`` (a key of :data:`FTYPES`, e.g. ``Q4_K_M``) by
+    llama.cpp's ``llama_model_quantize``, as ``llama-quantize src out kind`` would.
+
+    Raises:
+        KeyError: an unknown ``kind``.
+        RuntimeError: the quantizer failed (the message ends with its output).
+    """
+    out = Path(out)
+    got = subprocess.run([sys.executable, "-c", _QUANTIZE, str(src), str(out), str(FTYPES[kind])],
+                         capture_output=True, text=True)
+    if got.returncode != 0 or not out.exists():
+        raise RuntimeError(f"llama_model_quantize failed ({kind}) on {src}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
+    return out
+
+
+_LOGITS = """
+import sys
+import llama_cpp
+import numpy as np
+tokens = [int(t) for t in sys.argv[2].split(",")]
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=max(len(tokens), 16), n_batch=max(len(tokens), 16), n_threads=2,
+                      logits_all=True, verbose=False)
+llm.eval(tokens)
+np.save(sys.argv[3], np.asarray(llm.scores[:len(tokens)], np.float32))
+"""
+
+
+def llama_cpp_logits(path: "str | Path", tokens: list[int]) -> np.ndarray:
+    """llama.cpp's logits (float32 ``[len(tokens), vocab]``) for every position of ``tokens`` on the GGUF file
+    ``path``, in a process of its own.
+
+    Raises:
+        RuntimeError: llama.cpp failed to load or run the file (the message ends with its output).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logits.npy"
+        got = subprocess.run([sys.executable, "-c", _LOGITS, str(path), ",".join(map(str, tokens)), str(out)],
+                             capture_output=True, text=True)
+        if got.returncode != 0 or not out.exists():
+            raise RuntimeError(f"llama.cpp failed on {path}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
+        return np.load(out)
+
+
+def save_tokenizer(gguf_path: "str | Path", folder: "str | Path") -> None:
+    """Writes into ``folder`` the real tokenizer held by the GGUF file ``gguf_path`` (e.g. the catalog's smollm2:
+    ``tokenizer.json``, ``tokenizer_config.json``), as our GGUF vocabulary reader rebuilds it. For smollm2 it
+    tokenizes llama.cpp's pre-tokenizer check text exactly as SmolLM's own ``tokenizer.json`` does (the converter
+    recognises it as ``smollm``); transformers' own GGUF tokenizer conversion does not."""
+    from mlx_engine.models.tokenizer import Tokenizer
+    from mlx_engine.weights import open_weights
+
+    with open_weights(gguf_path) as wf:
+        metadata = dict(wf.metadata)
+    Tokenizer.from_gguf(metadata, str(metadata.get("general.architecture", "llama"))).save_hf(folder)
+
+
+def peaked(model, scale: float = 4.0, seed: int = 0) -> None:
+    """Re-draws every weight of the torch ``model`` so that its logits are peaked: matrices N(0, (scale / sqrt(fan
+    in))^2)-ish, norms near 1 and biases small, where transformers' default init gives nearly uniform logits that hide
+    mistakes. Deterministic for a given ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=g) * (scale / fan_in ** 0.5))
+            elif "norm" in name or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def spread(logits: np.ndarray) -> float:
+    """The logits' spread: max minus min over the whole array, the scale that parity bounds are stated against."""
+    return float(np.max(logits) - np.min(logits))
+
+
+if __name__ == "__main__":
+    print(llama_cpp_source())
