@@ -199,6 +199,6 @@ class ChatSession:
         except (OSError, ValueError, RecursionError) as e:
             raise InvalidRequestError(f"{path}: not a saved conversation ({getattr(e, 'strerror', None) or e})"
                                       ) from None
-        self.messages = [{"role": m["role"], "content": m["content"], **({"thinking": m["thinking"]} if m.get("thinking")
-                                                                         else {})} for m in messages]
+        self.messages = [{"role": m["role"], "content": m["content"],
+                          **({"thinking": m["thinking"]} if m.get("thinking") else {})} for m in messages]
         self.options.update(options)

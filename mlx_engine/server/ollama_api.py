@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlx_engine.errors import ModelNotFoundError
+from mlx_engine.models.reasoning import think_markers
 from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, problem_from, read_json,
                                     text_events, validate, whole_answer)
 from mlx_engine.server.pool import Loaded, parse_keep_alive
@@ -151,6 +152,11 @@ def _timings(stats: JobStats, load_s: float) -> dict[str, Any]:
             "prompt_eval_count": stats.prompt_tokens - stats.cached_tokens,
             "prompt_eval_duration": int(stats.prefill_s * ns), "eval_count": stats.completion_tokens,
             "eval_duration": int(stats.decode_s * ns)}
+
+
+def _no_token(text: str) -> None:
+    """A vocabulary that holds nothing: ``show`` reads the thinking span from the template alone (unloaded)."""
+    return None
 
 
 def _details(info) -> dict[str, Any]:
@@ -321,9 +327,10 @@ def routes(state: ServerState) -> list[Route]:
         model_info = {"general.architecture": arch, "general.parameter_count": info.parameters}
         if info.context_length:
             model_info[f"{arch}.context_length"] = info.context_length
+        capabilities = ["completion"] + (["thinking"] if think_markers(info.chat_template, _no_token) else [])
         return JSONResponse({"license": info.license or "", "modelfile": f"FROM {info.path}\n", "parameters": "",
                              "template": info.chat_template or "", "details": _details(info),
-                             "model_info": model_info, "capabilities": ["completion"],
+                             "model_info": model_info, "capabilities": capabilities,
                              "modified_at": _iso(time.time())})
 
     async def ps(request: Request) -> Response:
