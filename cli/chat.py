@@ -365,7 +365,7 @@ class ChatRepl:
             self._set_thinking(name, value)
             return
         if name not in PARAMETERS:
-            self.echo(f"Unknown parameter {name!r}. Parameters: {', '.join([*PARAMETERS, 'verbose'])}.")
+            self.echo(f"Unknown parameter {name!r}. Parameters: {', '.join([*PARAMETERS, 'verbose', 'think', 'nothink'])}.")
             return
         if not value:
             self.echo(f"Usage: /set {name} VALUE")
@@ -393,7 +393,12 @@ class ChatRepl:
             self.hide_thinking = name == "hidethinking"
             self.echo(f"Set thinking to {'hidden' if self.hide_thinking else 'shown'}.")
             return
-        think = (value.lower() or True) if name == "think" else False
+        think: bool | str = False
+        if name == "think":
+            try:
+                think = _parse_bool(value) if value else True
+            except ValueError:
+                think = value.lower()  # a level (low, medium, high), checked below
         try:
             self.model.template_vars(think)  # a bad level, or a model that does not think, is refused now
         except EngineError as e:
