@@ -365,7 +365,8 @@ class ChatRepl:
             self._set_thinking(name, value)
             return
         if name not in PARAMETERS:
-            self.echo(f"Unknown parameter {name!r}. Parameters: {', '.join([*PARAMETERS, 'verbose', 'think', 'nothink'])}.")
+            known = [*PARAMETERS, "verbose", "think", "nothink"]
+            self.echo(f"Unknown parameter {name!r}. Parameters: {', '.join(known)}.")
             return
         if not value:
             self.echo(f"Usage: /set {name} VALUE")
