@@ -11,8 +11,9 @@ inside it (:func:`prompt_opens_span`). Whitespace right after either marker and 
 (ollama's parser does the same), so ``<think>\\nabc\\n</think>\\n\\nHi`` gives the thinking ``abc`` and the answer
 ``Hi``.
 
-Another channel format (gpt-oss's harmony ``analysis`` channel) plugs in as another parser with the same
-``feed`` / ``flush`` / ``thinking`` interface, chosen by :func:`reasoning_for`.
+Another channel format (gpt-oss's harmony ``analysis`` channel) plugs in as another parser with the same ``feed`` /
+``flush`` interface, chosen where :meth:`mlx_engine.models.runner.Runner.reasoning` makes one per request, and a gate
+like :class:`DeferredConstraint` for its grammar.
 """
 
 from __future__ import annotations
