@@ -101,16 +101,6 @@ class ReasoningParser:
         self._phase = _EAT_IN if inside else _START
         self._held = ""
 
-    @property
-    def thinking(self) -> bool:
-        """True while the output is inside the span."""
-        return self._phase in (_IN, _EAT_IN)
-
-    @property
-    def answering(self) -> bool:
-        """True once the answer has begun: the span has closed, or the output began without one."""
-        return self._phase in (_EAT_OUT, _OUT)
-
     def feed(self, text: str) -> list[tuple[str, str]]:
         """The pieces ``text`` completes (maybe none)."""
         out: list[tuple[str, str]] = []
