@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from mlx_engine.errors import InvalidOptionError
 from mlx_engine.models.reasoning import (ReasoningParser, ThinkMarkers, Thinking, prompt_opens_span,
                                          think_markers, think_template_vars)
 from mlx_engine.models.runner import Request
@@ -206,7 +207,7 @@ def test_think_false_reaches_the_template(models):
     assert m.tokenizer.decode(off) == m.tokenizer.decode(on) + "<think>\n\n</think>\n\n"  # as the template says
     reply = m.chat(HELLO, think=False)
     assert (reply, reply.thinking) == (expected(m, enable_thinking=False)[1], "") == ("Hi there!", "")
-    with pytest.raises(Exception, match="think must be"):
+    with pytest.raises(InvalidOptionError, match="think='much': it must be true, false or one of low"):
         m.chat(HELLO, think="much")
 
 
