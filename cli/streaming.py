@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import sys
 
-from mlx_engine.models.reasoning import Thinking
 from mlx_engine.store import format_count
 
 _DIM, _RESET = "\x1b[2m", "\x1b[0m"
@@ -103,6 +102,8 @@ def stream_to(out, generator, stop: StopOnInterrupt, thinking: ThinkingView | No
     """Write the answer's chunks of ``generator`` to ``out`` as they come, and its thinking chunks to ``thinking``
     (default: a :class:`ThinkingView` of ``out``); returns ``(stats or None, answer text, interrupted)``. The generator
     is closed when Ctrl-C is pressed (or on any error), which keeps a chat's partial answer."""
+    from mlx_engine.api import Thinking  # here, not at the top: the store commands start without the API
+
     stats = None
     text = []
     thinking = thinking if thinking is not None else ThinkingView(out)
