@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from mlx_engine.errors import InvalidOptionError
+from mlx_engine.errors import InvalidOptionError, InvalidRequestError
+from mlx_engine.models.constraint import parse_response_format
 from mlx_engine.models.reasoning import (ReasoningParser, ThinkMarkers, Thinking, prompt_opens_span,
                                          think_markers, think_template_vars)
 from mlx_engine.models.runner import Request
@@ -223,6 +224,17 @@ def test_the_grammar_starts_after_the_span(models):
     assert reply.thinking == "Let me think" and len(reply) == 3 and reply.isalpha() and reply.islower()
     r1 = models["r1"].chat(HELLO, regex="[a-z]{3}")  # the prompt opened the span: free text until it closes
     assert r1.thinking == "<think>Let me think" and len(r1) == 3
+    fmt = parse_response_format({"type": "regex", "pattern": "[a-z]{3}"})  # the batch loop, its own grammar
+    out = m.runner.generate_batch([Request(m.chat_tokens(HELLO), max_tokens=32, sequence=1, response_format=fmt)])[0]
+    thinking, answer = m.tokenizer.decode(out).split("</think>")
+    assert thinking == "<think>Let me think" and len(answer) == 3 and answer.isalpha()
+
+
+def test_think_on_a_model_that_does_not_think(smollm2_model):
+    assert not smollm2_model.thinks
+    with pytest.raises(InvalidRequestError, match="does not think"):
+        smollm2_model.chat(HELLO, think=True)
+    assert smollm2_model.template_vars(False) == {"enable_thinking": False, "thinking": False}  # accepted, as ollama
 
 
 def test_a_chat_session_keeps_the_thinking_for_the_template(models, tmp_path):
@@ -334,6 +346,10 @@ def test_openai_chat_returns_reasoning_content(server):
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me think"
     assert "".join(d.content or "" for d in deltas) == "Hi there!"
+    r = client.chat.completions.create(model="thinker:test", messages=HELLO,  # the scheduler's grammar
+                                       extra_body={"response_format": {"type": "regex", "pattern": "[a-z]{3}"}})
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "Let me think" and len(msg.content) == 3 and msg.content.isalpha()
     for extra in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
         r = client.chat.completions.create(model="thinker:test", messages=HELLO, extra_body=extra)
         assert (r.choices[0].message.content, r.choices[0].message.reasoning_content) == ("Hi there!", None)
