@@ -11,7 +11,6 @@ raw greedy tokens of the same model (the runner's batch loop, which does no text
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
