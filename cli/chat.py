@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from mlx_engine.api import IMAGE_SUFFIXES, GenerationOptions, load_image
-from mlx_engine.cli.streaming import StopOnInterrupt, context_full_notice, describe_model, stream_to
+from mlx_engine.cli.streaming import StopOnInterrupt, ThinkingView, context_full_notice, describe_model, stream_to
 from mlx_engine.errors import EngineError, InvalidOptionError
 
 HELP = """\
@@ -29,6 +29,8 @@ Commands:
   /system [TEXT]         set the system prompt (without TEXT: show it)
   /set PARAMETER VALUE   set an option: temperature, top_k, top_p, min_p, repeat_penalty,
                          seed, max_tokens, verbose (on/off); /set alone shows them
+  /set think [LEVEL]     a reasoning model thinks (LEVEL: low, medium, high); /set nothink: it
+                         answers at once; /set hidethinking, /set showthinking
   /show                  the model and the current options
   /regen                 answer the last message again
   /save FILE             save the conversation (messages and options, JSON)
@@ -128,10 +130,11 @@ class ChatRepl:
     """An interactive conversation with ``model`` (an :class:`mlx_engine.api.Model`)."""
 
     def __init__(self, model, *, system: str | None = None, options: dict | None = None, verbose: bool = False,
-                 history_file: Path | None = None, stdin=None, stdout=None):
+                 history_file: Path | None = None, stdin=None, stdout=None, hide_thinking: bool = False):
         self.model = model
         self.session = model.chat_session(system=system, **(options or {}))
         self.verbose = verbose
+        self.hide_thinking = hide_thinking
         self.history_file = history_file
         self.stdin = stdin if stdin is not None else sys.stdin
         self.out = stdout if stdout is not None else sys.stdout
@@ -228,7 +231,8 @@ class ChatRepl:
 
     def answer(self, generator) -> None:
         with StopOnInterrupt() as stop, TypeAhead(self.stdin if self.interactive else None) as typed:
-            stats, text, interrupted = stream_to(self.out, generator, stop)
+            stats, text, interrupted = stream_to(self.out, generator, stop,
+                                                 ThinkingView(self.out, hide=self.hide_thinking))
         self._typed_ahead = typed.text
         if interrupted:  # on a line of its own, after the partial answer
             self.out.write(("" if text.endswith("\n") else "\n") +
@@ -357,8 +361,12 @@ class ChatRepl:
         if name == "system":
             self.command(f"/system {value}")
             return
+        if name in ("think", "nothink", "hidethinking", "showthinking"):
+            self._set_thinking(name, value)
+            return
         if name not in PARAMETERS:
-            self.echo(f"Unknown parameter {name!r}. Parameters: {', '.join([*PARAMETERS, 'verbose'])}.")
+            known = [*PARAMETERS, "verbose", "think", "nothink"]
+            self.echo(f"Unknown parameter {name!r}. Parameters: {', '.join(known)}.")
             return
         if not value:
             self.echo(f"Usage: /set {name} VALUE")
@@ -378,6 +386,27 @@ class ChatRepl:
         else:
             self.session.options[name] = converted
         self.echo(f"Set {name} to {converted}.")
+
+    def _set_thinking(self, name: str, value: str) -> None:
+        """``/set think [LEVEL]``, ``/set nothink`` (the template's ``enable_thinking``), ``/set hidethinking``,
+        ``/set showthinking`` (whether the thinking is shown)."""
+        if name in ("hidethinking", "showthinking"):
+            self.hide_thinking = name == "hidethinking"
+            self.echo(f"Set thinking to {'hidden' if self.hide_thinking else 'shown'}.")
+            return
+        think: bool | str = False
+        if name == "think":
+            try:
+                think = _parse_bool(value) if value else True
+            except ValueError:
+                think = value.lower()  # a level (low, medium, high), checked below
+        try:
+            self.model.template_vars(think)  # a bad level, or a model that does not think, is refused now
+        except EngineError as e:
+            self.echo(f"Error: {e}", err=True)
+            return
+        self.session.options["think"] = think
+        self.echo("Set thinking " + ("off." if think is False else f"on{'' if think is True else f' ({think})'}."))
 
     def _show(self) -> None:
         info = dict(getattr(self.model, "info", {}) or {})

@@ -20,7 +20,7 @@ from mlx_engine.cli.bench import bench
 from mlx_engine.cli.image import image
 from mlx_engine.cli.options import ACTIVATIONS_OPTION
 from mlx_engine.cli.serve import serve
-from mlx_engine.cli.streaming import StopOnInterrupt, context_full_notice, describe_model, stream_to
+from mlx_engine.cli.streaming import StopOnInterrupt, ThinkingView, context_full_notice, describe_model, stream_to
 from mlx_engine.errors import EngineError, InvalidRequestError, ModelNotFoundError, PullError
 from mlx_engine.store import CATALOG, DEFAULT_MODEL, Store, format_bytes, parse_registry_name
 from mlx_engine.store.format import printable
@@ -225,6 +225,12 @@ def _sampling_options(f):
                      help="Structured output: text matching the regular expression."),
         click.option("--grammar", type=click.Path(dir_okay=False), default=None, metavar="FILE",
                      help="Structured output: text in the Lark or GBNF (llama.cpp) grammar in FILE."),
+        click.option("--think/--no-think", "think", default=None,
+                     help="A reasoning model thinks before it answers, or answers at once (the chat template's "
+                          "enable_thinking; default: the template's choice)."),
+        click.option("--hide-thinking", is_flag=True,
+                     help="Do not show a reasoning model's thinking (shown dimmed on a terminal, on stderr when "
+                          "stdout is piped)."),
         click.option("--device", type=click.Choice(["cpu", "gpu", "metal", "cuda"]), default=None,
                      help="Device (default: $MLX_ENGINE_DEVICE, else the GPU where MLX has one, else the CPU)."),
         click.option("--context-length", "-c", type=click.IntRange(min=1), default=None,
@@ -272,6 +278,8 @@ def _collect_options(kw: dict) -> dict:
         opts["regex"] = kw["regex"]
     if kw.get("grammar") is not None:
         opts["grammar"] = _read_option_file("--grammar", kw["grammar"])
+    if kw.get("think") is not None:
+        opts["think"] = kw["think"]
     GenerationOptions.parse(opts)
     return opts
 
@@ -302,7 +310,9 @@ def run(args: tuple[str, ...], raw: bool, images: tuple[str, ...], **kw) -> None
     """Generate one answer, streamed to stdout.
 
     MODEL defaults to smollm2:135m and is pulled on first use. The prompt is the remaining arguments, else stdin.
-    Instruct models get their chat template; base models (and --raw) continue the text.
+    Instruct models get their chat template; base models (and --raw) continue the text. A reasoning model's
+    thinking is shown dimmed before the answer on a terminal, and goes to stderr when stdout is piped, so that
+    stdout holds the answer alone (--hide-thinking: not at all).
 
     \b
     Examples:
@@ -353,7 +363,8 @@ def run(args: tuple[str, ...], raw: bool, images: tuple[str, ...], **kw) -> None
         click.echo(describe_model(model) + (" (raw completion)" if use_raw else ""), err=True)
     out = sys.stdout
     with StopOnInterrupt() as stop:
-        stats, text, interrupted = stream_to(out, model.stream(prompt, raw=use_raw, **options), stop)
+        stats, text, interrupted = stream_to(out, model.stream(prompt, raw=use_raw, **options), stop,
+                                             ThinkingView(out, hide=kw["hide_thinking"]))
     if not text.endswith("\n"):
         out.write("\n")
         out.flush()
@@ -389,7 +400,7 @@ def chat(model: str, no_history: bool, **kw) -> None:
     options = _collect_options(kw)
     loaded = _load(model, kw)
     repl = ChatRepl(loaded, system=kw.get("system"), options=options, verbose=kw["verbose"],
-                    history_file=None if no_history else store.history_file)
+                    history_file=None if no_history else store.history_file, hide_thinking=kw["hide_thinking"])
     repl.run()
 
 

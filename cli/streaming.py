@@ -1,11 +1,53 @@
-"""Streaming an answer to the terminal, shared by ``run`` and ``chat``: Ctrl-C handling and the model's one-line
-description."""
+"""Streaming an answer to the terminal, shared by ``run`` and ``chat``: Ctrl-C handling, a reasoning model's
+thinking shown apart from the answer, and the model's one-line description."""
 
 from __future__ import annotations
 
 import signal
+import sys
 
 from mlx_engine.store import format_count
+
+_DIM, _RESET = "\x1b[2m", "\x1b[0m"
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class ThinkingView:
+    """Where a reasoning model's thinking is shown: framed by ``Thinking...`` and ``...done thinking.`` as ollama
+    frames it, before the answer; dimmed on ``out`` when ``out`` is a terminal; on ``err`` (dimmed when that is a
+    terminal) when ``out`` is piped or a file, so that ``out`` holds the answer alone; nowhere when ``hide``."""
+
+    def __init__(self, out, err=None, hide: bool = False):
+        err = err if err is not None else sys.stderr
+        self.dest = None if hide else (out if _isatty(out) else err)
+        self.dim = self.dest is not None and _isatty(self.dest)
+        self._open = False
+        self._last = ""
+
+    def write(self, text: str) -> None:
+        if self.dest is None or not text:
+            return
+        if not self._open:
+            self.dest.write((_DIM if self.dim else "") + "Thinking...\n")
+            self._open = True
+        self.dest.write(text)
+        self.dest.flush()
+        self._last = text
+
+    def close(self) -> None:
+        """End the thinking (before the answer's first piece, and when the stream ends)."""
+        if not self._open:
+            return
+        self._open = False
+        self.dest.write(("" if self._last.endswith("\n") else "\n") + "...done thinking.\n\n" +
+                        (_RESET if self.dim else ""))
+        self.dest.flush()
 
 
 def describe_model(model) -> str:
@@ -56,14 +98,21 @@ def context_full_notice(model) -> str:
             "--context-length (or /clear in chat)]")
 
 
-def stream_to(out, generator, stop: StopOnInterrupt):
-    """Write the text chunks of ``generator`` to ``out`` as they come; returns ``(stats or None, text, interrupted)``.
-    The generator is closed when Ctrl-C is pressed (or on any error), which keeps a chat's partial answer."""
+def stream_to(out, generator, stop: StopOnInterrupt, thinking: ThinkingView | None = None):
+    """Write the answer's chunks of ``generator`` to ``out`` as they come, and its thinking chunks to ``thinking``
+    (default: a :class:`ThinkingView` of ``out``); returns ``(stats or None, answer text, interrupted)``. The generator
+    is closed when Ctrl-C is pressed (or on any error), which keeps a chat's partial answer."""
+    from mlx_engine.api import Thinking  # here, not at the top: the store commands start without the API
+
     stats = None
     text = []
+    thinking = thinking if thinking is not None else ThinkingView(out)
     try:
         for item in generator:
-            if isinstance(item, str):
+            if isinstance(item, Thinking):
+                thinking.write(item)
+            elif isinstance(item, str):
+                thinking.close()
                 out.write(item)
                 out.flush()
                 text.append(item)
@@ -72,5 +121,6 @@ def stream_to(out, generator, stop: StopOnInterrupt):
             if stop.hit:
                 break
     finally:
+        thinking.close()
         generator.close()
     return stats, "".join(text), stop.hit

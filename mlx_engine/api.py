@@ -11,9 +11,16 @@
 Options accepted by ``generate``, ``stream``, ``chat`` and ``ChatSession.send`` (keywords):
 ``system`` (str), ``raw`` (bool: no chat template), ``temperature`` (0 = greedy, the default), ``top_k``, ``top_p``,
 ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``, ``seed``,
-``max_tokens`` (default 256), ``stop`` (list of strings), and structured output: ``format`` / ``response_format``
-(``"json"``, a JSON schema, OpenAI's form), ``json_schema``, ``regex``, ``grammar``. An unknown or invalid option
-raises :class:`mlx_engine.errors.InvalidRequestError`.
+``max_tokens`` (default 256), ``stop`` (list of strings), structured output: ``format`` / ``response_format``
+(``"json"``, a JSON schema, OpenAI's form), ``json_schema``, ``regex``, ``grammar``, and ``think`` (True, False,
+``"low"``, ``"medium"``, ``"high"``: whether a reasoning model thinks; it reaches the chat template as
+``enable_thinking`` / ``reasoning_effort``). An unknown or invalid option raises
+:class:`mlx_engine.errors.InvalidRequestError`.
+
+A reasoning model's thinking is kept apart from its answer: ``stream`` yields it as
+:class:`~mlx_engine.models.reasoning.Thinking` chunks (a ``str`` subclass) before the answer's plain ``str`` chunks;
+``generate`` and ``chat`` return an :class:`Answer` (the answer's text, with ``.thinking``); ``respond``'s
+:class:`ChatReply` has ``thinking``. Stop strings and structured output apply to the answer only.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.config import ATTENTION_TYPES
 from mlx_engine.models.images import IMAGE_SUFFIXES, load_image
 from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
+from mlx_engine.models.reasoning import Thinking, parse_think, think_template_vars
 from mlx_engine.models.registry import half_dtype, load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner
 from mlx_engine.models.tools import (ToolCall, ToolStyle, check_tools, parse_tool_calls, prepare_messages,
@@ -45,8 +53,8 @@ from mlx_engine.session import ChatSession
 from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
 from mlx_engine.store.format import printable
 
-__all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "ChatReply", "ToolCall", "GenerationStats",
-           "GenerationOptions",
+__all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "ChatReply", "Answer", "Thinking", "ToolCall",
+           "GenerationStats", "GenerationOptions",
            "OPTION_NAMES", "DEFAULT_MODEL", "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL",
            "open_init_image", "read_image_parameters", "save_image", "memory_in_use", "launched_rank", "load_image",
            "IMAGE_SUFFIXES"]
@@ -179,6 +187,25 @@ class Model:
     def backend_name(self) -> str:
         return self.backend.name
 
+    @property
+    def thinks(self) -> bool:
+        """True for a reasoning model: its chat template (or vocabulary) has a thinking span."""
+        return self.runner.think_markers is not None
+
+    def template_vars(self, think: Any) -> dict[str, Any]:
+        """The chat-template variables of the ``think`` option (``enable_thinking``...; see
+        :func:`mlx_engine.models.reasoning.think_template_vars`).
+
+        Raises:
+            InvalidRequestError: ``think`` not one of None, True, False, ``low``, ``medium``, ``high``; or asked of
+                a model that does not think (as ollama refuses it).
+        """
+        think = parse_think(think)
+        if think and not self.thinks:
+            raise InvalidRequestError(f"{self.name} does not think (its chat template has no thinking span); "
+                                      "leave think unset or false")
+        return think_template_vars(think)
+
     # ---- prompts -----------------------------------------------------------------------------------------------
     def _encode_text(self, text: str) -> list[int]:
         bos = self.tokenizer.bos_token
@@ -220,9 +247,9 @@ class Model:
         return self.prompt_inputs(prompt, system=system, raw=raw)[0]
 
     def prompt_inputs(self, prompt: str, images: Any = None, *, system: str | None = None,
-                      raw: bool | None = None) -> tuple[list[int], list]:
+                      raw: bool | None = None, **template_vars: Any) -> tuple[list[int], list]:
         """:meth:`prompt_tokens` and the ``images`` at their places (``PromptImage``): in the user message with the
-        chat template, else (raw) each image's marker before the text.
+        chat template (``template_vars`` reach it), else (raw) each image's marker before the text.
 
         Raises:
             InvalidRequestError: an empty prompt, images that are not a list, images for a model that reads none.
@@ -243,7 +270,7 @@ class Model:
             return self._encode_text((system + "\n\n" if system else "") + prompt), []
         messages = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": prompt, **({"images": list(images)} if images else {})}]
-        return self.chat_inputs(messages)
+        return self.chat_inputs(messages, **template_vars)
 
     def chat_inputs(self, messages: list[dict[str, Any]], **template_vars: Any) -> tuple[list[int], list]:
         """Token ids of a conversation (the chat template applied, the assistant's turn opened) and the images of
@@ -289,7 +316,8 @@ class Model:
         """Text chunks as they are generated, then one :class:`GenerationStats`. ``images``: images the prompt
         is about (paths, bytes, base64 strings, PIL images), for a model with a vision part."""
         opts = GenerationOptions.parse(options)
-        tokens, placed = self.prompt_inputs(prompt, images, system=opts.system, raw=opts.raw)
+        tokens, placed = self.prompt_inputs(prompt, images, system=opts.system, raw=opts.raw,
+                                            **self.template_vars(opts.think))
         return self._serialized(self.runner.stream(opts.request(tokens, images=placed)))
 
     def _serialized(self, pieces: Iterator[Any]) -> Iterator[Any]:
@@ -304,27 +332,29 @@ class Model:
                     raise
                 raise self.distributed.lost(e) from None
 
-    def generate(self, prompt: str, *, images: Any = None, **options: Any) -> str:
-        """The whole completion of ``prompt`` as one string.
+    def generate(self, prompt: str, *, images: Any = None, **options: Any) -> "Answer":
+        """The whole completion of ``prompt``: an :class:`Answer` (the answer's text; a reasoning model's thinking
+        in its ``thinking``).
 
         With a response format (``response_format=``, ``format=``, ``json_schema=``, ``regex=``, ``grammar=``) the
         text matches it; raises ``IncompleteOutputError`` (its ``text`` holds the partial output) when
         ``max_tokens`` or the context cut it off first."""
         return _whole(self.stream(prompt, images=images, **options))
 
-    def chat(self, messages: list[dict[str, str]], **options: Any) -> str:
-        """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``); structured output
-        as in :meth:`generate`."""
+    def chat(self, messages: list[dict[str, str]], **options: Any) -> "Answer":
+        """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``) as an
+        :class:`Answer` (with ``thinking``); structured output as in :meth:`generate`."""
         opts = GenerationOptions.parse(options)
-        tokens, placed = self.chat_inputs(messages)
+        tokens, placed = self.chat_inputs(messages, **self.template_vars(opts.think))
         return _whole(self._serialized(self.runner.stream(opts.request(tokens, images=placed))))
 
     def tool_prompt(self, messages: list[dict[str, Any]], tools: list | None = None,
-                    tool_choice: Any = None) -> "ToolPrompt":
+                    tool_choice: Any = None, **template_vars: Any) -> "ToolPrompt":
         """The prompt of a conversation with tools (see :mod:`mlx_engine.models.tools`): the tools offered through
         the chat template (or, for a template without tools, in the system message), earlier calls and ``tool``
         results written back, and for ``tool_choice`` ``required`` or a named function the grammar that forces one
         valid call. ``tool_choice`` ``none`` offers no tools (earlier calls and results stay in the conversation).
+        ``template_vars`` (``enable_thinking``...) reach the template.
 
         Raises:
             InvalidRequestError: malformed tools, tool calls or tool messages; a ``tool_choice`` without tools or
@@ -337,7 +367,7 @@ class Model:
         active = offered if tool_choice != "none" else None
         fmt = tool_choice_format(active, tool_choice, style) if active else None
         prepared = prepare_messages(messages, active, style)
-        tokens = self._chat_ids(prepared, **({"tools": active} if active and style.native else {}))
+        tokens = self._chat_ids(prepared, **template_vars, **({"tools": active} if active and style.native else {}))
         return ToolPrompt(tokens, fmt, style, {t["function"]["name"] for t in active} if active else None)
 
     def respond(self, messages: list[dict[str, Any]], *, tools: list | None = None, tool_choice: Any = None,
@@ -347,21 +377,17 @@ class Model:
         ``tools``: OpenAI's / ollama's function list; ``tool_choice``: ``auto`` (default: the model decides),
         ``none``, ``required`` or ``{"type": "function", "function": {"name": ...}}`` (the last two force one call
         whose arguments validate against the function's parameters). Assistant messages may carry ``tool_calls``
-        and ``tool`` messages the results. Other options as :meth:`chat`.
+        and ``tool`` messages the results. Other options as :meth:`chat`; the calls are parsed from the answer only,
+        never from the thinking.
         """
-        prompt = self.tool_prompt(messages, tools, tool_choice)
-        if prompt.response_format is not None:
-            options = {**options, "response_format": prompt.response_format}
         opts = GenerationOptions.parse(options)
-        text, stats = [], None
-        for p in self._serialized(self.runner.stream(opts.request(prompt.tokens))):
-            if isinstance(p, str):
-                text.append(p)
-            else:
-                stats = p
-        content, calls = prompt.parse("".join(text))
+        prompt = self.tool_prompt(messages, tools, tool_choice, **self.template_vars(opts.think))
+        if prompt.response_format is not None:
+            opts = GenerationOptions.parse({**options, "response_format": prompt.response_format})
+        text, thinking, stats = _collect(self._serialized(self.runner.stream(opts.request(prompt.tokens))))
+        content, calls = prompt.parse(text)
         finish = "tool_calls" if calls else ("length" if stats.stop_reason == "length" else "stop")
-        return ChatReply(content, calls, finish, stats)
+        return ChatReply(content, calls, finish, stats, thinking)
 
     def check_format(self, options: GenerationOptions) -> None:
         """Compile ``options.response_format`` (if any) for this model's vocabulary, so that a format the model
@@ -402,27 +428,50 @@ class ToolPrompt:
 class ChatReply:
     """An answer with tool calls: ``content`` (text, "" when the answer is only calls), ``tool_calls``
     (:class:`~mlx_engine.models.tools.ToolCall`: ``name``, ``arguments`` dict, ``id``), ``finish_reason``
-    (``tool_calls``, ``stop`` or ``length``) and the :class:`GenerationStats`."""
+    (``tool_calls``, ``stop`` or ``length``), the :class:`GenerationStats`, and a reasoning model's ``thinking``
+    ("" when it did not think)."""
 
     content: str
     tool_calls: list[ToolCall]
     finish_reason: str
     stats: GenerationStats | None
+    thinking: str = ""
 
 
-def _whole(pieces: Iterator["str | GenerationStats"]) -> str:
-    text, stats = [], None
+class Answer(str):
+    """The text of an answer (a ``str``), with a reasoning model's thinking apart in :attr:`thinking` ("" when it
+    did not think) and the request's :class:`GenerationStats` in :attr:`stats`."""
+
+    thinking: str
+    stats: GenerationStats | None
+
+    def __new__(cls, text: str, thinking: str = "", stats: GenerationStats | None = None) -> "Answer":
+        self = super().__new__(cls, text)
+        self.thinking, self.stats = thinking, stats
+        return self
+
+
+def _collect(pieces: Iterator["str | GenerationStats"]) -> tuple[str, str, GenerationStats | None]:
+    """A stream's answer text, thinking text and statistics."""
+    text, thinking, stats = [], [], None
     for p in pieces:
-        if isinstance(p, str):
+        if isinstance(p, Thinking):
+            thinking.append(p)
+        elif isinstance(p, str):
             text.append(p)
         else:
             stats = p
+    return "".join(text), "".join(thinking), stats
+
+
+def _whole(pieces: Iterator["str | GenerationStats"]) -> Answer:
+    text, thinking, stats = _collect(pieces)
     if stats is not None and stats.format_complete is False:
         raise IncompleteOutputError(
             f"the output was cut off ({'the context is full' if stats.context_full else 'max_tokens reached'}) "
             f"after {stats.generated_tokens} tokens, before it was a complete value of the requested format; "
-            "raise max_tokens (the partial text is in this error's .text)", "".join(text))
-    return "".join(text)
+            "raise max_tokens (the partial text is in this error's .text)", text)
+    return Answer(text, thinking, stats)
 
 
 def _gib(n: float) -> str:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.models.options import GenerationOptions
+from mlx_engine.models.reasoning import Thinking
 from mlx_engine.models.runner import GenerationStats, prompt_keys
 
 if TYPE_CHECKING:
@@ -49,8 +50,10 @@ class ChatSession:
 
     def send(self, text: str, images: Any = None, **options: Any) -> Iterator["str | GenerationStats"]:
         """Add a user message (with ``images``: paths, bytes, base64 strings or PIL images, for a model with a
-        vision part) and stream the answer: text chunks, then one :class:`GenerationStats`. If the caller stops
-        reading (closes the generator), the partial answer is kept in the conversation."""
+        vision part) and stream the answer: text chunks (a reasoning model's thinking as
+        :class:`~mlx_engine.models.reasoning.Thinking` chunks first), then one :class:`GenerationStats`. If the
+        caller stops reading (closes the generator), the partial answer is kept in the conversation (its thinking in
+        the message's ``thinking``)."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"a message must be a string, not {type(text).__name__}")
         if not text.strip():
@@ -76,8 +79,9 @@ class ChatSession:
             opts = {**self.options, **options}
             opts.pop("system", None)
             opts.pop("raw", None)
-            tokens, images = self.model.chat_inputs(self.messages)
-            req = GenerationOptions.parse(opts).request(tokens, self.sequence, images)
+            parsed = GenerationOptions.parse(opts)
+            tokens, images = self.model.chat_inputs(self.messages, **self.model.template_vars(parsed.think))
+            req = parsed.request(tokens, self.sequence, images)
         except BaseException:
             self.messages = before
             raise
@@ -86,10 +90,13 @@ class ChatSession:
     def _record(self, pieces: Iterator["str | GenerationStats"],
                 before: list[dict[str, str]]) -> Iterator["str | GenerationStats"]:
         answer: list[str] = []
+        thinking: list[str] = []
         failed = False
         try:
             for p in pieces:
-                if isinstance(p, str):
+                if isinstance(p, Thinking):
+                    thinking.append(p)
+                elif isinstance(p, str):
                     answer.append(p)
                 else:
                     self.last_stats = p
@@ -103,8 +110,9 @@ class ChatSession:
             pieces.close()
             if failed:
                 self.messages = before
-            else:
-                self.messages.append({"role": "assistant", "content": "".join(answer)})
+            else:  # the thinking goes back to the template as the message's reasoning (Qwen3's reads it)
+                self.messages.append({"role": "assistant", "content": "".join(answer),
+                                      **({"thinking": "".join(thinking)} if thinking else {})})
 
     def prefill(self) -> int:
         """Run the conversation through the model now, so that the next turn prefills only its new message (after
@@ -179,7 +187,8 @@ class ChatSession:
                 raise ValueError("it has no list of messages")
             messages = data["messages"]
             for m in messages:
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        and isinstance(m.get("thinking", ""), str)):
                     raise ValueError(f"a message is not a {{'role': str, 'content': str}} dict: {m!r:.100}")
             options = data.get("options", {})
             if not isinstance(options, dict):
@@ -190,5 +199,6 @@ class ChatSession:
         except (OSError, ValueError, RecursionError) as e:
             raise InvalidRequestError(f"{path}: not a saved conversation ({getattr(e, 'strerror', None) or e})"
                                       ) from None
-        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        self.messages = [{"role": m["role"], "content": m["content"],
+                          **({"thinking": m["thinking"]} if m.get("thinking") else {})} for m in messages]
         self.options.update(options)

@@ -14,6 +14,7 @@ from typing import Any
 from mlx_engine.errors import InvalidOptionError, InvalidRequestError
 from mlx_engine.models.constraint import ResponseFormat, parse_response_format
 from mlx_engine.models.images import PromptImage
+from mlx_engine.models.reasoning import parse_think
 from mlx_engine.models.runner import Request
 from mlx_engine.models.sampler import SamplerOptions
 
@@ -23,7 +24,9 @@ SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerOptions))
 #: :func:`~mlx_engine.models.constraint.parse_response_format` reads; ``json_schema``, ``regex`` and ``grammar`` are
 #: shorthands for a schema (a dict or JSON text), a regular expression and a Lark / GBNF grammar
 FORMAT_OPTIONS = ("response_format", "format", "json_schema", "regex", "grammar")
-OPTION_NAMES = (*SAMPLER_FIELDS, "max_tokens", "stop", "system", "raw", *FORMAT_OPTIONS)
+#: ``think``: a reasoning model thinks (True), answers at once (False), or thinks at a level (``low``, ``medium``,
+#: ``high``); None leaves it to the chat template
+OPTION_NAMES = (*SAMPLER_FIELDS, "max_tokens", "stop", "system", "raw", *FORMAT_OPTIONS, "think")
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -39,6 +42,8 @@ class GenerationOptions:
         raw: True for plain completion without the chat template; None lets the model decide (base models are raw).
         response_format: what the output must match (structured output), or None for free text.
         images: the prompt's images at their places (set by whoever made the prompt, never parsed from options).
+        think: whether a reasoning model thinks: True, False, a level (``low``, ``medium``, ``high``), or None for
+            the chat template's default (it reaches the template through ``Model.template_vars``).
     """
 
     sampler: SamplerOptions = field(default_factory=SamplerOptions)
@@ -48,6 +53,7 @@ class GenerationOptions:
     raw: bool | None = None
     response_format: ResponseFormat | None = None
     images: tuple[PromptImage, ...] = ()
+    think: bool | str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> "GenerationOptions":
@@ -76,13 +82,14 @@ class GenerationOptions:
         raw = given.get("raw")
         if raw is not None and not isinstance(raw, bool):
             raise InvalidOptionError("raw", raw, "must be true or false")
-        return cls(sampler, max_tokens, tuple(stop), system, raw, _response_format(given))
+        return cls(sampler, max_tokens, tuple(stop), system, raw, _response_format(given),
+                   think=parse_think(given.get("think")))
 
     def request(self, tokens: Sequence[int], sequence: int = 0, images: Sequence[PromptImage] = ()) -> Request:
         """The runner's request for ``tokens`` (with ``images``, else :attr:`images`, at their places) on cache
-        sequence ``sequence``."""
+        sequence ``sequence``; a raw request's text is left raw (a thinking span is not parsed out of it)."""
         return Request(list(tokens), self.sampler, self.max_tokens, list(self.stop), sequence, self.response_format,
-                       list(images or self.images))
+                       list(images or self.images), reasoning=not self.raw)
 
 
 def _response_format(given: Mapping[str, Any]) -> ResponseFormat | None:

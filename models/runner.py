@@ -20,7 +20,9 @@ from mlx_engine.ml import DType, Tensor
 from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.constraint import Constraint, GrammarTokenizer, ResponseFormat
 from mlx_engine.models.images import PromptImage
+from mlx_engine.models.reasoning import DeferredConstraint, ReasoningParser, prompt_opens_span, think_markers
 from mlx_engine.models.sampler import Sampler, SamplerOptions
+from mlx_engine.models.text_assembly import TextAssembler, typed_pieces
 from mlx_engine.models.tokenizer import Tokenizer
 
 
@@ -66,6 +68,8 @@ class Request:
         sequence: the cache sequence id to use.
         response_format: what the output must match (structured output), or None for free text.
         images: images at explicit places of ``tokens`` (their placeholder tokens), for a model with a vision part.
+        reasoning: keep a reasoning model's thinking span apart from the answer (False: raw text, as a plain
+            completion wants it).
     """
 
     tokens: Sequence[int]
@@ -75,6 +79,7 @@ class Request:
     sequence: int = 0
     response_format: ResponseFormat | None = None
     images: Sequence[PromptImage] = ()
+    reasoning: bool = True
 
 
 def prompt_keys(tokens: Sequence[int], images: Sequence[PromptImage] = ()) -> list[int]:
@@ -126,6 +131,8 @@ class Runner:
             with self.backend.new_context() as ctx:
                 self.cache.reserve(ctx, model.layer_kv_shapes())
         self._cached: dict[int, list[int]] = {}
+        #: the model's thinking span (None: it does not think)
+        self.think_markers = think_markers(tokenizer.chat_template, tokenizer.token_to_id)
 
     # ---- cache bookkeeping -------------------------------------------------------------------------------------
     def cached_tokens(self, sequence: int = 0) -> list[int]:
@@ -180,12 +187,36 @@ class Runner:
                 self._grammar_tokenizer = GrammarTokenizer(tk.backend.to_str(), tk.vocab_size, tk.eos_ids)
             return self._grammar_tokenizer
 
-    def constraint(self, req: Request) -> Constraint | None:
-        """The grammar state of ``req`` (None without a ``response_format``). Raises ``InvalidRequestError`` for a
-        grammar this vocabulary cannot follow or that cannot fit ``max_tokens``."""
+    def constraint(self, req: Request) -> "Constraint | DeferredConstraint | None":
+        """The grammar state of ``req`` (None without a ``response_format``); for a model that thinks, one that
+        applies after the thinking span (:class:`~mlx_engine.models.reasoning.DeferredConstraint`). Raises
+        ``InvalidRequestError`` for a grammar this vocabulary cannot follow or that cannot fit ``max_tokens``."""
         if req.response_format is None:
             return None
-        return Constraint(self.grammar_tokenizer(), req.response_format, req.max_tokens)
+        inner = Constraint(self.grammar_tokenizer(), req.response_format, req.max_tokens)
+        if self.think_markers is None or not req.reasoning:
+            return inner
+        return DeferredConstraint(inner, self.tokenizer.detokenizer(), self.think_markers,
+                                  self.tokenizer.token_to_id(self.think_markers.open), self._starts_inside(req.tokens))
+
+    # ---- reasoning ---------------------------------------------------------------------------------------------
+    #: prompt tokens read to tell whether a prompt leaves the thinking span open (templates open it at the very end)
+    PROMPT_TAIL = 64
+
+    def _starts_inside(self, tokens: Sequence[int]) -> bool:
+        tail = self.tokenizer.decode([int(t) for t in tokens[-self.PROMPT_TAIL:]])
+        return prompt_opens_span(tail, self.think_markers)
+
+    def reasoning(self, req: Request) -> ReasoningParser | None:
+        """The thinking parser of ``req`` (None for a model whose template and vocabulary have no thinking span, or
+        a request for raw text), starting inside the span when the prompt opened it."""
+        if self.think_markers is None or not req.reasoning:
+            return None
+        return ReasoningParser(self.think_markers, self._starts_inside(req.tokens))
+
+    def text_assembler(self, req: Request) -> TextAssembler:
+        """The text assembly of ``req``: its stop strings, and its thinking kept apart."""
+        return TextAssembler(self.tokenizer, req.stop, self.reasoning(req))
 
     # ---- prefill -----------------------------------------------------------------------------------------------
     def chunk_bounds(self, start: int, end: int, spans: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
@@ -404,23 +435,20 @@ class Runner:
 
     def stream(self, req: Request) -> Iterator["str | GenerationStats"]:
         """Generate for one request: yields text chunks (never half a UTF-8 character, never part of a stop
-        string), then one :class:`GenerationStats`. Stops at an end-of-sequence id, a stop string, ``max_tokens``
+        string; a reasoning model's thinking as :class:`~mlx_engine.models.reasoning.Thinking` chunks, the answer as
+        plain ``str``), then one :class:`GenerationStats`. Stops at an end-of-sequence id, a stop string, ``max_tokens``
         or a full context. Closing the generator early stops generation; the cache then holds exactly the tokens
         read so far."""
         stats = GenerationStats()
         tokens = self.generate_tokens(req, stats)
-        text = TextAssembler(self.tokenizer, req.stop)
+        text = self.text_assembler(req)
         try:
             for t in tokens:
-                piece = text.add(t)
-                if piece:
-                    yield piece
+                yield from typed_pieces(text.add(t))
                 if text.stop_reason:
                     break
             else:
-                piece = text.flush()
-                if piece:
-                    yield piece
+                yield from typed_pieces(text.flush())
         except GeneratorExit:
             stats.stop_reason = "interrupted"
             raise
@@ -490,54 +518,6 @@ class Runner:
                 if not finished(i):
                     still.append(i)
             active = still
-        return out
-
-
-class TextAssembler:
-    """Token ids in, text out, for one request: stops at an end-of-sequence id or a stop string, and never gives
-    half a UTF-8 character or a piece of text that could still become a stop string.
-
-    ``add(token)`` returns the text that is safe to show now (maybe ``""``); once :attr:`stop_reason` is set
-    (``eos`` or ``stop``) the request is over and later tokens are ignored. ``flush()`` returns what was held back
-    when generation ends for another reason (``max_tokens``, a full context).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
-        self._eos = tokenizer.eos_ids
-        self._detok = tokenizer.detokenizer()
-        self._stops = [s for s in stop if s]
-        self._hold = max((len(s) for s in self._stops), default=1) - 1  # text that could still become a stop string
-        self._pending = ""
-        self.stop_reason = ""
-
-    def _stop_at(self, text: str) -> int:
-        return min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
-
-    def add(self, token: int) -> str:
-        if self.stop_reason:
-            return ""
-        if token in self._eos:
-            self.stop_reason = "eos"
-            return self._take(len(self._pending))
-        self._pending += self._detok.add(token)
-        cut = self._stop_at(self._pending)
-        if cut >= 0:
-            self.stop_reason = "stop"
-            return self._take(cut, drop_rest=True)
-        return self._take(max(0, len(self._pending) - self._hold))
-
-    def flush(self) -> str:
-        if self.stop_reason:
-            return ""
-        self._pending += self._detok.flush()
-        cut = self._stop_at(self._pending)
-        if cut >= 0:
-            self.stop_reason = "stop"
-            return self._take(cut, drop_rest=True)
-        return self._take(len(self._pending))
-
-    def _take(self, n: int, drop_rest: bool = False) -> str:
-        out, self._pending = self._pending[:n], ("" if drop_rest else self._pending[n:])
         return out
 
 

@@ -139,7 +139,8 @@ async def until_done_or_disconnect(request: Request, work: Any) -> Any:
 
 async def text_events(state: ServerState, loaded: Loaded, tokens: list[int],
                       options: GenerationOptions) -> AsyncIterator[tuple[str, Any]]:
-    """Submit a text request and yield its events: ``("text", str)`` pieces, then ``("done", JobStats)``.
+    """Submit a text request and yield its events: ``("thinking", str)`` pieces of a reasoning model's thinking,
+    ``("text", str)`` pieces of the answer, then ``("done", JobStats)``.
 
     Raises the request's error (an engine error: 4xx; anything else: 500). Closing the iterator early (the client
     went away) cancels the request, which frees its cells within one step.
@@ -167,22 +168,22 @@ async def text_events(state: ServerState, loaded: Loaded, tokens: list[int],
 
 
 async def generate_text(state: ServerState, loaded: Loaded, tokens: list[int],
-                        options: GenerationOptions) -> tuple[str, JobStats]:
-    """The whole answer of a text request and its statistics."""
-    pieces: list[str] = []
+                        options: GenerationOptions) -> tuple[str, str, JobStats]:
+    """The whole answer of a text request, its thinking ("" when the model did not think) and its statistics."""
+    pieces: dict[str, list[str]] = {"text": [], "thinking": []}
     stats = JobStats()
     async for kind, value in text_events(state, loaded, tokens, options):
-        if kind == "text":
-            pieces.append(value)
-        else:
+        if kind == "done":
             stats = value
-    return "".join(pieces), stats
+        else:
+            pieces[kind].append(value)
+    return "".join(pieces["text"]), "".join(pieces["thinking"]), stats
 
 
 async def whole_answer(request: Request, state: ServerState, loaded: Loaded, tokens: list[int],
-                       options: GenerationOptions, error_response: Any) -> "tuple[str, JobStats] | Response":
-    """A request answered in one piece: ``(text, stats)``, or the response to send instead: 499 when the client left
-    (the request is cancelled), the API's own error form (``error_response(exc)``) when it failed."""
+                       options: GenerationOptions, error_response: Any) -> "tuple[str, str, JobStats] | Response":
+    """A request answered in one piece: ``(text, thinking, stats)``, or the response to send instead: 499 when the
+    client left (the request is cancelled), the API's own error form (``error_response(exc)``) when it failed."""
     try:
         return await until_done_or_disconnect(request, generate_text(state, loaded, tokens, options))
     except asyncio.CancelledError:

@@ -9,7 +9,10 @@ that would change the output and that the engine does not have (``mirostat``, ``
 refused with a 400. ``images`` (base64) go to a model that reads images (Gemma 3 vision), and are refused with a 400
 by one that does not. ``tools`` on ``/api/chat`` are offered to the model (ollama's choice is always
 automatic), calls come back in ``message.tool_calls`` and ``tool`` messages go back into the template. ``format`` (``"json"`` or a JSON schema) is enforced by a grammar on every
-token. Durations are nanoseconds, as ollama's.
+token. Durations are nanoseconds, as ollama's. A reasoning model's thinking comes back apart from the answer, in
+``message.thinking`` (``/api/chat``) or ``thinking`` (``/api/generate``); ``think`` (true, false, ``"low"``,
+``"medium"``, ``"high"``) reaches the chat template (``think: false`` turns ``enable_thinking`` off), and is refused
+with a 400 by a model that does not think; an assistant message's ``thinking`` goes back into the template.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlx_engine.errors import ModelNotFoundError
+from mlx_engine.models.reasoning import think_markers
 from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, problem_from, read_json,
                                     text_events, validate, whole_answer)
 from mlx_engine.server.pool import Loaded, parse_keep_alive
@@ -65,6 +69,7 @@ class _Common(_Strict):
     options: Optional[dict[str, Any]] = None
     keep_alive: Union[str, int, float, None] = None
     format: Union[str, dict[str, Any], None] = None
+    think: Union[bool, str, None] = None
 
 
 class ChatRequest(_Common):
@@ -136,7 +141,8 @@ def _options(req: _Common, loaded: Loaded, tokens: list[int]):
             given[name] = value
         elif name not in _RUNTIME and name not in _UNSUPPORTED:
             log.warning("ignoring unknown option %s", name)
-    return generation_options({**given, "max_tokens": max_tokens, "format": req.format or None},
+    raw = getattr(req, "raw", False) or None  # /api/generate's raw: the text stays raw, thinking markers too
+    return generation_options({**given, "max_tokens": max_tokens, "format": req.format or None, "raw": raw},
                               default_max_tokens=left)
 
 
@@ -146,6 +152,11 @@ def _timings(stats: JobStats, load_s: float) -> dict[str, Any]:
             "prompt_eval_count": stats.prompt_tokens - stats.cached_tokens,
             "prompt_eval_duration": int(stats.prefill_s * ns), "eval_count": stats.completion_tokens,
             "eval_duration": int(stats.decode_s * ns)}
+
+
+def _no_token(text: str) -> None:
+    """A vocabulary that holds nothing: ``show`` reads the thinking span from the template alone (unloaded)."""
+    return None
 
 
 def _details(info) -> dict[str, Any]:
@@ -182,33 +193,38 @@ def routes(state: ServerState) -> list[Route]:
 
     async def _answer(request: Request, req: _Common, loaded: Loaded, load_s: float, tokens: list[int],
                       options, chat: bool, tools: Any = None) -> Response:
-        def body(text: str, calls: list | None = None) -> dict[str, Any]:
+        def body(text: str, calls: list | None = None, thinking: str = "") -> dict[str, Any]:
             if not chat:
-                return {"response": text}
+                return {"response": text, **({"thinking": thinking} if thinking else {})}
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if calls:  # ollama's form: arguments as an object
                 message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
             return {"message": message}
 
-        def final(stats: JobStats, text: str) -> dict[str, Any]:
+        def final(stats: JobStats, text: str, calls: list | None = None, thinking: str = "") -> dict[str, Any]:
             reason = "length" if stats.finish_reason == "length" else "stop"
-            return {"model": req.model, "created_at": _now(), **body(text), "done": True, "done_reason": reason,
-                    **_timings(stats, load_s)}
+            return {"model": req.model, "created_at": _now(), **body(text, calls, thinking), "done": True,
+                    "done_reason": reason, **_timings(stats, load_s)}
 
         if not req.stream:
             answer = await whole_answer(request, state, loaded, tokens, options, error_response)
             if isinstance(answer, Response):
                 return answer
-            text, stats = answer
+            text, thinking, stats = answer
             request.scope.setdefault("state", {})["log"] = f"model={loaded.name} completion={stats.completion_tokens}"
             content, calls = tools.parse(text) if tools is not None else (text, [])
-            return JSONResponse({**final(stats, content), **body(content, calls)})
+            return JSONResponse(final(stats, content, calls, thinking))
 
         async def lines():
             held = ToolStream(tools)
             try:
                 async for kind, value in text_events(state, loaded, tokens, options):
-                    if kind == "text":
+                    if kind == "thinking":
+                        yield json.dumps({"model": req.model, "created_at": _now(), **body("", thinking=value),
+                                          "done": False}, ensure_ascii=False) + "\n"
+                    elif kind == "text":
                         value = held.feed(value)
                         if value:
                             yield json.dumps({"model": req.model, "created_at": _now(), **body(value),
@@ -236,22 +252,25 @@ def routes(state: ServerState) -> list[Route]:
             if any(m.role not in ("system", "user", "assistant", "tool") for m in req.messages):
                 raise HTTPProblem(400, "message roles must be system, user, assistant or tool")
             loaded, load_s = await _load(req)
+            template_vars = loaded.obj.template_vars(req.think)
             messages = []
             for m in req.messages:
                 d: dict[str, Any] = {"role": m.role, "content": m.content}
                 if m.images:
                     d["images"] = list(m.images)
-                if (m.model_extra or {}).get("tool_calls"):
-                    d["tool_calls"] = m.model_extra["tool_calls"]
+                for key in ("tool_calls", "thinking"):
+                    if (m.model_extra or {}).get(key):
+                        d[key] = m.model_extra[key]
                 messages.append(d)
             tools = None
             if req.tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
                 if req.tools and req.format:
                     raise HTTPProblem(400, "give tools or format, not both")
-                tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools)  # ollama's: auto
+                tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools,  # ollama's: auto
+                                                **template_vars)
                 tokens = tools.tokens
             else:
-                tokens, images = await asyncio.to_thread(loaded.obj.chat_inputs, messages)
+                tokens, images = await asyncio.to_thread(loaded.obj.chat_inputs, messages, **template_vars)
             options = replace(_options(req, loaded, tokens), images=tuple(images if tools is None else ()))
             await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001
@@ -267,14 +286,16 @@ def routes(state: ServerState) -> list[Route]:
             if not req.prompt:
                 return await _load_only(req, request, {"response": ""})
             loaded, load_s = await _load(req)
+            template_vars = loaded.obj.template_vars(req.think)
             images: list = []
             if req.images:
                 tokens, images = await asyncio.to_thread(loaded.obj.prompt_inputs, req.prompt, req.images,
-                                                         system=req.system, raw=req.raw or None)
+                                                         system=req.system, raw=req.raw or None, **template_vars)
             elif req.raw:
                 tokens = await asyncio.to_thread(loaded.obj.text_tokens, req.prompt)
             else:
-                tokens = await asyncio.to_thread(loaded.obj.prompt_tokens, req.prompt, system=req.system)
+                tokens, _ = await asyncio.to_thread(loaded.obj.prompt_inputs, req.prompt, system=req.system,
+                                                    **template_vars)
             options = replace(_options(req, loaded, tokens), images=tuple(images))
             await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
         except Exception as e:  # noqa: BLE001
@@ -306,9 +327,10 @@ def routes(state: ServerState) -> list[Route]:
         model_info = {"general.architecture": arch, "general.parameter_count": info.parameters}
         if info.context_length:
             model_info[f"{arch}.context_length"] = info.context_length
+        capabilities = ["completion"] + (["thinking"] if think_markers(info.chat_template, _no_token) else [])
         return JSONResponse({"license": info.license or "", "modelfile": f"FROM {info.path}\n", "parameters": "",
                              "template": info.chat_template or "", "details": _details(info),
-                             "model_info": model_info, "capabilities": ["completion"],
+                             "model_info": model_info, "capabilities": capabilities,
                              "modified_at": _iso(time.time())})
 
     async def ps(request: Request) -> Response:

@@ -10,6 +10,11 @@ enforced by a grammar on every token, ``strict`` or not; ``tools`` and ``tool_ch
 going back into the template (:mod:`mlx_engine.models.tools`); ``image_url`` content parts with ``data:`` URLs go
 to a model that reads images (URLs are not fetched); what the engine cannot do yet (``logprobs``) is refused with a
 400, never ignored.
+
+Reasoning, as vLLM and llama-server give it: a reasoning model's thinking comes back in ``message.reasoning_content``
+(streamed as ``delta.reasoning_content``), apart from ``content``; ``reasoning_effort`` (``none``, ``minimal``,
+``low``, ``medium``, ``high``) and ``chat_template_kwargs`` (``{"enable_thinking": false}``...) reach the chat
+template; an assistant message's ``reasoning_content`` (or ``reasoning``) goes back into the template.
 """
 
 from __future__ import annotations
@@ -97,6 +102,26 @@ class ChatRequest(_Sampling):
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def template_vars(self) -> dict[str, Any]:
+        """The chat-template variables the request sets: ``chat_template_kwargs`` as given, and
+        ``reasoning_effort`` (``none`` also turns ``enable_thinking`` off)."""
+        given = dict(self.chat_template_kwargs or {})
+        taken = sorted(set(given) & _TEMPLATE_OWN)
+        if taken:
+            raise HTTPProblem(400, f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields "
+                                   "give them", param="chat_template_kwargs")
+        if self.reasoning_effort is not None:
+            given["reasoning_effort"] = self.reasoning_effort
+            if self.reasoning_effort == "none":
+                given.setdefault("enable_thinking", False)
+        return given
+
+
+#: the template variables a request fills from its own fields
+_TEMPLATE_OWN = {"messages", "tools", "documents", "add_generation_prompt"}
 
 
 class CompletionRequest(_Sampling):
@@ -159,7 +184,7 @@ def _chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     for m in req.messages:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _message_content(m)}
         extra = m.model_extra or {}
-        for key in ("tool_calls", "tool_call_id", "name"):
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning"):
             if extra.get(key) is not None:
                 d[key] = extra[key]
         out.append(d)
@@ -192,10 +217,11 @@ def routes(state: ServerState) -> list[Route]:
             if req.tools or req.tool_choice or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
                 if req.tools and req.response_format:
                     raise HTTPProblem(400, "give tools or response_format, not both", param="response_format")
-                tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools, req.tool_choice)
+                tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools, req.tool_choice,
+                                                **req.template_vars())
                 tokens = tools.tokens
             else:
-                tokens, images = await asyncio.to_thread(loaded.obj.chat_inputs, messages)
+                tokens, images = await asyncio.to_thread(loaded.obj.chat_inputs, messages, **req.template_vars())
             options = req.options(remaining_context(loaded, tokens), req.max_completion_tokens,
                                   response_format=tools.response_format if tools else req.response_format)
             options = replace(options, images=tuple(images if tools is None else ()))
@@ -224,7 +250,7 @@ def routes(state: ServerState) -> list[Route]:
                 if not prompt or not all(0 <= t < vocab for t in prompt):
                     raise HTTPProblem(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
                 tokens = list(prompt)
-            options = req.options(16)
+            options = replace(req.options(16), raw=True)  # a plain completion's text stays raw, thinking markers too
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         return await _answer(request, loaded, tokens, options, req, chat=False)
@@ -234,26 +260,32 @@ def routes(state: ServerState) -> list[Route]:
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
 
-        def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+        thinks = chat and loaded.obj.thinks  # a reasoning model's answers carry reasoning_content
+
+        def choice(text: str | None, finish: str | None, delta: bool, thinking: str | None = None) -> dict[str, Any]:
             if not chat:
                 return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             if delta:
-                return {"index": 0, "delta": {"content": text} if text is not None else {}, "logprobs": None,
-                        "finish_reason": finish}
-            return {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
-                    "finish_reason": finish}
+                body = {"content": text} if text is not None else {}
+                if thinking is not None:
+                    body = {"reasoning_content": thinking}
+                return {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
+            message = {"role": "assistant", "content": text or ""}
+            if thinks:
+                message["reasoning_content"] = thinking or None
+            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
 
         if not req.stream:
             answer = await whole_answer(request, state, loaded, tokens, options, error_response)
             if isinstance(answer, Response):
                 return answer
-            text, stats = answer
+            text, thinking, stats = answer
             _note(request, loaded.name, stats)
-            body = choice(text, _FINISH[stats.finish_reason], False)
+            body = choice(text, _FINISH[stats.finish_reason], False, thinking)
             content, calls = tools.parse(text) if tools is not None else (text, [])
             if calls:  # OpenAI's form: content null, the calls, finish_reason tool_calls
                 body = {**body, "finish_reason": "tool_calls", "message": {
-                    "role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}}
+                    **body["message"], "content": content or None, "tool_calls": [c.openai() for c in calls]}}
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": loaded.name,
                                  "choices": [body], "usage": _usage(stats)})
 
@@ -268,7 +300,9 @@ def routes(state: ServerState) -> list[Route]:
             held = ToolStream(tools)
             try:
                 async for what, value in text_events(state, loaded, tokens, options):
-                    if what == "text":
+                    if what == "thinking":
+                        yield _sse({**head, "choices": [choice(None, None, True, value)]})
+                    elif what == "text":
                         value = held.feed(value)
                         if value:
                             yield _sse({**head, "choices": [choice(value, None, True)]})

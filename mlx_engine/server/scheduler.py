@@ -34,14 +34,17 @@ import numpy as np
 from mlx_engine.errors import EngineError, InvalidRequestError, ServerBusyError
 from mlx_engine.ml import DType
 from mlx_engine.models.options import GenerationOptions
-from mlx_engine.models.runner import Runner, TextAssembler, prompt_keys
+from mlx_engine.models.reasoning import THINKING
+from mlx_engine.models.runner import Runner, prompt_keys
+from mlx_engine.models.text_assembly import TextAssembler
 from mlx_engine.models.sampler import Sampler
 from mlx_engine.parallel import serving_peer_lost
 
 log = logging.getLogger("mlx_engine.server")
 
 Emit = Callable[[str, Any], None]
-"""``emit(kind, value)``: ``("text", str)`` for each piece, then ``("done", JobStats)`` or ``("error", exception)``.
+"""``emit(kind, value)``: ``("text", str)`` for each piece of the answer and ``("thinking", str)`` for each piece of a
+reasoning model's thinking (before the answer), then ``("done", JobStats)`` or ``("error", exception)``.
 Called on the device thread; it must only hand the event over (for example ``loop.call_soon_threadsafe``)."""
 
 
@@ -220,8 +223,9 @@ class TextScheduler:
         dst.job, job.seq = job, dst.seq
         ctx = self.backend.new_context()
         job.sampler = Sampler(job.options.sampler, ctx)
-        job.constraint = runner.constraint(job.options.request(tokens))
-        job.text = TextAssembler(runner.tokenizer, job.options.stop)
+        request = job.options.request(tokens)
+        job.constraint = runner.constraint(request)
+        job.text = runner.text_assembler(request)
         job.history = list(tokens) if job.options.sampler.uses_history else None
         reused, job.chunks = runner.prefill_chunks(ctx, dst.seq, tokens, job.images)
         job.ctx = ctx
@@ -305,27 +309,26 @@ class TextScheduler:
                 self._fail(job, e)
                 return
             complete = job.constraint.stopped  # the grammar ended: nothing may follow
-        piece = job.text.add(token)
-        if piece:
-            job.emit("text", piece)
+        self._emit(job, job.text.add(token))
         if job.text.stop_reason:
             self._finish(job, "stop")
             return
         if complete:
-            piece = job.text.flush()
-            if piece:
-                job.emit("text", piece)
+            self._emit(job, job.text.flush())
             self._finish(job, "stop")
             return
         if job.generated >= job.options.max_tokens or job.pos >= self.runner.context_length:
-            piece = job.text.flush()
-            if piece:
-                job.emit("text", piece)
+            self._emit(job, job.text.flush())
             self._finish(job, "stop" if job.text.stop_reason else "length")
             return
         job.next_token = token
         if job not in self._decoding:
             self._decoding.append(job)
+
+    @staticmethod
+    def _emit(job: TextJob, pieces: list[tuple[str, str]]) -> None:
+        for kind, text in pieces:
+            job.emit("thinking" if kind == THINKING else "text", text)
 
     def _release(self, job: TextJob, *, drop_cells: bool) -> None:
         for q in (self._prefilling, self._decoding):
