@@ -47,7 +47,7 @@ matvec_block = 0
 """Largest weight, in elements, that :meth:`MLXTensor.linear` hands to BLAS as one matrix-vector product (0: no
 limit). On the CPU with OpenBLAS it is 10^6: OpenBLAS (0.3.x, x86-64 SkylakeX-class kernels) runs an sgemm with
 ``M * N * K <= 100**3`` through its small-matrix kernel, which streams the weight once, and anything larger through
-the packed path, at about a third of the speed (docs/internals/cpu-kernels.md). Set by :func:`select_device`."""
+the packed path, more slowly (docs/internals/cpu-kernels.md). Set by :func:`select_device`."""
 
 on_cpu = False
 """True when :func:`select_device` chose the CPU: quantized products then run through our CPU kernels."""
