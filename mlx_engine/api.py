@@ -74,7 +74,9 @@ class Model:
     here, not mid-request).
 
     Attributes:
-        name: the name it was loaded by. architecture: ``llama``, ``gemma3`` or ``qwen3``.
+        name: the name it was loaded by. architecture: the checkpoint's, as GGUF's ``general.architecture`` or the
+        Hugging Face ``model_type`` spells it (``llama``, ``gemma3``, ``qwen3``, ``lfm2``, ``qwen3_next``, ``mllama``,
+        ...; ``mlx_engine.models.registry.ARCHITECTURES`` lists them).
         info: architecture, parameters, quantization, context_length, chat_template, license, source, path.
         context_length: the most tokens a sequence may hold here.
         activations: what the CPU's quantized products do with x, ``float32``, ``int8`` or ``int16`` (see
@@ -538,8 +540,8 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     ``$MLX_ENGINE_ACTIVATIONS``): the exact product with the dequantized weights, the float model's tokens; ``"int8"``:
     x quantized per 32 elements as llama.cpp's Q8_0 and integer dot products (AVX-512 VNNI or AVX2), llama.cpp's numerics and
     a faster decode; ``"int16"``: x quantized per 32 elements to 16 bits (d = max|x| / 32639) and the same integer dot
-    products (AVX-512 VNNI), the float path's perplexity to 0.01 % and a decode between the two. A GPU takes x as it
-    is (MLX's kernels).
+    products (AVX-512 VNNI or AVX2), the float path's numerics to a few 1e-5 and a faster decode than float32. A
+    GPU takes x as it is (MLX's kernels).
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.

@@ -525,7 +525,7 @@ def sum_nll(logits: np.ndarray, targets: np.ndarray, block: int = 8) -> float:
     """Sum over rows of ``-log softmax(logits[i])[targets[i]]`` (natural log), in float64: ``logits`` ``[n, vocab]``,
     ``targets`` int ``[n]``. The one scoring of :meth:`Runner.perplexity` and of the bench's peers. Runs ``block``
     rows at a time, so that its float64 temporaries stay a few MiB (the whole ``[128, 262144]`` of Gemma 3's chunk
-    in float64 is 256 MiB a temporary, and fresh memory of that size cost seconds to fault in on a test machine)."""
+    in float64 is 256 MiB a temporary, and fresh memory of that size is slow to fault in)."""
     total = 0.0
     for i in range(0, len(targets), block):
         rows = np.asarray(logits[i:i + block], np.float64)

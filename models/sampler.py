@@ -219,8 +219,8 @@ class Sampler:
         descending order and their logits with ``-inf`` where a filter removes them (``W = top_k`` when top-k is on,
         else ``V``). None when no filter is on.
 
-        Top-k selects with ``argpartition`` and sorts only the ``k`` survivors (a sort of a 262k vocabulary costs
-        tens of milliseconds on a CPU; the selection a few)."""
+        Top-k selects with ``argpartition`` and sorts only the ``k`` survivors (a sort of a 262k vocabulary is
+        many times the cost of the selection)."""
         o = self.options
         n, v = logits.shape
         use_k = 0 < o.top_k < v

@@ -1,8 +1,8 @@
 """A decode step compiled whole: one traced graph from the token id to the logits.
 
 Per-layer compiled blocks (``DecoderModel._compiled_block``) still cost the host a Python call per block and per
-attention, about 1.2 ms a step for a 30-layer model whose step takes 7 ms on two cores, and on a CPU the host's time
-is not hidden behind the device's (both cores run the step's products). Traced whole, the step replays from
+attention, a sizeable share of a small model's step, and on a CPU the host's time is not hidden behind the
+device's (both cores run the step's products). Traced whole, the step replays from
 ``Backend.compile``'s cache in one call; what changes from one step to the next goes in as tensors: the token id,
 the RoPE angles of its position (or the position, where the backend rotates from positions: a GPU), and the KV
 cache's cells and storage (``Cache.step_tensors``). A step that the cache cannot give so (several tokens, a wrapped

@@ -550,7 +550,7 @@ class Tokenizer:
             InvalidRequestError: an empty conversation, or one the template rejects.
         """
         template = self._chat_template
-        if template is None:  # chosen once: reading the vocabulary takes 0.2 s for 262k tokens
+        if template is None:  # chosen once: it reads the whole vocabulary
             if self._fallback_template is None:
                 self._fallback_template = default_template(self.architecture, self._hf.get_vocab())
             template = self._fallback_template

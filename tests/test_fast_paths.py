@@ -421,25 +421,62 @@ def test_openblas_on_the_cpu_sets_the_matvec_block():
 
 
 
+#: Makes mlx_engine's search for OpenBLAS fail in a fresh process, as on a machine without libopenblas0-pthread: the
+#: engine loads it by ``ctypes.CDLL`` of a few library names, each of which then raises the OSError of a missing file.
+_HIDE_OPENBLAS = """
+import ctypes
+_cdll = ctypes.CDLL
+def _no_openblas(name, *args, **kwargs):
+    if "openblas" in str(name):
+        raise OSError(f"{name}: cannot open shared object file (hidden by the test)")
+    return _cdll(name, *args, **kwargs)
+ctypes.CDLL = _no_openblas
+"""
+
+#: What the engine loaded, what OPENBLAS_THREAD_TIMEOUT is after importing it, and whether this process could load
+#: OpenBLAS by any of the engine's names (after the import, so that the answer cannot change what the engine did).
+_BLAS_REPORT = """
+import ctypes, os
+import mlx_engine.mlx.runtime as r
+def _findable():
+    for name in r._OPENBLAS_NAMES:
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            pass
+    return False
+print(r.blas_description().startswith("OpenBLAS"), os.environ.get("OPENBLAS_THREAD_TIMEOUT"), _findable())
+"""
+
+
+@pytest.mark.parametrize("openblas", ["as installed", "hidden", "disabled"])
 @pytest.mark.parametrize("given", [None, "12"])
-def test_openblas_threads_sleep_after_a_call_unless_told_otherwise(given):
-    """OPENBLAS_THREAD_TIMEOUT is 4 (OpenBLAS's threads sleep at once after a call) when mlx_engine loads OpenBLAS,
-    or what the user gave; read by OpenBLAS as it loads, so checked in a fresh process."""
+def test_openblas_threads_sleep_after_a_call_unless_told_otherwise(given, openblas):
+    """On Linux, mlx_engine sets OPENBLAS_THREAD_TIMEOUT to 4 (OpenBLAS's threads sleep at once after a call) unless
+    the user gave a value, before it looks for OpenBLAS: the library reads it as it loads, so it is set whether or not
+    one is then found. With MLX_ENGINE_OPENBLAS=0 it neither looks nor sets anything. It loads OpenBLAS exactly when
+    the system has one under its names ("as installed"), and never when the search fails ("hidden": a machine without
+    libopenblas0-pthread) or is disabled. Read as the library loads, so checked in fresh processes."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "MLX_ENGINE_OPENBLAS")}
     if given is not None:
         env["OPENBLAS_THREAD_TIMEOUT"] = given
-    code = ("import os, mlx_engine.mlx.runtime as r; "
-            "print(r.blas_description().startswith('OpenBLAS'), os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
+    if openblas == "disabled":
+        env["MLX_ENGINE_OPENBLAS"] = "0"
+    code = (_HIDE_OPENBLAS if openblas == "hidden" else "") + _BLAS_REPORT
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    loaded, value = out.stdout.split()
-    if loaded == "True":
+    loaded, value, findable = out.stdout.split()
+    linux = sys.platform.startswith("linux")
+    assert loaded == str(linux and openblas == "as installed" and findable == "True")
+    if linux and openblas != "disabled":
         assert value == (given or "4")
-    else:  # no OpenBLAS here (or MLX_ENGINE_OPENBLAS=0): nothing set unless the user did
+    else:  # not looked for: nothing set unless the user did
         assert value == str(given)
+
 
 _DECODE_SCRIPT = """
 import json, sys

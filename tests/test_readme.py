@@ -1,10 +1,12 @@
-"""Every fenced example of the README runs in a test, so that the README cannot go stale.
+"""Every fenced example of the README and of the pages under ``docs/`` runs in a test, so that the documentation
+cannot go stale.
 
-The README's ``sh`` blocks are split into commands and its ``python`` blocks taken whole; :data:`COVERAGE` says for
-each where it runs: in a test of this module (the command as written, by the installed ``mlx-engine``, against a
-store holding the real catalog models and an ollama registry on loopback), in a test of another module (named, and
-checked to exist), or why it cannot run here (the Hugging Face hub, a 20 GB Z-Image folder). A README example that no
-entry covers fails :func:`test_every_readme_example_has_a_test`.
+The ``sh`` blocks are split into commands and the ``python`` blocks taken whole (:mod:`tests.doc_examples`);
+:data:`COVERAGE` says for each where it runs: in a test of this module (the command as written, by the installed
+``mlx-engine``, against a store holding the real catalog models and an ollama registry on loopback), in a test of
+another module (named, and checked to exist), or why it cannot run here (the Hugging Face hub, a 20 GB Z-Image
+folder). An example that no entry covers fails :func:`test_every_readme_example_has_a_test`, naming its file. The
+README repeats some examples of the docs pages; each distinct one runs once.
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ import httpx
 import pytest
 
 from tests.conftest import link_model
+from tests.doc_examples import REPO, blocks, commands, distinct, examples, unknown_fences
 
-REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text(encoding="utf-8")
 BIN = Path(sys.executable).parent  # this environment's mlx-engine and python
 
 #: (pattern of a command or of a python block's text, where it runs): ``here:TEST`` (this module),
@@ -66,50 +67,48 @@ COVERAGE: list[tuple[str, str]] = [
 ]
 
 
-def readme_blocks(lang: str) -> list[tuple[str, str]]:
-    """``(heading, text)`` of each fenced block of ``lang``, in order."""
-    out = []
-    for mo in re.finditer(r"^```(\w*)\n(.*?)^```", README, re.S | re.M):
-        if mo.group(1) == lang:
-            heading = re.findall(r"^#+ (.*)$", README[:mo.start()], re.M)[-1]
-            out.append((heading, mo.group(2)))
-    return out
-
-
-def commands(block: str) -> list[str]:
-    """The commands of an ``sh`` block: continuation lines joined, trailing comments (two spaces, then ``#``)
-    dropped."""
-    lines = block.replace("\\\n", " ").splitlines()
-    return [re.sub(r"\s+", " ", re.split(r"\s{2,}#", line)[0]).strip() for line in lines
-            if line.strip() and not line.lstrip().startswith("#")]
-
-
-def readme_commands(heading: str | None = None) -> list[str]:
-    return [c for h, b in readme_blocks("sh") if heading is None or h.startswith(heading) for c in commands(b)]
-
-
 def where(text: str) -> str | None:
     return next((w for pattern, w in COVERAGE if re.search(pattern, text)), None)
 
 
+def covered(test: str) -> list[str]:
+    """The distinct examples that :data:`COVERAGE` sends to ``test`` of this module, in file order."""
+    return distinct([e for _, e in examples() if where(e) == f"here:{test}"])
+
+
 def test_every_readme_example_has_a_test():
-    examples = readme_commands() + [b for _, b in readme_blocks("python")]
-    assert len(examples) > 30
-    uncovered = [e for e in examples if where(e) is None]
-    assert not uncovered, f"README examples without a test (add them to COVERAGE): {uncovered}"
+    """Every example of README.md and docs/**/*.md has a COVERAGE entry whose test exists (or a reason it cannot
+    run here), and every entry still matches an example."""
+    found = examples()
+    assert len(found) > 30
+    assert not unknown_fences(), ("fenced blocks must be sh or python (examples), or unlabelled or text (sample "
+                                  f"output): {unknown_fences()}")
+    uncovered = [f"{file}: {e}" for file, e in found if where(e) is None]
+    assert not uncovered, f"examples without a test (add them to COVERAGE in tests/test_readme.py): {uncovered}"
     here = set(globals())
-    for e in examples:
+    for file, e in found:
         kind, _, target = where(e).partition(":")
         if kind == "here":
-            assert target in here, (e, target)
+            assert target in here, (file, e, target)
         elif kind == "elsewhere":
             path, _, test = target.split(" ", 1)[0].partition("::")
-            assert f"def {test}(" in (REPO / path).read_text(), (e, target)
+            assert f"def {test}(" in (REPO / path).read_text(), (file, e, target)
         else:
-            assert kind in ("ci", "not run") and len(target) > 20, (e, target)
-    # and the other way: every pattern still matches something in the README
-    unused = [p for p, _ in COVERAGE if not any(re.search(p, e) for e in examples)]
-    assert not unused, f"COVERAGE entries that match no README example any more: {unused}"
+            assert kind in ("ci", "not run") and len(target) > 20, (file, e, target)
+    # and the other way: every pattern still matches some example
+    unused = [p for p, _ in COVERAGE if not any(re.search(p, e) for _, e in found)]
+    assert not unused, f"COVERAGE entries that match no example any more: {unused}"
+
+
+def test_the_docs_pages_are_linked():
+    """docs/index.md lists every page under docs/; the README, kept short, links the index and security.md."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    index = (REPO / "docs" / "index.md").read_text(encoding="utf-8")
+    pages = sorted(p.relative_to(REPO / "docs").as_posix() for p in (REPO / "docs").rglob("*.md"))
+    assert len(readme.splitlines()) <= 320
+    unlisted = [p for p in pages if p != "index.md" and f"]({p})" not in index]
+    assert not unlisted, f"pages that docs/index.md does not list: {unlisted}"
+    assert "](docs/index.md)" in readme and "](docs/security.md)" in readme and "](security.md)" in index
 
 
 # ---------------------------------------------------------------------------------------------- running them
@@ -148,7 +147,7 @@ def sh(command: str, cwd: Path, env: dict, input: str | None = None,
 def test_start_here(readme_home):
     """The first command's answer (the set-up part is what .ci/run does, in a fresh environment)."""
     home, cwd, env = readme_home
-    first = readme_commands("Start here")[0]
+    first = next(commands(b.text)[0] for b in blocks("sh") if b.file == "README.md" and b.heading == "Start here")
     r = sh(first.rsplit(" && ", 1)[1].replace(".venv/bin/", ""), cwd, env)
     assert "Paris" in r.stdout
 
@@ -156,13 +155,14 @@ def test_start_here(readme_home):
 def test_run_examples(readme_home, smollm2_gguf):
     home, cwd, env = readme_home
     (cwd / "models").mkdir()
-    (cwd / "models" / "my-model.gguf").symlink_to(smollm2_gguf)  # the README's "your own GGUF file"
-    cmds = [c for c in readme_commands("`run") if where(c) == "here:test_run_examples"]
+    (cwd / "models" / "my-model.gguf").symlink_to(smollm2_gguf)  # the docs' "your own GGUF file"
+    cmds = covered("test_run_examples")
     assert len(cmds) == 5
-    outs = [sh(c, cwd, env) for c in cmds]
-    assert "Paris" in outs[0].stdout
-    assert all(o.stdout.strip() for o in outs), [o.stdout for o in outs]
-    assert "decode" in outs[4].stderr and "mlx cpu" in outs[4].stderr  # --verbose: the device, then the speed
+    outs = {c: sh(c, cwd, env) for c in cmds}
+    assert "Paris" in outs['mlx-engine run "What is the capital of France?"'].stdout
+    assert all(o.stdout.strip() for o in outs.values()), [o.stdout for o in outs.values()]
+    verbose = [o for c, o in outs.items() if c.endswith(" --verbose")]
+    assert verbose and all("decode" in o.stderr and "mlx cpu" in o.stderr for o in verbose)  # the device, the speed
 
 
 def test_structured_output_examples(readme_home):
@@ -171,13 +171,13 @@ def test_structured_output_examples(readme_home):
     import jsonschema
 
     home, cwd, env = readme_home
-    cmds = readme_commands("Structured output")
-    assert len(cmds) == 4
+    cmds = covered("test_structured_output_examples")
+    assert [re.search(r" --(format|json-schema|regex|grammar) ", c).group(1) for c in cmds] == [
+        "format", "json-schema", "regex", "grammar"]
     person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
                                                "age": {"type": "integer"}}, "required": ["name", "age"]}
     (cwd / "person.json").write_text(json.dumps(person))
-    grammar = re.search(r"(root ::= .*)$", next(b for h, b in readme_blocks("sh") if h == "Structured output"),
-                        re.M).group(1)
+    grammar = next(mo.group(1) for b in blocks("sh") if (mo := re.search(r"(root ::= .*)$", b.text, re.M)))
     (cwd / "yes-no.gbnf").write_text(grammar + "\n")
     outs = [sh(c, cwd, env).stdout.strip() for c in cmds]
     assert isinstance(json.loads(outs[0]), dict)
@@ -186,13 +186,15 @@ def test_structured_output_examples(readme_home):
 
 
 def test_chat_examples(readme_home):
-    """Both chat commands, fed the README's transcript (its ``>>>`` and ``...`` lines) through a pipe."""
+    """Both chat commands, fed the documented transcript (its ``>>>`` and ``...`` lines) through a pipe."""
     home, cwd, env = readme_home
-    transcript = next(b for h, b in readme_blocks("") if h.startswith("`chat") and ">>> " in b)
+    transcripts = distinct([b.text for b in blocks("") if ">>> " in b.text])
+    assert len(transcripts) == 1  # the README's and commands.md's are the same
+    transcript = transcripts[0]
     typed = [line[4:] for line in transcript.splitlines() if line.startswith((">>> ", "... "))]
     assert typed[0] == "What is the capital of France?" and typed[-1] == '"""'
-    cmds = readme_commands("`chat")
-    assert len(cmds) == 2
+    cmds = covered("test_chat_examples")
+    assert len(cmds) == 2 and "--system" in cmds[1]
     r = sh(cmds[0], cwd, env, input="\n".join(typed + ["/show", "/bye"]) + "\n")
     assert "Paris" in r.stdout and "Set temperature to 0.8." in r.stdout
     assert "Conversation: 2 messages from you" in r.stdout  # the multiline message was one message
@@ -202,11 +204,12 @@ def test_chat_examples(readme_home):
 
 def test_store_examples(readme_home):
     """pull (a catalog name, an ollama name from the loopback registry), list, list --catalog, show, rm; and the
-    README's sample output of ``list`` is what ``list`` prints."""
+    documented sample output of ``list`` is what ``list`` prints."""
     home, cwd, env = readme_home
-    sample = next(b for h, b in readme_blocks("") if "$ mlx-engine list" in b)
+    sample = next(b.text for b in blocks("") if "$ mlx-engine list" in b.text)
     assert sh("mlx-engine list", cwd, env).stdout.split() == sample.split()[3:]
-    cmds = [c for c in readme_commands("`pull") if where(c) == "here:test_store_examples"]
+    order = ["pull", "list", "show", "rm"]  # the store's life: rm last
+    cmds = sorted(covered("test_store_examples"), key=lambda c: order.index(c.split()[1]))
     assert [c.split()[1] for c in cmds] == ["pull", "pull", "list", "list", "show", "show", "rm"]
     outs = {c: sh(c, cwd, env) for c in cmds}
     assert "llama3.2:latest" in outs["mlx-engine list"].stdout  # pulled from the registry by its ollama name
@@ -254,10 +257,10 @@ def test_serve_examples(readme_home, capsys):
     """The three serve commands as written (port 11435), the curl commands and the client snippet against the first,
     both models of the second, the API key of the third."""
     home, cwd, env = readme_home
-    serve = [c for c in readme_commands("`serve") if " serve" in c]
-    curls = [c for c in readme_commands("`serve") if c.startswith("curl ")]
+    serve = [c for c in covered("test_serve_examples") if " serve" in c]
+    curls = [c for c in covered("test_serve_examples") if c.startswith("curl ")]
     assert len(serve) == 3 and len(curls) == 3
-    client = next(b for _, b in readme_blocks("python") if "openai.OpenAI" in b)
+    client = next(b.text for b in blocks("python") if "openai.OpenAI" in b.text)
     base = "http://127.0.0.1:11435"
 
     s = Served(serve[0], cwd, env)
@@ -266,7 +269,7 @@ def test_serve_examples(readme_home, capsys):
             r = sh(c + " --fail --silent --show-error", cwd, env)
             last = json.loads(r.stdout.strip().splitlines()[-1])  # ollama streams NDJSON: the last line sums up
             assert last.get("choices") or last.get("done") or last.get("data"), r.stdout[:300]
-        exec(compile(client, "README.md", "exec"), {})
+        exec(compile(client, "docs/server.md", "exec"), {})
         assert "Hello" in capsys.readouterr().out
     finally:
         assert s.stop() in (0, 130), s.stderr[-2000:]
@@ -290,20 +293,23 @@ def test_serve_examples(readme_home, capsys):
 
 def test_bench_quick(readme_home):
     home, cwd, env = readme_home
-    r = sh(next(c for c in readme_commands("`bench") if "--quick" in c), cwd, env)
+    r = sh(next(c for c in covered("test_bench_quick") if "--quick" in c), cwd, env)
     assert "decode" in r.stdout and "smollm2:135m" in r.stdout
 
 
 def test_python_api_example(readme_home, monkeypatch, capsys):
+    """The README's short Python example and docs/python-api.md's whole one, each as written."""
     home, cwd, env = readme_home
-    block = next(b for _, b in readme_blocks("python") if 'mlx_engine.load("smollm2:135m")' in b)
+    found = [(b.file, b.text) for b in blocks("python") if where(b.text) == "here:test_python_api_example"]
+    assert {file for file, _ in found} == {"README.md", "docs/python-api.md"}
     monkeypatch.chdir(cwd)
     for key in ("MLX_ENGINE_HOME", "OLLAMA_MODELS"):
         monkeypatch.setenv(key, env[key])
-    exec(compile(block, "README.md", "exec"), {})
-    out = capsys.readouterr().out
-    assert "Paris" in out and "decode" in out  # an answer, and the stats' summary
-    saved = json.loads((cwd / "conversation.json").read_text())
+    for file, block in found:
+        exec(compile(block, file, "exec"), {})
+        out = capsys.readouterr().out
+        assert "Paris" in out and "decode" in out, (file, out)  # an answer, and the stats' summary
+    saved = json.loads((cwd / "conversation.json").read_text())  # python-api.md's chat session
     assert [m["role"] for m in saved["messages"]] == ["system", "user", "assistant"]
 
 
@@ -311,12 +317,12 @@ def test_parallel_examples(readme_home):
     """The trial commands under mlx.launch on this machine (two and three ranks on loopback), and the Python block
     as a script under mlx.launch: each prints what one process prints."""
     home, cwd, env = readme_home
-    cmds = [c for c in readme_commands("`--parallel`") if where(c) == "here:test_parallel_examples"]
+    cmds = [c for c in covered("test_parallel_examples") if c.startswith("mlx.launch ")]
     assert len(cmds) == 2
     for c in cmds:
         alone = re.sub(r" --parallel \w+", "", c.split(" -- ", 1)[1])
         assert sh(c, cwd, env, input="").stdout.strip() == sh(alone, cwd, env).stdout.strip() != ""
-    block = next(b for _, b in readme_blocks("python") if 'parallel="pipeline"' in b)
+    block = next(b.text for b in blocks("python") if 'parallel="pipeline"' in b.text)
     (cwd / "script.py").write_text(block)
     (cwd / "alone.py").write_text(block.replace(', parallel="pipeline"', ""))
     got = sh("mlx.launch -n 2 --backend ring -- python script.py", cwd, env, input="")

@@ -184,20 +184,17 @@ def test_readme_image_command_draws_the_prompt(tmp_path, monkeypatch):
 
 
 def test_readme_python_image_example(tmp_path, monkeypatch, capsys):
-    """The README's Python image example runs as written: the saved PNG carries its metadata, the callback sees
-    every step."""
+    """The documented Python image example (docs/images.md) runs as written: the saved PNG carries its metadata,
+    the callback sees every step."""
     _packaged_model()
-    import re
-    from pathlib import Path
-
     from PIL import Image
 
+    from tests.doc_examples import blocks
     from training.evaluate import classify
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "generate_image" in b)
+    block = next(b for b in blocks("python") if "generate_image" in b.text)
     monkeypatch.chdir(tmp_path)
-    exec(compile("import mlx_engine\n" + block, "README.md", "exec"), {})
+    exec(compile(block.text, block.file, "exec"), {})
     out = capsys.readouterr().out.splitlines()
     assert out[0].split(" ", 1) == ["1", "a red circle on a blue background"]
     assert out[1:17] == [f"{i} / 16" for i in range(1, 17)] and "peak memory" in out[17]
@@ -208,22 +205,22 @@ def test_readme_python_image_example(tmp_path, monkeypatch, capsys):
 
 
 def test_readme_image_commands_run_as_written(tmp_path):
-    """The README's first block of image commands (the default model), run by the installed command."""
-    import re
+    """The documented image commands of the default model (the README's, repeated in docs/images.md), run by the
+    installed command."""
     import subprocess
     import sys
     from pathlib import Path
 
     from PIL import Image
 
+    from tests.doc_examples import blocks, commands, distinct
+
     _packaged_model()
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### `image PROMPT`", 1)[1]
-    block = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    image_blocks = [commands(b.text) for b in blocks("sh") if commands(b.text)[:1] and commands(b.text)[0].startswith("mlx-engine image ")]
+    default_model = distinct([c for cmds in image_blocks if not any(" -m " in c for c in cmds) for c in cmds])
+    assert len(default_model) == 3, default_model
     exe = str(Path(sys.executable).parent / "mlx-engine")
-    for line in block.strip().splitlines():
-        command = line.split("  #", 1)[0].strip()
-        assert command.startswith("mlx-engine ")
+    for command in default_model:
         r = subprocess.run(["bash", "-c", exe + command[len("mlx-engine"):]], cwd=tmp_path, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0, (command, r.stderr)

@@ -383,8 +383,7 @@ def cpu_threads() -> int:
 def _timed_on_threads(part: Callable[[int, int], Any], n: int, reps: int) -> float:
     """Median seconds, over ``reps`` after one untimed, of ``part(lo, hi)`` run on :func:`cpu_threads` threads at
     once over equal slices of ``[0, n)`` (NumPy lets go of the GIL in its loops, so the slices run in parallel: one
-    core alone does not reach the memory's bandwidth; measured on a 2-core EPYC, a sum read 24 GB/s on one thread
-    and 31-36 GB/s on two, and a decode step's 8-bit output head was read at 30 GB/s)."""
+    core alone does not reach the memory's bandwidth; figures in docs/performance.md)."""
     from concurrent.futures import ThreadPoolExecutor
 
     k = max(1, min(cpu_threads(), n))
@@ -482,7 +481,7 @@ def run_bench(model_name: str, *, reps: int = 3, compare: "list[str] | tuple[str
     prompts = {k: random_prompt(n, vocab, seed=i) for i, (k, (n, _)) in enumerate(runs.items())}
     samples: dict[str, dict[str, list[dict[str, float]]]] = {e.name: {k: [] for k in runs} for e in engines}
     # the bandwidths, measured in each repetition right after its decode runs: on a shared machine they drift by a
-    # third from one minute to the next (28.9 and 38.6 GB/s in two runs an hour apart), so each repetition's decode
+    # third from one minute to the next (docs/performance.md), so each repetition's decode
     # is set against the bandwidth of its own minute
     reads, copies = [], []
     for rep in range(reps + 1):  # rep 0 is the warm-up

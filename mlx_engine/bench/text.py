@@ -3,9 +3,8 @@ the US Declaration of Independence, Lincoln's Gettysburg Address, the US Constit
 second inaugural address, and the first lines of Pride and Prejudice, Moby-Dick and A Tale of Two Cities.
 
 About 1,100 tokens (smollm2's tokenizer 1096, gemma3's 1086), because a perplexity with int8 activations is chaotic in
-its last bits: a change of 1e-7 in the attention's scale moves smollm2's over the first 338 tokens from 10.37 to 10.45
-(0.8 %), over these 1096 tokens by 0.4 % (measured on this project's machines), which is the spread of one sample of
-the activations' rounding noise; the longer text averages it down.
+its last bits: a change of 1e-7 in the attention's scale moves it, over a short text, by the spread of one sample of
+the activations' rounding noise; the longer text averages it down (figures in docs/internals/cpu-kernels.md).
 """
 
 PERPLEXITY_TEXT = (

@@ -23,8 +23,8 @@ ATTENTION_BLOCK = 256
 
 PREFILL_BLOCK = 64
 """Queries per call of our attention kernel in a prefill on the CPU (:func:`_kernel_blocks_attention`): each block
-reads only the keys its queries see. Measured (smollm2's 30 layers of attention, one Zen 4 EPYC's 2 cores, 512 causal
-queries): blocks of 8, 16, 32, 64 and 128 queries took 207, 177, 157, 141-171 and 207 ms."""
+reads only the keys its queries see. 64 was the fastest of 8 to 128 on smollm2's prefill
+(docs/internals/cpu-kernels.md)."""
 
 ATTENTION_SPLIT = 1 << 20
 """From this many query-key pairs on (``[L, S]``), attention runs in blocks of queries even where they hide few keys:
@@ -117,9 +117,9 @@ def _one_query_attention(q: "mx.array", k: "mx.array", v: "mx.array", scale: flo
     """Attention of one query per head (a decode step) over many keys, in products OpenBLAS streams.
 
     ``q [1, H, 1, D]``, ``k, v [1, H_kv, S, D]``. MLX's CPU attention computes ``q @ k^T`` and ``p @ v``, which OpenBLAS
-    packs (its packed path: 2-6 GB/s here); this computes ``k @ q^T`` in row blocks of ``K``, and ``p @ v`` as a sum
+    packs (its slower packed path); this computes ``k @ q^T`` in row blocks of ``K``, and ``p @ v`` as a sum
     over row blocks of ``V``, each product within ``block`` elements (``runtime.matvec_block``, OpenBLAS's small-matrix
-    kernel). Gemma 3's three global layers at 4096 keys: 11.2 -> 4.1 ms. Returns ``[1, H, 1, D]``.
+    kernel). Returns ``[1, H, 1, D]``.
     """
     _, h, _, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -188,10 +188,9 @@ def _kernel_blocks_attention(q: "mx.array", k: "mx.array", v: "mx.array", scale:
 
     ``q [1, H, L, D]``, ``k [1, H_kv, S, D]``, ``v [1, H_kv, S, Dv]`` float32, ``m`` an additive float32 mask
     ``[L, S]`` or None; returns ``[1, H, L, Dv]``. softmax(q k^T * scale + mask) v (Vaswani et al. 2017) within float32
-    rounding (the online softmax of Milakov and Gimelshein 2018, over chunks of keys), not MLX's bits: MLX's CPU path
-    (two products that OpenBLAS packs, or the reference BLAS where no OpenBLAS is installed, and a softmax) took
-    212-276 ms for smollm2's 30 layers over 512 causal queries with OpenBLAS and 3.6 s without; this 141-171 ms,
-    with or without (2048 queries: 2.1-2.3 s and 41 s against 1.8-1.9 s)."""
+    rounding (the online softmax of Milakov and Gimelshein 2018, over chunks of keys), not MLX's bits. Why: MLX's CPU
+    path is two products that OpenBLAS packs (or the much slower reference BLAS where no OpenBLAS is installed) and a
+    softmax; this reads each key block once per query block, with or without OpenBLAS."""
     n, s = q.shape[2], k.shape[2]
     outs = []
     for q0 in range(0, n, PREFILL_BLOCK):
@@ -417,8 +416,7 @@ class MLXBackend(Backend):
             elsewhere.)
         quantized: keep quantized weights quantized. Default: yes on GPUs (``mx.quantized_matmul``), and on the CPU
             where our CPU kernels loaded (:mod:`mlx_engine.mlx.cpu_kernels`); without them, no on the CPU, where
-            MLX's own quantized matmul is far slower than a BLAS float32 matmul (512x576 @ 576x1536: 396 ms vs 9 ms;
-            one token: 0.78 ms vs 0.26 ms), so weights are dequantized at load.
+            MLX's own quantized matmul is far slower than a BLAS float32 matmul, so weights are dequantized at load.
         shard: load only part of the file (one rank of a distributed run): ``shard(weight_file)`` returns, for each
             tensor to load, None (all of it) or ``(axis, start, stop)`` (that range of rows or columns); tensors it
             leaves out are not read. Each tensor is read, cut and uploaded alone, so the host never holds more
@@ -429,7 +427,7 @@ class MLXBackend(Backend):
             Q8_0 and integer dot products: llama.cpp's numerics, faster; needs AVX-512 VNNI or AVX2) or ``"int16"``
             (x quantized per 32 elements to 16 bits, d = max|x| / 32639, and the same integer dot products, in
             products of fewer than 64 rows of x, a prompt's taking the float32 kernel: the float path's numerics to a
-            few 1e-5, decode about 1.10x faster than float32 on smollm2, 1.25x on AVX2; needs AVX-512 VNNI or AVX2).
+            few 1e-5, a faster decode than float32; needs AVX-512 VNNI or AVX2).
             Default: ``$MLX_ENGINE_ACTIVATIONS``, else float32.
 
     Raises:

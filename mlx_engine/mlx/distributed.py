@@ -94,5 +94,5 @@ def init_group(backend: str = "any") -> MLXGroup:
         g = mx.distributed.init(strict=backend != "any", backend=backend)
     except RuntimeError as e:
         raise InvalidRequestError(f"the {backend} distributed backend cannot start: {e}; start the ranks with "
-                                  "mlx.launch (see the README's 'Several machines')") from None
+                                  "mlx.launch (see docs/distributed.md)") from None
     return MLXGroup(g)

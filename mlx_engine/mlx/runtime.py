@@ -4,12 +4,11 @@ Environment variables:
     MLX_ENGINE_DEVICE: ``cpu``, ``gpu`` (Metal or CUDA, whichever MLX has), ``metal`` or ``cuda``. Default: Metal
         where available, else CUDA, else CPU.
     MLX_ENGINE_OPENBLAS: ``0`` stops us loading a system OpenBLAS before MLX on Linux. The ``mlx[cpu]`` wheel links the
-        reference BLAS; OpenBLAS loaded first with ``RTLD_GLOBAL`` supplies ``sgemm`` about 30x faster (measured on a
-        2048x2048 float32 matmul: 2.8 s -> 0.09 s).
-    OPENBLAS_THREAD_TIMEOUT: set to 4 unless given: OpenBLAS's threads then sleep as soon as a call ends, where by
-        default they spin on ``sched_yield`` for 2**28 cycles. MLX calls BLAS in a prefill (attention), not in a
-        decode step, whose threads the spinning ones then held back for the first few hundred milliseconds
-        (measured here: decode after a 128-token prompt 10 % faster over 5 alternating pairs of runs).
+        reference BLAS; OpenBLAS loaded first with ``RTLD_GLOBAL`` supplies a much faster ``sgemm``.
+    OPENBLAS_THREAD_TIMEOUT: set to 4 unless given, before we look for OpenBLAS (the library reads it as it loads,
+        so whether or not one is then found): OpenBLAS's threads then sleep as soon as a call ends, where by default
+        they spin on ``sched_yield`` for 2**28 cycles. MLX calls BLAS in a prefill (attention), not in a decode step,
+        whose threads the spinning ones would hold back.
 """
 
 from __future__ import annotations
@@ -47,9 +46,8 @@ _blas = _load_openblas()
 matvec_block = 0
 """Largest weight, in elements, that :meth:`MLXTensor.linear` hands to BLAS as one matrix-vector product (0: no
 limit). On the CPU with OpenBLAS it is 10^6: OpenBLAS (0.3.x, x86-64 SkylakeX-class kernels) runs an sgemm with
-``M * N * K <= 100**3`` through its small-matrix kernel, which streams the weight once (13 GB/s measured here on a
-2-core EPYC), and anything larger through the packed path (4-6.5 GB/s): a 1700 x 576 block runs at 11.8 GB/s,
-1792 x 576 at 4.2 GB/s. Set by :func:`select_device`."""
+``M * N * K <= 100**3`` through its small-matrix kernel, which streams the weight once, and anything larger through
+the packed path, more slowly (docs/internals/cpu-kernels.md). Set by :func:`select_device`."""
 
 on_cpu = False
 """True when :func:`select_device` chose the CPU: quantized products then run through our CPU kernels."""

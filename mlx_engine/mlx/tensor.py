@@ -35,9 +35,8 @@ def _index(index):
 def _matvec(w: "mx.array", x: "mx.array") -> "mx.array":
     """``w [M, K] @ x [K, 1] -> [M, 1]``: one row's linear layer (a decode step), as ``W @ x`` rather than
     ``x @ W^T``. On the CPU MLX hands both to BLAS sgemm; OpenBLAS packs the weight for ``x @ W^T`` but streams it for
-    ``W @ x`` in its small-matrix kernel (14.2 vs 8.4 GB/s measured on 120 576 x 1536 float32 weights). Weights over
-    ``runtime.matvec_block`` elements go in row blocks that stay in that kernel (a 49152 x 576 output head: 24 ms as
-    one product, 9 ms in blocks)."""
+    ``W @ x`` in its small-matrix kernel, the faster. Weights over ``runtime.matvec_block`` elements go in row blocks
+    that stay in that kernel (a large output head too)."""
     block = runtime.matvec_block
     m, k = w.shape
     if not block or m * k <= block:
@@ -140,7 +139,7 @@ class MLXTensor(Tensor):
 
     def _fused_qmatmul(self, weights, prologue, inputs, shapes=None, out_norms=None, eps=0.0):
         """The products of ``weights`` with their prologue and output norms as one graph node of our CPU kernel
-        (``cpu_kernels.qmatmul_many``: each node of a decode step costs MLX about 5 us of scheduling), or None
+        (``cpu_kernels.qmatmul_many``: each node of a decode step costs MLX scheduling time), or None
         where it does not run them: not on the CPU, a weight not quantized, something not float32."""
         if not (runtime.on_cpu and cpu_kernels.qmatmul_many is not None and self.a.dtype == mx.float32
                 and all(isinstance(w, MLXQuantizedTensor) for w in weights)
@@ -190,7 +189,7 @@ class MLXTensor(Tensor):
     def output_mlp_norm_linear(self, h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm, next_norm,
                                next_weights, shapes=None, out_norms=None):
         # one graph node for a layer's output_mlp and the next layer's norm_linear (each node of a decode step costs
-        # MLX about 5 us of the host's time and some of the stream thread's)
+        # MLX some of the host's time and some of the stream thread's)
         weights = (o_weight, gate, up, down, *next_weights)
         if self._output_mlp_node(h, weights, (norm, o_norm, down_norm, next_norm, *(out_norms or ())), activation):
             wo, wg, wu, wd, *nxt = [_weight_arg(w) for w in weights]

@@ -13,7 +13,7 @@ Format source: the GGUF specification, ``docs/gguf.md`` in ggml / llama.cpp, and
 ``dims`` is ggml's order (fastest-varying first); :meth:`GGUFFile.shape` returns NumPy's order (reversed).
 
 The header is parsed here rather than with ``gguf.GGUFReader``: that reader builds one NumPy view per array element
-(about 10 s for Gemma 3's 262,144-token vocabulary on a small CPU) and checks neither sizes nor offsets. This parser
+(seconds for Gemma 3's 262,144-token vocabulary) and checks neither sizes nor offsets. This parser
 checks every count, length, type, dimension, offset and size against the file size before any data is touched, so a
 corrupt or truncated file raises :class:`~mlx_engine.errors.WeightsError` and never reads past the end of the mapping.
 The ``gguf`` package still supplies the type enums, block sizes and ``gguf.quants.dequantize``; the test suite checks

@@ -4,8 +4,8 @@
 // Gimpel 2016), 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as mlx.nn.gelu_approx, computed as
 // x * sigmoid(2 sqrt(2 / pi) (x + 0.044715 x^3)) (the same function). float32; sigmoid from vecmath.h's exp, within a
 // few units in the last place of MLX's 1 / (1 + exp(-x)) (further for GELU at negative x, where MLX's 1 + tanh
-// cancels). Why: MLX's CPU backend evaluates these through the C library's scalar expf / tanhf, 15-30 ns an
-// element; a decode step of smollm2 runs 46 thousand (3-7 % of the step), a prefill of 512 tokens 512 times that.
+// cancels). Why: MLX's CPU backend evaluates these through the C library's scalar expf / tanhf, one element at a
+// time, over every element of a layer's MLP: a few percent of a decode step, and a prefill's tokens times that.
 // With `up` (a gated MLP's up projection, x's shape): act(x) * up, one graph node where there were two (each node
 // of a decode step costs a hand-over between threads in MLX's CPU scheduler); the same values as the two.
 #include <nanobind/nanobind.h>

@@ -125,12 +125,11 @@ INLINE float load1(const float* p) { return *p; }
 
 // The same kernel over a float16 cache as it lies, each row converted as it is loaded (F16C's vcvtph2ps, exact, as
 // the widening is): widened a chunk at a time first, a float16 cache had read its bytes in one pass and computed in
-// another, and decoded no faster than a float32 one of twice the bytes (smollm2 after 4096 tokens: 63.7 against
-// 66.0 tokens/s). The same operations on the same values as the float32 kernel, so the same bits, for head sizes
+// another, and decoded no faster than a float32 one of twice the bytes. The same operations on the same values as
+// the float32 kernel, so the same bits, for head sizes
 // that are multiples of 16; past them a scalar tail, which each copy's compilation may fuse or vectorize its own way,
 // came out 1e-7 apart at a head size of 72, so such sizes are widened first, as are bfloat16 caches and every 16-bit
-// cache off x86-64 or without AVX-512. Measured on this project's 2-core AVX-512 machines, a float16 cache's layer
-// after 4096 tokens (smollm2's heads): 173-219 us against 271-320 for a float32 one and 303 widened first.
+// cache off x86-64 or without AVX-512. (Figures: docs/internals/caches.md.)
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MLX_ENGINE_HALF_KV 1
 #pragma GCC push_options

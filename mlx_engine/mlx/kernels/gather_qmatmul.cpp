@@ -8,7 +8,7 @@
 // (the same kernel, so the same bits as qmatmul(x[n], w[e], ...)). A decode step (N = 1) runs its k experts as one
 // parallel job; a prompt's tokens are grouped by expert first, so that each expert's weights are read once for all
 // the tokens routed to it (llama.cpp's mul_mat_id does the same). Why our own: MLX's CPU gather_qmm dequantizes as
-// its quantized_matmul does (2.4x slower than float32 for one row); a GGUF's experts are most of its bytes.
+// its quantized_matmul does (slower than a float32 product); a GGUF's experts are most of its bytes.
 // An index outside [0, E) gives NaN outputs (never a read outside w).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>

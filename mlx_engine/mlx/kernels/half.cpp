@@ -1,9 +1,9 @@
 // float16 -> float32 over arrays (half.h), and the widening of a 16-bit float array to float32 as an MLX primitive.
 //
 // widen(x): x float16 or bfloat16 -> float32, exact (bit for bit MLX's astype, NaNs kept NaNs). Why our own: MLX's
-// CPU backend converts one element at a time through its software float16 (about 1 ns an element); a KV cache kept as
-// float16 that goes to attention apart (a sliding window's wrapped ring) was widened so on every decode step: gemma3
-// at 3,900 tokens of context decoded at 0.45x of its float32 cache, 38 % of the step in that conversion.
+// CPU backend converts one element at a time through its software float16; a KV cache kept as float16 that goes to
+// attention apart (a sliding window's wrapped ring) is widened on every decode step, where that conversion took a
+// large share of the step.
 #include <nanobind/nanobind.h>
 
 #include <algorithm>

@@ -5,8 +5,7 @@
 // (MADV_COLLAPSE, Linux 6.1 on; a best effort: an older kernel, THP turned off, or no free huge page leaves the pages
 // as they are). Returns the bytes the calls covered (0 off Linux). Why: a decode step reads every weight once, and
 // MLX's allocator takes them from malloc, which under the usual THP setting (madvise) maps 4 KiB pages: a TLB miss
-// every 4 KiB of a 180 MB embedding. Measured on gemma3 (AMD EPYC, 2 cores, alternating processes, 4 pairs): decode
-// 1.04-1.12x faster (1.08x the median) with its 247 MB of weights in huge pages.
+// every 4 KiB of a large embedding (the gain is in docs/performance.md).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 

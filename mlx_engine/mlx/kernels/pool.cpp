@@ -132,8 +132,7 @@ class Pool {
       int spins = 0;
       while (epoch_.load(std::memory_order_acquire) == seen) {
         // yield, not pause: on a machine with as many threads as cores, Python's thread (building the next decode
-        // step) and MLX's wait for a core that a spinning worker holds (measured: smollm2 decode about a tenth
-        // faster, gemma3 unchanged)
+        // step) and MLX's wait for a core that a spinning worker holds
         std::this_thread::yield();
         if (++spins % 64) continue;
         if (std::chrono::steady_clock::now() - start < spin_) continue;
@@ -149,8 +148,8 @@ class Pool {
   }
 
   int n_;
-  // 30 us: about the gap between two products of a decode step once its other operations are kernels of ours too
-  // (measured: smollm2 decode +8 %, gemma3 +18 % over sleeping at once; longer spins take the core from Python)
+  // about the gap between two products of a decode step once its other operations are kernels of ours too: shorter
+  // makes workers sleep between products, longer takes the core from Python
   std::chrono::microseconds spin_{30};
   std::vector<std::thread> threads_;
   uint64_t job_ = 0;

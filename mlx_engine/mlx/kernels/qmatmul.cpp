@@ -9,8 +9,8 @@
 // tokens of the float path. With activations="int8" (where the CPU has AVX-512 VNNI, or AVX2) x is quantized as
 // llama.cpp quantizes it and the sums are integer ones (qmatmul_int8.inc, qmatmul_int8_avx2.inc); "int16" (the
 // same CPUs) quantizes it to 16 bits per 32 elements, two int8 parts through the same integer sums. Why our own:
-// MLX's CPU quantized_matmul is 2.4x slower than float32 for one row and 42x for 512 rows (measured on this
-// project's machines); a decode step reads every weight once, so its speed is the weight's bytes.
+// MLX's CPU quantized_matmul dequantizes as it goes and is slower than a float32 product; a decode step reads every
+// weight once, so its speed is the weight's bytes.
 //
 // Vectorized with GCC/Clang vector extensions (16 float lanes: one AVX-512 register, two AVX2 registers, four NEON
 // registers); on x86-64 the row kernel is compiled for x86-64-v4 (AVX-512), v3 (AVX2 + FMA) and the baseline, and
@@ -153,7 +153,7 @@ const float* prepare_x(const float* x, int M, int K, int bits, bool blocks, cons
   static thread_local std::vector<float> xp, sx;
   if (blocks) {
     const int K128 = (K + 127) / 128 * 128;
-    // 64-byte aligned: the kernel's loads of x would each cross two cache lines otherwise (1.5x the cycles)
+    // 64-byte aligned: the kernel's loads of x would each cross two cache lines otherwise
     xp.assign(size_t(M) * K128 + 15, 0.f);
     float* base = xp.data() + (16 - reinterpret_cast<uintptr_t>(xp.data()) / 4 % 16) % 16;
     sx.resize(size_t(M) * (K / 32 + K / 64 + K / 128));
@@ -322,9 +322,8 @@ mlx_engine::Activations mlx_engine::parse_activations(const std::string& name, c
 // has AVX-512 VNNI or AVX2: parse_activations).
 void mlx_engine::qmatmul_run(std::vector<Problem>& ps, Activations act) {
   const int M = ps[0].M, K = ps[0].K;
-  // Measured (best of 5, 4-bit weights in huge pages): with 4 to 16 rows of x the int16 kernel is 1.4-2x the float32
-  // one's speed (AVX-512 VNNI and AVX2), at 64 rows 0.7-0.8x on smollm2's shapes (0.8-1.1x on 2048 x 2048), at 512
-  // 0.5-0.8x: a 512-token prompt of smollm2 ran at 0.6x float32's tokens/s with int16 throughout.
+  // int16 pays for few rows of x (decode steps) and loses to float32 for many (a prompt's products), so products of
+  // kInt16MaxRows rows or more take the float32 kernel (docs/internals/cpu-kernels.md).
   if (act == kActInt16 && M >= kInt16MaxRows) act = kActFloat32;
   const RowsFn rows = rows_for_cpu();
   RowsFn int8_rows = nullptr;

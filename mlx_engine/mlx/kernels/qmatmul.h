@@ -67,7 +67,7 @@ Activations parse_activations(const std::string& name, const std::string& who);
 void qmatmul_run(std::vector<Problem>& ps, Activations act);
 
 // What a product node does to x first (the operation before a decoder layer's products), in the same node: each graph
-// node of a decode step costs about 5 us of MLX's scheduling, more than a norm of one row. Computed by the code of
+// node of a decode step costs MLX's scheduling time, more than a norm of one row. Computed by the code of
 // the operation's own primitive (rows.h), so the bits are those of the operations apart.
 enum Prologue {
   kNone = 0,
@@ -99,7 +99,7 @@ struct Stage {
 };
 
 // A node's inputs that are evaluated constants (a model's weights and norms, in a compiled decode step), kept by its
-// primitive instead of as graph inputs: MLX spends about 1 us of the calling thread on each graph input of a node at
+// primitive instead of as graph inputs: MLX spends time of the calling thread on each graph input of a node at
 // every call of a compiled step (its replay and eval build hash maps over them), and a layer's products have about 25.
 // Input 0 (x) always stays a graph input. A copy shares the kept arrays (a node's task takes one per dispatch).
 class HeldInputs {
