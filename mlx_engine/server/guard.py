@@ -213,7 +213,8 @@ class BrowserGuard:
         has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
         if method in _BODY_METHODS and has_body and not self.json_or_none(headers.get("content-type")):
             return await refuse(415, f"unsupported Content-Type {headers['content-type']!r}: send the body as JSON "
-                                     "with 'Content-Type: application/json'", "invalid_request_error", cors)
+                                     "with 'Content-Type: application/json' (curl: -H 'Content-Type: "
+                                     "application/json')", "invalid_request_error", cors)
         if not cors:
             return await self.app(scope, receive, send)
 

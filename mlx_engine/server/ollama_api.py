@@ -301,14 +301,7 @@ def routes(state: ServerState) -> list[Route]:
     async def show(request: Request) -> Response:
         try:
             req = validate(NameRequest, await read_json(request, state.max_body_bytes))
-            name = req.key()
-            served = pool.served_name(name)
-            try:
-                info = await asyncio.to_thread(pool.store.show, served)
-            except ModelNotFoundError:
-                if served == name:
-                    raise pool.unknown(name) from None
-                raise
+            info = await asyncio.to_thread(pool.show, req.key())
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         arch = info.architecture or "unknown"

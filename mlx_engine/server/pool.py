@@ -193,12 +193,22 @@ class ModelPool:
         """The store's :class:`ResolvedModel` for a text model name (never pulls). Raises ModelNotFoundError."""
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequestError("no model given: set \"model\" to a model name (GET /v1/models lists them)")
-        name = name.strip()
+        return self._from_store(name.strip(), lambda served: self.store.resolve(served, pull=False, progress=False))
+
+    def show(self, name: str):
+        """The store's :class:`ModelInfo` for a model a request names (``/api/show``). Raises ModelNotFoundError."""
+        return self._from_store(name, self.store.show)
+
+    def _from_store(self, name: str, ask: Any) -> Any:
+        """``ask(served name)``, a model the store does not have answered as :meth:`unknown` (catalog and ``hf:``
+        names keep the store's answer, which says how to pull them)."""
         served = self.served_name(name)
         try:
-            return self.store.resolve(served, pull=False, progress=False)
+            return ask(served)
         except ModelNotFoundError as e:
-            if served != name or name.startswith("hf:") or canonical_name(name) in CATALOG:
+            if served != name or is_path(name):
+                raise  # a path the server serves: the store's own answer about a folder the operator chose
+            if name.startswith("hf:") or canonical_name(name) in CATALOG:
                 raise ModelNotFoundError(f"{e} {self.pull_hint(name)}") from None
             raise self.unknown(name) from None
 
