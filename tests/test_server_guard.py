@@ -176,3 +176,27 @@ def test_no_pull_refuses_pulls(srv):
         client.chat(model="gemma3:270m", messages=[{"role": "user", "content": "hi"}])
     assert e.value.status_code == 404 and "--no-pull" in e.value.error
     assert "gemma3:270m" not in {m.model for m in client.list().models}
+
+
+def test_the_cli_takes_the_options_and_their_environment_variables(monkeypatch, tmp_path):
+    import os
+
+    from click.testing import CliRunner
+
+    import mlx_engine.server as server_package
+    from mlx_engine.cli.serve import serve
+
+    got = []
+    monkeypatch.setattr(server_package, "serve", got.append)  # the config the server would run with
+    monkeypatch.setattr(os, "_exit", lambda code: None)
+    env = {"MLX_ENGINE_ALLOWED_HOSTS": "a.lan,b.lan", "MLX_ENGINE_ORIGINS": "'https://x.example'",
+           "MLX_ENGINE_NO_PULL": "1"}
+    r = CliRunner().invoke(serve, ["--models-dir", str(tmp_path), "--allowed-hosts", "c.lan"], env=env)
+    assert r.exit_code == 0, r.output
+    assert got[0].pull is False and got[0].models_dirs == [str(tmp_path)]
+    assert got[0].allowed_hosts == ["c.lan"] and got[0].allowed_origins == ["'https://x.example'"]
+    guard = BrowserGuard(None, bound="127.0.0.1", allowed_origins=got[0].allowed_origins,
+                         allowed_hosts=["a.lan,b.lan"])
+    assert guard.origin_allowed("https://x.example", None) and guard.host_allowed("b.lan:80")
+    r = CliRunner().invoke(serve, [], env=env)
+    assert got[1].allowed_hosts == ["a.lan,b.lan"] and got[1].pull is False
