@@ -151,6 +151,7 @@ class BrowserGuard:
 
     # ---- the checks ----------------------------------------------------------------------------------------------
     def host_allowed(self, value: "str | None") -> bool:
+        """Whether a request whose ``Host`` header is ``value`` (None: no header) is answered."""
         if value is None or self.any_host:
             return True
         host = host_name(value)
@@ -167,6 +168,7 @@ class BrowserGuard:
         return False
 
     def origin_allowed(self, origin: str, host: "str | None") -> bool:
+        """Whether a request from the page ``origin`` to ``host`` (its Host header) is answered."""
         origin = origin.strip().lower()
         if host is not None and origin in (f"http://{host.lower()}", f"https://{host.lower()}"):
             return True  # the server's own pages: not a cross-origin request (gin-contrib/cors's rule)
@@ -174,6 +176,7 @@ class BrowserGuard:
 
     @staticmethod
     def json_or_none(content_type: "str | None") -> bool:
+        """Whether a body of ``content_type`` (None: no header) is read: a JSON type, or none."""
         if content_type is None:
             return True
         media = content_type.split(";")[0].strip().lower()
