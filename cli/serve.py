@@ -47,10 +47,24 @@ def _size(value: str | None) -> int | None:
               help="Split the --model over the ranks mlx.launch started (rank 0 serves HTTP).")
 @click.option("--transport", type=click.Choice(["any", "ring", "jaccl", "mpi", "nccl"]), default="any",
               show_default=True, help="With --parallel: mx.distributed's backend between the ranks.")
+@click.option("--allowed-hosts", "allowed_hosts", multiple=True, envvar="MLX_ENGINE_ALLOWED_HOSTS", show_envvar=True,
+              metavar="HOSTS", help="Host names to answer besides localhost and the bound address (comma-separated, "
+                                    "repeatable; *.example.com for subdomains, * for any): a guard against DNS "
+                                    "rebinding.")
+@click.option("--allowed-origins", "allowed_origins", multiple=True, envvar="MLX_ENGINE_ORIGINS", show_envvar=True,
+              metavar="ORIGINS", help="Web page origins that may call the server, besides local pages and desktop "
+                                      "apps (comma-separated, repeatable; * is a wildcard, as OLLAMA_ORIGINS).")
+@click.option("--models-dir", "models_dirs", multiple=True, metavar="DIR",
+              type=click.Path(exists=True, file_okay=False), help="A folder whose model files requests may name "
+              "by path (repeatable). Without it requests name only pulled and catalog models.")
+@click.option("--no-pull", is_flag=True, envvar="MLX_ENGINE_NO_PULL", show_envvar=True,
+              help="Refuse /api/pull: clients use only the models already here.")
 @ACTIVATIONS_OPTION
 def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, context_length: int, keep_alive: str,
           memory_budget: str | None, api_key: str | None, kv_bits: str | None, max_queue: int,
-          prefill_chunk: int, parallel: str | None, transport: str, activations: str | None) -> None:
+          prefill_chunk: int, parallel: str | None, transport: str, activations: str | None,
+          allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...], models_dirs: tuple[str, ...],
+          no_pull: bool) -> None:
     """Serve text and image models over HTTP: the OpenAI API (/v1/...) and the ollama API (/api/...).
 
     \b
@@ -70,7 +84,8 @@ def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, con
                           context_length=context_length, keep_alive=keep, memory_budget=_size(memory_budget),
                           api_key=api_key, kv_bits=None if kv_bits == "none" else int(kv_bits), max_queue=max_queue,
                           prefill_chunk=prefill_chunk, parallel=parallel, transport=transport,
-                          activations=activations)
+                          activations=activations, allowed_hosts=list(allowed_hosts),
+                          allowed_origins=list(allowed_origins), models_dirs=list(models_dirs), pull=not no_pull)
     config.check()
     if parallel is not None:
         from mlx_engine import api

@@ -192,7 +192,7 @@ def test_the_server_reads_images_from_both_apis(gemma3v, model, tmp_path, monkey
 
         huge = io.BytesIO()
         Image.new("L", (9000, 8000)).save(huge, format="PNG")  # 72M pixels in a small file
-        bad = [("not base64 at all!" * 8, "neither a file path nor valid base64"),
+        bad = [("not base64 at all!" * 8, "is not valid base64"),
                (base64.b64encode(b"not an image" * 20).decode(), "not an image"),
                (base64.b64encode(huge.getvalue()).decode(), "at most")]
         for image, message in bad:

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.ml import ACTIVATIONS
 from mlx_engine.server import ollama_api, openai_api
+from mlx_engine.server.guard import BrowserGuard, check_hosts, check_origins, error_response, split_list
 from mlx_engine.server.http import DEFAULT_MAX_BODY, HTTPProblem, ServerState
 from mlx_engine.server.pool import ModelPool
 from mlx_engine.server.worker import DeviceWorker
@@ -55,6 +56,10 @@ class ServerConfig:
     store_root: str | None = None  # the model store (default: $MLX_ENGINE_HOME or the cache folder)
     parallel: str | None = None  # split the one --model over the ranks of mlx.launch: pipeline or tensor
     transport: str = "any"
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names answered besides local ones (guard.py)
+    allowed_origins: list[str] = field(default_factory=list)  # origins answered besides ollama's defaults
+    models_dirs: list[str] = field(default_factory=list)  # folders whose model files requests may name
+    pull: bool = True  # False: /api/pull is refused (--no-pull)
 
     def check(self) -> None:
         """Raises InvalidRequestError for a value the server cannot run with."""
@@ -70,6 +75,14 @@ class ServerConfig:
                 f"--activations must be one of {', '.join(ACTIVATIONS)}, not {self.activations!r}")
         if self.parallel is not None and len(self.models) != 1:
             raise InvalidRequestError("--parallel needs exactly one --model: the model split over the ranks")
+        try:
+            check_hosts(split_list(self.allowed_hosts))
+            check_origins(split_list(self.allowed_origins))
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        for d in self.models_dirs:
+            if not os.path.isdir(os.path.expanduser(d)):
+                raise InvalidRequestError(f"--models-dir {d}: no such folder; give a folder that holds model files")
         if not is_loopback(self.host) and not self.api_key:
             raise InvalidRequestError(
                 f"binding {self.host} exposes the server beyond this machine: set an API key with --api-key or "
@@ -85,12 +98,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class _AccessLogAndAuth:
-    """Pure ASGI middleware: the API key check, and one log line per request (method, path, status, model, tokens,
-    time), written when the response (a stream included) has ended."""
+class _AccessLog:
+    """Pure ASGI middleware: one log line per request (method, path, status, model, tokens, time), written when the
+    response (a stream included) has ended; refusals of the checks behind it included."""
 
-    def __init__(self, app, api_key: str | None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app):
+        self.app = app
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -103,25 +116,33 @@ class _AccessLogAndAuth:
                 status["code"] = message["status"]
             await send(message)
 
-        path = scope.get("path", "")
         try:
-            if self.api_key and path not in ("/", "/health") and not self._authorized(scope):
-                message = "missing or wrong API key: send 'Authorization: Bearer KEY'"
-                body = {"error": message} if path.startswith("/api/") else {
-                    "error": {"message": message, "type": "authentication_error", "param": None, "code": 401}}
-                await JSONResponse(body, status_code=401)(scope, receive, send_wrapper)
-            else:
-                await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive, send_wrapper)
         finally:
             note = scope.get("state", {}).get("log", "")
-            log.info("%s %s %s %s %.0f ms", scope.get("method"), path, status["code"] or "-", note,
+            log.info("%s %s %s %s %.0f ms", scope.get("method"), scope.get("path", ""), status["code"] or "-", note,
                      (time.perf_counter() - t0) * 1000)
+
+
+class _Auth:
+    """Pure ASGI middleware: the API key check (``/`` and ``/health`` stay open for health probes)."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.api_key and path not in ("/", "/health") and not self._authorized(scope):
+            message = "missing or wrong API key: send 'Authorization: Bearer KEY'"
+            return await error_response(path, 401, message, "authentication_error")(scope, receive, send)
+        await self.app(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
         for k, v in scope.get("headers", []):
             if k == b"authorization":
                 got = v.decode("latin-1")
-                return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), self.api_key)
+                return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode("latin-1"),
+                                                                         self.api_key.encode())
         return False
 
 
@@ -131,7 +152,8 @@ def create_app(config: ServerConfig):
     pool = ModelPool(worker, context_length=config.context_length, max_sequences=config.max_sequences,
                      kv_bits=config.kv_bits, prefill_chunk=config.prefill_chunk, memory_budget=config.memory_budget,
                      keep_alive=config.keep_alive, max_queue=config.max_queue, store=Store(config.store_root),
-                     parallel=config.parallel, transport=config.transport, activations=config.activations)
+                     parallel=config.parallel, transport=config.transport, activations=config.activations,
+                     models_dirs=config.models_dirs, pull=config.pull)
     state = ServerState(worker, pool, max_body_bytes=config.max_body_bytes)
 
     async def expire_loop():
@@ -146,10 +168,12 @@ def create_app(config: ServerConfig):
     async def lifespan(app):
         worker.start()
         for name in config.models:
+            pool.permit(name)  # the operator chose it: requests may name its path too
             if pool.image_path(name) is not None:
                 await pool.image(name, float("inf"))
             else:
                 resolved = await asyncio.to_thread(pool.store.resolve, name, pull=True, progress=False)
+                pool.permit(resolved.name)  # a folder given: the file found in it
                 if config.parallel is not None:
                     pool.parallel_model = resolved.name
                 await pool.text(resolved.name, float("inf"))
@@ -195,7 +219,9 @@ def create_app(config: ServerConfig):
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: not_found, HTTPProblem: not_found,
                                         Exception: internal})
-    wrapped = _AccessLogAndAuth(app, config.api_key)
+    guarded = BrowserGuard(_Auth(app, config.api_key), bound=config.host, allowed_hosts=config.allowed_hosts,
+                           allowed_origins=config.allowed_origins)
+    wrapped = _AccessLog(guarded)
     wrapped.server = state  # for tests and embedding: the pool and the device thread
     return wrapped
 

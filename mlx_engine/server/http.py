@@ -4,6 +4,8 @@ codes, and text generation as an async stream of events from the device thread."
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import logging
@@ -104,6 +106,33 @@ def validate(schema: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:
                           param=str(first[0]) if first else None) from None
     except RecursionError:
         raise HTTPProblem(400, "invalid request: nested too deeply") from None
+
+
+def inline_images(entries: list[str], field: str = "images") -> list[bytes]:
+    """The bytes of request images given inline: base64 text (ollama's form) or ``data:`` URLs with base64.
+
+    A server reads no files for a client: a path or ``file:`` URL is refused, never looked up.
+
+    Raises:
+        HTTPProblem: 400 naming the entry and what to send instead.
+    """
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"{field}[{i}]"
+        if entry.startswith(("/", "./", "../", "~", "file:")) or "\\" in entry:
+            raise HTTPProblem(400, f"{where} looks like a file path; this server reads no files for a client: send "
+                                   "the image's bytes as base64 or a data: URL", param=field)
+        data = entry
+        if entry.startswith("data:"):
+            head, _, data = entry.partition(",")
+            if ";base64" not in head:
+                raise HTTPProblem(400, f"{where}: a data: URL must be base64 (data:image/png;base64,...)", param=field)
+        try:
+            out.append(base64.b64decode(data, validate=True))
+        except (binascii.Error, ValueError):
+            raise HTTPProblem(400, f"{where} is not valid base64: send the image's bytes as base64 or a data: URL "
+                                   "(this server reads no files for a client)", param=field) from None
+    return out
 
 
 def generation_options(given: dict[str, Any], *, default_max_tokens: int) -> GenerationOptions:

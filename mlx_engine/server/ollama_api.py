@@ -6,13 +6,15 @@ Semantics follow ollama's API documentation (docs/api.md): an empty ``messages``
 ``min_p``, ``seed``, ``stop``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``;
 runtime knobs of ollama's own runner (``num_thread``, ``num_gpu``, ...) are accepted and logged as ignored; options
 that would change the output and that the engine does not have (``mirostat``, ``typical_p``) and ``context`` are
-refused with a 400. ``images`` (base64) go to a model that reads images (Gemma 3 vision), and are refused with a 400
-by one that does not. ``tools`` on ``/api/chat`` are offered to the model (ollama's choice is always
-automatic), calls come back in ``message.tool_calls`` and ``tool`` messages go back into the template. ``format`` (``"json"`` or a JSON schema) is enforced by a grammar on every
-token. Durations are nanoseconds, as ollama's. A reasoning model's thinking comes back apart from the answer, in
-``message.thinking`` (``/api/chat``) or ``thinking`` (``/api/generate``); ``think`` (true, false, ``"low"``,
-``"medium"``, ``"high"``) reaches the chat template (``think: false`` turns ``enable_thinking`` off), and is refused
-with a 400 by a model that does not think; an assistant message's ``thinking`` goes back into the template.
+refused with a 400. ``images`` (base64, or ``data:`` URLs; never paths: the server reads no files for a client) go
+to a model that reads images (Gemma 3 vision), and are refused with a 400 by one that does not. ``tools`` on
+``/api/chat`` are offered to the model (ollama's choice is always automatic), calls come back in
+``message.tool_calls`` and ``tool`` messages go back into the template. ``format`` (``"json"`` or a JSON schema) is
+enforced by a grammar on every token. Durations are nanoseconds, as ollama's. A reasoning model's thinking comes back
+apart from the answer, in ``message.thinking`` (``/api/chat``) or ``thinking`` (``/api/generate``); ``think`` (true,
+false, ``"low"``, ``"medium"``, ``"high"``) reaches the chat template (``think: false`` turns ``enable_thinking``
+off), and is refused with a 400 by a model that does not think; an assistant message's ``thinking`` goes back into
+the template.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from starlette.routing import Route
 
 from mlx_engine.errors import ModelNotFoundError
 from mlx_engine.models.reasoning import think_markers
-from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, problem_from, read_json,
-                                    text_events, validate, whole_answer)
+from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, inline_images, problem_from,
+                                    read_json, text_events, validate, whole_answer)
 from mlx_engine.server.pool import Loaded, parse_keep_alive
 from mlx_engine.server.scheduler import JobStats
 from mlx_engine.server.tool_stream import ToolStream
@@ -257,7 +259,7 @@ def routes(state: ServerState) -> list[Route]:
             for m in req.messages:
                 d: dict[str, Any] = {"role": m.role, "content": m.content}
                 if m.images:
-                    d["images"] = list(m.images)
+                    d["images"] = inline_images(m.images)
                 for key in ("tool_calls", "thinking"):
                     if (m.model_extra or {}).get(key):
                         d[key] = m.model_extra[key]
@@ -289,8 +291,9 @@ def routes(state: ServerState) -> list[Route]:
             template_vars = loaded.obj.template_vars(req.think)
             images: list = []
             if req.images:
-                tokens, images = await asyncio.to_thread(loaded.obj.prompt_inputs, req.prompt, req.images,
-                                                         system=req.system, raw=req.raw or None, **template_vars)
+                tokens, images = await asyncio.to_thread(loaded.obj.prompt_inputs, req.prompt,
+                                                         inline_images(req.images), system=req.system,
+                                                         raw=req.raw or None, **template_vars)
             elif req.raw:
                 tokens = await asyncio.to_thread(loaded.obj.text_tokens, req.prompt)
             else:
@@ -320,7 +323,7 @@ def routes(state: ServerState) -> list[Route]:
     async def show(request: Request) -> Response:
         try:
             req = validate(NameRequest, await read_json(request, state.max_body_bytes))
-            info = await asyncio.to_thread(pool.store.show, req.key())
+            info = await asyncio.to_thread(pool.show, req.key())
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         arch = info.architecture or "unknown"
@@ -351,6 +354,9 @@ def routes(state: ServerState) -> list[Route]:
         try:
             req = validate(NameRequest, await read_json(request, state.max_body_bytes))
             name = req.key()
+            if not pool.pull:
+                raise HTTPProblem(403, f"pulls are disabled on this server: its operator started it with --no-pull; "
+                                       f"ask them to pull {name!r} (mlx-engine pull)", kind="permission_error")
             if not name.startswith("hf:") and canonical_name(name) not in CATALOG:
                 raise ModelNotFoundError(f"{name!r} is not in the catalog. {catalog_hint()}")
         except Exception as e:  # noqa: BLE001

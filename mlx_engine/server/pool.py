@@ -6,6 +6,11 @@ across the load. When a model does not fit, idle models are unloaded (least rece
 not fit it is refused with :class:`MemoryBudgetError` (HTTP 503) giving what it needs and what is free, never a crash
 in the middle of a request.
 
+Which models a request may name: the store's and the catalog's names, models pulled with ollama, files and folders
+under the operator's ``--models-dir`` folders (after symbolic links and ``..`` are resolved), and what the operator
+loaded with ``--model``. Any other path is answered exactly as an unknown name is, so that the answer never tells
+whether the path exists.
+
 ``keep_alive`` follows ollama: a duration (``"5m"``, ``"30s"``, ``"1h"``, or a number of seconds); 0 unloads the model
 as soon as its requests are done; a negative value keeps it loaded until the server stops.
 """
@@ -25,8 +30,10 @@ from mlx_engine import api
 from mlx_engine.errors import InvalidRequestError, MemoryBudgetError, ModelNotFoundError
 from mlx_engine.server.scheduler import TextScheduler
 from mlx_engine.server.worker import DeviceWorker
-from mlx_engine.store import Store, image_model_path
+from mlx_engine.store import Store, image_model_path, parse_registry_name
+from mlx_engine.store.catalog import CATALOG, canonical_name
 from mlx_engine.store.format import format_bytes
+from mlx_engine.store.resolve import close_names
 
 log = logging.getLogger("mlx_engine.server")
 
@@ -73,6 +80,29 @@ def default_memory_budget() -> int:
         return 8 * 2**30
 
 
+def is_path(name: str) -> bool:
+    """Whether a model argument names a file or folder rather than a model: it has a path separator (and is no
+    ``hf:`` or ollama ``namespace/model:tag`` name), starts like a path, ends in ``.gguf``, or exists."""
+    if name.startswith("hf:"):
+        return False
+    if name.startswith(("/", "~", ".")) or "\\" in name or name.lower().endswith(".gguf"):
+        return True
+    if ("/" in name or os.sep in name) and parse_registry_name(name) is None:
+        return True
+    try:
+        return Path(name).exists()  # a file or folder in the server's working folder (the store looks there first)
+    except (OSError, ValueError):
+        return False
+
+
+def _real_path(name: str) -> Path | None:
+    """``name`` as an absolute path with symbolic links and ``..`` resolved; None for one the system cannot take."""
+    try:
+        return Path(name).expanduser().resolve()
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
 @dataclass
 class Loaded:
     """One loaded model. ``kind`` is ``text`` (``obj`` an :class:`mlx_engine.api.Model`, with its scheduler) or
@@ -104,8 +134,13 @@ class ModelPool:
     def __init__(self, worker: DeviceWorker, *, context_length: int | None = None, max_sequences: int = 4,
                  kv_bits: int | None = None, prefill_chunk: int = 512, memory_budget: int | None = None,
                  keep_alive: float = 300.0, max_queue: int = 64, store: Store | None = None,
-                 parallel: str | None = None, transport: str = "any", activations: str | None = None):
+                 parallel: str | None = None, transport: str = "any", activations: str | None = None,
+                 models_dirs: "list[str] | tuple[str, ...]" = (), pull: bool = True):
         self.worker = worker
+        #: the folders whose files requests may name (resolved), the paths the operator loaded, whether pulls run
+        self.models_dirs = tuple(Path(d).expanduser().resolve() for d in models_dirs)
+        self.operator_paths: set[Path] = set()
+        self.pull = pull
         #: ``--parallel``: the mode, and (once resolved) the one model split over the ranks (``parallel_model``)
         self.parallel, self.transport = parallel, transport
         self.parallel_model: str | None = None
@@ -122,23 +157,73 @@ class ModelPool:
         self._load_lock = asyncio.Lock()
 
     # ---- names ---------------------------------------------------------------------------------------------------
+    def permit(self, model: str) -> None:
+        """Let requests name ``model``'s path (when it is one): the operator gave it with ``--model``."""
+        if is_path(model) and (p := _real_path(model)) is not None:
+            self.operator_paths.add(p)
+
+    def served_name(self, name: str) -> str:
+        """``name`` as the store should resolve it: a name unchanged, a path resolved when the server serves it.
+
+        Raises:
+            ModelNotFoundError: a path outside the ``--models-dir`` folders (the unknown-name error).
+        """
+        if not is_path(name):
+            return name
+        p = _real_path(name)
+        if p is not None and (p in self.operator_paths or any(p.is_relative_to(d) for d in self.models_dirs)):
+            return str(p)
+        raise self.unknown(name)
+
+    def unknown(self, name: str) -> ModelNotFoundError:
+        """The error for a model this server does not have; the same for a name and for a refused path."""
+        close = close_names(self.store, name)
+        return ModelNotFoundError(
+            f"model {name!r} not found: this server has no model of that name (GET /v1/models and /api/tags list "
+            "them). " + (f"Close names: {', '.join(close)}. " if close else "")
+            + "Model files are served only from the folders the server was started with (--models-dir). "
+            + self.pull_hint(name))
+
+    def pull_hint(self, name: str) -> str:
+        if not self.pull:
+            return "Pulls are disabled on this server (its operator started it with --no-pull)."
+        return f"Pull it first (POST /api/pull or `mlx-engine pull {name}`)."
+
     def resolve_text(self, name: str):
         """The store's :class:`ResolvedModel` for a text model name (never pulls). Raises ModelNotFoundError."""
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequestError("no model given: set \"model\" to a model name (GET /v1/models lists them)")
+        return self._from_store(name.strip(), lambda served: self.store.resolve(served, pull=False, progress=False))
+
+    def show(self, name: str):
+        """The store's :class:`ModelInfo` for a model a request names (``/api/show``). Raises ModelNotFoundError."""
+        return self._from_store(name, self.store.show)
+
+    def _from_store(self, name: str, ask: Any) -> Any:
+        """``ask(served name)``, a model the store does not have answered as :meth:`unknown` (catalog and ``hf:``
+        names keep the store's answer, which says how to pull them)."""
+        served = self.served_name(name)
         try:
-            return self.store.resolve(name, pull=False, progress=False)
+            return ask(served)
         except ModelNotFoundError as e:
-            raise ModelNotFoundError(f"{e} Pull it first (POST /api/pull or `mlx-engine pull {name}`).") from None
+            if served != name or is_path(name):
+                raise  # a path the server serves: the store's own answer about a folder the operator chose
+            if name.startswith("hf:") or canonical_name(name) in CATALOG:
+                raise ModelNotFoundError(f"{e} {self.pull_hint(name)}") from None
+            raise self.unknown(name) from None
 
     def image_path(self, name: str | None) -> Path | None:
-        """The folder of an image model name (a packaged one, or a diffusers folder), or None if not an image model."""
+        """The folder of an image model name (a packaged one, or a diffusers folder the server serves), or None if
+        not an image model."""
         if name is None:
             return None
         packaged = image_model_path(name)
         if packaged is not None:
             return packaged
-        p = Path(name).expanduser()
+        try:
+            p = Path(self.served_name(name))
+        except ModelNotFoundError:
+            return None
         return p if (p / "model_index.json").is_file() else None
 
     # ---- loading -------------------------------------------------------------------------------------------------
@@ -151,8 +236,8 @@ class ModelPool:
         """The loaded image model for ``name`` (``shapes:64`` or a diffusers folder), loading it on first use."""
         path = self.image_path(name)
         if path is None:
-            raise ModelNotFoundError(f"{name}: no such image model; use shapes:64 or the path of a diffusers "
-                                     "Z-Image folder on the server")
+            raise ModelNotFoundError(f"{name}: no such image model; use shapes:64 or a diffusers Z-Image folder under "
+                                     "the server's --models-dir folders")
         return await self._get(name, "image", path, keep_alive)
 
     async def _get(self, key: str, kind: str, what: Any, keep_alive: float | None) -> Loaded:
