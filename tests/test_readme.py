@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,6 +51,9 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^mlx-engine image ", "elsewhere:tests/test_shapes_model.py::test_readme_image_commands_run_as_written"),
     (r"^python -m training\.", "elsewhere:tests/test_shapes_model.py::test_short_training_runs_lower_the_loss "
                                "(every stage on a few steps; the full run takes 80 minutes)"),
+    (r"^(MLX_ENGINE_ORIGINS|MLX_ENGINE_ALLOWED_HOSTS)=|^mlx-engine serve --(allowed-origins|allowed-hosts|models-dir) ",
+     "here:test_security_examples"),
+    (r'^curl http://127\.0\.0\.1:11435/api/generate .*"\$HOME"', "here:test_security_examples"),
     (r"^(MLX_ENGINE_API_KEY=\S+ )?mlx-engine serve\b", "here:test_serve_examples"),
     (r"^curl http://127\.0\.0\.1:11435/", "here:test_serve_examples"),
     (r"^mlx-engine bench --quick$", "here:test_bench_quick"),
@@ -63,6 +67,8 @@ COVERAGE: list[tuple[str, str]] = [
      "not run:needs two Macs joined by Thunderbolt with RDMA enabled"),
     (r"parallel=\"pipeline\"", "here:test_parallel_examples"),
     (r"mlx_engine\.load\(\"smollm2:135m\"\)", "here:test_python_api_example"),
+    (r"print\(reply\.thinking\)", "elsewhere:tests/test_reasoning.py::test_the_api_returns_the_thinking_apart (the "
+                                  "same calls on a small random reasoning model; qwen3:0.6b is a download)"),
     (r"mlx_engine\.generate_image\(", "elsewhere:tests/test_shapes_model.py::test_readme_python_image_example"),
 ]
 
@@ -289,6 +295,37 @@ def test_serve_examples(readme_home, capsys):
         assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
     finally:
         assert s.stop() in (0, 130), s.stderr[-2000:]
+
+
+def test_security_examples(readme_home):
+    """docs/security.md's serve commands as written: the origins and hosts they name are answered (and others
+    refused), and a model under --models-dir is served by its path (the curl command as written)."""
+    home, cwd, env = readme_home
+    serve = [c for c in covered("test_security_examples") if " serve" in c]
+    curl = next(c for c in covered("test_security_examples") if c.startswith("curl "))
+    base = "http://127.0.0.1:11435"
+    assert len(serve) == 5
+    user = cwd.parent / "user"  # the user's $HOME, where ~/models is
+    (user / "models").mkdir(parents=True)
+    env = {**env, "HOME": str(user)}
+    # a copy: a link pointing out of --models-dir is refused, as the page says
+    shutil.copyfile(next(p for p in home.rglob("*.gguf") if "smollm2" in str(p).lower()).resolve(),
+                    user / "models" / "my.gguf")
+    for command in serve:
+        s = Served(command, cwd, env)
+        try:
+            if "ORIGINS" in command or "allowed-origins" in command:
+                ok = httpx.get(base + "/api/tags", headers={"Origin": "https://chat.example.com"})
+                assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://chat.example.com"
+                assert httpx.get(base + "/api/tags", headers={"Origin": "https://evil.example"}).status_code == 403
+            elif "HOSTS" in command or "allowed-hosts" in command:
+                assert httpx.get(base + "/api/tags", headers={"Host": "myserver.lan:11435"}).status_code == 200
+                assert httpx.get(base + "/api/tags", headers={"Host": "attacker.example"}).status_code == 403
+            else:
+                r = sh(curl + " --fail --silent --show-error", cwd, env)
+                assert json.loads(r.stdout.strip().splitlines()[-1])["done"], r.stdout[-300:]
+        finally:
+            assert s.stop() in (0, 130), s.stderr[-2000:]
 
 
 def test_bench_quick(readme_home):
