@@ -1,5 +1,5 @@
-"""The ``mlx-engine`` command: ``pull``, ``list``, ``verify``, ``show``, ``rm``, ``run``, ``chat``, ``image``, ``serve`` and
-``bench``.
+"""The ``mlx-engine`` command: ``pull``, ``list``, ``verify``, ``show``, ``rm``, ``run``, ``chat``, ``image``,
+``serve`` and ``bench``.
 
 Every :class:`~mlx_engine.errors.EngineError` ends the command with ``Error: <message>`` on stderr and exit status 1,
 never a traceback. The Python API (:mod:`mlx_engine.api`) is imported only by the commands that generate, so the store

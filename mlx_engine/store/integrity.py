@@ -53,7 +53,8 @@ def _checked_files(manifest: dict) -> list[tuple[str, str]]:
 
 
 def read_record(folder: Path) -> dict:
-    """``folder``'s verification record: file name -> {size, mtime_ns, ctime_ns, sha256 (recorded at pull), got (the sha256 hashed)}; {} when absent."""
+    """``folder``'s verification record: file name -> {size, mtime_ns, ctime_ns, sha256 (recorded at pull), got
+    (the sha256 hashed)}; {} when absent or unreadable."""
     try:
         data = json.loads((folder / VERIFIED).read_text(encoding="utf-8"))
     except (OSError, ValueError):

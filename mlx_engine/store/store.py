@@ -66,10 +66,9 @@ class Store:
         return resolved_from_manifest(*found) if found is not None else None
 
     def is_present(self, name: str) -> bool:
-        """Whether ``name`` (a catalog name, family name or ``hf:`` name) is complete in the store, and not known to
-        be damaged (a file whose last check failed; see :meth:`verify`)."""
-        found = self._find_manifest(canonical_name(name))
-        return found is not None and not integrity.known_bad(*found)
+        """Whether ``name`` (a catalog name, family name or ``hf:`` name) is complete in the store and its files match
+        their recorded sha256 (files changed since their last check are hashed; a damaged model is pulled again)."""
+        return self._intact(canonical_name(name)) is not None
 
     def _intact(self, name: str) -> ResolvedModel | None:
         """The model stored under exactly ``name`` if its files match their sha256 (hashing those that changed since
