@@ -268,7 +268,7 @@ def _wait_gone(pids: list[int], seconds: float = 5.0) -> bool:
 
 
 _GUARD = ("import sys, time; from mlx_engine.store import child; "
-          "p = child.guarded(['sleep', '60'], watcher=sys.argv[1] == '1').__enter__(); "
+          "guard = child.guarded(['sleep', '60'], watcher=sys.argv[1] == '1'); p = guard.__enter__(); "
           "print(p.pid, flush=True); time.sleep(60)")
 
 
