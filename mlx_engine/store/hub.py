@@ -17,7 +17,7 @@ from pathlib import Path
 from mlx_engine.errors import InvalidRequestError, ModelNotFoundError, PullError
 from mlx_engine.store import space
 from mlx_engine.store.integrity import sha256_file
-from mlx_engine.store.manifest import MANIFEST, check_name
+from mlx_engine.store.manifest import MANIFEST, VERIFIED, check_name
 
 _REPO_PART = re.compile(r"[\w.\-]{1,96}", re.ASCII)
 
@@ -100,7 +100,7 @@ def download(ref: HubRef, folder: Path) -> tuple[str | None, list[dict], str | N
     files = []
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder)
-        if p.is_file() and not rel.parts[0].startswith(".") and p.name != MANIFEST:
+        if p.is_file() and not rel.parts[0].startswith(".") and rel.as_posix() not in (MANIFEST, VERIFIED):
             files.append({"name": rel.as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)})
     if model_file is None and not (folder / "config.json").is_file():
         raise PullError(f"{ref.repo_id!r} on Hugging Face has no config.json; for a GGUF repository name the "

@@ -1,6 +1,6 @@
 """Checked weights: every pulled file against the sha256 its manifest recorded at pull.
 
-Hashing a model at every load would cost a full read of the file, so each folder keeps ``.verified.json`` beside its
+Hashing a model at every load would cost a full read of the file, so each folder keeps ``verified.json`` beside its
 manifest: per file, the size, ``st_mtime_ns`` and ``st_ctime_ns`` it had when it was last hashed, and the sha256 it
 had. A load re-hashes a file only when one of those changed (a copy, an edit, a write in place; the ctime also
 moves when someone resets the mtime by hand), so an untouched model loads without reading its bytes twice. The record

@@ -6,7 +6,7 @@ Layout (other parts of the engine rely on it)::
         models/<safe name>/       one folder per model; ':' and '/' in the name become '-'
             <model file(s)>       a .gguf file, or a Hugging Face folder's files
             manifest.json         written last, atomically: name, source, files (name, size, sha256), license...
-            .verified.json        when each file was last hashed, and what it gave (see mlx_engine.store.integrity)
+            verified.json         when each file was last hashed, and what it gave (see mlx_engine.store.integrity)
             .download/, .*.partial  a pull's work files: removed (or resumed) by the next pull
         .<safe name>.lock         held by the process that pulls or removes the model
         chat_history              the ``chat`` command's line-editing history
@@ -35,7 +35,7 @@ from mlx_engine.errors import InvalidRequestError, StoreError
 from mlx_engine.store.catalog import CATALOG, CatalogEntry
 
 MANIFEST = "manifest.json"
-VERIFIED = ".verified.json"  # hidden: not a model file, left out of sizes and listings
+VERIFIED = "verified.json"  # beside the manifest; never a model file
 MANIFEST_SCHEMA = 1
 GGUF_MAGIC = b"GGUF"
 FILE_MODE = 0o644  # mkstemp makes 0o600; store files are ordinary readable files
@@ -194,8 +194,7 @@ def remove_stale(models_dir: Path, since_ns: int, keep: str) -> None:
         return
     for folder in folders:
         try:
-            stale = [p for p in folder.iterdir() if p.name.startswith(".") and p.name != VERIFIED
-                     and p.lstat().st_mtime_ns < since_ns]
+            stale = [p for p in folder.iterdir() if p.name.startswith(".") and p.lstat().st_mtime_ns < since_ns]
         except OSError:
             continue
         if not stale:
