@@ -113,8 +113,8 @@ def list_(catalog: bool) -> None:
     _table(rows)
     for i in infos:
         if i.damaged:
-            click.echo(f"{i.name}: {', '.join(i.damaged)} no longer match the sha256 recorded at pull; it will not "
-                       f"load. Pull it again: mlx-engine pull {i.name}", err=True)
+            click.echo(f"{i.name}: {_damaged(i)}; it will not load. Pull it again: mlx-engine pull {i.name}",
+                       err=True)
 
 
 @main.command()
@@ -185,6 +185,11 @@ def show(model: str, what: str | None) -> None:
     click.echo(printable(_describe(info)))  # extra fields come from the file too
 
 
+def _damaged(info) -> str:
+    verb = "no longer matches" if len(info.damaged) == 1 else "no longer match"
+    return f"{', '.join(info.damaged)} {verb} the sha256 recorded at pull"
+
+
 def _describe(info) -> str:
     lines = [("name", info.name)]
     if info.description:
@@ -214,8 +219,7 @@ def _describe(info) -> str:
     if info.extra.get("metadata_error"):
         lines.append(("note", f"could not read the metadata: {info.extra['metadata_error']}"))
     if info.damaged:
-        lines.append(("DAMAGED", f"{', '.join(info.damaged)} no longer match the sha256 recorded at pull; pull "
-                                 f"again: mlx-engine pull {info.name}"))
+        lines.append(("DAMAGED", f"{_damaged(info)}; pull it again: mlx-engine pull {info.name}"))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"  {k.ljust(width)}   {v}" for k, v in lines)
 
