@@ -1,5 +1,5 @@
-"""The ``mlx-engine`` command: ``pull``, ``list``, ``show``, ``rm``, ``run``, ``chat``, ``image``, ``serve`` and
-``bench``.
+"""The ``mlx-engine`` command: ``pull``, ``list``, ``verify``, ``show``, ``rm``, ``run``, ``chat``, ``image``,
+``serve`` and ``bench``.
 
 Every :class:`~mlx_engine.errors.EngineError` ends the command with ``Error: <message>`` on stderr and exit status 1,
 never a traceback. The Python API (:mod:`mlx_engine.api`) is imported only by the commands that generate, so the store
@@ -108,8 +108,41 @@ def list_(catalog: bool) -> None:
         return
     rows = [("NAME", "ARCH", "PARAMS", "QUANT", "SIZE", "SOURCE")]
     for i in infos:
-        rows.append((i.name, i.architecture or "?", i.parameters_str, i.quantization or "?", i.size_str, i.source))
+        rows.append((i.name, i.architecture or "?", i.parameters_str, i.quantization or "?", i.size_str,
+                     i.source + ("  DAMAGED" if i.damaged else "")))
     _table(rows)
+    for i in infos:
+        if i.damaged:
+            click.echo(f"{i.name}: {_damaged(i)}; it will not load. Pull it again: mlx-engine pull {i.name}",
+                       err=True)
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+def verify(model: str | None, quiet: bool) -> None:
+    """Check pulled models' files against the sha256 recorded when they were pulled: one line per file, ok or
+    MISMATCH; exit status 1 on any mismatch. With no MODEL, every model in the store.
+
+    \b
+    Example: mlx-engine verify smollm2:135m
+    """
+    store = Store()
+    bad: list[str] = []
+    seen = []
+
+    def report(name: str, path: Path, ok: bool) -> None:
+        seen.append(path)
+        if not ok and name not in bad:
+            bad.append(name)
+        click.echo(f"{'ok' if ok else 'MISMATCH':<8}  {name}  {path}")
+
+    store.verify(model, progress=not quiet, report=report)
+    if not seen:
+        click.echo(f"No pulled models with recorded sha256 in the store ({store.models_dir}).")
+    if bad:
+        raise click.ClickException(f"{len(bad)} model(s) do not match what was pulled: {', '.join(bad)}. Pull "
+                                   f"again: " + "; ".join(f"mlx-engine pull {n}" for n in bad))
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:
@@ -144,12 +177,17 @@ def show(model: str, what: str | None) -> None:
             "quantization": info.quantization, "context_length": info.context_length,
             "size_bytes": info.size_bytes, "license": info.license, "license_text": info.license_text,
             "chat_template": info.chat_template,
-            "source": info.source, "path": str(info.path),
+            "source": info.source, "path": str(info.path), "damaged": info.damaged,
             **{k: v for k, v in info.extra.items() if v is not None and k != "parameters_approximate"},
         }
         click.echo(json.dumps(data, indent=2))
         return
     click.echo(printable(_describe(info)))  # extra fields come from the file too
+
+
+def _damaged(info) -> str:
+    verb = "no longer matches" if len(info.damaged) == 1 else "no longer match"
+    return f"{', '.join(info.damaged)} {verb} the sha256 recorded at pull"
 
 
 def _describe(info) -> str:
@@ -180,6 +218,8 @@ def _describe(info) -> str:
         lines.append(("chat template", "none: a base model; run and chat continue the text"))
     if info.extra.get("metadata_error"):
         lines.append(("note", f"could not read the metadata: {info.extra['metadata_error']}"))
+    if info.damaged:
+        lines.append(("DAMAGED", f"{_damaged(info)}; pull it again: mlx-engine pull {info.name}"))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"  {k.ljust(width)}   {v}" for k, v in lines)
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -303,6 +304,8 @@ def test_hf_models_download_once_into_the_store(home, monkeypatch):
 
     calls = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", _fake_snapshot(calls))
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info",  # the free-space check asks for the files' sizes
+                        lambda self, *a, **kw: types.SimpleNamespace(siblings=[]))
     store = Store()
     with pytest.raises(ModelNotFoundError, match="mlx-engine pull hf:org/repo"):
         store.resolve("hf:org/repo", pull=False)
@@ -332,6 +335,7 @@ def test_hf_single_gguf_file(home, monkeypatch, tmp_path):
         return str(fake_gguf(Path(local_dir) / filename))
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", lambda url, **kw: types.SimpleNamespace(size=24))
     r = Store().resolve("hf:org/repo-GGUF/model.Q4_0.gguf@v1", progress=False)
     assert calls == [("org/repo-GGUF", "model.Q4_0.gguf", "v1")]
     assert r.source == "hf" and r.path == home / "models" / "hf-org-repo-GGUF-model.Q4_0.gguf@v1" / "model.Q4_0.gguf"

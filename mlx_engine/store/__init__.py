@@ -4,7 +4,9 @@ One job a module: :mod:`~mlx_engine.store.catalog` (the named models), :mod:`~ml
 argument means), :mod:`~mlx_engine.store.wheels` (catalog pulls from PyPI wheels), :mod:`~mlx_engine.store.hub`
 (``hf:`` pulls), :mod:`~mlx_engine.store.ollama` (models pulled with ollama), :mod:`~mlx_engine.store.manifest`
 (the layout on disk, manifests and atomic writes), :mod:`~mlx_engine.store.info` (what ``list`` and ``show`` print),
-:mod:`~mlx_engine.store.format` (numbers as printed), and :class:`Store` tying them together.
+:mod:`~mlx_engine.store.format` (numbers as printed), :mod:`~mlx_engine.store.integrity` (pulled files checked
+against their recorded sha256), :mod:`~mlx_engine.store.space` (free disk space), :mod:`~mlx_engine.store.child`
+(pip dies with the pull), and :class:`Store` tying them together.
 """
 
 from mlx_engine.errors import PullError

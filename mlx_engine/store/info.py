@@ -28,6 +28,8 @@ class ModelInfo:
         license: license name or text.
         license_text: the license files' full text (``show`` only), or None when the model has none.
         chat_template: the Jinja chat template, or None for a base model.
+        damaged: the pulled files whose last check against the sha256 recorded at pull failed (they refuse to
+            load until the model is pulled again).
     """
 
     name: str
@@ -42,6 +44,7 @@ class ModelInfo:
     license_text: str | None = None
     chat_template: str | None = None
     description: str | None = None
+    damaged: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     def __setattr__(self, name: str, value) -> None:

@@ -6,6 +6,9 @@ Layout (other parts of the engine rely on it)::
         models/<safe name>/       one folder per model; ':' and '/' in the name become '-'
             <model file(s)>       a .gguf file, or a Hugging Face folder's files
             manifest.json         written last, atomically: name, source, files (name, size, sha256), license...
+            verified.json         when each file was last hashed, and what it gave (see mlx_engine.store.integrity)
+            .download/, .*.partial  a pull's work files: removed (or resumed) by the next pull
+        .<safe name>.lock         held by the process that pulls or removes the model
         chat_history              the ``chat`` command's line-editing history
 
 A model is present only if its ``manifest.json`` exists and every file it lists has the recorded size. Files are
@@ -20,16 +23,19 @@ import datetime as _dt
 import errno
 import json
 import os
+import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_engine.errors import StoreError
+from mlx_engine.errors import InvalidRequestError, StoreError
 from mlx_engine.store.catalog import CATALOG, CatalogEntry
 
 MANIFEST = "manifest.json"
+VERIFIED = "verified.json"  # beside the manifest; never a model file
 MANIFEST_SCHEMA = 1
 GGUF_MAGIC = b"GGUF"
 FILE_MODE = 0o644  # mkstemp makes 0o600; store files are ordinary readable files
@@ -45,6 +51,8 @@ class ResolvedModel:
         source: ``catalog``, ``file``, ``folder``, ``hf`` or ``ollama``.
         entry: the catalog entry, for catalog models.
         license: the license's name or text, when known.
+        folder: the store folder of a pulled model (its files are checked against the manifest's sha256 before a
+            load), None for models added by path or read from ollama's store.
     """
 
     path: Path
@@ -52,6 +60,7 @@ class ResolvedModel:
     source: str
     entry: CatalogEntry | None = None
     license: str | None = None
+    folder: Path | None = None
 
 
 def default_root() -> Path:
@@ -70,6 +79,22 @@ def default_root() -> Path:
 def safe_name(name: str) -> str:
     """The folder name of a model: ``smollm2:135m`` -> ``smollm2-135m``, ``hf:org/repo`` -> ``hf-org-repo``."""
     return name.replace(":", "-").replace("/", "-")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def check_name(name: str) -> None:
+    """Refuse a model name with a control character (a NUL byte, a newline, an escape...): no store folder, lock
+    file, log line or download may be made from it.
+
+    Raises:
+        InvalidRequestError: the message says which character, where, and what a model name is.
+    """
+    mo = _CONTROL.search(name)
+    if mo:
+        raise InvalidRequestError(f"model name {name!r} has a control character ({mo.group()!r} at position "
+                                  f"{mo.start()}); a model name is a catalog name, name:tag or hf:org/repo")
 
 
 def is_gguf(path: Path) -> bool:
@@ -132,6 +157,61 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def lock_if_free(path: Path) -> Iterator[bool]:
+    """Take the lock at ``path`` only if no process holds it: yields True when taken (held for the block), False when
+    another process holds it, or on a system without ``fcntl`` (where nobody can tell)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield False
+        return
+    try:
+        f = open(path, "a+b")
+    except OSError:
+        yield False
+        return
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def remove_stale(models_dir: Path, since_ns: int, keep: str) -> None:
+    """Remove what pulls killed before ``since_ns`` (``time.time_ns()``) left in other models' folders: their work
+    files (``.download/``, ``.*.partial``, ``huggingface_hub``'s ``.cache/``), and the folder itself when that leaves
+    it empty without a manifest; only where no process holds that model's lock. ``keep`` is the folder name of the
+    model being pulled, whose leftovers its own pull removes or resumes. Files a user put there are never touched."""
+    try:
+        folders = [p for p in models_dir.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != keep]
+    except OSError:
+        return
+    for folder in folders:
+        try:
+            stale = [p for p in folder.iterdir() if p.name.startswith(".") and p.lstat().st_mtime_ns < since_ns]
+        except OSError:
+            continue
+        if not stale:
+            continue
+        with lock_if_free(models_dir / f".{folder.name}.lock") as free:
+            if not free:
+                continue
+            for p in stale:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if nothing is left: no manifest, no model file
+
+
 def store_error(folder: Path, e: OSError) -> StoreError:
     """The error for a store folder that cannot be written, saying why in the user's terms."""
     if e.errno == errno.ENOSPC:
@@ -180,7 +260,7 @@ def resolved_from_manifest(folder: Path, m: dict) -> ResolvedModel:
     path = folder / model_file if model_file else folder
     return ResolvedModel(path=path, name=m["name"], source=m.get("source", "catalog"),
                          entry=CATALOG.get(m["name"]) if m.get("source") == "catalog" else None,
-                         license=m.get("license"))
+                         license=m.get("license"), folder=folder)
 
 
 def size_on_disk(path: Path) -> int:

@@ -16,6 +16,7 @@ The registry is ``$MLX_ENGINE_OLLAMA_REGISTRY``, else ollama's public one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import http.client
 import json
@@ -164,6 +165,8 @@ def download_blob(ref: RegistryRef, layer: dict, dest: Path, *, base: str | None
         raise PullError(f"the download of {ref.name} was interrupted ({getattr(e, 'reason', e)}); pull again to "
                         "resume it") from None
     except OSError as e:
+        if e.errno == errno.ENOSPC:  # the store reports a full disk with the numbers, not as a write error
+            raise
         raise PullError(f"cannot write {partial}: {e.strerror or e}") from None
     if have < size:
         raise PullError(f"the download of {ref.name} ended early ({have} of {size} bytes); pull again to resume it")

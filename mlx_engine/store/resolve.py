@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlx_engine.errors import EngineError, InvalidRequestError, ModelNotFoundError, PullError
+from mlx_engine.store import integrity
 from mlx_engine.store.catalog import CATALOG, DEFAULT_MODEL, canonical_name, catalog_hint
 from mlx_engine.store.info import folder_license
-from mlx_engine.store.manifest import ResolvedModel, is_gguf, read_manifest, resolved_from_manifest
+from mlx_engine.store.manifest import ResolvedModel, check_name, is_gguf, read_manifest, resolved_from_manifest
 from mlx_engine.store.registry import parse_registry_name
 from mlx_engine.store.ollama import ollama_models_dir, resolve_ollama
 
@@ -24,8 +25,22 @@ if TYPE_CHECKING:
     from mlx_engine.store.store import Store
 
 
-def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = True) -> ResolvedModel:
-    """See :meth:`mlx_engine.store.Store.resolve`."""
+def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = True,
+            verify: bool = True) -> ResolvedModel:
+    """See :meth:`mlx_engine.store.Store.resolve`. Every door that loads a model comes through here, so a pulled
+    model's files are checked against their recorded sha256 here (``verify``; see :mod:`mlx_engine.store.integrity`).
+    """
+    resolved = _resolve(store, model, pull=pull, progress=progress)
+    if verify and resolved.folder is not None:
+        manifest = read_manifest(resolved.folder)
+        if manifest is None:  # removed or half-rewritten since it was found
+            raise ModelNotFoundError(f"model {resolved.name!r} is no longer complete in the store; pull it again: "
+                                     f"mlx-engine pull {resolved.name}")
+        integrity.check(resolved.folder, manifest)
+    return resolved
+
+
+def _resolve(store: "Store", model: str, *, pull: bool, progress: bool) -> ResolvedModel:
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if not isinstance(model, str):
@@ -36,11 +51,13 @@ def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = T
     model = model.strip()
 
     if model.startswith("hf:"):
+        store.check_name(model)
         return _stored_or_pulled(store, model, pull=pull, progress=progress)
 
     path = Path(model).expanduser()
     if _exists(path):
         return resolve_path(path)
+    check_name(model)  # not a file: a name, which must not smuggle control characters into a folder or a log
 
     name = canonical_name(model)
     if name in CATALOG:
@@ -152,7 +169,7 @@ def looks_like_model(store: "Store", arg: str) -> bool:
     if arg.endswith(".gguf"):
         return True
     try:
-        resolve(store, arg, pull=False, progress=False)
+        resolve(store, arg, pull=False, progress=False, verify=False)  # a damaged model is still a model's name
     except EngineError:
         return False
     return True

