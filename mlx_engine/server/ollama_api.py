@@ -354,10 +354,10 @@ def routes(state: ServerState) -> list[Route]:
         try:
             req = validate(NameRequest, await read_json(request, state.max_body_bytes))
             name = req.key()
+            pool.store.check_name(name)  # a NUL byte or a traversal is a 400 now, before the pull starts
             if not pool.pull:
                 raise HTTPProblem(403, f"pulls are disabled on this server: its operator started it with --no-pull; "
                                        f"ask them to pull {name!r} (mlx-engine pull)", kind="permission_error")
-            pool.store.check_name(name)  # a NUL byte or a traversal is a 400 now, before the pull starts
             if not name.startswith("hf:") and canonical_name(name) not in CATALOG:
                 raise ModelNotFoundError(f"{name!r} is not in the catalog. {catalog_hint()}")
         except Exception as e:  # noqa: BLE001
