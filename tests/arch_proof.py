@@ -37,22 +37,49 @@ class Made:
     tokens: list[int]
 
 
-def make(root: Path, config, smollm2_gguf: Path, seed: int = 0) -> Made:
-    """Build, save, convert and quantize a random model of the transformers ``config`` under ``root``."""
+def smollm2_tokenizer(smollm2_gguf: Path) -> Callable[[Path], list[int]]:
+    """A tokenizer writer for :func:`make`: smollm2's real BPE tokenizer (vocabulary 49152); returns the prompt."""
+    def write(folder: Path) -> list[int]:
+        from mlx_engine.models.tokenizer import Tokenizer
+
+        save_tokenizer(smollm2_gguf, folder)
+        return Tokenizer.from_folder(folder).encode(TEXT, add_bos=False)
+    return write
+
+
+def sentencepiece_tokenizer(vocab_size: int) -> Callable[[Path], list[int]]:
+    """A tokenizer writer for :func:`make`: a SentencePiece ``tokenizer.model`` (BPE, at most ``vocab_size`` pieces)
+    trained by the ``sentencepiece`` package on :data:`TEXT`, for the converters that read only that file (Gemma's);
+    returns the prompt."""
+    def write(folder: Path) -> list[int]:
+        import io
+
+        import sentencepiece as spm
+
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT.split(", ") * 4), model_writer=model,
+                                       vocab_size=vocab_size, model_type="bpe", hard_vocab_limit=False,
+                                       pad_id=0, eos_id=1, bos_id=2, unk_id=3, minloglevel=2)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "tokenizer.model").write_bytes(model.getvalue())
+        return spm.SentencePieceProcessor(model_proto=model.getvalue()).encode(TEXT)
+    return write
+
+
+def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed: int = 0) -> Made:
+    """Build, save, convert and quantize a random model of the transformers ``config`` under ``root``, with the
+    tokenizer that ``write_tokenizer(folder)`` writes (it returns the prompt's tokens)."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from mlx_engine.models.tokenizer import Tokenizer
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     peaked(model, seed=seed)
     folder = root / "hf"
     model.save_pretrained(folder)
-    save_tokenizer(smollm2_gguf, folder)
+    tokens = write_tokenizer(folder)
     files = {"F32": convert(folder, root / "f32.gguf", "f32"), "Q8_0": convert(folder, root / "q8_0.gguf", "q8_0")}
     files["Q4_K_M"] = quantize(files["F32"], root / "q4_k_m.gguf", "Q4_K_M")
-    tokens = Tokenizer.from_folder(folder).encode(TEXT, add_bos=False)
     return Made(model, folder, files, tokens)
 
 
@@ -171,8 +198,8 @@ def check_llama_cpp(made: Made) -> tuple[float, float, float]:
     The perplexities are held to 10 %, not 1 %: llama.cpp's CPU dot products quantize the activations (to Q8_K for
     K-quant weights, Q8_0 for Q8_0), and a random model with peaked logits amplifies that rounding layer after layer
     (its logits even on Q8_0 land far outside 1e-3 of the spread from the exact dequantized reference, which ours
-    match to 1e-4). A trained model is far less sensitive; the bound still catches a misread tensor or a wrong layer, which move it by orders of
-    magnitude."""
+    match to 1e-4). A trained model is far less sensitive; the bound still catches a misread tensor or a wrong
+    layer, which move it by orders of magnitude."""
     d = distance(ours(made.gguf["F32"], made.tokens), llama_cpp_logits(made.gguf["F32"], made.tokens))
     assert d <= 1e-3, d
     q4 = made.gguf["Q4_K_M"]

@@ -18,7 +18,7 @@ def made(tmp_path_factory, smollm2_gguf):
     config = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=True, rope_theta=10000.0)
-    return arch_proof.make(tmp_path_factory.mktemp("qwen2"), config, smollm2_gguf)
+    return arch_proof.make(tmp_path_factory.mktemp("qwen2"), config, arch_proof.smollm2_tokenizer(smollm2_gguf))
 
 
 def test_folder_matches_transformers(made):
