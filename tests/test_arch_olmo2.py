@@ -1,6 +1,6 @@
 """The proof of the ``olmo2`` architecture (tests/arch_proof.py): a random transformers OLMo 2 with grouped-query
-attention, post-norms and query/key norms over the whole projection, a separate output head; its folder, llama.cpp's F32 / Q8_0 / Q4_K_M GGUF files,
-against transformers and llama.cpp."""
+attention, post-norms and query/key norms over the whole projection, a separate output head; its folder, llama.cpp's
+F32 / Q8_0 / Q4_K_M GGUF files, against transformers and llama.cpp."""
 
 from __future__ import annotations
 

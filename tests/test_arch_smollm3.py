@@ -1,7 +1,6 @@
 """The proof of the ``smollm3`` architecture (tests/arch_proof.py): a random transformers SmolLM3 with grouped-query
 attention, no RoPE in its 4th layer (no_rope_layer_interval 4, as llama.cpp assumes) and a tied output head; its
-folder, llama.cpp's F32 / Q8_0 / Q4_K_M GGUF files,
-against transformers and llama.cpp."""
+folder, llama.cpp's F32 / Q8_0 / Q4_K_M GGUF files, against transformers and llama.cpp."""
 
 from __future__ import annotations
 
