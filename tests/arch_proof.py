@@ -207,3 +207,22 @@ def check_llama_cpp(made: Made) -> tuple[float, float, float]:
     theirs = float(np.exp(nll(llama_cpp_logits(q4, made.tokens), made.tokens)))
     assert abs(mine - theirs) <= 0.1 * theirs, (mine, theirs)
     return d, mine, theirs
+
+
+def check_ollama(made: Made, name: str, arch: str, models: Path) -> None:
+    """The Q4_K_M file laid out under ``models`` (``$OLLAMA_MODELS``, set by the caller) as ollama stores a pulled
+    ``name`` (an ollama library name, e.g. ``qwen2.5:0.5b``): ``mlx_engine.load(name)`` reads its blob as the
+    ``arch`` architecture, with the perplexity of the file loaded by its path."""
+    import mlx_engine
+    from tests.test_store import write_ollama_model
+
+    base, tag = name.split(":")
+    write_ollama_model(models, base, tag, made.gguf["Q4_K_M"])
+    by_name = mlx_engine.load(name, pull=False)
+    by_path = mlx_engine.load(str(made.gguf["Q4_K_M"]))
+    try:
+        assert by_name.path.parent == models / "blobs" and by_name.architecture == arch
+        assert by_name.perplexity(TEXT) == by_path.perplexity(TEXT)
+    finally:
+        by_name.close()
+        by_path.close()

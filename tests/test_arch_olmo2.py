@@ -32,3 +32,8 @@ def test_gguf_matches_transformers(made, kind):
 
 def test_gguf_matches_llama_cpp(made):
     print("olmo2 F32 vs llama.cpp, Q4_K_M perplexity ours, llama.cpp's:", arch_proof.check_llama_cpp(made))
+
+
+def test_an_ollama_name_loads(made, home, tmp_path, monkeypatch):
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
+    arch_proof.check_ollama(made, "olmo2:7b", "olmo2", tmp_path / "ollama")
