@@ -226,3 +226,20 @@ def check_ollama(made: Made, name: str, arch: str, models: Path) -> None:
     finally:
         by_name.close()
         by_path.close()
+
+
+def check_refused(made: Made, folder: Path, change: dict, match: str) -> None:
+    """The folder with ``change`` merged into its ``config.json`` (written to ``folder``) is refused at load with a
+    ``WeightsError`` whose message matches ``match``."""
+    import json
+    import shutil
+
+    import pytest
+
+    from mlx_engine.errors import WeightsError
+
+    shutil.copytree(made.folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(WeightsError, match=match):
+        load_text_model(MLXBackend(folder, dtype="float32"))

@@ -37,3 +37,7 @@ def test_gguf_matches_llama_cpp(made):
 def test_an_ollama_name_loads(made, home, tmp_path, monkeypatch):
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
     arch_proof.check_ollama(made, "qwen2.5:0.5b", "qwen2", tmp_path / "ollama")
+
+
+def test_a_bad_config_is_refused_with_a_clear_error(made, tmp_path):
+    arch_proof.check_refused(made, tmp_path / "bad", {"num_key_value_heads": 3}, "not a multiple of 3 key/value heads")

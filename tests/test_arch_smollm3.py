@@ -46,3 +46,8 @@ def test_gguf_matches_llama_cpp(made):
 def test_an_ollama_name_loads(made, home, tmp_path, monkeypatch):
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
     arch_proof.check_ollama(made, "smollm3:3b", "smollm3", tmp_path / "ollama")
+
+
+def test_a_bad_config_is_refused_with_a_clear_error(made, tmp_path):
+    arch_proof.check_refused(made, tmp_path / "bad", {"no_rope_layers": [1, 1, 0]},
+                             "no_rope_layers has 3 entries for 4 layers")
