@@ -421,8 +421,9 @@ class Context(abc.ABC):
 
     @abc.abstractmethod
     def scaled_dot_product_attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float,
-                                     mask: "Tensor | str | None" = None) -> Tensor:
-        """``softmax(q k^T * scale + mask) v`` (Vaswani et al. 2017).
+                                     mask: "Tensor | str | None" = None, softcap: float | None = None) -> Tensor:
+        """``softmax(q k^T * scale + mask) v`` (Vaswani et al. 2017); with ``softcap``, the scaled scores ``s`` are
+        capped to ``softcap * tanh(s / softcap)`` before the mask (Gemma 2).
 
         Shapes: ``q [B, Hq, L, Dh]``, ``k, v [B, Hkv, S, Dh]`` with ``Hq`` a multiple of ``Hkv`` (grouped-query
         attention), ``mask`` additive ``[L, S]`` (or broadcastable to ``[B, Hq, L, S]``), the string ``"causal"``

@@ -468,7 +468,8 @@ class DecoderModel(abc.ABC):
             if o is None:
                 cache.put(ctx, k, v)
                 keys, values, mask = cache.get(ctx)
-                o = ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
+                o = (ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask) if c.attn_softcap is None
+                     else ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask, c.attn_softcap))
             nxt = self._next_layer.get(i)
             if (compiled and nxt is not None and (output_layer is None or nxt <= output_layer)
                     and self.part.reduce is None and fused and fused_attention(nxt)):

@@ -41,6 +41,8 @@ class DecoderConfig:
         num_experts, experts_per_token, moe_intermediate_size: mixture-of-experts MLPs (0: dense).
         shared_expert_size: the width of the always-on shared expert of an MoE layer (0: none).
         norm_topk_prob: the top-k router probabilities are renormalised to sum to 1.
+        attn_softcap: attention scores ``s`` (scaled) become ``attn_softcap * tanh(s / attn_softcap)`` (Gemma 2).
+        final_softcap: the same cap on the output logits (Gemma 2).
     """
 
     architecture: str
@@ -76,6 +78,8 @@ class DecoderConfig:
     moe_intermediate_size: int = 0
     shared_expert_size: int = 0
     norm_topk_prob: bool = True
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self) -> None:
         """Validate every field, so that a bad model fails at load, never at the first forward pass.

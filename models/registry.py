@@ -11,18 +11,23 @@ from typing import Any
 from mlx_engine.errors import EngineError, UnsupportedError
 from mlx_engine.ml import Backend, DType
 from mlx_engine.models.base import DecoderModel
+from mlx_engine.models.gemma2 import Gemma2
 from mlx_engine.models.gemma3 import Gemma3
 from mlx_engine.models.lfm2 import LFM2
 from mlx_engine.models.llama import Llama
 from mlx_engine.models.mllama import Mllama
+from mlx_engine.models.olmo2 import Olmo2
+from mlx_engine.models.qwen2 import Qwen2
 from mlx_engine.models.qwen3 import Qwen3
 from mlx_engine.models.qwen3_next import Qwen3Next
+from mlx_engine.models.smollm3 import SmolLM3
 from mlx_engine.models.tokenizer import Tokenizer
 
 # Names as GGUF's general.architecture and Hugging Face's model_type spell them.
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
-    "llama": Llama, "mistral": Llama, "gemma3": Gemma3, "gemma3_text": Gemma3, "qwen3": Qwen3, "lfm2": LFM2,
-    "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
+    "llama": Llama, "mistral": Llama, "qwen2": Qwen2, "gemma2": Gemma2, "gemma3": Gemma3, "gemma3_text": Gemma3,
+    "qwen3": Qwen3, "lfm2": LFM2, "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
+    "olmo2": Olmo2, "smollm3": SmolLM3,
 }
 
 

@@ -150,7 +150,7 @@ import llama_cpp
 import numpy as np
 tokens = [int(t) for t in sys.argv[2].split(",")]
 llm = llama_cpp.Llama(sys.argv[1], n_ctx=max(len(tokens), 16), n_batch=max(len(tokens), 16), n_threads=2,
-                      logits_all=True, verbose=False)
+                      logits_all=True, type_k=0, type_v=0, verbose=False)  # GGML_TYPE_F32 keys and values
 llm.eval(tokens)
 np.save(sys.argv[3], np.asarray(llm.scores[:len(tokens)], np.float32))
 """

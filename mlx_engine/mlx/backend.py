@@ -52,6 +52,25 @@ class MLXMask(MLXTensor):
         self.spans = spans
 
 
+def _softcapped_attention(q: "mx.array", k: "mx.array", v: "mx.array", scale: float, cap: float,
+                          mask: "mx.array | str | None") -> "mx.array":
+    """Attention with Gemma 2's score soft-capping, ``cap * tanh(s / cap)`` on the scaled scores before the mask and
+    the softmax (transformers' ``eager_attention_forward`` in ``modeling_gemma2.py``); no fused kernel takes the cap.
+    Shapes as :meth:`Context.scaled_dot_product_attention`; the softmax in float32."""
+    b, hq, n, d = q.shape
+    hkv, keys = k.shape[1], k.shape[2]
+    s = (q * scale).reshape(b, hkv, hq // hkv, n, d) @ k[:, :, None].swapaxes(-1, -2)  # [B, Hkv, G, L, S]
+    s = mx.tanh(s.astype(mx.float32) / cap) * cap
+    if isinstance(mask, str):  # "causal": query i sees keys 0..S-L+i
+        s = mx.where(mx.arange(keys)[None] <= mx.arange(n)[:, None] + (keys - n), s, -mx.inf)
+    elif mask is not None:
+        if mask.ndim == 4:  # [B or 1, Hq or 1, L, S]
+            mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(mask.shape[0], hkv, hq // hkv, n, keys)
+        s = s + mask.astype(mx.float32)
+    p = mx.softmax(s, axis=-1).astype(v.dtype)
+    return (p @ v[:, :, None]).reshape(b, hq, n, d)
+
+
 def _visible_spans(visible: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
     """Per query row of ``visible [L, S]``: its first visible key and one past its last (``0, 0``: none)."""
     seen = visible.any(axis=1)
@@ -297,10 +316,12 @@ class MLXContext(Context):
         return MLXMask(mask, _attention_blocks(visible, ATTENTION_BLOCK), _visible_runs(visible[0]) if one else None,
                        None if one else _visible_spans(visible))
 
-    def scaled_dot_product_attention(self, q, k, v, scale, mask=None):
+    def scaled_dot_product_attention(self, q, k, v, scale, mask=None, softcap=None):
         m = mask if isinstance(mask, str) or mask is None else mask.a
         if m is not None and not isinstance(m, str) and m.dtype != q.a.dtype:
             m = m.astype(q.a.dtype)
+        if softcap is not None:
+            return MLXTensor(_softcapped_attention(q.a, k.a, v.a, scale, softcap, m))
         sdpa = mx.fast.scaled_dot_product_attention
         runs = mask.runs if isinstance(mask, MLXMask) else None
         if runs is not None and q.a.shape[2] == 1 and k.a.shape[2] == m.shape[-1]:
