@@ -19,6 +19,7 @@ from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.registry import load_text_model
 from mlx_engine.models.runner import GenerationStats, Request, Runner
 from mlx_engine.models.sampler import SamplerOptions
+from tests.conftest import NoText
 from tests.hf_gguf import convert, llama_cpp_logits, peaked, quantize, save_tokenizer, spread
 
 #: English text, tokenized by smollm2's tokenizer into the prompts (longer than every window and chunk in the tests).
@@ -83,10 +84,6 @@ def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed:
     return Made(model, folder, files, tokens)
 
 
-class _NoText:
-    """The runner's view of a tokenizer for token-level tests: no end-of-sequence id stops generation."""
-
-    eos_ids: frozenset = frozenset()
 
 
 def runner(path: Path, float_weights: bool = True) -> Runner:
@@ -94,7 +91,7 @@ def runner(path: Path, float_weights: bool = True) -> Runner:
     reference computes; else the CPU's quantized kernels, as a user runs them)."""
     backend = (MLXBackend(path, dtype="float32", quantized=False, requantize=0) if float_weights
                else MLXBackend(path, dtype="float32"))
-    return Runner(load_text_model(backend), _NoText(), context_length=512, max_sequences=1, prefill_chunk=512)
+    return Runner(load_text_model(backend), NoText(), context_length=512, max_sequences=1, prefill_chunk=512)
 
 
 def ours(path: Path, tokens: list[int], float_weights: bool = True) -> np.ndarray:

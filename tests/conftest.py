@@ -115,3 +115,15 @@ def passed_on_avx2(test_file: str, selection: str) -> int:
                        capture_output=True, text=True, timeout=600, env={**os.environ, "MLX_ENGINE_CPU_ISA": "avx2"})
     assert r.returncode == 0, r.stdout[-3000:]
     return int(r.stdout.rsplit(" passed", 1)[0].split()[-1])
+
+
+class NoText:
+    """The runner's view of a tokenizer for token-level tests: no end-of-sequence id stops generation, no chat
+    template, no thinking span."""
+
+    eos_ids: frozenset = frozenset()
+    chat_template = None
+
+    @staticmethod
+    def token_to_id(token: str) -> None:
+        return None

@@ -15,6 +15,7 @@ from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.registry import load_text_model
 from mlx_engine.models.runner import GenerationStats, Request, Runner, logits_for
 from mlx_engine.models.sampler import SamplerOptions
+from tests.conftest import NoText
 from tests.hybrid_small import BUILDERS, greedy_reference, lfm2_gguf, qwen3_next_gguf, write_gguf
 
 pytest.importorskip("torch")
@@ -33,13 +34,9 @@ def _runner(path, *, chunk: int = 64, sequences: int = 4, count: int = 24, inter
             min_pos: int = 16) -> Runner:
     model = load_text_model(MLXBackend(path, dtype="float32"))
     model.cache_options = dict(checkpoint_count=count, checkpoint_interval=interval, checkpoint_min_pos=min_pos)
-    return Runner(model, _NoText(), context_length=1024, max_sequences=sequences, prefill_chunk=chunk)
+    return Runner(model, NoText(), context_length=1024, max_sequences=sequences, prefill_chunk=chunk)
 
 
-class _NoText:
-    """The runner's view of a tokenizer for token-level tests: no end-of-sequence id stops generation."""
-
-    eos_ids: frozenset = frozenset()
 
 
 def _greedy(runner: Runner, prompt: list[int], n: int, seq: int = 0) -> tuple[list[int], GenerationStats]:
