@@ -17,12 +17,14 @@ from mlx_engine.models.llama import Llama
 from mlx_engine.models.mllama import Mllama
 from mlx_engine.models.qwen3 import Qwen3
 from mlx_engine.models.qwen3_next import Qwen3Next
+from mlx_engine.models.qwen_moe import Qwen2MoE, Qwen3MoE
 from mlx_engine.models.tokenizer import Tokenizer
 
 # Names as GGUF's general.architecture and Hugging Face's model_type spell them.
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": Llama, "mistral": Llama, "gemma3": Gemma3, "gemma3_text": Gemma3, "qwen3": Qwen3, "lfm2": LFM2,
     "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
+    "qwen3_moe": Qwen3MoE, "qwen3moe": Qwen3MoE, "qwen2_moe": Qwen2MoE, "qwen2moe": Qwen2MoE,
 }
 
 
