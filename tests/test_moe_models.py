@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, 49152, 48)]
 SIZES = dict(vocab_size=49152, hidden_size=256, intermediate_size=320, moe_intermediate_size=256,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-             max_position_embeddings=512, tie_word_embeddings=True)
+             max_position_embeddings=512)
 
 
 def _build(arch: str, folder: "Path | None"):
@@ -31,10 +31,12 @@ def _build(arch: str, folder: "Path | None"):
     import transformers
 
     if arch == "qwen3_moe":  # llama.cpp's qwen3moe graph renormalises the top-k probabilities
-        config = transformers.Qwen3MoeConfig(**SIZES, head_dim=64, norm_topk_prob=True)
+        config = transformers.Qwen3MoeConfig(**SIZES, head_dim=64, norm_topk_prob=True, tie_word_embeddings=True)
         model = transformers.Qwen3MoeForCausalLM(config)
-    else:  # ... and its qwen2moe graph does not; Qwen2-MoE adds a shared expert behind a sigmoid gate
-        config = transformers.Qwen2MoeConfig(**SIZES, shared_expert_intermediate_size=192, norm_topk_prob=False)
+    else:  # ... and its qwen2moe graph does not, and wants an output.weight of its own; Qwen2-MoE adds a shared
+        # expert behind a sigmoid gate
+        config = transformers.Qwen2MoeConfig(**SIZES, shared_expert_intermediate_size=192, norm_topk_prob=False,
+                                             tie_word_embeddings=False)
         model = transformers.Qwen2MoeForCausalLM(config)
     model = model.eval()
     if folder is not None:
