@@ -155,6 +155,9 @@ def test_quantized_gguf_matches_transformers_on_its_weights(made, kind):
     experts = [w for w in runner.model.layers.values() if w.get("experts_gate") is not None]
     assert len(experts) == SIZES["num_hidden_layers"]
     assert all(w[k].is_quantized for w in experts for k in ("experts_gate", "experts_up", "experts_down"))
+    import gguf  # resident weights: the file's tensor bytes, within 5 %
+
+    assert runner.backend.weights_nbytes() <= 1.05 * sum(int(t.n_bytes) for t in gguf.GGUFReader(files[kind]).tensors)
     ref, _ = _reference(_dequantized_reference(arch, files[kind]), PROMPT)
     ours = _ours(files[kind], PROMPT)
     assert np.abs(ours - ref).max() <= 1e-4 * spread(ref), np.abs(ours - ref).max() / spread(ref)
