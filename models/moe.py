@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE / Qwen3-Next): a softmax router picks ``k`` experts per token, their SwiGLU
+"""Mixture-of-experts MLPs (Qwen2-MoE, Qwen3-MoE, Qwen3-Next): a softmax router picks ``k`` experts per token, their SwiGLU
 outputs are summed with the router's probabilities, plus an optional shared expert behind a sigmoid gate.
 
 Reference: transformers' ``Qwen3NextSparseMoeBlock`` (``Qwen3NextTopKRouter``, ``Qwen3NextExperts``); mlx-lm's
@@ -7,7 +7,12 @@ Reference: transformers' ``Qwen3NextSparseMoeBlock`` (``Qwen3NextTopKRouter``, `
 
 from __future__ import annotations
 
-from mlx_engine.ml import DType, Tensor
+from typing import TYPE_CHECKING
+
+from mlx_engine.ml import Context, DType, Tensor
+
+if TYPE_CHECKING:
+    from mlx_engine.models.config import DecoderConfig
 
 
 def moe_mlp(x: Tensor, w: dict[str, Tensor | None], top_k: int, norm_topk: bool) -> Tensor:
@@ -37,3 +42,87 @@ def moe_mlp(x: Tensor, w: dict[str, Tensor | None], top_k: int, norm_topk: bool)
             shared = shared * x2.linear(w["shared_expert_gate"]).sigmoid()
         y = y + shared
     return y.reshape(1, n, d)
+
+
+# llama.cpp's MoE tensor names (blk.N.<base>.weight) to the Hugging Face layout we run: router and shared expert as
+# in the hub's files, the routed experts stacked ``[experts, out, in]`` under one name per projection.
+_GGUF_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate.weight", "ffn_gate_inp_shexp": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj.weight", "ffn_up_shexp": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj.weight", "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+}
+
+
+def moe_names_from_gguf(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Rename llama.cpp's MoE tensors (``blk.N.ffn_gate_exps.weight`` ...) to the names :class:`MoEWeights`
+    reads; every other name is left as it is."""
+    out = {}
+    for name, t in weights.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _GGUF_MOE_NAMES:
+            name = f"model.layers.{parts[1]}.{_GGUF_MOE_NAMES[parts[2]]}"
+            if parts[2] == "ffn_gate_inp_shexp" and t.ndim == 1:  # llama-quantize writes the [1, D] row as [D]
+                t = t.reshape(1, t.shape[0])
+        out[name] = t
+    return out
+
+
+def stack_experts(weights: dict[str, Tensor], num_experts: int, num_layers: int, ctx: Context) -> dict[str, Tensor]:
+    """Per-expert tensors (``mlp.experts.E.gate_proj.weight``, the hub's layout) stacked into one ``[experts, out,
+    in]`` tensor per projection (``mlp.experts.gate_proj``), for the gathered products; each expert's tensor is let
+    go as it is stacked. A folder of mlx-lm's (``mlp.switch_mlp.*``, already stacked, possibly quantized) is renamed
+    to the same names, its quantization kept."""
+    out = {}
+    for name, t in weights.items():
+        if ".mlp.switch_mlp." in name and name.endswith(".weight"):
+            name = name.replace(".mlp.switch_mlp.", ".mlp.experts.").removesuffix(".weight")
+        out[name] = t
+    if not num_experts:
+        return out
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names = [f"{p}{j}.{proj}.weight" for j in range(num_experts)]
+            if not all(n in out for n in names):
+                continue
+            out[p + proj] = ctx.stack([out.pop(n).dequantize() for n in names], axis=0)
+    return out
+
+
+class MoEWeights:
+    """The mixture-of-experts MLP's weights of a :class:`~mlx_engine.models.base.DecoderModel` (mixed in before it):
+    a layer holding a router (``mlp.gate.weight``) is an MoE layer; its expected shapes and the names the layer
+    maths reads (:func:`moe_mlp`). Any other layer keeps the dense MLP (``mlp_only_layers``, ``decoder_sparse_step``
+    of the Qwen MoE configs)."""
+
+    config: "DecoderConfig"
+    w: dict[str, Tensor]
+
+    def is_moe(self, layer: int) -> bool:
+        return f"model.layers.{layer}.mlp.gate.weight" in self.w
+
+    def mlp_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        if not self.is_moe(layer):
+            return super().mlp_shapes(layer)  # type: ignore[misc]
+        c, p = self.config, f"model.layers.{layer}.mlp."
+        d, e, i, s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_size
+        shapes = {p + "gate.weight": (e, d), p + "experts.gate_proj": (e, i, d), p + "experts.up_proj": (e, i, d),
+                  p + "experts.down_proj": (e, d, i)}
+        if s:
+            shapes.update({p + "shared_expert.gate_proj.weight": (s, d), p + "shared_expert.up_proj.weight": (s, d),
+                           p + "shared_expert.down_proj.weight": (d, s), p + "shared_expert_gate.weight": (1, d)})
+        return shapes
+
+    def _layer_weights(self, i: int) -> dict[str, Tensor | None]:
+        w = super()._layer_weights(i)  # type: ignore[misc]
+        if self.is_moe(i):
+            m = f"model.layers.{i}.mlp."
+            w.update({"gate": None, "up": None, "down": None, "router": self.w[m + "gate.weight"],
+                      "experts_gate": self.w[m + "experts.gate_proj"], "experts_up": self.w[m + "experts.up_proj"],
+                      "experts_down": self.w[m + "experts.down_proj"],
+                      "shared_gate": self.w.get(m + "shared_expert.gate_proj.weight"),
+                      "shared_up": self.w.get(m + "shared_expert.up_proj.weight"),
+                      "shared_down": self.w.get(m + "shared_expert.down_proj.weight"),
+                      "shared_expert_gate": self.w.get(m + "shared_expert_gate.weight")})
+        return w

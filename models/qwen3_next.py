@@ -30,6 +30,7 @@ from mlx_engine.errors import WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
 from mlx_engine.models.base import DecoderModel, ModelPart
 from mlx_engine.models.layer import feed_forward
+from mlx_engine.models.moe import MoEWeights, stack_experts
 from mlx_engine.models.config import DecoderConfig, check_rope_scaling, hf_rope_parameters, metadata_getter, \
     vocab_size_of
 
@@ -120,12 +121,13 @@ def delta_rule_chunked(ctx: Context, q: Tensor, k: Tensor, v: Tensor, log_decay:
     return o.transpose(0, 2, 1, 3), state
 
 
-class Qwen3Next(DecoderModel):
+class Qwen3Next(MoEWeights, DecoderModel):
     architecture = "qwen3_next"
 
     def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend,
                  part: ModelPart | None = None):
-        super().__init__(config, _stack_experts(weights, config, backend), backend, part)
+        super().__init__(config, stack_experts(weights, config.num_experts, config.num_layers, backend.new_context()),
+                         backend, part)
 
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
@@ -230,21 +232,6 @@ class Qwen3Next(DecoderModel):
         return out
 
     # ---- weights ---------------------------------------------------------------------------------------------
-    def is_moe(self, layer: int) -> bool:
-        return f"model.layers.{layer}.mlp.gate.weight" in self.w
-
-    def mlp_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
-        if not self.is_moe(layer):
-            return super().mlp_shapes(layer)
-        c, p = self.config, f"model.layers.{layer}.mlp."
-        d, e, i, s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_size
-        shapes = {p + "gate.weight": (e, d), p + "experts.gate_proj": (e, i, d), p + "experts.up_proj": (e, i, d),
-                  p + "experts.down_proj": (e, d, i)}
-        if s:
-            shapes.update({p + "shared_expert.gate_proj.weight": (s, d), p + "shared_expert.up_proj.weight": (s, d),
-                           p + "shared_expert.down_proj.weight": (d, s), p + "shared_expert_gate.weight": (1, d)})
-        return shapes
-
     def mixer_shapes(self, layer: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         if self.config.layer_types[layer] != "linear_attention":
             return super().mixer_shapes(layer)
@@ -271,15 +258,6 @@ class Qwen3Next(DecoderModel):
                       "lin_dt_bias": self.w[q + "dt_bias"].astype(DType.FLOAT32)})
             taps = self.w[q + "conv1d.weight"].dequantize().astype(self.dtype).transpose(1, 0)
             w.update({f"conv_tap{k}": taps[k] for k in range(self.config.conv_kernel)})
-        if self.is_moe(i):
-            m = p + "mlp."
-            w.update({"gate": None, "up": None, "down": None, "router": self.w[m + "gate.weight"],
-                      "experts_gate": self.w[m + "experts.gate_proj"], "experts_up": self.w[m + "experts.up_proj"],
-                      "experts_down": self.w[m + "experts.down_proj"],
-                      "shared_gate": self.w.get(m + "shared_expert.gate_proj.weight"),
-                      "shared_up": self.w.get(m + "shared_expert.up_proj.weight"),
-                      "shared_down": self.w.get(m + "shared_expert.down_proj.weight"),
-                      "shared_expert_gate": self.w.get(m + "shared_expert_gate.weight")})
         return w
 
     # ---- cache -----------------------------------------------------------------------------------------------
@@ -388,20 +366,3 @@ def _from_gguf_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
             out[name] = t
     return out
 
-
-def _stack_experts(weights: dict[str, Tensor], config: DecoderConfig, backend: Backend) -> dict[str, Tensor]:
-    """Per-expert tensors (``mlp.experts.E.gate_proj.weight``, the hub's layout) stacked into one
-    ``[experts, out, in]`` tensor per projection (``mlp.experts.gate_proj``), for the gathered products."""
-    out = dict(weights)
-    e = config.num_experts
-    if not e:
-        return out
-    ctx = backend.new_context()
-    for layer in range(config.num_layers):
-        p = f"model.layers.{layer}.mlp.experts."
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names = [f"{p}{j}.{proj}.weight" for j in range(e)]
-            if not all(n in out for n in names):
-                continue
-            out[p + proj] = ctx.stack([out.pop(n).dequantize() for n in names], axis=0)
-    return out

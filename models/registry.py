@@ -20,6 +20,7 @@ from mlx_engine.models.olmo2 import Olmo2
 from mlx_engine.models.qwen2 import Qwen2
 from mlx_engine.models.qwen3 import Qwen3
 from mlx_engine.models.qwen3_next import Qwen3Next
+from mlx_engine.models.qwen_moe import Qwen2MoE, Qwen3MoE
 from mlx_engine.models.smollm3 import SmolLM3
 from mlx_engine.models.tokenizer import Tokenizer
 
@@ -28,6 +29,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": Llama, "mistral": Llama, "qwen2": Qwen2, "gemma2": Gemma2, "gemma3": Gemma3, "gemma3_text": Gemma3,
     "qwen3": Qwen3, "lfm2": LFM2, "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
     "olmo2": Olmo2, "smollm3": SmolLM3,
+    "qwen3_moe": Qwen3MoE, "qwen3moe": Qwen3MoE, "qwen2_moe": Qwen2MoE, "qwen2moe": Qwen2MoE,
 }
 
 

@@ -149,8 +149,9 @@ import sys
 import llama_cpp
 import numpy as np
 tokens = [int(t) for t in sys.argv[2].split(",")]
+# its KV cache in float32 (GGML_TYPE_F32 = 0), not its default float16, so that parity bounds measure the model
 llm = llama_cpp.Llama(sys.argv[1], n_ctx=max(len(tokens), 16), n_batch=max(len(tokens), 16), n_threads=2,
-                      logits_all=True, type_k=0, type_v=0, verbose=False)  # GGML_TYPE_F32 keys and values
+                      logits_all=True, verbose=False, type_k=0, type_v=0)
 llm.eval(tokens)
 np.save(sys.argv[3], np.asarray(llm.scores[:len(tokens)], np.float32))
 """
@@ -158,7 +159,7 @@ np.save(sys.argv[3], np.asarray(llm.scores[:len(tokens)], np.float32))
 
 def llama_cpp_logits(path: "str | Path", tokens: list[int]) -> np.ndarray:
     """llama.cpp's logits (float32 ``[len(tokens), vocab]``) for every position of ``tokens`` on the GGUF file
-    ``path``, in a process of its own.
+    ``path``, in a process of its own, with its KV cache in float32.
 
     Raises:
         RuntimeError: llama.cpp failed to load or run the file (the message ends with its output).
