@@ -45,6 +45,7 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^mlx-engine pull hf:", "not run:needs the Hugging Face hub (the download code is tested against a fake hub in "
                               "tests/test_store.py::test_hf_models_download_once_into_the_store)"),
     (r"^mlx-engine (pull|list|show|rm)\b", "here:test_store_examples"),
+    (r"^mlx-engine verify\b", "here:test_verify_examples"),
     (r"^mlx-engine image .*(-m|--model) \./z-image", "not run:needs a Z-Image folder (about 20 GB from the Hugging "
                                                      "Face hub); the pipeline runs on a small random Z-Image folder "
                                                      "in tests/test_cli_image.py"),
@@ -225,6 +226,17 @@ def test_store_examples(readme_home):
     assert "architecture" in outs["mlx-engine show smollm2:135m"].stdout
     assert "<|im_start|>" in outs["mlx-engine show smollm2:135m --template"].stdout
     assert "gemma3:270m" not in sh("mlx-engine list", cwd, env).stdout  # rm removed it
+
+
+def test_verify_examples(readme_home):
+    """verify, of every pulled model and of one, as docs/security.md writes them: each file checked, all ok."""
+    home, cwd, env = readme_home
+    cmds = covered("test_verify_examples")
+    assert sorted(cmds) == ["mlx-engine verify", "mlx-engine verify smollm2:135m"]
+    every = sh("mlx-engine verify", cwd, env).stdout
+    assert "smollm2:135m" in every and "gemma3:270m" in every and "MISMATCH" not in every, every
+    one = sh("mlx-engine verify smollm2:135m", cwd, env).stdout
+    assert "ok" in one and "smollm2:135m" in one and "gemma3:270m" not in one, one
 
 
 def _free(port: int) -> bool:
