@@ -10,11 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_engine.batch import Batch
-from mlx_engine.mlx import MLXBackend
-from mlx_engine.models.registry import load_text_model
-from mlx_engine.models.runner import GenerationStats, Request, Runner
-from mlx_engine.models.sampler import SamplerOptions
+from tests.arch_proof import ours, ours_greedy, reference_greedy, runner
 from tests.hf_gguf import convert, llama_cpp_logits, peaked, quantize, save_tokenizer, spread
 
 torch = pytest.importorskip("torch")
@@ -57,24 +53,6 @@ def made(request, tmp_path_factory, smollm2_gguf):
              "Q4_K_M": quantize(f32, root / "q4_k_m.gguf", "Q4_K_M")}
     return request.param, model, files
 
-
-class _NoText:
-    eos_ids: frozenset = frozenset()
-
-
-def _runner(path: Path) -> Runner:
-    return Runner(load_text_model(MLXBackend(path, dtype="float32")), _NoText(), context_length=256, max_sequences=1)
-
-
-def _ours(path: Path, tokens: list[int]) -> np.ndarray:
-    """Our logits ``[len(tokens), vocab]`` (float32) for every position of ``tokens``, one forward pass."""
-    runner = _runner(path)
-    n = len(tokens)
-    with runner.backend.new_context() as ctx:
-        runner.reset(0)
-        logits = runner.model.forward(ctx, Batch(np.asarray(tokens), np.arange(n), np.zeros(n), np.arange(n)),
-                                      runner.cache)
-        return logits.numpy().astype(np.float32)
 
 
 def _reference(model, tokens: list[int]) -> tuple[np.ndarray, list]:
@@ -133,34 +111,30 @@ def test_folder_and_f32_gguf_match_transformers(made):
         assert set(chosen.ravel().tolist()) == set(range(SIZES["num_experts"]))
     bound = 1e-4 * spread(ref)
     for kind in ("hf", "F32"):
-        ours = _ours(files[kind], PROMPT)
-        assert np.abs(ours - ref).max() <= bound, (kind, np.abs(ours - ref).max() / spread(ref))
+        got = ours(files[kind], PROMPT, float_weights=False)
+        assert np.abs(got - ref).max() <= bound, (kind, np.abs(got - ref).max() / spread(ref))
 
 
 def test_greedy_tokens_match_transformers(made):
     arch, model, files = made
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    want = out[0, len(PROMPT):].tolist()
+    want = reference_greedy(model, PROMPT, 32)
     for kind in ("hf", "F32"):
-        req = Request(PROMPT, SamplerOptions(temperature=0.0), max_tokens=32, sequence=0)
-        assert list(_runner(files[kind]).generate_tokens(req, GenerationStats())) == want, kind
+        assert ours_greedy(files[kind], PROMPT, 32) == want, kind
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K_M"])
 def test_quantized_gguf_matches_transformers_on_its_weights(made, kind):
     arch, _, files = made
-    runner = _runner(files[kind])
-    experts = [w for w in runner.model.layers.values() if w.get("experts_gate") is not None]
+    r = runner(files[kind], float_weights=False)
+    experts = [w for w in r.model.layers.values() if w.get("experts_gate") is not None]
     assert len(experts) == SIZES["num_hidden_layers"]
     assert all(w[k].is_quantized for w in experts for k in ("experts_gate", "experts_up", "experts_down"))
     import gguf  # resident weights: the file's tensor bytes, within 5 %
 
-    assert runner.backend.weights_nbytes() <= 1.05 * sum(int(t.n_bytes) for t in gguf.GGUFReader(files[kind]).tensors)
+    assert r.backend.weights_nbytes() <= 1.05 * sum(int(t.n_bytes) for t in gguf.GGUFReader(files[kind]).tensors)
     ref, _ = _reference(_dequantized_reference(arch, files[kind]), PROMPT)
-    ours = _ours(files[kind], PROMPT)
-    assert np.abs(ours - ref).max() <= 1e-4 * spread(ref), np.abs(ours - ref).max() / spread(ref)
+    got = ours(files[kind], PROMPT, float_weights=False)
+    assert np.abs(got - ref).max() <= 1e-4 * spread(ref), np.abs(got - ref).max() / spread(ref)
 
 
 def test_llama_cpp_agrees_on_f32(made):
@@ -168,6 +142,6 @@ def test_llama_cpp_agrees_on_f32(made):
     the activations to 8 bits before each product, which flips near-tied router choices of this random model: no
     bound at 1e-3 of the spread holds there (docs/models-coverage.md has the figures)."""
     _, _, files = made
-    ours = _ours(files["F32"], PROMPT)
+    got = ours(files["F32"], PROMPT, float_weights=False)
     theirs = llama_cpp_logits(files["F32"], PROMPT)
-    assert np.abs(ours - theirs).max() <= 1e-3 * spread(theirs), np.abs(ours - theirs).max() / spread(theirs)
+    assert np.abs(got - theirs).max() <= 1e-3 * spread(theirs), np.abs(got - theirs).max() / spread(theirs)
