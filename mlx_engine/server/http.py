@@ -16,8 +16,8 @@ import pydantic
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from mlx_engine.errors import (EngineError, InvalidRequestError, MemoryBudgetError, ModelNotFoundError,
-                               ServerBusyError, UnsupportedError)
+from mlx_engine.errors import (EngineError, GenerationInterruptedError, InvalidRequestError, MemoryBudgetError,
+                               ModelNotFoundError, ServerBusyError, UnsupportedError)
 from mlx_engine.models.options import GenerationOptions
 from mlx_engine.server.pool import Loaded, ModelPool
 from mlx_engine.server.scheduler import JobStats, TextJob
@@ -58,6 +58,8 @@ def problem_from(exc: BaseException) -> HTTPProblem:
     if isinstance(exc, ServerBusyError):
         return HTTPProblem(429, str(exc), kind="rate_limit_error",
                            headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+    if isinstance(exc, GenerationInterruptedError):  # the model went away mid-answer: the server's side, retryable
+        return HTTPProblem(503, str(exc), kind="server_error", headers={"Retry-After": "1"})
     if isinstance(exc, MemoryBudgetError):
         return HTTPProblem(503, str(exc), kind="server_error")
     if isinstance(exc, ModelNotFoundError):
