@@ -103,9 +103,10 @@ def test_keep_alive_0_waits_for_running_requests(server):
                 "model": MODEL, "prompt": COUNTING, "max_tokens": 120, "stream": True}) as r:
             lines = []
             for line in r.iter_lines():
-                lines.append(line)
-                if len(lines) == 2:
-                    started.wait(60)
+                if line:
+                    lines.append(line)
+                    if len(lines) == 2:
+                        started.wait(60)
             results[i] = lines
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]

@@ -248,6 +248,9 @@ def serve(config: ServerConfig) -> None:
             Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                   http=read_timeout_protocol(config.read_timeout),
                                   timeout_graceful_shutdown=config.shutdown_timeout)).run(sockets=[sock])
+    except SystemExit:
+        if state.startup_error is None:  # uvicorn exits 3 when the lifespan failed: ours is raised below
+            raise
     finally:
         logging.getLogger("uvicorn.error").removeFilter(quiet)
     error = state.startup_error
