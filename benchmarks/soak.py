@@ -10,8 +10,8 @@ It reports, per kind: requests, answers as expected, expected 4xx, and every oth
 answer cut short, a stream without its finish, a transport error); the server's resident memory (RSS) at
 ``--rss-mark`` minutes (5; half the run when shorter) and at the end, and the growth between; the KV cells in use
 (``/status``) after the models loaded and at the end, and whether any request was left running. Exit status 1 when
-there were errors, a request left running, or (a server it started) a traceback in the server's log or an abnormal
-exit.
+there were errors, a request left running, or (a server it started) a traceback or a 500 in the server's log, or an
+exit other than 0 or SIGTERM's (uvicorn re-raises the signal that stopped it).
 
 Example: python benchmarks/soak.py --minutes 3
 """
@@ -313,9 +313,13 @@ def main() -> int:
     print(f"RSS: start {fmt(rss_start)}, at {mark_s / 60:.1f} min {fmt(rss_mark)}, end {fmt(rss_end)} "
           f"(growth since the mark {growth})")
     left = {k: end.get(k) for k in ("decoding", "prefilling", "queued")}
-    print(f"KV cells in use: after load {base.get('cells_in_use')}, at the end {end.get('cells_in_use')} "
-          f"(finished conversations kept for the prefix cache, at most {end.get('slots')} slots); "
-          f"requests left: {left}")
+    if end:
+        print(f"KV cells in use: after load {base.get('cells_in_use')}, at the end {end.get('cells_in_use')} "
+              f"(finished conversations kept for the prefix cache, at most {end.get('slots')} slots); "
+              f"requests left: {left}")
+    else:  # the last unload of the run let go of it
+        print(f"KV cells in use: after load {base.get('cells_in_use')}; at the end the model is unloaded (its cache "
+              "freed, no request left)")
     bad = total["error"] > 0 or any(left.values())
     if proc is not None:
         proc.send_signal(signal.SIGTERM)
@@ -326,8 +330,11 @@ def main() -> int:
             code = "killed after 60 s"
         text = log.read_text(errors="replace")
         tracebacks, e500 = text.count("Traceback"), sum(" 500 " in ln for ln in text.splitlines())
-        print(f"server: exit {code}, log {log}: {tracebacks} tracebacks, {e500} lines with status 500")
-        bad = bad or code != 0 or tracebacks > 0 or e500 > 0
+        # uvicorn ends a server stopped by a signal by raising that signal again once it has shut down
+        clean = code in (0, -signal.SIGTERM)
+        print(f"server: exit {code}{' (SIGTERM, after a graceful shutdown)' if code == -signal.SIGTERM else ''}, "
+              f"log {log}: {tracebacks} tracebacks, {e500} lines with status 500")
+        bad = bad or not clean or tracebacks > 0 or e500 > 0
     return 1 if bad else 0
 
 
