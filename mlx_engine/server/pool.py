@@ -99,6 +99,7 @@ class Loaded:
     last_used: float = field(default_factory=time.time)
     in_flight: int = 0  # requests being served (images; text requests are counted by the scheduler too)
     pinned: bool = False  # split over the ranks of a distributed run: loaded once, never unloaded
+    unloading: bool = False  # an unload waits for its requests: new ones wait for it to end, then load it again
 
     @property
     def expires_at(self) -> float:
@@ -166,6 +167,8 @@ class ModelPool:
         return await self._get(name, "image", path, keep_alive)
 
     async def _get(self, key: str, kind: str, what: Any, keep_alive: float | None) -> Loaded:
+        while (old := self.models.get(key)) is not None and old.unloading:  # wait for it to go, then load it again
+            await asyncio.sleep(_UNLOAD_POLL_S)
         async with self._load_lock:
             m = self.models.get(key)
             if m is None:
@@ -237,11 +240,11 @@ class ModelPool:
     async def unload(self, key: str, *, force: bool = False, reason: str = "unloaded") -> bool:
         """Unload a model. Whether it was loaded.
 
-        Without ``force`` (ollama's ``keep_alive: 0``) the model is marked to unload when idle (its keep_alive set
-        to 0) and this waits until its running and queued requests have finished, then unloads it; a later request
-        that sets its own keep_alive takes the mark off (as ollama's), and then the model stays. With ``force``
-        (a delete) running requests end at once with ``GenerationInterruptedError`` (``reason``), never with a
-        finish that looks complete.
+        Without ``force`` (ollama's ``keep_alive: 0``) the model is marked to unload: this waits until its running
+        and queued requests have finished, then unloads it; requests for it that come meanwhile wait for the unload
+        and load it again (as ollama's scheduler does), so that a busy model is unloaded in bounded time. The wait
+        goes on if the caller is cancelled. With ``force`` (a delete) running requests end at once with
+        ``GenerationInterruptedError`` (``reason``), never with a finish that looks complete.
         """
         m = self.models.get(key)
         if m is None:
@@ -249,17 +252,18 @@ class ModelPool:
         if m.pinned:
             raise InvalidRequestError(f"{key} is split over the ranks of this distributed server and stays loaded "
                                       "until the server stops")
-        if not force:
-            m.keep_alive = 0.0
-            while self.models.get(key) is m and not m.idle():
-                if m.keep_alive != 0.0:
-                    return True  # a later request wants it kept
-                await asyncio.sleep(_UNLOAD_POLL_S)
-            if self.models.get(key) is not m:
-                return True  # the expiry loop got there first
-        await self.worker.run(lambda: self._unload_now(m, reason))
+        if force:
+            await self.worker.run(lambda: self._unload_now(m, reason))
+        else:
+            m.unloading = True
+            await asyncio.shield(asyncio.ensure_future(self._unload_when_idle(m, reason)))
         log.info("unloaded %s", key)
         return True
+
+    async def _unload_when_idle(self, m: Loaded, reason: str) -> None:
+        while self.models.get(m.name) is m and not m.idle():
+            await asyncio.sleep(_UNLOAD_POLL_S)
+        await self.worker.run(lambda: self._unload_now(m, reason))
 
     async def expire(self) -> None:
         """Unload idle models whose keep_alive has passed."""
