@@ -9,7 +9,7 @@ import sys
 import click
 
 from mlx_engine.cli.options import ACTIVATIONS_OPTION
-from mlx_engine.errors import InvalidRequestError
+from mlx_engine.errors import EngineError, InvalidRequestError
 
 
 def _size(value: str | None) -> int | None:
@@ -59,12 +59,15 @@ def _size(value: str | None) -> int | None:
               "by path (repeatable). Without it requests name only pulled and catalog models.")
 @click.option("--no-pull", is_flag=True, envvar="MLX_ENGINE_NO_PULL", show_envvar=True,
               help="Refuse /api/pull: clients use only the models already here.")
+@click.option("--read-timeout", default=30.0, show_default=True, type=float, metavar="SECONDS",
+              help="Close a connection whose request headers take longer than this to arrive, or whose body pauses "
+                   "longer than this (slow or stalled clients).")
 @ACTIVATIONS_OPTION
 def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, context_length: int, keep_alive: str,
           memory_budget: str | None, api_key: str | None, kv_bits: str | None, max_queue: int,
           prefill_chunk: int, parallel: str | None, transport: str, activations: str | None,
           allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...], models_dirs: tuple[str, ...],
-          no_pull: bool) -> None:
+          no_pull: bool, read_timeout: float) -> None:
     """Serve text and image models over HTTP: the OpenAI API (/v1/...) and the ollama API (/api/...).
 
     \b
@@ -85,18 +88,24 @@ def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, con
                           api_key=api_key, kv_bits=None if kv_bits == "none" else int(kv_bits), max_queue=max_queue,
                           prefill_chunk=prefill_chunk, parallel=parallel, transport=transport,
                           activations=activations, allowed_hosts=list(allowed_hosts),
-                          allowed_origins=list(allowed_origins), models_dirs=list(models_dirs), pull=not no_pull)
+                          allowed_origins=list(allowed_origins), models_dirs=list(models_dirs), pull=not no_pull,
+                          read_timeout=read_timeout)
     config.check()
     if parallel is not None:
         from mlx_engine import api
 
         if api.launched_rank() != 0:  # serve rank 0's model (this returns only by ending the process)
             api.load(models[0], parallel=parallel, transport=transport, progress=False, activations=activations)
-    click.echo(f"mlx-engine serving on http://{host}:{port} (OpenAI: /v1, ollama: /api); Ctrl-C stops", err=True)
-    run_server(config)
+    click.echo(f"mlx-engine starting on http://{host}:{port} (OpenAI: /v1, ollama: /api); Ctrl-C stops", err=True)
+    status = 0
+    try:
+        run_server(config)
+    except EngineError as e:  # the server could not start (address in use, a --model that cannot load)
+        click.echo(f"Error: {e}", err=True)
+        status = 1
     # The server has stopped and its device thread has ended. MLX's threads and static destructors can race at
     # interpreter exit (std::terminate, SIGABRT after a clean stop): end the process here, output flushed.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)

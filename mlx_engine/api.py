@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.errors import ChatTemplateError, IncompleteOutputError, InvalidRequestError, MemoryBudgetError
+from mlx_engine.errors import (ChatTemplateError, GenerationInterruptedError, IncompleteOutputError,
+                               InvalidRequestError, MemoryBudgetError)
 from mlx_engine.kvcache.storage import HALF_KV_BITS, KV_BITS, stored_dtype
 from mlx_engine.image_api import (generate_image, load_image_model, open_init_image, read_image_parameters,
                                   save_image)
@@ -60,6 +61,7 @@ __all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "ChatRe
            "IMAGE_SUFFIXES"]
 
 DEFAULT_CONTEXT = 8192  # cap on the cache's capacity unless the caller asks for more
+_CLOSE_WAIT_S = 10.0  # how long close() waits for a generation in another thread to stop
 
 
 class Model:
@@ -137,6 +139,7 @@ class Model:
         }
         self._free_sequences = list(range(1, max_sequences))
         self._lock = threading.RLock()  # one request at a time on the runner (see _serialized)
+        self._closed = self._released = False  # close() was called; the weights were let go
 
     @property
     def kv_cache_type(self) -> str:
@@ -327,12 +330,30 @@ class Model:
         KV cache, whichever thread asks; the lock is taken at the first item and let go when the stream ends or is
         closed. MLX gives each thread its own default stream, so the work runs on the calling thread's."""
         with self._lock:
+            text: list[str] = []
             try:
-                yield from pieces
+                if self._closed:
+                    raise InvalidRequestError(f"the model {self.name} is closed; load it again")
+                while True:
+                    if self._closed:  # close() from another thread (or from this loop's body): stop before the
+                        # next token touches the weights; the caller gets an error, never a short answer
+                        raise GenerationInterruptedError(
+                            f"the answer is incomplete: the model {self.name} was closed while it was being "
+                            "generated; load it again and retry", "closed", "".join(text))
+                    try:
+                        p = next(pieces)
+                    except StopIteration:
+                        return
+                    if isinstance(p, str):
+                        text.append(p)
+                    yield p
             except RuntimeError as e:
                 if self.distributed is None:
                     raise
                 raise self.distributed.lost(e) from None
+            finally:
+                pieces.close()
+                self._release_if_closed()
 
     def generate(self, prompt: str, *, images: Any = None, **options: Any) -> "Answer":
         """The whole completion of ``prompt``: an :class:`Answer` (the answer's text; a reasoning model's thinking
@@ -404,6 +425,22 @@ class Model:
         return ChatSession(self, seq, system, options)
 
     def close(self) -> None:
+        """Let go of the weights and the KV cache. A generation running in another thread stops before its next
+        token and raises :class:`~mlx_engine.errors.GenerationInterruptedError`; later calls raise
+        ``InvalidRequestError``. Waits up to 10 seconds for a running generation to stop; a stream left unread past
+        that lets go of the model itself when it is next read or closed."""
+        self._closed = True
+        if self._lock.acquire(timeout=_CLOSE_WAIT_S):
+            try:
+                self._release_if_closed()
+            finally:
+                self._lock.release()
+
+    def _release_if_closed(self) -> None:
+        """With the lock held: free the model once, after close()."""
+        if not self._closed or self._released:
+            return
+        self._released = True
         if self.distributed is not None:
             self.distributed.stop()
         if self.text_model.vision is not None:

@@ -77,3 +77,14 @@ class ServerBusyError(EngineError):
 
 class MemoryBudgetError(EngineError):
     """A model (or a request) needs more memory than the budget has free. The message gives both numbers."""
+
+
+class GenerationInterruptedError(EngineError):
+    """A generation ended before its answer was complete because its model went away under it: unloaded by another
+    request, deleted, closed from another thread, or the server shutting down. ``reason`` says which
+    (``unloaded``, ``deleted``, ``closed``, ``shutdown``); ``text`` holds what was generated before the cut. Never
+    a short answer passed off as complete: retry the request (the model loads again on demand)."""
+
+    def __init__(self, message: str, reason: str = "unloaded", text: str = ""):
+        super().__init__(message)
+        self.reason, self.text = reason, text

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import string
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -122,7 +123,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         super().__init__(**kwargs)
         self.code_generator_class = _BoundedCodeGenerator
         self.concat = self._bounded_join
-        self._limits: Limits | None = None
+        # the limits of the rendering running in each thread: one environment (a model's template) may render
+        # for two threads at once, and one's end must not clear the other's limits
+        self._rendering = threading.local()
         for name, width_arg in (("center", "width"), ("indent", "width"), ("wordwrap", "width")):
             self.filters[name] = self._widened(self.filters[name], width_arg)
         self.filters["join"] = self._join_filter(self.filters["join"])
@@ -137,7 +140,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         Raises:
             TemplateLimitError: a limit was reached. Anything the template itself raises passes through.
         """
-        limits = self._limits = Limits(size, seconds)
+        limits = self._rendering.limits = Limits(size, seconds)
         previous = sys.gettrace()
 
         def local(frame, event, arg):
@@ -160,13 +163,14 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             return "".join(out)
         finally:
             sys.settrace(previous)
-            self._limits = None
+            self._rendering.limits = None
 
     @property
     def limits(self) -> Limits:
-        if self._limits is None:  # a template rendered outside render(): no limit was set, refuse
+        limits = getattr(self._rendering, "limits", None)
+        if limits is None:  # a template rendered outside render(): no limit was set, refuse
             raise TemplateLimitError("chat templates are rendered only through BoundedEnvironment.render")
-        return self._limits
+        return limits
 
     # ---- operators ---------------------------------------------------------------------------------------------
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:

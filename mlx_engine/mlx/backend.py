@@ -562,6 +562,7 @@ class MLXBackend(Backend):
         return sum(t.nbytes for t in self._weights.values())
 
     def new_context(self) -> MLXContext:
+        runtime.watch_thread_exit()
         return MLXContext()
 
     def compile(self, fn):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 
 from mlx_engine.errors import EngineError
 
@@ -90,3 +91,30 @@ def select_device(requested: str | None = None) -> str:
     matvec_block = 1_000_000 if want == "cpu" and _blas.startswith("OpenBLAS") else 0
     on_cpu = want == "cpu"
     return want
+
+
+class _ThreadEnd:
+    """Lives in a thread-local slot of a thread that ran MLX work; let go when that thread ends (while it still holds
+    the interpreter: Python clears a thread's locals before ``Thread.join`` returns)."""
+
+    def __del__(self) -> None:
+        # MLX keeps this thread's ``mx.compile`` traces (which hold Python objects) and its default stream in C++
+        # thread-locals. Left to the thread's C++ exit they are freed after join() has returned, and their Python
+        # objects then take the interpreter's lock; when the main thread is finalizing the interpreter by then, that
+        # ends the thread with a forced unwind through a noexcept destructor: std::terminate, exit 134 after a
+        # correct run. So: wait for the work in flight (a pipelined decode step), free them here, now.
+        try:
+            mx.synchronize()
+            mx.clear_streams()
+        except Exception:  # noqa: BLE001 -- a thread's end must not raise; the process goes on
+            pass
+
+
+_thread_end = threading.local()
+
+
+def watch_thread_exit() -> None:
+    """Call on a thread about to run MLX work: its MLX thread state is freed when it ends (see :class:`_ThreadEnd`).
+    The main thread needs none (MLX frees its state in an ``atexit`` hook)."""
+    if getattr(_thread_end, "slot", None) is None and threading.current_thread() is not threading.main_thread():
+        _thread_end.slot = _ThreadEnd()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import ipaddress
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from mlx_engine.errors import InvalidRequestError
+from mlx_engine.errors import EngineError, InvalidRequestError
 from mlx_engine.ml import ACTIVATIONS
 from mlx_engine.server import ollama_api, openai_api
 from mlx_engine.server.guard import BrowserGuard, check_hosts, check_origins, error_response, split_list
@@ -53,6 +55,7 @@ class ServerConfig:
     max_queue: int = 64
     max_body_bytes: int = DEFAULT_MAX_BODY
     shutdown_timeout: float = 5.0
+    read_timeout: float = 30.0  # seconds for a request's headers, and the longest pause inside its body
     store_root: str | None = None  # the model store (default: $MLX_ENGINE_HOME or the cache folder)
     parallel: str | None = None  # split the one --model over the ranks of mlx.launch: pipeline or tensor
     transport: str = "any"
@@ -68,6 +71,9 @@ class ServerConfig:
                 raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequestError("--context-length must be at least 2")
+        if not 0 < self.read_timeout <= 3600:
+            raise InvalidRequestError(f"--read-timeout must be more than 0 and at most 3600 seconds, not "
+                                      f"{self.read_timeout}")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"--port must be in 0..65535, not {self.port}")
         if self.activations is not None and self.activations not in ACTIVATIONS:
@@ -167,16 +173,21 @@ def create_app(config: ServerConfig):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         worker.start()
-        for name in config.models:
-            pool.permit(name)  # the operator chose it: requests may name its path too
-            if pool.image_path(name) is not None:
-                await pool.image(name, float("inf"))
-            else:
-                resolved = await asyncio.to_thread(pool.store.resolve, name, pull=True, progress=False)
-                pool.permit(resolved.name)  # a folder given: the file found in it
-                if config.parallel is not None:
-                    pool.parallel_model = resolved.name
-                await pool.text(resolved.name, float("inf"))
+        try:
+            for name in config.models:
+                pool.permit(name)  # the operator chose it: requests may name its path too
+                if pool.image_path(name) is not None:
+                    await pool.image(name, float("inf"))
+                else:
+                    resolved = await asyncio.to_thread(pool.store.resolve, name, pull=True, progress=False)
+                    pool.permit(resolved.name)  # a folder given: the file found in it
+                    if config.parallel is not None:
+                        pool.parallel_model = resolved.name
+                    await pool.text(resolved.name, float("inf"))
+        except BaseException as e:
+            state.startup_error = e  # serve() reports it as one "Error:" line
+            worker.stop(timeout=config.shutdown_timeout)
+            raise
         expiry = asyncio.ensure_future(expire_loop())
         try:
             yield
@@ -228,25 +239,80 @@ def create_app(config: ServerConfig):
 
 def serve(config: ServerConfig) -> None:
     """Run the server until SIGINT or SIGTERM: uvicorn stops accepting, gives running requests
-    ``config.shutdown_timeout`` seconds, then cancels them (their cells are freed) and the device thread stops."""
+    ``config.shutdown_timeout`` seconds, then ends them with an error event (never a finish that looks complete) and
+    the device thread stops.
+
+    Raises:
+        EngineError: the server could not start: the address cannot be bound (checked first, before any model
+            loads), or a ``--model`` cannot be found or loaded (a memory budget too small, say).
+    """
     import uvicorn
+
+    from mlx_engine.server.timeouts import read_timeout_protocol
 
     config.check()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    sock = bind_socket(config.host, config.port)
     app = create_app(config)
-    worker = app.server.worker
+    state = app.server
+    worker = state.worker
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            # Running requests end now, each with its final chunk, so that every stream closes cleanly and the
+            # Running requests end now, each with its error event, so that every stream closes cleanly and the
             # graceful shutdown does not wait for answers nobody will read.
             if not self.should_exit:
-                log.info("stopping: cancelling running requests")
+                log.info("stopping: ending running requests")
                 worker.call(worker.cancel_all)
             super().handle_exit(sig, frame)
 
-    Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on")).run()
+    # uvicorn logs a failed start-up with the traceback; serve's caller prints the error itself
+    quiet = _DropWhile(lambda: state.startup_error is not None)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
+    try:
+        with sock:
+            Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                  http=read_timeout_protocol(config.read_timeout),
+                                  timeout_graceful_shutdown=config.shutdown_timeout)).run(sockets=[sock])
+    except SystemExit:
+        if state.startup_error is None:  # uvicorn exits 3 when the lifespan failed: ours is raised below
+            raise
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
+    error = state.startup_error
+    if isinstance(error, EngineError):
+        raise error
+    if error is not None:
+        raise EngineError(f"the server could not start: {type(error).__name__}: {error}") from error
+
+
+class _DropWhile(logging.Filter):
+    def __init__(self, condition):
+        super().__init__()
+        self.condition = condition
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.condition()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening), so that an address in use is reported before any
+    model loads. Raises ``InvalidRequestError`` naming the address and what to do."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as e:
+        raise InvalidRequestError(f"cannot listen on {host}:{port}: the host does not resolve ({e})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart while old sockets linger
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise InvalidRequestError(f"port {port} on {host} is in use (another server?): stop it or choose "
+                                      "another --port") from None
+        raise InvalidRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def api_key_from_env() -> str | None:

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from mlx_engine.errors import (EngineError, InvalidRequestError, MemoryBudgetError, ModelNotFoundError,
-                               ServerBusyError, UnsupportedError)
+from mlx_engine.errors import (EngineError, GenerationInterruptedError, InvalidRequestError, MemoryBudgetError,
+                               ModelNotFoundError, ServerBusyError, UnsupportedError)
 from mlx_engine.models.options import GenerationOptions
 from mlx_engine.server.pool import Loaded, ModelPool
 from mlx_engine.server.scheduler import JobStats, TextJob
@@ -38,6 +38,7 @@ class ServerState:
     pool: ModelPool
     max_body_bytes: int = DEFAULT_MAX_BODY
     started_at: float = field(default_factory=time.time)
+    startup_error: BaseException | None = None  # why loading the --model list failed (serve reports it)
 
 
 class HTTPProblem(Exception):
@@ -45,6 +46,8 @@ class HTTPProblem(Exception):
 
     def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
                  headers: dict[str, str] | None = None):
+        # what an error echoes of the request may hold lone surrogates: escaped, so that the body always encodes
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
 
@@ -57,6 +60,8 @@ def problem_from(exc: BaseException) -> HTTPProblem:
     if isinstance(exc, ServerBusyError):
         return HTTPProblem(429, str(exc), kind="rate_limit_error",
                            headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+    if isinstance(exc, GenerationInterruptedError):  # the model went away mid-answer: the server's side, retryable
+        return HTTPProblem(503, str(exc), kind="server_error", headers={"Retry-After": "1"})
     if isinstance(exc, MemoryBudgetError):
         return HTTPProblem(503, str(exc), kind="server_error")
     if isinstance(exc, ModelNotFoundError):
@@ -77,10 +82,14 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise HTTPProblem(413, f"the request body is larger than the server's limit of {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HTTPProblem(413, f"the request body is larger than the server's limit of {limit} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise HTTPProblem(413, f"the request body is larger than the server's limit of {limit} bytes")
+    except ClientDisconnect:  # the client left (or was timed out) mid-body: nobody reads an answer
+        request.scope.setdefault("state", {})["log"] = "client disconnected while sending the body"
+        raise HTTPProblem(499, "the client disconnected while sending the request body") from None
     if not body:
         raise HTTPProblem(400, "the request has no body; send a JSON object")
     try:
@@ -89,7 +98,33 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise HTTPProblem(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise HTTPProblem(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    check_strings(data)
     return data
+
+
+def check_strings(value: Any, where: str = "") -> None:
+    """Refuse (400) a string anywhere in a parsed JSON body that holds a NUL character or a lone UTF-16 surrogate
+    (JSON's ``"\\ud800"`` decodes to one): neither is text a model, a tokenizer or a file name can take. The error
+    names the field; what it echoes is escaped. Iterative, so its depth is bounded by the JSON parser's."""
+    stack = [(where, value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in v.items())
+            stack.extend((f"{path} (a key)", k) for k in v)
+        elif isinstance(v, list):
+            stack.extend((f"{path}.{i}" if path else str(i), x) for i, x in enumerate(v))
+        elif isinstance(v, str) and ("\x00" in v or not v.isascii()):
+            if "\x00" in v:
+                raise HTTPProblem(400, f"{path or 'the body'} holds a NUL character (\\u0000); remove it",
+                                  param=path.split(".")[0] or None)
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                bad = v[e.start:e.end].encode("utf-8", "backslashreplace").decode()
+                raise HTTPProblem(400, f"{path or 'the body'} holds a lone UTF-16 surrogate ({bad}): text must be "
+                                       "valid Unicode (surrogates come in pairs)",
+                                  param=path.split(".")[0] or None) from None
 
 
 def validate(schema: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:

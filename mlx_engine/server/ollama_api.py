@@ -111,8 +111,8 @@ def _now() -> str:
 
 
 def _iso(ts: float) -> str:
-    if ts == float("inf"):
-        ts = 253402300799  # the end of year 9999 for "never"
+    if not ts < 253402300799:  # "never" (inf), or past what a date holds: the end of year 9999
+        ts = 253402300799
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
@@ -240,7 +240,10 @@ def routes(state: ServerState) -> list[Route]:
                             f"model={loaded.name} completion={value.completion_tokens}")
                         yield json.dumps(final(value, "")) + "\n"
             except Exception as e:  # noqa: BLE001 -- the status is sent; the error goes in the stream
-                yield json.dumps({"error": problem_from(e).message}) + "\n"
+                # a final line that cannot pass for a complete answer: done_reason "error" and the error (the ollama
+                # clients raise ResponseError on an "error" field)
+                yield json.dumps({"model": req.model, "created_at": _now(), **body(""), "done": True,
+                                  "done_reason": "error", "error": problem_from(e).message}) + "\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -394,7 +397,7 @@ def routes(state: ServerState) -> list[Route]:
             req = validate(NameRequest, await read_json(request, state.max_body_bytes))
             name = req.key()
             key = pool.resolve_text(name).name if name not in pool.models else name
-            await pool.unload(key)
+            await pool.unload(key, force=True, reason="deleted")  # its files go: running answers end with an error
             await asyncio.to_thread(pool.store.remove, name)
         except ModelNotFoundError as e:
             return JSONResponse({"error": f"model '{name}' not found ({e})"}, status_code=404)

@@ -319,8 +319,14 @@ def routes(state: ServerState) -> list[Route]:
                         if include_usage:
                             yield _sse({**head, "choices": [], "usage": _usage(value)})
             except Exception as e:  # noqa: BLE001 -- the status is sent; the error goes in the stream
+                # A final chunk whose finish_reason is "error" (vLLM's name for a failed request) for readers that
+                # stop at the first finish_reason, then the error event (the openai client raises APIError on it);
+                # no [DONE], which would say the answer is complete.
                 p = problem_from(e)
+                _note(request, loaded.name)
+                yield _sse({**head, "choices": [choice(None if chat else "", "error", True)]})
                 yield _sse({"error": {"message": p.message, "type": p.kind, "param": p.param, "code": p.status}})
+                return
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",

@@ -39,27 +39,37 @@ log = logging.getLogger("mlx_engine.server")
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _GRACE_S = 2.0
+_UNLOAD_POLL_S = 0.05  # how often a waiting unload looks whether its model's requests have finished
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_MAX_KEEP_ALIVE = (2**63 - 1) / 1e9  # seconds: the longest duration ollama (Go's time.Duration) can hold
 
 
 def parse_keep_alive(value: Any, option: str = "keep_alive") -> float:
     """Seconds from an ollama ``keep_alive``: a number of seconds or a duration string (``"5m"``, ``"1h30m"`` is
-    not accepted; ``"90m"`` is). Negative means forever (returned as ``inf``).
+    not accepted; ``"90m"`` is). As ollama (``api/types.go``, ``Duration.UnmarshalJSON``): a negative value means
+    forever (returned as ``inf``); a duration longer than ollama can hold (about 292 years, Go's
+    ``time.Duration``) is refused, as ollama refuses ``"99999999h"``.
 
     Raises:
-        InvalidRequestError: anything else.
+        InvalidRequestError: anything else (NaN, text that is not a duration, a duration too long).
     """
     if isinstance(value, bool):
         raise InvalidRequestError(f"{option} must be a duration such as \"5m\" or a number of seconds, not {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str) and (mo := _DURATION.match(value)):
-        seconds = float(mo.group(1)) * _UNIT[mo.group(2)]
-    else:
-        raise InvalidRequestError(f"{option} must be a duration such as \"5m\", \"30s\" or \"1h\", or a number of "
-                                  f"seconds, not {value!r}")
+    try:
+        if isinstance(value, (int, float)):
+            seconds = float(value)
+        elif isinstance(value, str) and len(value) <= 64 and (mo := _DURATION.match(value)):
+            seconds = float(mo.group(1)) * _UNIT[mo.group(2)]
+        else:
+            raise InvalidRequestError(f"{option} must be a duration such as \"5m\", \"30s\" or \"1h\", or a "
+                                      f"number of seconds, not {value!r:.80}")
+    except OverflowError:  # an integer past float's range, 10**400 say
+        seconds = float("inf") if value > 0 else float("-inf")
     if seconds != seconds:
         raise InvalidRequestError(f"{option} must be a number, not NaN")
+    if seconds > _MAX_KEEP_ALIVE:
+        raise InvalidRequestError(f"{option} is too long (the longest is {_MAX_KEEP_ALIVE:.0f} seconds); give a "
+                                  "negative value to keep the model loaded until the server stops")
     return float("inf") if seconds < 0 else seconds
 
 
@@ -119,6 +129,7 @@ class Loaded:
     last_used: float = field(default_factory=time.time)
     in_flight: int = 0  # requests being served (images; text requests are counted by the scheduler too)
     pinned: bool = False  # split over the ranks of a distributed run: loaded once, never unloaded
+    unloading: bool = False  # an unload waits for its requests: new ones wait for it to end, then load it again
 
     @property
     def expires_at(self) -> float:
@@ -241,6 +252,8 @@ class ModelPool:
         return await self._get(name, "image", path, keep_alive)
 
     async def _get(self, key: str, kind: str, what: Any, keep_alive: float | None) -> Loaded:
+        while (old := self.models.get(key)) is not None and old.unloading:  # wait for it to go, then load it again
+            await asyncio.sleep(_UNLOAD_POLL_S)
         async with self._load_lock:
             m = self.models.get(key)
             if m is None:
@@ -299,25 +312,43 @@ class ModelPool:
                 f"{', '.join(self.models) or 'none'}); retry when they are idle, unload one (keep_alive 0), or start "
                 "the server with a larger --memory-budget or a smaller --context-length / --max-sequences")
 
-    def _unload_now(self, m: Loaded) -> None:
-        """Device thread."""
+    def _unload_now(self, m: Loaded, reason: str = "unloaded") -> None:
+        """Device thread. Requests still running end with ``GenerationInterruptedError`` (``reason``)."""
+        if self.models.get(m.name) is not m:
+            return  # unloaded already (two unloads of one model met on the device thread)
         if m.scheduler is not None:
             self.worker.remove_scheduler(m.scheduler)
-            m.scheduler.close(unloaded=True)
+            m.scheduler.close(unloaded=True, reason=reason)
         m.obj.close()
         self.models.pop(m.name, None)
 
-    async def unload(self, key: str) -> bool:
-        """Unload a model now (its running requests are cancelled). Whether it was loaded."""
+    async def unload(self, key: str, *, force: bool = False, reason: str = "unloaded") -> bool:
+        """Unload a model. Whether it was loaded.
+
+        Without ``force`` (ollama's ``keep_alive: 0``) the model is marked to unload: this waits until its running
+        and queued requests have finished, then unloads it; requests for it that come meanwhile wait for the unload
+        and load it again (as ollama's scheduler does), so that a busy model is unloaded in bounded time. The wait
+        goes on if the caller is cancelled. With ``force`` (a delete) running requests end at once with
+        ``GenerationInterruptedError`` (``reason``), never with a finish that looks complete.
+        """
         m = self.models.get(key)
         if m is None:
             return False
         if m.pinned:
             raise InvalidRequestError(f"{key} is split over the ranks of this distributed server and stays loaded "
                                       "until the server stops")
-        await self.worker.run(lambda: self._unload_now(m))
+        if force:
+            await self.worker.run(lambda: self._unload_now(m, reason))
+        else:
+            m.unloading = True
+            await asyncio.shield(asyncio.ensure_future(self._unload_when_idle(m, reason)))
         log.info("unloaded %s", key)
         return True
+
+    async def _unload_when_idle(self, m: Loaded, reason: str) -> None:
+        while self.models.get(m.name) is m and not m.idle():
+            await asyncio.sleep(_UNLOAD_POLL_S)
+        await self.worker.run(lambda: self._unload_now(m, reason))
 
     async def expire(self) -> None:
         """Unload idle models whose keep_alive has passed."""
@@ -329,4 +360,4 @@ class ModelPool:
 
     async def close(self) -> None:
         for key in list(self.models):
-            await self.unload(key)
+            await self.unload(key, force=True, reason="shutdown")

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_engine.errors import EngineError, InvalidRequestError, ServerBusyError
+from mlx_engine.errors import EngineError, GenerationInterruptedError, InvalidRequestError, ServerBusyError
 from mlx_engine.ml import DType
 from mlx_engine.models.options import GenerationOptions
 from mlx_engine.models.reasoning import THINKING
@@ -366,13 +366,26 @@ class TextScheduler:
             j.emit("error", error)
         self._prefilling, self._decoding = [], []
 
-    def close(self, unloaded: bool = False) -> None:
-        """Cancel everything (the server is stopping, or with ``unloaded`` the model is gone: later submits fail)."""
+    def close(self, unloaded: bool = False, reason: str = "shutdown") -> None:
+        """End every queued and running request with :class:`GenerationInterruptedError` (``reason``: why the model
+        went away: ``shutdown``, ``unloaded``, ``deleted``), never with a finish that looks complete; with
+        ``unloaded`` later submits fail too. A request its own client cancelled just ends (nobody reads it)."""
         with self._lock:
             self._unloaded = self._unloaded or unloaded
             pending, self._pending = list(self._pending), deque()
-        for j in pending:
-            j.stats.finish_reason = "cancelled"
-            j.emit("done", j.stats)
-        for j in self._prefilling + self._decoding:
-            self._finish(j, "cancelled")
+        for j in pending + self._prefilling + self._decoding:
+            if j.cancelled:
+                self._finish(j, "cancelled")
+                continue
+            self._fail(j, interrupted(reason, j.generated))
+
+
+_WHY = {"shutdown": "the server is shutting down", "unloaded": "another request unloaded the model",
+        "deleted": "the model was deleted", "closed": "the model was closed"}
+
+
+def interrupted(reason: str, generated: int) -> GenerationInterruptedError:
+    """The error of a request cut after ``generated`` tokens because its model went away (``reason``)."""
+    return GenerationInterruptedError(
+        f"the answer is incomplete: {_WHY.get(reason, reason)} after {generated} generated tokens; retry the request",
+        reason)
