@@ -360,7 +360,7 @@ def test_slowloris_is_cut_within_the_read_timeout_while_others_are_served(server
 def test_disconnect_mid_body_is_one_info_line(server, caplog):
     caplog.set_level(logging.INFO, logger="mlx_engine.server")
     with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 500\r\n\r\n{\"model\": ")
         time.sleep(0.3)
     for _ in range(50):
