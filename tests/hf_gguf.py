@@ -149,8 +149,9 @@ import sys
 import llama_cpp
 import numpy as np
 tokens = [int(t) for t in sys.argv[2].split(",")]
+# the KV cache in float32 (llama.cpp's default is float16), so that the comparison sees the model, not the cache
 llm = llama_cpp.Llama(sys.argv[1], n_ctx=max(len(tokens), 16), n_batch=max(len(tokens), 16), n_threads=2,
-                      logits_all=True, verbose=False)
+                      logits_all=True, verbose=False, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
 llm.eval(tokens)
 np.save(sys.argv[3], np.asarray(llm.scores[:len(tokens)], np.float32))
 """
