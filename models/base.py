@@ -229,6 +229,18 @@ class DecoderModel(abc.ABC):
         }
         return {k: self.w.get(p + v) for k, v in names.items()}
 
+    def use_context(self, tokens: int) -> None:
+        """Called once, before the first forward pass, with the most tokens a sequence will hold here: a LongRoPE
+        model (``config.rope_long_freqs``) takes its long factors when ``tokens`` exceeds the original context, as
+        llama.cpp does by its context size (transformers decides per call by the sequence's length, which a KV
+        cache cannot follow)."""
+        c = self.config
+        if c.rope_long_freqs is not None and tokens > c.rope_original_context:
+            self._rope_freqs = self.backend.new_context().from_numpy(np.asarray(c.rope_long_freqs, np.float32))
+            self._compiled.clear()  # traces hold the RoPE they were made with
+            self._block_of.clear()
+            self._whole_step = None
+
     # ---- caches ------------------------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
         return self.config.layer_types[layer] == "sliding_attention"

@@ -22,6 +22,12 @@ class DecoderConfig:
         rope_theta: RoPE base of the global (full-attention) layers; ``rope_local_theta`` of the sliding layers.
         rope_freqs: explicit RoPE periods ``[head_dim/2]`` after frequency scaling (Llama 3), or None.
         rope_scale: positions are multiplied by it (linear RoPE scaling: ``1 / factor``).
+        rope_long_freqs, rope_original_context: LongRoPE (Phi-3): the periods ``[rope_dims/2]`` with the long
+            factors, taken instead of ``rope_freqs`` (the short factors') when the context a model is run with
+            exceeds ``rope_original_context`` (:meth:`DecoderModel.use_context`; llama.cpp's rule).
+        rope_attention_factor: LongRoPE's attention factor, multiplying the rotated features of queries and keys
+            (transformers scales the cosines and sines by it); the architecture folds it into ``query_scale``
+            (every feature rotated) or its query weights (``Phi3.__init__``).
         rope_traditional: rotate interleaved pairs, for GGUF Llama checkpoints whose Q/K rows llama.cpp's converter
             permuted (attention scores are unchanged: queries and keys are permuted alike).
         sliding_window: the window ``W`` in the cache's convention (a token sees ``W + 1`` keys), or None.
@@ -57,6 +63,9 @@ class DecoderConfig:
     rope_local_theta: float | None = None
     rope_freqs: np.ndarray | None = None
     rope_scale: float = 1.0
+    rope_long_freqs: np.ndarray | None = None
+    rope_original_context: int = 0
+    rope_attention_factor: float = 1.0
     rope_traditional: bool = False
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)
@@ -90,7 +99,8 @@ class DecoderConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v >= 1 << 31:
                 raise WeightsError(f"model config has {name} = {v!r}; it must be a positive integer below 2**31")
-        for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "rope_scale", "query_scale", "embed_scale"):
+        for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "rope_scale", "rope_attention_factor",
+                     "query_scale", "embed_scale"):
             v = getattr(self, name)
             if v is None and name in ("rope_local_theta", "query_scale", "embed_scale"):
                 continue
@@ -103,11 +113,6 @@ class DecoderConfig:
             raise WeightsError(f"model config has head_dim = {self.head_dim}; RoPE needs an even head size")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise WeightsError(f"model config has sliding_window = {self.sliding_window!r}; it must be at least 2")
-        if self.rope_freqs is not None:
-            f = np.asarray(self.rope_freqs)
-            if f.shape != (self.head_dim // 2,) or not np.all(np.isfinite(f)) or not np.all(f > 0):
-                raise WeightsError(f"the model's RoPE frequencies have shape {f.shape} (want ({self.head_dim // 2},)) "
-                                   "or values that are not finite and positive")
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_layers
         if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= _LAYER_TYPES:
@@ -120,6 +125,13 @@ class DecoderConfig:
                                            or not 0 < self.rope_dims <= self.head_dim):
             raise WeightsError(f"model config rotates {self.rope_dims!r} features per head with RoPE; it must be "
                                f"an even number from 2 to head_dim {self.head_dim}")
+        for freqs in (self.rope_freqs, self.rope_long_freqs):
+            if freqs is None:
+                continue
+            f, half = np.asarray(freqs), (self.rope_dims or self.head_dim) // 2
+            if f.shape != (half,) or not np.all(np.isfinite(f)) or not np.all(f > 0):
+                raise WeightsError(f"the model's RoPE frequencies have shape {f.shape} (want ({half},)) "
+                                   "or values that are not finite and positive")
         if "linear_attention" in self.layer_types:
             hk, hv, dk, dv = self.linear_heads or (0, 0, 0, 0)
             if min(hk, hv, dk, dv) <= 0 or hv % hk or self.conv_kernel < 2:
