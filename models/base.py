@@ -506,7 +506,8 @@ class DecoderModel(abc.ABC):
             rows = h[0, int(out[0]):int(out[0]) + 1]
         else:
             rows = h[0].take(ctx.from_numpy(out, DType.INT32), axis=0)
-        return rows.rms_norm(self.w["model.norm.weight"], self.config.rms_norm_eps).linear(self.head)
+        logits = rows.rms_norm(self.w["model.norm.weight"], self.config.rms_norm_eps).linear(self.head)
+        return logits if self.config.logit_scale == 1.0 else logits * (1.0 / self.config.logit_scale)
 
 
 @dataclass

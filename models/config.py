@@ -35,7 +35,10 @@ class DecoderConfig:
             cache), ``"conv"`` or ``"linear_attention"`` (recurrent, hybrid models), ``"cross_attention"`` (over an
             image's encoder output, Llama 3.2 Vision).
         query_scale: the attention scale (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5`` for Gemma).
-        embed_scale: embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)``).
+        embed_scale: embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)``; Granite's multiplier).
+        residual_scale: each layer's attention and MLP outputs are multiplied by it before their residual adds
+            (Granite's ``residual_multiplier``; 1: off, and the fused one-token paths are taken).
+        logit_scale: the logits are divided by it (Granite's ``logits_scaling``; 1: off).
         qk_norm: per-head RMSNorm on queries and keys (Qwen3, Gemma 3).
         sandwich_norm: RMSNorm after attention and after the MLP too (Gemma 2/3).
         activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU).
@@ -71,6 +74,8 @@ class DecoderConfig:
     layer_types: list[str] = field(default_factory=list)
     query_scale: float | None = None
     embed_scale: float | None = None
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
     qk_norm: bool = False
     sandwich_norm: bool = False
     activation: str = "silu"
@@ -100,7 +105,7 @@ class DecoderConfig:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v >= 1 << 31:
                 raise WeightsError(f"model config has {name} = {v!r}; it must be a positive integer below 2**31")
         for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "rope_scale", "rope_attention_factor",
-                     "query_scale", "embed_scale"):
+                     "query_scale", "embed_scale", "residual_scale", "logit_scale"):
             v = getattr(self, name)
             if v is None and name in ("rope_local_theta", "query_scale", "embed_scale"):
                 continue
