@@ -39,6 +39,8 @@ class DecoderConfig:
         residual_scale: each layer's attention and MLP outputs are multiplied by it before their residual adds
             (Granite's ``residual_multiplier``; 1: off, and the fused one-token paths are taken).
         logit_scale: the logits are divided by it (Granite's ``logits_scaling``; 1: off).
+        query_temperature: ``(beta, n)``: queries at position ``p`` times ``1 + beta * log(1 + floor(p / n))``
+            (Llama 4's attention temperature tuning, Ministral 3's ``llama_4_scaling_beta``); None: off.
         qk_norm: per-head RMSNorm on queries and keys (Qwen3, Gemma 3).
         sandwich_norm: RMSNorm after attention and after the MLP too (Gemma 2/3).
         activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU).
@@ -76,6 +78,7 @@ class DecoderConfig:
     embed_scale: float | None = None
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    query_temperature: tuple[float, int] | None = None
     qk_norm: bool = False
     sandwich_norm: bool = False
     activation: str = "silu"
@@ -130,6 +133,11 @@ class DecoderConfig:
                                            or not 0 < self.rope_dims <= self.head_dim):
             raise WeightsError(f"model config rotates {self.rope_dims!r} features per head with RoPE; it must be "
                                f"an even number from 2 to head_dim {self.head_dim}")
+        if self.query_temperature is not None:
+            beta, n = self.query_temperature
+            if not math.isfinite(beta) or isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise WeightsError(f"model config has attention temperature {self.query_temperature!r}; it needs a "
+                                   "finite beta and a positive integer length")
         for freqs in (self.rope_freqs, self.rope_long_freqs):
             if freqs is None:
                 continue
@@ -218,6 +226,42 @@ def llama3_rope_freqs(base: float, dims: int, factor: float, low_freq_factor: fl
     smooth = (original_context / wavelens - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
     return np.where(medium, smooth_freqs, out).astype(np.float32)
+
+
+def yarn_rope(base: float, dims: int, factor: float, original_context: int, beta_fast: float = 32.0,
+              beta_slow: float = 1.0, mscale: float | None = None, mscale_all_dim: float | None = None,
+              truncate: bool = True) -> tuple[np.ndarray, float]:
+    """YaRN (Peng et al. 2023) as transformers' ``_compute_yarn_parameters``: ``(periods [dims/2], attention
+    factor)``, the periods blending interpolated (times ``factor``) and original ones over the correction range of
+    ``beta_fast`` to ``beta_slow`` rotations; the attention factor multiplies RoPE's cosines and sines.
+
+    Raises:
+        WeightsError: a factor or context that is not positive.
+    """
+    if not factor > 0 or not original_context > 0:
+        raise WeightsError(f"YaRN RoPE scaling has factor {factor!r} and original context {original_context!r}; "
+                           "both must be positive")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+            else get_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = np.clip((np.arange(dims // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos = base ** (np.arange(0, dims, 2, dtype=np.float32) / dims)
+    extrapolation = 1 - ramp
+    inv = (1 / (factor * pos)) * (1 - extrapolation) + (1 / pos) * extrapolation
+    return (1 / inv.astype(np.float64)).astype(np.float32), float(attn)
 
 
 def hf_rope_parameters(config: Any) -> tuple[float, dict | None]:

@@ -15,6 +15,7 @@ from mlx_engine.models.gemma3 import Gemma3
 from mlx_engine.models.granite import Granite
 from mlx_engine.models.lfm2 import LFM2
 from mlx_engine.models.llama import Llama
+from mlx_engine.models.mistral3 import Mistral3
 from mlx_engine.models.mllama import Mllama
 from mlx_engine.models.phi3 import Phi3
 from mlx_engine.models.qwen3 import Qwen3
@@ -25,7 +26,7 @@ from mlx_engine.models.tokenizer import Tokenizer
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": Llama, "mistral": Llama, "gemma3": Gemma3, "gemma3_text": Gemma3, "qwen3": Qwen3, "lfm2": LFM2,
     "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
-    "phi3": Phi3, "granite": Granite,
+    "phi3": Phi3, "granite": Granite, "mistral3": Mistral3, "ministral3": Mistral3,
 }
 
 
