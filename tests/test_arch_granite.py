@@ -1,13 +1,13 @@
 """IBM Granite 3.x (``granite``): a random transformers ``GraniteForCausalLM`` with grouped-query attention and its
 four multipliers (embedding, attention, residual, logits) far from their neutral values, against transformers and
-llama.cpp (see ``tests/arch_proof.py``)."""
+llama.cpp (see ``tests/hf_proof.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.arch_proof import (dequantized_into, distance, make_model, ours, perplexity, torch_greedy,
+from tests.hf_proof import (dequantized_into, distance, make_model, ours, perplexity, torch_greedy,
                               torch_logits, unpermute)
 from tests.hf_gguf import llama_cpp_logits, peaked
 

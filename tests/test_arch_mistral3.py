@@ -1,14 +1,14 @@
 """Ministral 3 / Mistral Small 3.x text (``mistral3``, ``ministral3``): a random transformers
 ``Ministral3ForCausalLM`` with grouped-query attention, a head size apart from hidden / heads, YaRN RoPE scaling and
 Llama 4's attention temperature (its original context shorter than the prompt, so both act), against transformers
-and llama.cpp (see ``tests/arch_proof.py``)."""
+and llama.cpp (see ``tests/hf_proof.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.arch_proof import (dequantized_into, distance, make_model, ours, perplexity, torch_greedy,
+from tests.hf_proof import (dequantized_into, distance, make_model, ours, perplexity, torch_greedy,
                               torch_logits, unpermute)
 from tests.hf_gguf import llama_cpp_logits, peaked
 

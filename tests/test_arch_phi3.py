@@ -1,13 +1,13 @@
 """Phi-3 / Phi-4 (``phi3``): a random transformers ``Phi3ForCausalLM`` with fused projections, grouped-query
 attention, partial rotary (Phi-4-mini's layout), LongRoPE with short and long factors and its attention factor, and a
-sliding window shorter than the prompt, against transformers and llama.cpp (see ``tests/arch_proof.py``)."""
+sliding window shorter than the prompt, against transformers and llama.cpp (see ``tests/hf_proof.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.arch_proof import (dequantized_into, distance, make_model, ours, perplexity, torch_greedy,
+from tests.hf_proof import (dequantized_into, distance, make_model, ours, perplexity, torch_greedy,
                               torch_logits)
 from tests.hf_gguf import llama_cpp_logits, peaked
 
