@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_engine.errors import UnsupportedError
+from mlx_engine.errors import UnsupportedError, WeightsError
 from mlx_engine.ml import Backend, Tensor
 from mlx_engine.models.base import DecoderModel, hf_names_from_gguf
 from mlx_engine.models.config import DecoderConfig, hf_rope_parameters, metadata_getter, vocab_size_of
@@ -129,7 +129,12 @@ class Phi3(DecoderModel):
                        for n, t in weights.items()}
         q, kv, ff = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
         out: dict[str, Tensor] = {}
+        fused = {"self_attn.qkv_proj.weight": q + 2 * kv, "mlp.gate_up_proj.weight": 2 * ff}
         for name, t in weights.items():
+            want = next((n for k, n in fused.items() if name.endswith(k)), None)
+            if want is not None and tuple(t.shape)[:1] != (want,):
+                raise WeightsError(f"tensor {name} has shape {tuple(t.shape)} but the model config implies {want} "
+                                   "rows; the file is inconsistent")
             if name.endswith("self_attn.qkv_proj.weight"):
                 p = name[:-len("qkv_proj.weight")]
                 out[p + "q_proj.weight"] = t.rows(list(range(q)))
