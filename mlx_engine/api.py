@@ -121,6 +121,7 @@ class Model:
         if ctx_len < 2:
             raise InvalidRequestError(f"context_length must be at least 2, got {ctx_len}")
         self.kv_cache_bytes = self._check_kv_memory(ctx_len, max_sequences, prefill_chunk, kv_bits)
+        self.text_model.use_context(ctx_len)
         self.context_length = ctx_len
         self.kv_bits = kv_bits
         self.activations = self.backend.activations

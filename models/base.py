@@ -229,6 +229,18 @@ class DecoderModel(abc.ABC):
         }
         return {k: self.w.get(p + v) for k, v in names.items()}
 
+    def use_context(self, tokens: int) -> None:
+        """Called once, before the first forward pass, with the most tokens a sequence will hold here: a LongRoPE
+        model (``config.rope_long_freqs``) takes its long factors when ``tokens`` exceeds the original context, as
+        llama.cpp does by its context size (transformers decides per call by the sequence's length, which a KV
+        cache cannot follow)."""
+        c = self.config
+        if c.rope_long_freqs is not None and tokens > c.rope_original_context:
+            self._rope_freqs = self.backend.new_context().from_numpy(np.asarray(c.rope_long_freqs, np.float32))
+            self._compiled.clear()  # traces hold the RoPE they were made with
+            self._block_of.clear()
+            self._whole_step = None
+
     # ---- caches ------------------------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
         return self.config.layer_types[layer] == "sliding_attention"
@@ -389,7 +401,8 @@ class DecoderModel(abc.ABC):
     def _run_whole_step(self, ctx: Context, batch: Batch, cache: "Cache") -> Tensor | None:
         """A one-token step through :class:`WholeStep` (None: it cannot run so; run it block by block)."""
         p = self.part
-        if p.reduce is not None or not (p.embed and p.head) or not all(self.is_attention(i) for i in self.layers):
+        if (p.reduce is not None or not (p.embed and p.head) or not all(self.is_attention(i) for i in self.layers)
+                or self.config.query_temperature is not None):  # a trace would hold one position's temperature
             return None
         if self._whole_step is None:
             self._whole_step = WholeStep(self, self.backend.compile)
@@ -411,6 +424,7 @@ class DecoderModel(abc.ABC):
         if compiled and angles is None and pos_tensor is None:
             pos_tensor = ctx.from_numpy(np.array([positions], np.int32))
         angles = dict(angles or {})  # per distinct RoPE: made once for all its layers
+        temperature = self._query_temperature(ctx, batch)
         # compiled steps: the last layer's final residual term, added to h by the next layer's input norm (one node)
         pending: Tensor | None = None
         # compiled steps taking the fused attention: this layer's q, k, v, made by the last layer's "outin" block
@@ -447,6 +461,8 @@ class DecoderModel(abc.ABC):
                 else:
                     fn, names = self._compiled_block("in", i, 0, bool(res))
                     q, k, v, *hs = fn(h, *res, *[lw[name] for name in names])
+                if temperature is not None:
+                    q = q * temperature
                 dims = c.rope_dims or c.head_dim
                 o = cache.attend(ctx, q, k, v, c.query_scale, at, dims, c.rope_traditional)
                 if o is None and whole:
@@ -457,12 +473,16 @@ class DecoderModel(abc.ABC):
                 rope_args = (at.cos, at.sin) if isinstance(at, RopeAngles) else (at,)
                 fn, names = self._compiled_block("in", i, len(rope_args), bool(res))
                 q, k, v, *hs = fn(h, *res, *rope_args, *[lw[name] for name in names])
+                if temperature is not None:
+                    q = q * temperature
                 if self.fuse_attention and not isinstance(at, RopeAngles):  # rotated: the cache write and attention
                     o = cache.attend(ctx, q, k, v, c.query_scale, None, c.rope_dims or c.head_dim, c.rope_traditional)
                 if o is None and whole:
                     raise NotWholeStep(f"layer {i}'s attention has no fused path here")
             else:
                 q, k, v, _ = attention_in(c, self._rope(i), h, at, lw)
+                if temperature is not None:
+                    q = q * temperature
             if res:  # (a compiled step's): h with the last layer's residual term added
                 h, = hs
             if o is None:
@@ -485,6 +505,17 @@ class DecoderModel(abc.ABC):
                 h = attention_out(c, h, o, lw, self.part.reduce)
         return h if pending is None else h + pending
 
+    def _query_temperature(self, ctx: Context, batch: Batch) -> Tensor | None:
+        """Llama 4's attention temperature tuning (Ministral 3's ``llama_4_scaling_beta``): queries at position ``p``
+        times ``1 + beta * log(1 + floor(p / n))``, ``[1, 1, N, 1]``; None when the model has none (transformers'
+        ``get_llama_4_attn_scale``)."""
+        t = self.config.query_temperature
+        if t is None:
+            return None
+        beta, n = t
+        scale = 1 + beta * np.log1p(np.floor(np.asarray(batch.positions, np.float64) / n))
+        return ctx.from_numpy(scale.astype(np.float32).reshape(1, 1, -1, 1)).astype(self.dtype)
+
     def logits(self, ctx: Context, batch: Batch, h: Tensor) -> Tensor:
         """Logits ``[K, vocab]`` of the batch's ``outputs`` from the last layer's ``h [1, N, D]`` (final norm, then
         the output head)."""
@@ -495,7 +526,8 @@ class DecoderModel(abc.ABC):
             rows = h[0, int(out[0]):int(out[0]) + 1]
         else:
             rows = h[0].take(ctx.from_numpy(out, DType.INT32), axis=0)
-        return rows.rms_norm(self.w["model.norm.weight"], self.config.rms_norm_eps).linear(self.head)
+        logits = rows.rms_norm(self.w["model.norm.weight"], self.config.rms_norm_eps).linear(self.head)
+        return logits if self.config.logit_scale == 1.0 else logits * (1.0 / self.config.logit_scale)
 
 
 @dataclass

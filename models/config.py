@@ -22,6 +22,12 @@ class DecoderConfig:
         rope_theta: RoPE base of the global (full-attention) layers; ``rope_local_theta`` of the sliding layers.
         rope_freqs: explicit RoPE periods ``[head_dim/2]`` after frequency scaling (Llama 3), or None.
         rope_scale: positions are multiplied by it (linear RoPE scaling: ``1 / factor``).
+        rope_long_freqs, rope_original_context: LongRoPE (Phi-3): the periods ``[rope_dims/2]`` with the long
+            factors, taken instead of ``rope_freqs`` (the short factors') when the context a model is run with
+            exceeds ``rope_original_context`` (:meth:`DecoderModel.use_context`; llama.cpp's rule).
+        rope_attention_factor: LongRoPE's attention factor, multiplying the rotated features of queries and keys
+            (transformers scales the cosines and sines by it); the architecture folds it into ``query_scale``
+            (every feature rotated) or its query weights (``Phi3.__init__``).
         rope_traditional: rotate interleaved pairs, for GGUF Llama checkpoints whose Q/K rows llama.cpp's converter
             permuted (attention scores are unchanged: queries and keys are permuted alike).
         sliding_window: the window ``W`` in the cache's convention (a token sees ``W + 1`` keys), or None.
@@ -29,7 +35,12 @@ class DecoderConfig:
             cache), ``"conv"`` or ``"linear_attention"`` (recurrent, hybrid models), ``"cross_attention"`` (over an
             image's encoder output, Llama 3.2 Vision).
         query_scale: the attention scale (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5`` for Gemma).
-        embed_scale: embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)``).
+        embed_scale: embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)``; Granite's multiplier).
+        residual_scale: each layer's attention and MLP outputs are multiplied by it before their residual adds
+            (Granite's ``residual_multiplier``; 1: off, and the fused one-token paths are taken).
+        logit_scale: the logits are divided by it (Granite's ``logits_scaling``; 1: off).
+        query_temperature: ``(beta, n)``: queries at position ``p`` times ``1 + beta * log(1 + floor(p / n))``
+            (Llama 4's attention temperature tuning, Ministral 3's ``llama_4_scaling_beta``); None: off.
         qk_norm: per-head RMSNorm on queries and keys (Qwen3, Gemma 3).
         sandwich_norm: RMSNorm after attention and after the MLP too (Gemma 2/3).
         activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU).
@@ -59,11 +70,17 @@ class DecoderConfig:
     rope_local_theta: float | None = None
     rope_freqs: np.ndarray | None = None
     rope_scale: float = 1.0
+    rope_long_freqs: np.ndarray | None = None
+    rope_original_context: int = 0
+    rope_attention_factor: float = 1.0
     rope_traditional: bool = False
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)
     query_scale: float | None = None
     embed_scale: float | None = None
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
+    query_temperature: tuple[float, int] | None = None
     qk_norm: bool = False
     sandwich_norm: bool = False
     activation: str = "silu"
@@ -94,7 +111,8 @@ class DecoderConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v >= 1 << 31:
                 raise WeightsError(f"model config has {name} = {v!r}; it must be a positive integer below 2**31")
-        for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "rope_scale", "query_scale", "embed_scale"):
+        for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "rope_scale", "rope_attention_factor",
+                     "query_scale", "embed_scale", "residual_scale", "logit_scale"):
             v = getattr(self, name)
             if v is None and name in ("rope_local_theta", "query_scale", "embed_scale"):
                 continue
@@ -107,11 +125,6 @@ class DecoderConfig:
             raise WeightsError(f"model config has head_dim = {self.head_dim}; RoPE needs an even head size")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise WeightsError(f"model config has sliding_window = {self.sliding_window!r}; it must be at least 2")
-        if self.rope_freqs is not None:
-            f = np.asarray(self.rope_freqs)
-            if f.shape != (self.head_dim // 2,) or not np.all(np.isfinite(f)) or not np.all(f > 0):
-                raise WeightsError(f"the model's RoPE frequencies have shape {f.shape} (want ({self.head_dim // 2},)) "
-                                   "or values that are not finite and positive")
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_layers
         if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= _LAYER_TYPES:
@@ -124,6 +137,18 @@ class DecoderConfig:
                                            or not 0 < self.rope_dims <= self.head_dim):
             raise WeightsError(f"model config rotates {self.rope_dims!r} features per head with RoPE; it must be "
                                f"an even number from 2 to head_dim {self.head_dim}")
+        if self.query_temperature is not None:
+            beta, n = self.query_temperature
+            if not math.isfinite(beta) or isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise WeightsError(f"model config has attention temperature {self.query_temperature!r}; it needs a "
+                                   "finite beta and a positive integer length")
+        for freqs in (self.rope_freqs, self.rope_long_freqs):
+            if freqs is None:
+                continue
+            f, half = np.asarray(freqs), (self.rope_dims or self.head_dim) // 2
+            if f.shape != (half,) or not np.all(np.isfinite(f)) or not np.all(f > 0):
+                raise WeightsError(f"the model's RoPE frequencies have shape {f.shape} (want ({half},)) "
+                                   "or values that are not finite and positive")
         if "linear_attention" in self.layer_types:
             hk, hv, dk, dv = self.linear_heads or (0, 0, 0, 0)
             if min(hk, hv, dk, dv) <= 0 or hv % hk or self.conv_kernel < 2:
@@ -205,6 +230,42 @@ def llama3_rope_freqs(base: float, dims: int, factor: float, low_freq_factor: fl
     smooth = (original_context / wavelens - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
     return np.where(medium, smooth_freqs, out).astype(np.float32)
+
+
+def yarn_rope(base: float, dims: int, factor: float, original_context: int, beta_fast: float = 32.0,
+              beta_slow: float = 1.0, mscale: float | None = None, mscale_all_dim: float | None = None,
+              truncate: bool = True) -> tuple[np.ndarray, float]:
+    """YaRN (Peng et al. 2023) as transformers' ``_compute_yarn_parameters``: ``(periods [dims/2], attention
+    factor)``, the periods blending interpolated (times ``factor``) and original ones over the correction range of
+    ``beta_fast`` to ``beta_slow`` rotations; the attention factor multiplies RoPE's cosines and sines.
+
+    Raises:
+        WeightsError: a factor or context that is not positive.
+    """
+    if not factor > 0 or not original_context > 0:
+        raise WeightsError(f"YaRN RoPE scaling has factor {factor!r} and original context {original_context!r}; "
+                           "both must be positive")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+            else get_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = np.clip((np.arange(dims // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos = base ** (np.arange(0, dims, 2, dtype=np.float32) / dims)
+    extrapolation = 1 - ramp
+    inv = (1 / (factor * pos)) * (1 - extrapolation) + (1 / pos) * extrapolation
+    return (1 / inv.astype(np.float64)).astype(np.float32), float(attn)
 
 
 def hf_rope_parameters(config: Any) -> tuple[float, dict | None]:

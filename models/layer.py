@@ -94,7 +94,8 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     projections (output and down) over the ranks, before the residual add and the sandwich norms (Megatron-LM's
     layout, Shoeybi et al. 2019)."""
     n = h.shape[1]
-    if n == 1 and reduce is None and w.get("attn_gate") is None and w.get("router") is None:
+    if (n == 1 and reduce is None and w.get("attn_gate") is None and w.get("router") is None
+            and c.residual_scale == 1.0):
         # one token: the output projection, the norms and the MLP as one operation where the backend can
         norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
         h, m = o.output_mlp(h, w["o"], norm, w["gate"], w["up"], w["down"], c.activation, c.rms_norm_eps,
@@ -110,6 +111,8 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     o = o.linear(w["o"])
     if reduce is not None:
         o = reduce(o)
+    if c.residual_scale != 1.0:  # Granite
+        o = o * c.residual_scale
     return feed_forward(c, h, o, w, reduce, defer)
 
 
@@ -137,6 +140,8 @@ def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | N
             m = reduce(m)
             if post is not None:
                 m = m.rms_norm(post, eps)
+    if c.residual_scale != 1.0:  # Granite
+        m = m * c.residual_scale
     return (h, m) if defer else h + m
 
 
@@ -146,7 +151,7 @@ def attention_out_in(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor
     (:func:`attention_in` without RoPE, weights ``w_next``): returns the next layer's ``q, k, v`` and its ``h``. One
     token: as one operation where the backend can (a decode step's layer boundary: one graph node where there were
     two); the values are those of the two functions in turn."""
-    if (h.shape[1] == 1 and w.get("attn_gate") is None and w.get("router") is None
+    if (h.shape[1] == 1 and w.get("attn_gate") is None and w.get("router") is None and c.residual_scale == 1.0
             and all(w_next.get(b) is None for b in ("q_bias", "k_bias", "v_bias"))):
         norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
         shapes = [(1, c.num_heads, 1, c.head_dim)] + [(1, c.num_kv_heads, 1, c.head_dim)] * 2

@@ -18,10 +18,12 @@ from mlx_engine.models.config import (DecoderConfig, check_rope_scaling, hf_rope
 
 class Llama(DecoderModel):
     architecture = "llama"
+    #: the GGUF metadata keys' prefix (an architecture on Llama's layout names its own)
+    gguf_prefix = "llama"
 
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
-        get = metadata_getter(metadata, "llama")
+        get = metadata_getter(metadata, cls.gguf_prefix)
         heads = get("attention.head_count", positive=True)
         hidden = get("embedding_length", positive=True)
         head_dim = int(get("attention.key_length", hidden // heads))
@@ -31,10 +33,10 @@ class Llama(DecoderModel):
             factors = weights["rope_freqs.weight"].numpy().astype(np.float64)
             freqs = (theta ** (np.arange(0, head_dim, 2) / head_dim) * factors).astype(np.float32)
         scaling = get("rope.scaling.type", None)
-        check_rope_scaling(scaling, "llama")
+        check_rope_scaling(scaling, cls.gguf_prefix)
         factor = float(get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
         return DecoderConfig(
-            architecture="llama", vocab_size=vocab_size_of(weights, metadata, "llama"), hidden_size=hidden,
+            architecture="llama", vocab_size=vocab_size_of(weights, metadata, cls.gguf_prefix), hidden_size=hidden,
             num_layers=int(get("block_count")), num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
             intermediate_size=int(get("feed_forward_length")),

@@ -13,11 +13,14 @@ from mlx_engine.ml import Backend, DType
 from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.gemma2 import Gemma2
 from mlx_engine.models.gemma3 import Gemma3
+from mlx_engine.models.granite import Granite
 from mlx_engine.models.lfm2 import LFM2
 from mlx_engine.models.llama import Llama
+from mlx_engine.models.mistral3 import Mistral3
 from mlx_engine.models.mllama import Mllama
 from mlx_engine.models.olmo2 import Olmo2
 from mlx_engine.models.qwen2 import Qwen2
+from mlx_engine.models.phi3 import Phi3
 from mlx_engine.models.qwen3 import Qwen3
 from mlx_engine.models.qwen3_next import Qwen3Next
 from mlx_engine.models.qwen_moe import Qwen2MoE, Qwen3MoE
@@ -30,6 +33,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "qwen3": Qwen3, "lfm2": LFM2, "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
     "olmo2": Olmo2, "smollm3": SmolLM3,
     "qwen3_moe": Qwen3MoE, "qwen3moe": Qwen3MoE, "qwen2_moe": Qwen2MoE, "qwen2moe": Qwen2MoE,
+    "phi3": Phi3, "granite": Granite, "mistral3": Mistral3, "ministral3": Mistral3,
 }
 
 
