@@ -4,14 +4,16 @@ distribution when sampled), with a grammar, a stop string inside an accepted run
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import mlx_engine
-from mlx_engine.errors import InvalidOptionError
+from mlx_engine.errors import InvalidOptionError, InvalidRequestError
+from mlx_engine.kvcache import CausalCache, RecurrentCache
 from mlx_engine.models.options import GenerationOptions
-from mlx_engine.models.runner import GenerationStats, Request
+from mlx_engine.models.runner import GenerationStats, Request, Runner
 from mlx_engine.models.sampler import SamplerOptions
 from mlx_engine.models.speculative import DraftLength, PromptLookup, verify_token
 
@@ -134,3 +136,14 @@ def test_greedy_lookup_past_gemma3s_sliding_window(gemma3_gguf):
         assert stats.draft_accepted > 0
     finally:
         m.close()
+
+
+def test_speculation_is_refused_where_a_draft_cannot_be_taken_back():
+    """A recurrent state cannot forget a rejected draft: the request is refused with what to do."""
+    runner = SimpleNamespace(cache=RecurrentCache(shift_fn=None), model=SimpleNamespace(architecture="lfm2"))
+    with pytest.raises(InvalidRequestError, match="lfm2: its recurrent layers .* use --speculative off"):
+        Runner._drafter(runner, Request([1], speculative="lookup"))
+    assert Runner._drafter(runner, Request([1])) is None  # without speculation it runs as before
+    runner.cache = CausalCache(shift_fn=None)
+    with pytest.raises(InvalidRequestError, match="draft_tokens must be an integer >= 1"):
+        Runner._drafter(runner, Request([1], speculative="lookup", draft_tokens=0))
