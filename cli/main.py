@@ -271,6 +271,13 @@ def _sampling_options(f):
         click.option("--hide-thinking", is_flag=True,
                      help="Do not show a reasoning model's thinking (shown dimmed on a terminal, on stderr when "
                           "stdout is piped)."),
+        click.option("--speculative", type=click.Choice(["off", "lookup"]), default=None,
+                     help="Speculative decoding: lookup drafts tokens by finding the latest text in the prompt and "
+                          "output that matches their end, and the model checks a whole draft in one pass (same "
+                          "output; faster when the answer copies the prompt).  [default: off]"),
+        click.option("--draft-tokens", type=click.IntRange(1, 64), default=None,
+                     help="With --speculative: the most draft tokens checked per pass (it adapts below).  "
+                          "[default: 8]"),
         click.option("--device", type=click.Choice(["cpu", "gpu", "metal", "cuda"]), default=None,
                      help="Device (default: $MLX_ENGINE_DEVICE, else the GPU where MLX has one, else the CPU)."),
         click.option("--context-length", "-c", type=click.IntRange(min=1), default=None,
@@ -293,7 +300,8 @@ def _sampling_options(f):
     return f
 
 
-_OPTION_NAMES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "max_tokens")
+_OPTION_NAMES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "max_tokens",
+                 "speculative", "draft_tokens")
 
 
 def _read_option_file(option: str, path: str) -> str:

@@ -17,6 +17,7 @@ from mlx_engine.models.images import PromptImage
 from mlx_engine.models.reasoning import parse_think
 from mlx_engine.models.runner import Request
 from mlx_engine.models.sampler import SamplerOptions
+from mlx_engine.models.speculative import SPECULATIVE_MODES
 
 SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerOptions))
 #: every option name :meth:`GenerationOptions.parse` takes
@@ -26,8 +27,12 @@ SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerOptions))
 FORMAT_OPTIONS = ("response_format", "format", "json_schema", "regex", "grammar")
 #: ``think``: a reasoning model thinks (True), answers at once (False), or thinks at a level (``low``, ``medium``,
 #: ``high``); None leaves it to the chat template
-OPTION_NAMES = (*SAMPLER_FIELDS, "max_tokens", "stop", "system", "raw", *FORMAT_OPTIONS, "think")
+#: ``speculative``: ``off`` or ``lookup`` (speculative decoding with prompt lookup drafts); ``draft_tokens``: the
+#: most draft tokens a verification step checks
+OPTION_NAMES = (*SAMPLER_FIELDS, "max_tokens", "stop", "system", "raw", *FORMAT_OPTIONS, "think", "speculative",
+                "draft_tokens")
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_DRAFT_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class GenerationOptions:
         images: the prompt's images at their places (set by whoever made the prompt, never parsed from options).
         think: whether a reasoning model thinks: True, False, a level (``low``, ``medium``, ``high``), or None for
             the chat template's default (it reaches the template through ``Model.template_vars``).
+        speculative: ``off`` (default) or ``lookup``: speculative decoding with prompt lookup drafts
+            (:mod:`~mlx_engine.models.speculative`); the output is the same, faster when it copies the prompt.
+        draft_tokens: the most draft tokens one verification step checks (>= 1, default 8).
     """
 
     sampler: SamplerOptions = field(default_factory=SamplerOptions)
@@ -54,6 +62,8 @@ class GenerationOptions:
     response_format: ResponseFormat | None = None
     images: tuple[PromptImage, ...] = ()
     think: bool | str | None = None
+    speculative: str = "off"
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> "GenerationOptions":
@@ -82,14 +92,21 @@ class GenerationOptions:
         raw = given.get("raw")
         if raw is not None and not isinstance(raw, bool):
             raise InvalidOptionError("raw", raw, "must be true or false")
+        speculative = given.get("speculative", "off")
+        if speculative not in SPECULATIVE_MODES:
+            raise InvalidOptionError("speculative", speculative, f"must be one of {', '.join(SPECULATIVE_MODES)}")
+        draft_tokens = given.get("draft_tokens", DEFAULT_DRAFT_TOKENS)
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= 64:
+            raise InvalidOptionError("draft_tokens", draft_tokens, "must be an integer from 1 to 64")
         return cls(sampler, max_tokens, tuple(stop), system, raw, _response_format(given),
-                   think=parse_think(given.get("think")))
+                   think=parse_think(given.get("think")), speculative=speculative, draft_tokens=draft_tokens)
 
     def request(self, tokens: Sequence[int], sequence: int = 0, images: Sequence[PromptImage] = ()) -> Request:
         """The runner's request for ``tokens`` (with ``images``, else :attr:`images`, at their places) on cache
         sequence ``sequence``; a raw request's text is left raw (a thinking span is not parsed out of it)."""
         return Request(list(tokens), self.sampler, self.max_tokens, list(self.stop), sequence, self.response_format,
-                       list(images or self.images), reasoning=not self.raw)
+                       list(images or self.images), reasoning=not self.raw, speculative=self.speculative,
+                       draft_tokens=self.draft_tokens)
 
 
 def _response_format(given: Mapping[str, Any]) -> ResponseFormat | None:

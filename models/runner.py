@@ -7,6 +7,7 @@ differs from what is cached (a chat session's turn N prefills only the new messa
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -16,9 +17,12 @@ import numpy as np
 
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheFullError, InvalidRequestError
+from mlx_engine.kvcache.recurrent import RecurrentCache
 from mlx_engine.ml import DType, Tensor
 from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.constraint import Constraint, GrammarTokenizer, ResponseFormat
+from mlx_engine.models.generation import SequenceState
+from mlx_engine.models.speculative import DraftLength, Drafter, make_drafter, speculate
 from mlx_engine.models.images import PromptImage
 from mlx_engine.models.reasoning import DeferredConstraint, ReasoningParser, prompt_opens_span, think_markers
 from mlx_engine.models.sampler import Sampler, SamplerOptions
@@ -32,7 +36,8 @@ class GenerationStats:
 
     ``prompt_tokens`` counts the whole prompt; ``prefilled_tokens`` those actually run (the rest came from the cache).
     ``stop_reason`` is ``eos``, ``stop`` (a stop string), ``length`` (``max_tokens`` or the context is full) or
-    ``interrupted`` (the caller stopped reading). ``context_full``: the answer was cut off because the context (the
+    ``interrupted`` (the caller stopped reading). With speculative decoding: ``verify_steps`` (forward passes that
+    verified a draft), ``draft_proposed`` and ``draft_accepted`` (draft tokens). ``context_full``: the answer was cut off because the context (the
     KV cache's capacity for the sequence) was full, not by ``max_tokens``. ``format_complete``: with a response
     format, whether the text is a complete value of it (False: cut off inside it); None without one.
     """
@@ -47,13 +52,22 @@ class GenerationStats:
     stop_reason: str = ""
     context_full: bool = False
     format_complete: bool | None = None
+    verify_steps: int = 0
+    draft_proposed: int = 0
+    draft_accepted: int = 0
 
     def summary(self) -> str:
-        """One line: prompt and decode speed, time to first token, peak memory."""
+        """One line: prompt and decode speed, time to first token, peak memory; with speculative decoding, the
+        share of draft tokens accepted and the tokens each verification step gave."""
+        spec = ""
+        if self.verify_steps:
+            rate = self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+            spec = (f" | speculative: {self.draft_accepted}/{self.draft_proposed} draft tokens accepted "
+                    f"({rate:.0%}), {(self.generated_tokens - 1) / self.verify_steps:.2f} tokens per step")
         return (f"prompt: {self.prompt_tokens} tokens ({self.prefilled_tokens} prefilled) at "
                 f"{self.prompt_tps:.1f} tok/s | decode: {self.generated_tokens} tokens at {self.decode_tps:.1f} tok/s"
                 f" | time to first token: {self.ttft_s * 1000:.0f} ms | peak memory: "
-                f"{self.peak_memory_bytes / 2**20:.1f} MiB | stop: {self.stop_reason}")
+                f"{self.peak_memory_bytes / 2**20:.1f} MiB | stop: {self.stop_reason}{spec}")
 
 
 @dataclass
@@ -70,6 +84,8 @@ class Request:
         images: images at explicit places of ``tokens`` (their placeholder tokens), for a model with a vision part.
         reasoning: keep a reasoning model's thinking span apart from the answer (False: raw text, as a plain
             completion wants it).
+        speculative: ``off`` or ``lookup`` (speculative decoding with prompt lookup drafts; single requests).
+        draft_tokens: the most draft tokens one verification step checks (the draft length adapts within 1..this).
     """
 
     tokens: Sequence[int]
@@ -80,6 +96,8 @@ class Request:
     response_format: ResponseFormat | None = None
     images: Sequence[PromptImage] = ()
     reasoning: bool = True
+    speculative: str = "off"
+    draft_tokens: int = 8
 
 
 def prompt_keys(tokens: Sequence[int], images: Sequence[PromptImage] = ()) -> list[int]:
@@ -352,86 +370,27 @@ class Runner:
         return sum(c.cells_in_use() for c in getattr(self.cache, "caches", [self.cache]))
 
     # ---- one request ------------------------------------------------------------------------------------------
+    def sequence_state(self, req: Request, ctx, *, text: bool = True, eos: bool = False) -> SequenceState:
+        """The generation core's state of ``req`` (:class:`~mlx_engine.models.generation.SequenceState`): its sampler
+        (random key from ``ctx``), grammar, and with ``text`` its text assembly (stop strings, end of sequence,
+        thinking apart); without text, ``eos`` makes an end-of-sequence id end it. Raises ``InvalidRequestError``
+        for bad sampler options or a grammar this vocabulary cannot follow."""
+        return SequenceState(req.tokens, Sampler(req.sampler, ctx), max_tokens=req.max_tokens,
+                             context_length=self.context_length, constraint=self.constraint(req),
+                             text=self.text_assembler(req) if text else None,
+                             eos_ids=self.tokenizer.eos_ids if eos else ())
+
     def generate_tokens(self, req: Request, stats: GenerationStats | None = None) -> Iterator[int]:
-        """The generated token ids of one request, one at a time, up to ``max_tokens`` or a full context (the
-        caller decides about end-of-sequence ids and stop strings by closing the generator).
+        """The generated token ids of one request, one at a time, up to ``max_tokens``, a full context or the end
+        of its grammar (the caller decides about end-of-sequence ids and stop strings by closing the generator).
 
         Decode is pipelined: step ``n + 1`` is dispatched to the device before token ``n`` is read back, so the
         host's work overlaps the device's (the first token goes out before step 2 is dispatched, not after). Every
         token yielded has been fed to the model (its step is built, if not yet run), so the cache then holds the
         prompt and exactly the tokens read so far. ``stats`` (if given) receives the timings.
         """
-        self._check_request(req)
-        stats = stats if stats is not None else GenerationStats()
-        stats.prompt_tokens = len(req.tokens)
-        seq = req.sequence
-        self.backend.reset_peak_memory()
-        t0 = time.perf_counter()
-        ctx = self.backend.new_context()
-        sampler = Sampler(req.sampler, ctx)
-        constraint = self.constraint(req)
-        logits, stats.prefilled_tokens = self.prefill(ctx, seq, list(req.tokens), req.images)
-        width = logits.shape[-1]
-        last_n = req.sampler.repeat_last_n  # > 0: that many tokens; otherwise the whole history (llama.cpp: -1)
-        history = (ctx.from_numpy(np.asarray(req.tokens[-last_n:] if last_n > 0 else req.tokens, np.int32)[None])
-                   if req.sampler.uses_history else None)
-        tok = sampler.sample(logits, history, constraint.allowed(ctx, width) if constraint else None)
-        ctx.evaluate_async(tok)
-        pos = len(req.tokens)
-        generated = 0
-        t_first = None
-        stats.stop_reason = "length"
-        try:
-            while True:
-                more = generated + 1 < req.max_tokens and pos < self.context_length
-                nxt = step = None
-                if more:
-                    if history is not None:
-                        history = ctx.concatenate([history, tok.reshape(1, 1)], axis=1)
-                        if last_n > 0:
-                            history = history[:, -last_n:]
-                    try:
-                        step = self.model.forward(ctx, Batch(tok, [pos], [seq], [0]), self.cache)
-                        if constraint is None:
-                            nxt = sampler.sample(step, history)
-                            if generated:
-                                ctx.evaluate_async(nxt)
-                        else:  # the device runs the step while the host reads the token and computes the mask
-                            ctx.evaluate_async(step)
-                    except CacheFullError:
-                        more = False
-                        stats.context_full = True
-                elif generated + 1 < req.max_tokens:
-                    stats.context_full = True
-                t = int(tok.item())
-                if more:
-                    self._cached[seq].append(t)
-                    pos += 1
-                generated += 1
-                complete = False
-                if constraint is not None:
-                    constraint.advance(t)
-                    complete = constraint.stopped  # the grammar ended: nothing may follow
-                    stats.format_complete = complete or constraint.accepting
-                    if complete and t not in self.tokenizer.eos_ids:
-                        stats.stop_reason = "stop"
-                    elif more:
-                        nxt = sampler.sample(step, history, constraint.allowed(ctx, width))
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    stats.ttft_s = t_first - t0
-                self._finish(stats, generated, t_first)
-                yield t
-                if not more or complete:
-                    return
-                if generated == 1:
-                    # The second step is dispatched once the first token is out: on MLX's CPU backend dispatching
-                    # blocks until the step has nearly run, which would hold the first token back by a whole step.
-                    ctx.evaluate_async(nxt)
-                tok = nxt
-        except GeneratorExit:
-            self._finish(stats, generated, t_first)
-            raise
+        for token, _ in self._generate(req, stats if stats is not None else GenerationStats(), text=False):
+            yield token
 
     def stream(self, req: Request) -> Iterator["str | GenerationStats"]:
         """Generate for one request: yields text chunks (never half a UTF-8 character, never part of a stop
@@ -440,29 +399,125 @@ class Runner:
         or a full context. Closing the generator early stops generation; the cache then holds exactly the tokens
         read so far."""
         stats = GenerationStats()
-        tokens = self.generate_tokens(req, stats)
-        text = self.text_assembler(req)
+        steps = self._generate(req, stats, text=True)
         try:
-            for t in tokens:
-                yield from typed_pieces(text.add(t))
-                if text.stop_reason:
-                    break
-            else:
-                yield from typed_pieces(text.flush())
+            for _, pieces in steps:
+                yield from typed_pieces(pieces)
         except GeneratorExit:
             stats.stop_reason = "interrupted"
             raise
         finally:
-            tokens.close()
-        if text.stop_reason:
-            stats.stop_reason = text.stop_reason
-            if text.stop_reason == "stop" and stats.format_complete:
-                stats.format_complete = False  # a stop string cut the text the grammar had accepted
+            steps.close()
         yield stats
 
-    def _finish(self, stats: GenerationStats, generated: int, t_first: float | None) -> None:
+    def _generate(self, req: Request, stats: GenerationStats, *, text: bool) -> Iterator[tuple[int, list]]:
+        """The single-request loop: ``(token, text pieces)`` per generated token, through the generation core
+        (:class:`SequenceState`), until its finish reason is set (see :meth:`generate_tokens` for the pipelining)."""
+        self._check_request(req)
+        stats.prompt_tokens = len(req.tokens)
+        seq = req.sequence
+        self.backend.reset_peak_memory()
+        t0 = time.perf_counter()
+        ctx = self.backend.new_context()
+        drafter = self._drafter(req)
+        state = self.sequence_state(req, ctx, text=text)
+        logits, stats.prefilled_tokens = self.prefill(ctx, seq, list(req.tokens), req.images)
+        steps = (self._pipelined(ctx, req, state, logits) if drafter is None else
+                 self._speculative(ctx, req, state, logits, drafter, stats))
+        t_first = None
+        try:
+            for t, pieces in steps:
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    stats.ttft_s = t_first - t0
+                self._finish(stats, state, t_first)
+                yield t, pieces
+        finally:
+            steps.close()
+            self._finish(stats, state, t_first)
+
+    def _pipelined(self, ctx, req: Request, state: SequenceState, logits: Tensor) -> Iterator[tuple[int, list]]:
+        """One token per forward pass; step ``n + 1`` is dispatched before token ``n`` is read back."""
+        seq = req.sequence
+        tok = state.sample(ctx, logits)
+        ctx.evaluate_async(tok)
+        pos = len(req.tokens)
+        while True:
+            more = state.generated + 1 < req.max_tokens and pos < self.context_length
+            nxt = step = None
+            full = False
+            if more:
+                try:
+                    step = self.model.forward(ctx, Batch(tok, [pos], [seq], [0]), self.cache)
+                    if state.constraint is None:
+                        nxt = state.sample(ctx, step, pending=tok)
+                        if state.generated:
+                            ctx.evaluate_async(nxt)
+                    else:  # the device runs the step while the host reads the token and computes the mask
+                        ctx.evaluate_async(step)
+                except CacheFullError:
+                    more, full = False, True
+            t = int(tok.item())
+            if more:
+                self._cached[seq].append(t)
+                pos += 1
+            pieces = state.accept(t, cache_full=full)
+            if more and state.constraint is not None and not state.finish_reason:
+                nxt = state.sample(ctx, step)
+            yield t, pieces
+            if state.finish_reason:
+                return
+            if state.generated == 1:
+                # The second step is dispatched once the first token is out: on MLX's CPU backend dispatching
+                # blocks until the step has nearly run, which would hold the first token back by a whole step.
+                ctx.evaluate_async(nxt)
+            tok = nxt
+
+    def _speculative(self, ctx, req: Request, state: SequenceState, logits: Tensor, drafter: Drafter,
+                     stats: GenerationStats) -> Iterator[tuple[int, list]]:
+        """Drafted tokens verified several per forward pass (:func:`~mlx_engine.models.speculative.speculate`); the
+        rejected part of each draft is removed from the cache with its ``remove``."""
+        seq = req.sequence
+        t = int(state.sample(ctx, logits).item())
+        yield t, state.accept(t)
+
+        def verify(ids: list[int], pos: int) -> Tensor:
+            n = len(ids)
+            batch = Batch(np.asarray(ids, np.int32), np.arange(pos, pos + n), np.full(n, seq), np.arange(n))
+            return self.model.forward(ctx, batch, self.cache)
+
+        def keep(ids: list[int], pos: int, n: int) -> None:
+            if n < len(ids):
+                self.cache.remove(seq, pos + n, None)
+            self._cached[seq].extend(ids[:n])
+
+        seed = req.sampler.seed if req.sampler.seed is not None else secrets.randbits(63)
+        yield from speculate(ctx, state, req.tokens, drafter, DraftLength(req.draft_tokens), verify, keep,
+                             np.random.default_rng(seed), stats)
+
+    def _drafter(self, req: Request) -> Drafter | None:
+        """The drafter of ``req`` (None: no speculation). Raises ``InvalidRequestError`` for an unknown mode, a
+        draft length out of range, or a model whose cache cannot take a rejected draft back (recurrent layers)."""
+        try:
+            drafter = make_drafter(req.speculative)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        if drafter is None:
+            return None
+        if isinstance(req.draft_tokens, bool) or not isinstance(req.draft_tokens, int) or req.draft_tokens < 1:
+            raise InvalidRequestError(f"draft_tokens must be an integer >= 1, got {req.draft_tokens!r}")
+        if any(isinstance(c, RecurrentCache) for c in getattr(self.cache, "caches", [self.cache])):
+            raise InvalidRequestError(f"speculative decoding is not available for {self.model.architecture}: its "
+                                      "recurrent layers cannot take back a rejected draft; use --speculative off")
+        return drafter
+
+    def _finish(self, stats: GenerationStats, state: SequenceState, t_first: float | None) -> None:
         now = time.perf_counter()
+        generated = state.generated
         stats.generated_tokens = generated
+        stats.stop_reason = state.finish_reason or stats.stop_reason or "length"  # keeps an ``interrupted``
+        stats.context_full = state.context_full
+        stats.format_complete = state.format_complete
         if stats.ttft_s > 0:
             stats.prompt_tps = stats.prefilled_tokens / stats.ttft_s
         if t_first is not None and generated > 1 and now > t_first:
@@ -479,46 +534,25 @@ class Runner:
         if len({r.sequence for r in requests}) != len(requests):
             raise InvalidRequestError("each request of a batch needs its own sequence id")
         ctx = self.backend.new_context()
-        eos = self.tokenizer.eos_ids
-        firsts, samplers, pos = [], [], []
-        constraints = [self.constraint(r) for r in requests]  # each row its own grammar (or none)
-
-        def allowed(i: int, width: int):
-            return constraints[i].allowed(ctx, width) if constraints[i] is not None else None
-
-        def finished(i: int) -> bool:
-            c = constraints[i]
-            if c is not None:
-                c.advance(tokens[i])
-            return tokens[i] in eos or len(out[i]) >= requests[i].max_tokens or (c is not None and c.stopped)
-
-        for i, r in enumerate(requests):
+        states = [self.sequence_state(r, ctx, text=False, eos=True) for r in requests]  # each row its own grammar
+        firsts = []
+        for r, st in zip(requests, states):
             self._check_request(r)
             logits, _ = self.prefill(ctx, r.sequence, list(r.tokens), r.images)
-            samplers.append(Sampler(r.sampler, ctx))
-            firsts.append(samplers[-1].sample(logits, None, allowed(i, logits.shape[-1])))
-            pos.append(len(r.tokens))
-        tokens = [int(t.item()) for t in firsts]
-        out = [[t] for t in tokens]
-        active = [i for i in range(len(requests)) if not finished(i)]
+            firsts.append(st.sample(ctx, logits))
+        for st, t in zip(states, firsts):
+            st.accept(int(t.item()))
+        active = [i for i, st in enumerate(states) if not st.finish_reason]
         while active:
-            active = [i for i in active if pos[i] < self.context_length]
-            if not active:
-                break
-            logits = self.decode(ctx, [tokens[i] for i in active], [pos[i] for i in active],
+            logits = self.decode(ctx, [states[i].tokens[-1] for i in active],
+                                 [len(requests[i].tokens) + states[i].generated - 1 for i in active],
                                  [requests[i].sequence for i in active])
-            sampled = [samplers[i].sample(logits[j:j + 1], None, allowed(i, logits.shape[-1]))
-                       for j, i in enumerate(active)]
+            sampled = [states[i].sample(ctx, logits[j:j + 1]) for j, i in enumerate(active)]
             ctx.evaluate(*sampled)
-            still = []
             for j, i in enumerate(active):
-                pos[i] += 1
-                tokens[i] = int(sampled[j].item())
-                out[i].append(tokens[i])
-                if not finished(i):
-                    still.append(i)
-            active = still
-        return out
+                states[i].accept(int(sampled[j].item()))
+            active = [i for i in active if not states[i].finish_reason]
+        return [st.tokens for st in states]
 
 
 def sum_nll(logits: np.ndarray, targets: np.ndarray, block: int = 8) -> float:

@@ -29,15 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from mlx_engine.errors import EngineError, GenerationInterruptedError, InvalidRequestError, ServerBusyError
 from mlx_engine.ml import DType
+from mlx_engine.models.generation import SequenceState
 from mlx_engine.models.options import GenerationOptions
 from mlx_engine.models.reasoning import THINKING
 from mlx_engine.models.runner import Runner, prompt_keys
-from mlx_engine.models.text_assembly import TextAssembler
-from mlx_engine.models.sampler import Sampler
 from mlx_engine.parallel import serving_peer_lost
 
 log = logging.getLogger("mlx_engine.server")
@@ -84,30 +81,23 @@ class TextJob:
         self.t_submit = time.perf_counter()
         self.t_start = self.t_first = 0.0
         self.seq = -1
-        self.generated = 0
         self.next_token = -1
         self.chunks_left = 0
         self.chunks: Any = None
-        self.sampler: Sampler | None = None
-        self.constraint: Any = None  # the request's grammar state (structured output), or None
-        self.text: TextAssembler | None = None
-        self.history: list[int] | None = None
+        self.state: SequenceState | None = None  # the generation core's state: sampler, grammar, text, stops
         self.ctx: Any = None
 
     def cancel(self) -> None:
         self.cancelled = True
 
     @property
+    def generated(self) -> int:
+        return self.state.generated if self.state is not None else 0
+
+    @property
     def pos(self) -> int:
         """The position the next fed token takes (= tokens the cache holds for this request)."""
         return len(self.tokens) + self.generated - 1
-
-    def history_tensor(self, ctx):
-        if self.history is None:
-            return None
-        n = self.options.sampler.repeat_last_n
-        h = self.history[-n:] if n > 0 else self.history
-        return ctx.from_numpy(np.asarray(h, np.int32)[None])
 
 
 class _Slot:
@@ -222,11 +212,7 @@ class TextScheduler:
                 runner.share_prefix(best.seq, dst.seq, job.keys)
         dst.job, job.seq = job, dst.seq
         ctx = self.backend.new_context()
-        job.sampler = Sampler(job.options.sampler, ctx)
-        request = job.options.request(tokens)
-        job.constraint = runner.constraint(request)
-        job.text = runner.text_assembler(request)
-        job.history = list(tokens) if job.options.sampler.uses_history else None
+        job.state = runner.sequence_state(job.options.request(tokens), ctx)
         reused, job.chunks = runner.prefill_chunks(ctx, dst.seq, tokens, job.images)
         job.ctx = ctx
         job.chunks_left = len(runner.chunk_bounds(reused, len(tokens),
@@ -243,8 +229,7 @@ class TextScheduler:
             job.chunks_left -= 1
             if job.chunks_left > 0:
                 return
-            allowed = job.constraint.allowed(job.ctx, logits.shape[-1]) if job.constraint is not None else None
-            tok = job.sampler.sample(logits, job.history_tensor(job.ctx), allowed)
+            tok = job.state.sample(job.ctx, logits)
             job.ctx.evaluate(tok)
             t = int(tok.item())
         except EngineError as e:
@@ -269,21 +254,14 @@ class TextScheduler:
         try:
             logits = self.runner.decode(ctx, [j.next_token for j in jobs], [j.pos for j in jobs],
                                         [j.seq for j in jobs])
-            for j in jobs:
-                if j.history is not None:
-                    j.history.append(j.next_token)
-            if all(j.sampler.options.greedy and j.history is None and j.constraint is None for j in jobs):
+            if all(j.state.plain_greedy for j in jobs):
                 sampled = logits.astype(DType.FLOAT32).argmax(axis=-1).astype(DType.INT32)
                 ctx.evaluate(sampled)
                 toks = [int(t) for t in sampled.numpy()]
             else:
-                masks = [None] * len(jobs)
-                if any(j.constraint is not None for j in jobs):
+                if any(j.state.constraint is not None for j in jobs):
                     ctx.evaluate_async(logits)  # the device runs the step while the host computes the masks
-                    width = logits.shape[-1]
-                    masks = [j.constraint.allowed(ctx, width) if j.constraint is not None else None for j in jobs]
-                rows = [j.sampler.sample(logits[i:i + 1], j.history_tensor(ctx), masks[i])
-                        for i, j in enumerate(jobs)]
+                rows = [j.state.sample(ctx, logits[i:i + 1]) for i, j in enumerate(jobs)]
                 ctx.evaluate(*rows)
                 toks = [int(r.item()) for r in rows]
         except Exception as e:  # noqa: BLE001 -- fail this batch's requests, keep serving
@@ -300,26 +278,14 @@ class TextScheduler:
 
     def _accept(self, job: TextJob, token: int) -> None:
         """A sampled token: emit its text, then finish the request or queue the token for the next step."""
-        job.generated += 1
-        complete = False
-        if job.constraint is not None:
-            try:
-                job.constraint.advance(token)
-            except EngineError as e:
-                self._fail(job, e)
-                return
-            complete = job.constraint.stopped  # the grammar ended: nothing may follow
-        self._emit(job, job.text.add(token))
-        if job.text.stop_reason:
-            self._finish(job, "stop")
+        try:
+            pieces = job.state.accept(token)  # the generation core: grammar, text, stop conditions
+        except EngineError as e:
+            self._fail(job, e)
             return
-        if complete:
-            self._emit(job, job.text.flush())
-            self._finish(job, "stop")
-            return
-        if job.generated >= job.options.max_tokens or job.pos >= self.runner.context_length:
-            self._emit(job, job.text.flush())
-            self._finish(job, "stop" if job.text.stop_reason else "length")
+        self._emit(job, pieces)
+        if job.state.finish_reason:
+            self._finish(job, "length" if job.state.finish_reason == "length" else "stop")  # eos, a stop string
             return
         job.next_token = token
         if job not in self._decoding:
