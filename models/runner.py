@@ -131,7 +131,7 @@ class Runner:
         reserve: allocate the cache's worst case now, so that a model that cannot fit fails here.
     """
 
-    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, *, context_length: int, max_sequences: int = 4,
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer | None, *, context_length: int, max_sequences: int = 4,
                  prefill_chunk: int = 2048, kv_bits: int | None = None, reserve: bool = False):
         self.model = model
         self.tokenizer = tokenizer
@@ -149,8 +149,9 @@ class Runner:
             with self.backend.new_context() as ctx:
                 self.cache.reserve(ctx, model.layer_kv_shapes())
         self._cached: dict[int, list[int]] = {}
-        #: the model's thinking span (None: it does not think)
-        self.think_markers = think_markers(tokenizer.chat_template, tokenizer.token_to_id)
+        #: the model's thinking span (None: it does not think, or there is no tokenizer to tell)
+        self.think_markers = (think_markers(tokenizer.chat_template, tokenizer.token_to_id)
+                              if tokenizer is not None else None)
 
     # ---- cache bookkeeping -------------------------------------------------------------------------------------
     def cached_tokens(self, sequence: int = 0) -> list[int]:

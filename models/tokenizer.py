@@ -299,6 +299,9 @@ class Tokenizer:
         eos |= {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in EOG_TOKEN_TEXTS}
         add_bos = meta(md, "tokenizer.ggml.add_bos_token", default_add_bos)
         template = meta(md, "tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise WeightsError(f"the GGUF key tokenizer.chat_template holds a {type(template).__name__}, not text: "
+                               "the file is damaged or was written by a faulty converter; convert it again")
         return cls(tk, bos_id=None if bos is None else int(bos), eos_ids=eos, add_bos=bool(add_bos),
                    chat_template=template, architecture=arch, special_tokens=special, token_texts=tokens)
 

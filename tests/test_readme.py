@@ -40,6 +40,7 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^mlx-engine run \./gemma-3-4b-it .* --image ", "elsewhere:tests/test_vision.py::test_the_cli_reads_images (the "
                                                     "same command on a small random Gemma 3 vision folder; the "
                                                     "real one is an 8 GB download from the hub)"),
+    (r"^mlx-engine run .* --speculative ", "here:test_speculative_examples"),
     (r"^(echo .* \| )?mlx-engine run ", "here:test_run_examples"),
     (r"^mlx-engine chat\b", "here:test_chat_examples"),
     (r"^mlx-engine pull hf:", "not run:needs the Hugging Face hub (the download code is tested against a fake hub in "
@@ -55,6 +56,9 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^(MLX_ENGINE_ORIGINS|MLX_ENGINE_ALLOWED_HOSTS)=|^mlx-engine serve --(allowed-origins|allowed-hosts|models-dir) ",
      "here:test_security_examples"),
     (r'^curl http://127\.0\.0\.1:11435/api/generate .*"\$HOME"', "here:test_security_examples"),
+    (r"^mlx-engine serve --model \./no-such-model\.gguf", "here:test_server_errors_examples"),
+    (r"^python benchmarks/soak\.py ", "elsewhere:tests/test_server_robust.py::test_the_soak_benchmark_runs (the same "
+                                      "script for a quarter of a minute; the documented run takes 30 minutes)"),
     (r"^(MLX_ENGINE_API_KEY=\S+ )?mlx-engine serve\b", "here:test_serve_examples"),
     (r"^curl http://127\.0\.0\.1:11435/", "here:test_serve_examples"),
     (r"^mlx-engine bench --quick$", "here:test_bench_quick"),
@@ -67,6 +71,7 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^mlx\.distributed_config |^mlx\.launch --hostfile \S+ --backend jaccl ",
      "not run:needs two Macs joined by Thunderbolt with RDMA enabled"),
     (r"parallel=\"pipeline\"", "here:test_parallel_examples"),
+    (r"speculative=\"lookup\"", "here:test_speculative_examples"),
     (r"mlx_engine\.load\(\"smollm2:135m\"\)", "here:test_python_api_example"),
     (r"print\(reply\.thinking\)", "elsewhere:tests/test_reasoning.py::test_the_api_returns_the_thinking_apart (the "
                                   "same calls on a small random reasoning model; qwen3:0.6b is a download)"),
@@ -170,6 +175,31 @@ def test_run_examples(readme_home, smollm2_gguf):
     assert all(o.stdout.strip() for o in outs.values()), [o.stdout for o in outs.values()]
     verbose = [o for c, o in outs.items() if c.endswith(" --verbose")]
     assert verbose and all("decode" in o.stderr and "mlx cpu" in o.stderr for o in verbose)  # the device, the speed
+
+
+def test_speculative_examples(readme_home, monkeypatch, capsys):
+    """docs/speculative.md's command (the sentence repeated, with the acceptance in the --verbose summary) and its
+    Python block (an answer)."""
+    home, cwd, env = readme_home
+    cmds = [c for c in covered("test_speculative_examples") if c.startswith("mlx-engine ")]
+    assert len(cmds) == 1
+    out = sh(cmds[0], cwd, env)
+    assert "quick brown fox" in out.stdout and "accepted" in out.stderr, (out.stdout, out.stderr)
+    block = next(b.text for b in blocks("python") if where(b.text) == "here:test_speculative_examples")
+    monkeypatch.chdir(cwd)
+    for key in ("MLX_ENGINE_HOME", "OLLAMA_MODELS"):
+        monkeypatch.setenv(key, env[key])
+    exec(compile(block, "docs/speculative.md", "exec"), {})
+    assert "cat" in capsys.readouterr().out.lower()
+
+
+def test_server_errors_examples(readme_home):
+    """docs/server-errors.md's start-up failure: one ``Error:`` line naming the file, exit status 1."""
+    home, cwd, env = readme_home
+    cmds = covered("test_server_errors_examples")
+    assert len(cmds) == 1
+    out = sh(cmds[0], cwd, env)
+    assert out.stdout.strip().endswith("exit 1") and "Error:" in out.stderr and "no-such-model" in out.stderr, out
 
 
 def test_structured_output_examples(readme_home):

@@ -402,3 +402,18 @@ def test_serve_startup_failures_are_one_error_line(store_root):
         assert p.returncode == 1, (name, p.returncode, p.stderr[-1500:])
         assert "Traceback" not in p.stderr and len(errors) == 1, (name, p.stderr[-1500:])
         assert cases[name][1] in errors[0], (name, errors)
+
+
+def test_the_soak_benchmark_runs(store_root):
+    """benchmarks/soak.py, as docs/server-errors.md gives it but for a quarter of a minute with three clients: it
+    starts its server, every kind of traffic gets its expected answer, and it exits 0 (its own verdict: no error, no
+    request left running, no traceback or 500 in the server's log, a clean server exit)."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, MLX_ENGINE_HOME=str(store_root))
+    env.pop("MLX_ENGINE_API_KEY", None)
+    p = subprocess.run([sys.executable, str(repo / "benchmarks" / "soak.py"), "--minutes", "0.25", "--clients", "3",
+                        "--timeout", "60"], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-2000:])
+    all_line = next(ln for ln in p.stdout.splitlines() if ln.startswith("all "))
+    requests, ok, expected_4xx, errors = (int(x) for x in all_line.split()[1:5])
+    assert requests > 3 and ok > 0 and errors == 0 and ok + expected_4xx == requests, p.stdout

@@ -177,7 +177,9 @@ def test_the_server_answers_400_to_a_hostile_pull(home):
             for stream in (True, False):
                 r = httpx.post(srv.url + "/api/pull", json={"model": name, "stream": stream}, timeout=30)
                 assert r.status_code == 400, r.text
-                assert "Hugging Face model name" in r.json()["error"] or "control character" in r.json()["error"]
+                # the NUL is refused by the body check of every request, the path by the store's name check
+                expected = "NUL character" if "\x00" in name else "Hugging Face model name"
+                assert expected in r.json()["error"], r.text
     finally:
         srv.stop()
     assert not (home / "models").exists()
