@@ -84,7 +84,10 @@ class MLAConfig(DecoderConfig):
                 raise WeightsError(f"model config has {name} = {v!r}; it must be a positive integer")
         if not 0 <= self.dense_layers <= self.num_layers:
             raise WeightsError(f"model config has {self.dense_layers!r} leading dense layers of {self.num_layers}")
-        if self.num_experts and self.dense_layers < self.num_layers:
+        if self.dense_layers < self.num_layers and not (self.num_experts and self.experts_per_token):
+            raise WeightsError(f"model config has MoE layers past the first {self.dense_layers} but "
+                               f"{self.num_experts!r} experts, {self.experts_per_token!r} per token")
+        if self.dense_layers < self.num_layers:
             g, used = self.expert_groups, self.groups_used
             if g < 1 or self.num_experts % g or not 1 <= used <= g or self.num_experts // g * used < \
                     self.experts_per_token:
@@ -153,7 +156,11 @@ class DeepSeek2(MoEWeights, DecoderModel):
                  part: ModelPart | None = None):
         super().__init__(config, stack_experts(weights, config.num_experts, config.num_layers, backend.new_context()),
                          backend, part)
-        self.compile_step = False  # the whole-step trace runs the shared attention block, not MLA
+        if self.part.reduce is not None:
+            raise UnsupportedError("a DeepSeek V2/V3 model is not split over ranks by heads yet (its latent "
+                                   "attention); use --parallel pipeline")
+        self.fuse_attention = False  # its own layer: no fused blocks, no whole-step trace
+        self.compile_step = False
 
     # ---- configuration -----------------------------------------------------------------------------------------
     @classmethod
@@ -303,7 +310,7 @@ class DeepSeek2(MoEWeights, DecoderModel):
         """
         c = self.config
         d, h = c.hidden_size, c.num_heads
-        want: dict[str, tuple[int, ...]] = {}
+        want: dict[str, tuple[int, ...] | None] = {}  # None: optional, [experts]
         if self.part.embed:
             want["model.embed_tokens.weight"] = (c.vocab_size, d)
         if self.part.head:
@@ -323,15 +330,19 @@ class DeepSeek2(MoEWeights, DecoderModel):
                              a + "q_b_proj.weight": (h * c.head_dim, c.q_lora_rank)})
             else:
                 want[a + "q_proj.weight"] = (h * c.head_dim, d)
+            m = p + "mlp."
             if i < c.dense_layers:
-                want.update(DecoderModel.mlp_shapes(self, i))
+                ff = c.intermediate_size
+                want.update({m + "gate_proj.weight": (ff, d), m + "up_proj.weight": (ff, d),
+                             m + "down_proj.weight": (d, ff)})
             else:
-                shapes = {k: v for k, v in MoEWeights.mlp_shapes(self, i).items()
-                          if not k.endswith("shared_expert_gate.weight")}
-                if not self.is_moe(i):
-                    shapes[p + "mlp.gate.weight"] = (c.num_experts, d)
-                want.update(shapes)
-                want[p + "mlp.gate.e_score_correction_bias"] = None  # optional in V2, shape checked below
+                e, ff, s = c.num_experts, c.moe_intermediate_size, c.shared_expert_size
+                want.update({m + "gate.weight": (e, d), m + "experts.gate_proj": (e, ff, d),
+                             m + "experts.up_proj": (e, ff, d), m + "experts.down_proj": (e, d, ff),
+                             m + "gate.e_score_correction_bias": None})  # optional (V2 has none)
+                if s:
+                    want.update({m + "shared_expert.gate_proj.weight": (s, d), m + "shared_expert.up_proj.weight":
+                                 (s, d), m + "shared_expert.down_proj.weight": (d, s)})
         missing = [n for n, s in want.items() if s is not None and n not in self.w]
         if missing:
             raise WeightsError(f"the {self.architecture} checkpoint lacks {len(missing)} tensors, e.g. "
@@ -344,9 +355,6 @@ class DeepSeek2(MoEWeights, DecoderModel):
                                    f"(hidden {d}, {h} heads, latent {c.kv_lora_rank}, query rank {c.q_lora_rank}, "
                                    f"key {c.qk_nope_dim} + {c.rope_dims} and value {c.v_head_dim} features, "
                                    f"{c.num_experts} experts); the file is inconsistent")
-
-    def mlp_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
-        return {}  # checked by _check_weights, by the config's dense layers
 
     def _layer_weights(self, i: int) -> dict[str, Tensor | None]:
         w = super()._layer_weights(i)
