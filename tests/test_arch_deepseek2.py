@@ -85,19 +85,29 @@ def test_folder_matches_transformers(made):
     print("deepseek2 folder vs transformers:", arch_proof.check_folder(made))
 
 
-def test_prompt_reaches_every_expert(made):
-    """Routing matters here: transformers' router sends the prompt's tokens to every expert of both MoE layers."""
+def test_routing_reaches_every_expert_and_groups_and_bias_matter(made):
+    """Routing matters here: transformers' router sends the prompt's tokens to every expert of both MoE layers, and
+    its choices differ, for some tokens, from a top-2 without the correction bias and from one without the groups."""
     layers = made.model.model.layers
-    chosen: dict[int, set] = {}
-    hooks = [layers[i].mlp.gate.register_forward_hook(
-        lambda mod, args, out, i=i: chosen.setdefault(i, set()).update(out[2].flatten().tolist()))
-        for i in range(SIZES["first_k_dense_replace"], len(layers))]
+    seen: dict[int, tuple] = {}
+    hooks = [layers[i].mlp.gate.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0], out)))
+             for i in range(SIZES["first_k_dense_replace"], len(layers))]
     try:
         arch_proof.reference(made.model, made.tokens)
     finally:
         for hook in hooks:
             hook.remove()
-    assert len(chosen) == 2 and all(s == set(range(8)) for s in chosen.values()), chosen
+    assert len(seen) == 2
+    for i, (x, (_, _, chosen)) in seen.items():
+        gate = layers[i].mlp.gate
+        scores = (x.reshape(-1, SIZES["hidden_size"]) @ gate.weight.T).sigmoid()
+
+        def top2(s):
+            return s.topk(2, dim=-1)[1].sort(dim=-1)[0]
+
+        chosen = chosen.sort(dim=-1)[0]
+        assert set(chosen.flatten().tolist()) == set(range(8)), i
+        assert (top2(scores) != chosen).any() and (top2(scores + gate.e_score_correction_bias) != chosen).any(), i
 
 
 @pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_K_M"])
