@@ -31,6 +31,15 @@ def moe_mlp(x: Tensor, w: dict[str, Tensor | None], top_k: int, norm_topk: bool)
     top = probs.take_along_axis(idx, axis=-1)
     if norm_topk:
         top = top / top.sum(axis=-1, keepdims=True)
+    return experts_mlp(x2, idx, top, w).reshape(1, n, d)
+
+
+def experts_mlp(x2: Tensor, idx: Tensor, top: Tensor, w: dict[str, Tensor | None]) -> Tensor:
+    """The routed experts' SwiGLU outputs on ``x2 [N, D]``: each token's experts ``idx [N, k]`` (INT32) by the
+    gathered products, weighed by ``top [N, k]`` and summed, plus the shared expert where ``w`` has one (behind its
+    sigmoid gate where it has one); returns ``[N, D]``. ``w``: as :func:`moe_mlp`'s."""
+    n, d = x2.shape
+    top_k = idx.shape[-1]
     hidden = x2.gather_linear(w["experts_gate"], idx).silu() * x2.gather_linear(w["experts_up"], idx)  # [N, k, I]
     inner = hidden.shape[-1]
     flat = idx.reshape(n * top_k, 1)
@@ -41,7 +50,7 @@ def moe_mlp(x: Tensor, w: dict[str, Tensor | None], top_k: int, norm_topk: bool)
         if w.get("shared_expert_gate") is not None:
             shared = shared * x2.linear(w["shared_expert_gate"]).sigmoid()
         y = y + shared
-    return y.reshape(1, n, d)
+    return y
 
 
 # llama.cpp's MoE tensor names (blk.N.<base>.weight) to the Hugging Face layout we run: router and shared expert as

@@ -11,6 +11,7 @@ from typing import Any
 from mlx_engine.errors import EngineError, UnsupportedError
 from mlx_engine.ml import Backend, DType
 from mlx_engine.models.base import DecoderModel
+from mlx_engine.models.deepseek2 import DeepSeek2
 from mlx_engine.models.gemma2 import Gemma2
 from mlx_engine.models.gemma3 import Gemma3
 from mlx_engine.models.granite import Granite
@@ -34,6 +35,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "olmo2": Olmo2, "smollm3": SmolLM3,
     "qwen3_moe": Qwen3MoE, "qwen3moe": Qwen3MoE, "qwen2_moe": Qwen2MoE, "qwen2moe": Qwen2MoE,
     "phi3": Phi3, "granite": Granite, "mistral3": Mistral3, "ministral3": Mistral3,
+    "deepseek2": DeepSeek2, "deepseek_v3": DeepSeek2, "kimi_k2": DeepSeek2,
 }
 
 

@@ -67,15 +67,19 @@ def sentencepiece_tokenizer(vocab_size: int) -> Callable[[Path], list[int]]:
     return write
 
 
-def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed: int = 0) -> Made:
+def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed: int = 0,
+         prepare: "Callable[[object], None] | None" = None) -> Made:
     """Build, save, convert and quantize a random model of the transformers ``config`` under ``root``, with the
-    tokenizer that ``write_tokenizer(folder)`` writes (it returns the prompt's tokens)."""
+    tokenizer that ``write_tokenizer(folder)`` writes (it returns the prompt's tokens); ``prepare(model)``, where
+    given, sets what :func:`~tests.hf_gguf.peaked` does not draw (buffers such as a router's bias)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     peaked(model, seed=seed)
+    if prepare is not None:
+        prepare(model)
     folder = root / "hf"
     model.save_pretrained(folder)
     tokens = write_tokenizer(folder)
