@@ -89,18 +89,27 @@ def llama_cpp_source() -> Path:
 # names (Qwen2Tokenizer for qwen2, ...) and that class rebuilds its own pre-tokenizer over the vocabulary. The real
 # tokenizer written by save_tokenizer is another model's (smollm2's): read tokenizer.json as written, so that the
 # converter recognises it by its pre-tokenizer hash, as it would the model's own.
+#
+# MLX_ENGINE_CONVERT_PRE names the pre-tokenizer outright: the converter knows real vocabularies by a hash of how they
+# tokenize a check text, which a small trained WordPiece vocabulary cannot match; it is named as its family's
+# ("bert-bge" for BERT), which is what the converter writes for a real bge or MiniLM model.
 _CONVERT = """
-import runpy, sys
+import os, runpy, sys
 from transformers import AutoTokenizer, TokenizersBackend
 AutoTokenizer.from_pretrained = lambda path, *a, **k: TokenizersBackend.from_pretrained(path, *a, **k)
+if os.environ.get("MLX_ENGINE_CONVERT_PRE"):
+    sys.path.insert(0, os.path.dirname(sys.argv[1]))
+    from conversion.base import TextModel
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: os.environ["MLX_ENGINE_CONVERT_PRE"]
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32") -> Path:
+def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32", pre: str | None = None) -> Path:
     """``out``: the GGUF file that llama.cpp's ``convert_hf_to_gguf.py`` writes from the Hugging Face ``folder``
-    (``outtype``: ``f32``, ``f16``, ``bf16`` or ``q8_0``), with the converter's own ``gguf`` package.
+    (``outtype``: ``f32``, ``f16``, ``bf16`` or ``q8_0``), with the converter's own ``gguf`` package. ``pre``: the
+    ``tokenizer.ggml.pre`` to write for a vocabulary the converter's hash list does not know (see ``_CONVERT``).
 
     Raises:
         RuntimeError: the converter failed (the message ends with its output).
@@ -108,7 +117,7 @@ def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32") -> Pa
     source = llama_cpp_source()
     out = Path(out)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), str(source)]),
-               NO_LOCAL_GGUF="")
+               NO_LOCAL_GGUF="", MLX_ENGINE_CONVERT_PRE=pre or "")
     got = subprocess.run([sys.executable, "-c", _CONVERT, str(source / "convert_hf_to_gguf.py"), str(folder),
                           "--outfile", str(out), "--outtype", outtype], capture_output=True, text=True, env=env)
     if got.returncode != 0 or not out.exists():
