@@ -182,6 +182,34 @@ def llama_cpp_logits(path: "str | Path", tokens: list[int]) -> np.ndarray:
         return np.load(out)
 
 
+_EMBED = """
+import json, sys
+import llama_cpp
+texts = json.loads(sys.argv[2])
+llm = llama_cpp.Llama(sys.argv[1], embedding=True, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
+vectors = llm.embed(texts, normalize=True)
+tokens = [llm.tokenize(t.encode(), add_bos=True) for t in texts]
+print(json.dumps({"vectors": vectors, "tokens": tokens}))
+"""
+
+
+def llama_cpp_embeddings(path: "str | Path", texts: list[str]) -> tuple[np.ndarray, list[list[int]]]:
+    """llama.cpp's embeddings (float32 ``[len(texts)]`` rows, pooled as the GGUF says, L2-normalized
+    (``normalize=True``)) of ``texts`` on the GGUF file ``path`` (``Llama(embedding=True).embed``), and its token ids of each text
+    (special tokens added), in a process of its own.
+
+    Raises:
+        RuntimeError: llama.cpp failed to load or run the file (the message ends with its output).
+    """
+    import json
+
+    got = subprocess.run([sys.executable, "-c", _EMBED, str(path), json.dumps(texts)], capture_output=True, text=True)
+    if got.returncode != 0:
+        raise RuntimeError(f"llama.cpp failed on {path}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    return np.asarray(out["vectors"], np.float32), out["tokens"]
+
+
 def save_tokenizer(gguf_path: "str | Path", folder: "str | Path") -> None:
     """Writes into ``folder`` the real tokenizer held by the GGUF file ``gguf_path`` (e.g. the catalog's smollm2:
     ``tokenizer.json``, ``tokenizer_config.json``), as our GGUF vocabulary reader rebuilds it. For smollm2 it
