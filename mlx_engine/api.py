@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.embed_api import EmbeddingModel, is_embedding_checkpoint
+from mlx_engine.embed_api import EmbeddingModel, is_embedding_checkpoint  # noqa: F401 -- the pool's, too
 from mlx_engine.errors import (ChatTemplateError, GenerationInterruptedError, IncompleteOutputError,
                                InvalidRequestError, MemoryBudgetError)
 from mlx_engine.kvcache.storage import HALF_KV_BITS, KV_BITS, stored_dtype
