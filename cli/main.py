@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from mlx_engine.cli.bench import bench
+from mlx_engine.cli.embed import embed
 from mlx_engine.cli.image import image
 from mlx_engine.cli.options import ACTIVATIONS_OPTION
 from mlx_engine.cli.serve import serve
@@ -454,6 +455,7 @@ def chat(model: str, no_history: bool, **kw) -> None:
 
 main.add_command(image)
 main.add_command(bench)
+main.add_command(embed)
 main.add_command(serve)
 
 

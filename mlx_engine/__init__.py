@@ -7,6 +7,7 @@ lazily, so that importing ``mlx_engine.ml`` from a model never pulls ``models/``
 from mlx_engine.version import __version__
 
 _API = ("load", "generate", "stream", "chat", "ChatSession", "ChatReply", "Answer", "Thinking", "ToolCall", "Model",
+        "EmbeddingModel",
         "GenerationStats", "GenerationOptions",
         "generate_image", "save_image", "read_image_parameters", "open_init_image",
         "load_image_model")

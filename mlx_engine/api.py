@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlx_engine.embed_api import EmbeddingModel, is_embedding_checkpoint  # noqa: F401 -- the pool's, too
 from mlx_engine.errors import (ChatTemplateError, GenerationInterruptedError, IncompleteOutputError,
                                InvalidRequestError, MemoryBudgetError)
 from mlx_engine.kvcache.storage import HALF_KV_BITS, KV_BITS, stored_dtype
@@ -54,7 +55,7 @@ from mlx_engine.session import ChatSession
 from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
 from mlx_engine.store.format import printable
 
-__all__ = ["load", "generate", "stream", "chat", "Model", "ChatSession", "ChatReply", "Answer", "Thinking", "ToolCall",
+__all__ = ["load", "generate", "stream", "chat", "Model", "EmbeddingModel", "ChatSession", "ChatReply", "Answer", "Thinking", "ToolCall",
            "GenerationStats", "GenerationOptions",
            "OPTION_NAMES", "DEFAULT_MODEL", "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL",
            "open_init_image", "read_image_parameters", "save_image", "memory_in_use", "launched_rank", "load_image",
@@ -419,6 +420,11 @@ class Model:
         if options.response_format is not None:
             self.runner.constraint(options.request([0]))
 
+    def embed(self, texts: Any, **options: Any) -> Any:
+        """Refused (``InvalidRequestError``): a chat model gives no embeddings here; load an embedding model."""
+        raise InvalidRequestError(f"{self.name} is a {self.architecture} chat model, not an embedding model; load an "
+                                  "embedding model (a BERT or nomic-bert folder or GGUF) to embed text")
+
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
         """A conversation that keeps its KV cache between turns."""
         GenerationOptions.parse(options)
@@ -561,7 +567,8 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
          requantize: int | None = None, parallel: str | None = None, transport: str = "any",
          mmproj: "str | Path | None" = None, activations: str | None = None) -> Model:
     """Load a model by catalog name (``smollm2:135m``, ``gemma3:270m``), GGUF path, Hugging Face folder,
-    ``hf:org/repo`` or ollama name; pulls catalog models on first use.
+    ``hf:org/repo`` or ollama name; pulls catalog models on first use. An encoder (BERT, nomic-bert) loads as an
+    :class:`~mlx_engine.embed_api.EmbeddingModel` (``.embed(texts)``; ``device`` and ``dtype`` only).
 
     ``parallel="pipeline"`` or ``"tensor"`` splits the model over the ranks that ``mlx.launch`` started
     (``transport``: ``mx.distributed``'s backend, ``any``, ``ring``, ``jaccl``, ``mpi`` or ``nccl``): each rank
@@ -589,6 +596,9 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
             AVX-512 VNNI and AVX2).
     """
     resolved = Store().resolve(model, pull=pull, progress=progress)
+    if is_embedding_checkpoint(resolved.path):
+        return EmbeddingModel(resolved.name, resolved.path, source=resolved.source, license=resolved.license,
+                              device=device, dtype=dtype)
     return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,
                  dtype=dtype, context_length=context_length, kv_bits=kv_bits, requantize=requantize,
                  parallel=parallel, transport=transport, mmproj=mmproj, activations=activations)

@@ -1,12 +1,12 @@
 """GGUF vocabularies (llama.cpp's ``tokenizer.ggml.*`` keys) rebuilt as ``tokenizers`` objects: byte-level BPE and
-SentencePiece (see :mod:`mlx_engine.models.tokenizer` for the rules followed and where they differ)."""
+SentencePiece, and BERT's WordPiece (see :mod:`mlx_engine.models.tokenizer` for the rules followed and where they differ)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
 from mlx_engine.errors import WeightsError
@@ -209,6 +209,41 @@ def build_sentencepiece(tokens: list[str], types: list[int], md: Mapping[str, An
     if prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     tk.decoder = decoders.Sequence(steps)
+    return tk, vocab
+
+
+def build_wordpiece(tokens: list[str], types: list[int], md: Mapping[str, Any]
+                    ) -> tuple[_HFTokenizer, dict[str, int]]:
+    """WordPiece (``tokenizer.ggml.model == "bert"``), as llama.cpp's WPM tokenizer reads it (``llama-vocab.cpp``).
+
+    llama.cpp's converter (``conversion/bert.py``) respells the vocabulary with a phantom space: a word-initial piece
+    ``w`` becomes ``\u2581w`` and a continuation ``##w`` becomes ``w``; control tokens stay. This undoes it and builds
+    transformers' ``BertTokenizerFast`` pipeline: ``BertNormalizer`` (``tokenizer.ggml.normalizer.lowercase``, default
+    false, and ``strip_accents``, default the lowercase flag: llama.cpp's defaults), ``BertPreTokenizer``, WordPiece
+    with ``tokenizer.ggml.unknown_token_id`` (default 100), and a post-processor that puts the BOS (BERT's [CLS],
+    default 101) first and the separator ([SEP], default 102) last, as llama.cpp does for every WPM vocabulary."""
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        word = t if types[i] == CONTROL else (t[1:] if t.startswith("\u2581") else "##" + t)
+        vocab.setdefault(word, i)
+    unk = int(meta(md, "tokenizer.ggml.unknown_token_id", 100))
+    if not 0 <= unk < len(tokens):
+        raise WeightsError(f"tokenizer.ggml.unknown_token_id {unk} is out of the vocabulary of {len(tokens)}")
+    tk = _HFTokenizer(models.WordPiece(vocab=vocab, unk_token=tokens[unk], continuing_subword_prefix="##"))
+    lower = bool(meta(md, "tokenizer.ggml.normalizer.lowercase", False))
+    strip = bool(meta(md, "tokenizer.ggml.normalizer.strip_accents", lower))
+    tk.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=strip,
+                                               lowercase=lower)
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    # llama.cpp's WPM tokenizer adds both whatever the add_bos / add_sep keys say (llama_vocab::impl::tokenize)
+    first = [int(meta(md, "tokenizer.ggml.bos_token_id", 101))]
+    last = [int(meta(md, "tokenizer.ggml.seperator_token_id", 102))]
+    if any(not 0 <= i < len(tokens) for i in first + last):
+        raise WeightsError("the GGUF's BOS or separator token id is out of its vocabulary")
+    tk.post_processor = processors.TemplateProcessing(
+        single=[tokens[i] for i in first] + ["$A"] + [tokens[i] for i in last],
+        special_tokens=[(tokens[i], i) for i in first + last])
     return tk, vocab
 
 

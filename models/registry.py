@@ -11,7 +11,11 @@ from typing import Any
 from mlx_engine.errors import EngineError, UnsupportedError
 from mlx_engine.ml import Backend, DType
 from mlx_engine.models.base import DecoderModel
+<<<<<<< HEAD
 from mlx_engine.models.deepseek2 import DeepSeek2
+=======
+from mlx_engine.models.bert import ENCODER_ARCHITECTURES
+>>>>>>> embed
 from mlx_engine.models.gemma2 import Gemma2
 from mlx_engine.models.gemma3 import Gemma3
 from mlx_engine.models.granite import Granite
@@ -58,6 +62,9 @@ def architecture_class(checkpoint: "Backend | Any") -> tuple[type[DecoderModel],
     Raises ``UnsupportedError`` naming the architectures we run."""
     arch, source = checkpoint_architecture(checkpoint)
     cls = ARCHITECTURES.get(arch)
+    if cls is None and arch in ENCODER_ARCHITECTURES:
+        raise UnsupportedError(f"{arch} is an embedding model, not a chat model: embed with it (mlx_engine.load(...)"
+                               ".embed, `mlx-engine embed`, POST /v1/embeddings or /api/embed)")
     if cls is None:
         raise UnsupportedError(f"unknown model architecture {arch!r}; supported: "
                                f"{', '.join(sorted(set(ARCHITECTURES)))}")

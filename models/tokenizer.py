@@ -41,7 +41,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
 from mlx_engine.models.chat_template import default_template, render_chat_template
 from mlx_engine.models.gguf_vocab import (BYTE_TO_CHAR, CHAR_TO_BYTE, CONTROL, EOG_TOKEN_TEXTS, GEMMA_ARCHS, NORMAL,
-                                          USER_DEFINED, build_byte_level, build_sentencepiece, bytes_to_unicode, meta)
+                                          USER_DEFINED, build_byte_level, build_sentencepiece, build_wordpiece,
+                                          bytes_to_unicode, meta)
 
 __all__ = ["Tokenizer", "Detokenizer", "bytes_to_unicode"]
 
@@ -268,8 +269,12 @@ class Tokenizer:
         elif kind == "llama":
             tk, vocab = build_sentencepiece(tokens, types, md, gemma=str(arch) in GEMMA_ARCHS)
             default_add_bos = True
+        elif kind == "bert":
+            tk, vocab = build_wordpiece(tokens, types, md)
+            default_add_bos = False  # its post-processor adds [CLS] and [SEP] (models/embedding.py)
         else:
-            raise UnsupportedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' and 'llama')")
+            raise UnsupportedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2', 'llama' and "
+                                   "'bert')")
 
         control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == CONTROL]
         user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)

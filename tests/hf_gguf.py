@@ -89,18 +89,27 @@ def llama_cpp_source() -> Path:
 # names (Qwen2Tokenizer for qwen2, ...) and that class rebuilds its own pre-tokenizer over the vocabulary. The real
 # tokenizer written by save_tokenizer is another model's (smollm2's): read tokenizer.json as written, so that the
 # converter recognises it by its pre-tokenizer hash, as it would the model's own.
+#
+# MLX_ENGINE_CONVERT_PRE names the pre-tokenizer outright: the converter knows real vocabularies by a hash of how they
+# tokenize a check text, which a small trained WordPiece vocabulary cannot match; it is named as its family's
+# ("bert-bge" for BERT), which is what the converter writes for a real bge or MiniLM model.
 _CONVERT = """
-import runpy, sys
+import os, runpy, sys
 from transformers import AutoTokenizer, TokenizersBackend
 AutoTokenizer.from_pretrained = lambda path, *a, **k: TokenizersBackend.from_pretrained(path, *a, **k)
+if os.environ.get("MLX_ENGINE_CONVERT_PRE"):
+    sys.path.insert(0, os.path.dirname(sys.argv[1]))
+    from conversion.base import TextModel
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: os.environ["MLX_ENGINE_CONVERT_PRE"]
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32") -> Path:
+def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32", pre: str | None = None) -> Path:
     """``out``: the GGUF file that llama.cpp's ``convert_hf_to_gguf.py`` writes from the Hugging Face ``folder``
-    (``outtype``: ``f32``, ``f16``, ``bf16`` or ``q8_0``), with the converter's own ``gguf`` package.
+    (``outtype``: ``f32``, ``f16``, ``bf16`` or ``q8_0``), with the converter's own ``gguf`` package. ``pre``: the
+    ``tokenizer.ggml.pre`` to write for a vocabulary the converter's hash list does not know (see ``_CONVERT``).
 
     Raises:
         RuntimeError: the converter failed (the message ends with its output).
@@ -108,7 +117,7 @@ def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32") -> Pa
     source = llama_cpp_source()
     out = Path(out)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), str(source)]),
-               NO_LOCAL_GGUF="")
+               NO_LOCAL_GGUF="", MLX_ENGINE_CONVERT_PRE=pre or "")
     got = subprocess.run([sys.executable, "-c", _CONVERT, str(source / "convert_hf_to_gguf.py"), str(folder),
                           "--outfile", str(out), "--outtype", outtype], capture_output=True, text=True, env=env)
     if got.returncode != 0 or not out.exists():
@@ -171,6 +180,34 @@ def llama_cpp_logits(path: "str | Path", tokens: list[int]) -> np.ndarray:
         if got.returncode != 0 or not out.exists():
             raise RuntimeError(f"llama.cpp failed on {path}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
         return np.load(out)
+
+
+_EMBED = """
+import json, sys
+import llama_cpp
+texts = json.loads(sys.argv[2])
+llm = llama_cpp.Llama(sys.argv[1], embedding=True, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
+vectors = llm.embed(texts, normalize=True)
+tokens = [llm.tokenize(t.encode(), add_bos=True) for t in texts]
+print(json.dumps({"vectors": vectors, "tokens": tokens}))
+"""
+
+
+def llama_cpp_embeddings(path: "str | Path", texts: list[str]) -> tuple[np.ndarray, list[list[int]]]:
+    """llama.cpp's embeddings (float32 ``[len(texts)]`` rows, pooled as the GGUF says, L2-normalized
+    (``normalize=True``)) of ``texts`` on the GGUF file ``path`` (``Llama(embedding=True).embed``), and its token ids of each text
+    (special tokens added), in a process of its own.
+
+    Raises:
+        RuntimeError: llama.cpp failed to load or run the file (the message ends with its output).
+    """
+    import json
+
+    got = subprocess.run([sys.executable, "-c", _EMBED, str(path), json.dumps(texts)], capture_output=True, text=True)
+    if got.returncode != 0:
+        raise RuntimeError(f"llama.cpp failed on {path}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    return np.asarray(out["vectors"], np.float32), out["tokens"]
 
 
 def save_tokenizer(gguf_path: "str | Path", folder: "str | Path") -> None:

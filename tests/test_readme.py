@@ -41,6 +41,9 @@ COVERAGE: list[tuple[str, str]] = [
                                                     "same command on a small random Gemma 3 vision folder; the "
                                                     "real one is an 8 GB download from the hub)"),
     (r"^mlx-engine run .* --speculative ", "here:test_speculative_examples"),
+    (r"^mlx-engine embed \./all-MiniLM-L6-v2 ", "elsewhere:tests/test_embeddings.py::test_doc_examples (the commands as "
+                                                "written, ./all-MiniLM-L6-v2 a small random folder in its layout)"),
+    (r"mlx_engine\.load\(\"\./all-MiniLM-L6-v2\"\)", "elsewhere:tests/test_embeddings.py::test_doc_examples"),
     (r"^(echo .* \| )?mlx-engine run ", "here:test_run_examples"),
     (r"^mlx-engine chat\b", "here:test_chat_examples"),
     (r"^mlx-engine pull hf:", "not run:needs the Hugging Face hub (the download code is tested against a fake hub in "

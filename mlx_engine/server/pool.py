@@ -115,8 +115,8 @@ def _real_path(name: str) -> Path | None:
 
 @dataclass
 class Loaded:
-    """One loaded model. ``kind`` is ``text`` (``obj`` an :class:`mlx_engine.api.Model`, with its scheduler) or
-    ``image`` (``obj`` an image pipeline)."""
+    """One loaded model. ``kind`` is ``text`` (``obj`` an :class:`mlx_engine.api.Model`, with its scheduler),
+    ``embed`` (an :class:`mlx_engine.api.EmbeddingModel`) or ``image`` (``obj`` an image pipeline)."""
 
     name: str
     kind: str
@@ -127,7 +127,7 @@ class Loaded:
     path: str = ""
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
-    in_flight: int = 0  # requests being served (images; text requests are counted by the scheduler too)
+    in_flight: int = 0  # requests being served (images, embeddings; text requests are counted by the scheduler too)
     pinned: bool = False  # split over the ranks of a distributed run: loaded once, never unloaded
     unloading: bool = False  # an unload waits for its requests: new ones wait for it to end, then load it again
 
@@ -243,6 +243,15 @@ class ModelPool:
         resolved = await asyncio.to_thread(self.resolve_text, name)
         return await self._get(resolved.name, "text", resolved, keep_alive)
 
+    async def embedder(self, name: str, keep_alive: float | None = None) -> Loaded:
+        """The loaded embedding model for ``name``, loading it on first use. Raises InvalidRequestError for a chat
+        model (it gives no embeddings here), ModelNotFoundError as :meth:`text`."""
+        resolved = await asyncio.to_thread(self.resolve_text, name)
+        if not await asyncio.to_thread(api.is_embedding_checkpoint, resolved.path):
+            raise InvalidRequestError(f"{name} is a chat model, not an embedding model: embeddings come from BERT and "
+                                      "nomic-bert models (a sentence-transformers folder or their GGUF)")
+        return await self._get(resolved.name, "embed", resolved, keep_alive)
+
     async def image(self, name: str, keep_alive: float | None = None) -> Loaded:
         """The loaded image model for ``name`` (``shapes:64`` or a diffusers folder), loading it on first use."""
         path = self.image_path(name)
@@ -261,7 +270,8 @@ class ModelPool:
                 self.models[key] = m
                 log.info("loaded %s (%s, %s)", key, kind, format_bytes(m.nbytes))
             elif m.kind != kind:
-                raise InvalidRequestError(f"{key} is a{'n' if m.kind == 'image' else ''} {m.kind} model; use it "
+                label = {"image": "an image", "embed": "an embedding"}.get(m.kind, f"a {m.kind}")
+                raise InvalidRequestError(f"{key} is {label} model; use it "
                                           f"with the {m.kind} endpoints")
         if keep_alive is not None and not m.pinned:
             m.keep_alive = keep_alive
@@ -281,6 +291,9 @@ class ModelPool:
                             max_sequences=self.max_sequences, prefill_chunk=self.prefill_chunk, reserve=True,
                             parallel=self.parallel if pinned else None, transport=self.transport,
                             activations=self.activations)
+            path = str(what.path)
+        elif kind == "embed":
+            obj = api.EmbeddingModel(what.name, what.path, source=what.source, license=what.license)
             path = str(what.path)
         else:
             obj = api.load_image_model(key)
