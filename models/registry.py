@@ -22,6 +22,7 @@ from mlx_engine.models.olmo2 import Olmo2
 from mlx_engine.models.qwen2 import Qwen2
 from mlx_engine.models.phi3 import Phi3
 from mlx_engine.models.qwen3 import Qwen3
+from mlx_engine.models.qwen3_5 import Qwen35, Qwen35MoE
 from mlx_engine.models.qwen3_next import Qwen3Next
 from mlx_engine.models.qwen_moe import Qwen2MoE, Qwen3MoE
 from mlx_engine.models.smollm3 import SmolLM3
@@ -34,6 +35,8 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "olmo2": Olmo2, "smollm3": SmolLM3,
     "qwen3_moe": Qwen3MoE, "qwen3moe": Qwen3MoE, "qwen2_moe": Qwen2MoE, "qwen2moe": Qwen2MoE,
     "phi3": Phi3, "granite": Granite, "mistral3": Mistral3, "ministral3": Mistral3,
+    "qwen3_5": Qwen35, "qwen3_5_text": Qwen35, "qwen35": Qwen35,
+    "qwen3_5_moe": Qwen35MoE, "qwen3_5_moe_text": Qwen35MoE, "qwen35moe": Qwen35MoE,
 }
 
 
