@@ -68,11 +68,13 @@ def sentencepiece_tokenizer(vocab_size: int) -> Callable[[Path], list[int]]:
 
 
 def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed: int = 0,
-         complete: Callable[[object, Path], None] | None = None) -> Made:
+         complete: Callable[[object, Path], None] | None = None, q8_0_by_quantize: bool = False) -> Made:
     """Build, save, convert and quantize a random model of the transformers ``config`` under ``root``, with the
     tokenizer that ``write_tokenizer(folder)`` writes (it returns the prompt's tokens). ``complete(model, folder)``
     adds to the saved folder what the released checkpoints hold and transformers does not save (Qwen3.5's
-    multi-token-prediction block, which llama.cpp's converter requires), before the conversion."""
+    multi-token-prediction block, which llama.cpp's converter requires), before the conversion.
+    ``q8_0_by_quantize``: the Q8_0 file by ``llama-quantize`` from the F32 one, not by a second converter run (half
+    the conversion time)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +86,9 @@ def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed:
     tokens = write_tokenizer(folder)
     if complete is not None:
         complete(model, folder)
-    files = {"F32": convert(folder, root / "f32.gguf", "f32"), "Q8_0": convert(folder, root / "q8_0.gguf", "q8_0")}
+    files = {"F32": convert(folder, root / "f32.gguf", "f32")}
+    files["Q8_0"] = (quantize(files["F32"], root / "q8_0.gguf", "Q8_0") if q8_0_by_quantize
+                     else convert(folder, root / "q8_0.gguf", "q8_0"))
     files["Q4_K_M"] = quantize(files["F32"], root / "q4_k_m.gguf", "Q4_K_M")
     return Made(model, folder, files, tokens)
 
