@@ -140,3 +140,27 @@ def test_a_bad_config_is_refused_with_a_clear_error(made, tmp_path):
     _, m = made
     arch_proof.check_refused(m, tmp_path / "bad", {"linear_num_value_heads": 3},
                              "value heads must be a positive multiple of key heads")
+
+
+def test_the_text_model_of_a_multimodal_folder_matches_transformers(made, tmp_path):
+    """The released checkpoints' layout (``Qwen3_5ForConditionalGeneration``): the config under ``text_config``, the
+    text tensors under ``model.language_model.``, a vision tower beside them (not loaded)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    arch, m = made
+    folder = tmp_path / "multimodal"
+    shutil.copytree(m.folder, folder)
+    tensors = {n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n: t
+               for n, t in load_file(folder / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
+                                                    "architectures": ["Qwen3_5ForConditionalGeneration"]}))
+    d = arch_proof.distance(arch_proof.ours(folder, m.tokens), arch_proof.reference(m.model, m.tokens))
+    print(f"{arch} multimodal folder vs transformers:", d)
+    assert d <= 1e-4, d
