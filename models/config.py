@@ -49,6 +49,9 @@ class DecoderConfig:
         rope_dims: RoPE rotates the first ``rope_dims`` features of each head (partial rotary; None: all).
         attention_gate: attention output times ``sigmoid(x @ W_gate)`` before the output projection (Qwen3-Next).
         linear_heads: Gated DeltaNet layers: ``(key heads, value heads, key head size, value head size)``.
+        linear_tiled: those layers' value heads in tiled order, head ``j`` reading key head ``j % key heads`` (the
+            order llama.cpp's converter writes Qwen3.5 in); else grouped, ``j // (value heads / key heads)``
+            (Hugging Face's).
         num_experts, experts_per_token, moe_intermediate_size: mixture-of-experts MLPs (0: dense).
         shared_expert_size: the width of the always-on shared expert of an MoE layer (0: none).
         norm_topk_prob: the top-k router probabilities are renormalised to sum to 1.
@@ -90,6 +93,7 @@ class DecoderConfig:
     rope_dims: int | None = None
     attention_gate: bool = False
     linear_heads: tuple[int, int, int, int] | None = None
+    linear_tiled: bool = False
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0

@@ -81,11 +81,16 @@ def stack_experts(weights: dict[str, Tensor], num_experts: int, num_layers: int,
     """Per-expert tensors (``mlp.experts.E.gate_proj.weight``, the hub's layout) stacked into one ``[experts, out,
     in]`` tensor per projection (``mlp.experts.gate_proj``), for the gathered products; each expert's tensor is let
     go as it is stacked. A folder of mlx-lm's (``mlp.switch_mlp.*``, already stacked, possibly quantized) is renamed
-    to the same names, its quantization kept."""
+    to the same names, its quantization kept; transformers 5's fused ``mlp.experts.gate_up_proj [experts, 2 I, in]``
+    (Qwen3.5-MoE's own layout) is split into the gate (its first ``I`` rows) and up projections."""
     out = {}
     for name, t in weights.items():
         if ".mlp.switch_mlp." in name and name.endswith(".weight"):
             name = name.replace(".mlp.switch_mlp.", ".mlp.experts.").removesuffix(".weight")
+        if name.endswith(".mlp.experts.gate_up_proj") and t.ndim == 3:
+            t, half, p = t.dequantize(), t.shape[1] // 2, name.removesuffix("gate_up_proj")
+            out[p + "gate_proj"], out[p + "up_proj"] = t[:, :half], t[:, half:]
+            continue
         out[name] = t
     if not num_experts:
         return out

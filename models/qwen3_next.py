@@ -123,6 +123,10 @@ def delta_rule_chunked(ctx: Context, q: Tensor, k: Tensor, v: Tensor, log_decay:
 
 class Qwen3Next(MoEWeights, DecoderModel):
     architecture = "qwen3_next"
+    #: llama.cpp's name of the architecture (the prefix of its GGUF keys).
+    gguf_arch = "qwen3next"
+    #: llama.cpp's converter writes this architecture's value heads in tiled order (``DecoderConfig.linear_tiled``).
+    gguf_tiled_values = False
 
     def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend,
                  part: ModelPart | None = None):
@@ -131,27 +135,39 @@ class Qwen3Next(MoEWeights, DecoderModel):
 
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
-        """From llama.cpp's ``qwen3next`` keys: the linear layers from ``ssm.*`` (``group_count`` key heads,
-        ``time_step_rank`` value heads, ``state_size`` key head size, ``inner_size`` all value features), every
-        ``full_attention_interval``-th layer a full-attention one, RoPE on ``rope.dimension_count`` features."""
-        get = metadata_getter(metadata, "qwen3next")
+        """From llama.cpp's ``<gguf_arch>.*`` keys: the linear layers from ``ssm.*`` (``group_count`` key heads,
+        ``time_step_rank`` value heads, ``state_size`` key head size, ``inner_size`` all value features), the layer
+        kinds from ``attention.recurrent_layers`` or else every ``full_attention_interval``-th layer a full-attention
+        one, RoPE on ``rope.dimension_count`` features. The ``nextn_predict_layers`` multi-token-prediction blocks
+        the converter appends after the decoder's layers are not run (nor loaded: :meth:`sanitize`)."""
+        get = metadata_getter(metadata, cls.gguf_arch)
         heads = get("attention.head_count", positive=True)
         hidden = get("embedding_length", positive=True)
-        layers = int(get("block_count", positive=True))
+        layers = int(get("block_count", positive=True)) - int(get("nextn_predict_layers", 0))
         head_dim = int(get("attention.key_length", hidden // heads))
-        interval = get("full_attention_interval", 4, positive=True)
+        recurrent = get("attention.recurrent_layers", None)
+        if recurrent is None:
+            interval = get("full_attention_interval", 4, positive=True)
+            recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+        recurrent = [bool(r) for r in recurrent]
+        if len(recurrent) < layers or any(recurrent[layers:]):
+            raise WeightsError(f"GGUF metadata key '{cls.gguf_arch}.attention.recurrent_layers' has {len(recurrent)} "
+                               f"entries for {layers} layers (and {int(get('nextn_predict_layers', 0))} "
+                               "multi-token-prediction blocks, which are not recurrent)")
         hv = get("ssm.time_step_rank", positive=True)
         return DecoderConfig(
-            architecture="qwen3_next", vocab_size=vocab_size_of(weights, metadata, "qwen3next"), hidden_size=hidden,
-            num_layers=layers, num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=head_dim, intermediate_size=int(get("feed_forward_length", 0) or 1),
+            architecture=cls.architecture, vocab_size=vocab_size_of(weights, metadata, cls.gguf_arch),
+            hidden_size=hidden, num_layers=layers, num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
+            intermediate_size=int(get("feed_forward_length", 0) or 1),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             context_length=int(get("context_length", 32768)), rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_dims=int(get("rope.dimension_count", head_dim // 4)),
-            layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
+            layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
             qk_norm=True, attention_gate=True, conv_kernel=int(get("ssm.conv_kernel", 4)),
             linear_heads=(int(get("ssm.group_count", positive=True)), int(hv), int(get("ssm.state_size", positive=True)),
                           int(get("ssm.inner_size", positive=True)) // int(hv)),
+            linear_tiled=cls.gguf_tiled_values,
             num_experts=int(get("expert_count", 0)), experts_per_token=int(get("expert_used_count", 0)),
             moe_intermediate_size=int(get("expert_feed_forward_length", 0)),
             shared_expert_size=int(get("expert_shared_feed_forward_length", 0)),
@@ -160,10 +176,12 @@ class Qwen3Next(MoEWeights, DecoderModel):
 
     @classmethod
     def config_from_hf(cls, config: Any) -> DecoderConfig:
+        """From ``config.json`` (a multimodal checkpoint's ``text_config``)."""
+        config = config.get("text_config") or config
         heads = int(config["num_attention_heads"])
         layers = int(config["num_hidden_layers"])
         theta, scaling = hf_rope_parameters(config)
-        check_rope_scaling((scaling or {}).get("rope_type", (scaling or {}).get("type")), "qwen3_next")
+        check_rope_scaling((scaling or {}).get("rope_type", (scaling or {}).get("type")), cls.architecture)
         _check_sparse_step(config)
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
         params = config.get("rope_parameters") or {}
@@ -172,9 +190,11 @@ class Qwen3Next(MoEWeights, DecoderModel):
             "full_attention" if (i + 1) % int(config.get("full_attention_interval", 4)) == 0 else "linear_attention"
             for i in range(layers)]
         return DecoderConfig(
-            architecture="qwen3_next", vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-            num_layers=layers, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=head_dim, intermediate_size=int(config["intermediate_size"]),
+            architecture=cls.architecture, vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]), num_layers=layers, num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
+            # a Qwen3.5 MoE config has no dense MLP width (every layer routes)
+            intermediate_size=int(config.get("intermediate_size") or config["moe_intermediate_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             context_length=int(config.get("max_position_embeddings", 32768)), rope_theta=theta,
             rope_dims=int(head_dim * partial), layer_types=list(types), qk_norm=True, attention_gate=True,
@@ -193,10 +213,17 @@ class Qwen3Next(MoEWeights, DecoderModel):
         """Both sources to one layout: norms as plain RMSNorm weights (Hugging Face stores ``w`` for ``1 + w``;
         llama.cpp's converter already added the one); each head's ``q_proj`` rows split into the query and the
         output gate; the linear layers' input projection as ``in_proj_q/k/v`` (all heads of each, the order the
-        convolution reads them) and ``in_proj_z``; ``A = -exp(A_log)``; the convolution weight ``[C, K]``. A folder
-        that mlx-lm wrote (``mlx_lm.convert``, mlx-community's: its experts stacked as ``mlp.switch_mlp``) already
-        holds ``1 + w`` in its norms and the convolution as ``[C, K, 1]``."""
-        weights = _from_gguf_names(weights) if source == "gguf" else weights
+        convolution reads them) and ``in_proj_z``; Qwen3-Next's ``in_proj_ba`` (grouped per key head) as Qwen3.5's
+        ``in_proj_b`` and ``in_proj_a`` (one row per value head); ``A = -exp(A_log)``; the convolution weight
+        ``[C, K]``. A multimodal folder's text model (``model.language_model.*``) is read, its vision tower and the
+        multi-token-prediction block (``mtp.*``, a GGUF's blocks past ``num_layers``) are not loaded. A folder that
+        mlx-lm wrote (``mlx_lm.convert``, mlx-community's: its experts stacked as ``mlp.switch_mlp``) already holds
+        ``1 + w`` in its norms and the convolution as ``[C, K, 1]``."""
+        if source == "gguf":
+            weights = _from_gguf_names(weights, config.num_layers)
+        else:
+            weights = {name.replace("model.language_model.", "model."): t for name, t in weights.items()
+                       if not name.startswith(("mtp.", "model.visual.", "model.mtp."))}
         if source == "hf" and any(".mlp.switch_mlp." in name for name in weights):
             source = "mlx-lm"
             weights = {name.replace(".mlp.switch_mlp.", ".mlp.experts.").removesuffix(".weight")
@@ -224,6 +251,11 @@ class Qwen3Next(MoEWeights, DecoderModel):
                             p + "in_proj_k.weight": t.rows(list(range(hk * dk, 2 * hk * dk))),
                             p + "in_proj_v.weight": t.rows(list(range(2 * hk * dk, n)))})
                 continue
+            elif name.endswith("linear_attn.in_proj_ba.weight"):  # grouped per key head: [b, a] each
+                p = name.replace("in_proj_ba.weight", "")
+                out.update({p + "in_proj_b.weight": t.rows(_per_group(hk, 2 * r, 0, r)),
+                            p + "in_proj_a.weight": t.rows(_per_group(hk, 2 * r, r, r))})
+                continue
             elif name.endswith("linear_attn.A_log"):
                 name, t = name.replace("A_log", "A"), -(t.astype(DType.FLOAT32).exp())
             elif name.endswith("linear_attn.conv1d.weight") and t.ndim == 3:  # [C, 1, K], or mlx-lm's [C, K, 1]
@@ -239,7 +271,7 @@ class Qwen3Next(MoEWeights, DecoderModel):
         hk, hv, dk, dv = c.linear_heads
         d, kd, vd = c.hidden_size, hk * dk, hv * dv
         req = {p + "in_proj_q.weight": (kd, d), p + "in_proj_k.weight": (kd, d), p + "in_proj_v.weight": (vd, d),
-               p + "in_proj_z.weight": (vd, d), p + "in_proj_ba.weight": (2 * hv, d),
+               p + "in_proj_z.weight": (vd, d), p + "in_proj_b.weight": (hv, d), p + "in_proj_a.weight": (hv, d),
                p + "conv1d.weight": (2 * kd + vd, c.conv_kernel), p + "A": (hv,), p + "dt_bias": (hv,),
                p + "norm.weight": (dv,), p + "out_proj.weight": (d, vd)}
         return req, {}
@@ -252,7 +284,8 @@ class Qwen3Next(MoEWeights, DecoderModel):
             w["attn_gate_norm"] = w["attn_norm"]
         else:
             q = p + "linear_attn."
-            w.update({f"lin_{k}": self.w[q + f"in_proj_{k}.weight"] for k in ("q", "k", "v", "z", "ba")})
+            w.update({f"lin_{k}": self.w[q + f"in_proj_{k}.weight"] for k in ("q", "k", "v", "z")})
+            w.update({"lin_beta": self.w[q + "in_proj_b.weight"], "lin_alpha": self.w[q + "in_proj_a.weight"]})
             w.update({"lin_norm": self.w[q + "norm.weight"], "lin_out": self.w[q + "out_proj.weight"],
                       "lin_a": self.w[q + "A"].astype(DType.FLOAT32),  # g = A * softplus(a + dt_bias)
                       "lin_dt_bias": self.w[q + "dt_bias"].astype(DType.FLOAT32)})
@@ -283,7 +316,6 @@ class Qwen3Next(MoEWeights, DecoderModel):
         r, kd, vd = hv // hk, hk * dk, hv * dv
         s, n = cache.layout
         x = h.rms_norm(w["attn_norm"], c.rms_norm_eps)
-        ba = x.linear(w["lin_ba"]).reshape(s, n, hk, 2 * r)  # grouped per key head: [b, a] each
         z = x.linear(w["lin_z"]).reshape(s, n, hv, dv)
         mixed = ctx.concatenate([x.linear(w[f"lin_{k}"]).reshape(s, n, -1) for k in ("q", "k", "v")], axis=-1)
         k_conv = c.conv_kernel
@@ -296,13 +328,17 @@ class Qwen3Next(MoEWeights, DecoderModel):
         conv = conv.silu().astype(DType.FLOAT32)
         q = _l2norm(conv[..., :kd].reshape(s, n, hk, 1, dk)) * (dk ** -0.5)
         k = _l2norm(conv[..., kd:2 * kd].reshape(s, n, hk, 1, dk))
-        if r > 1:  # value head j reads key head j // r
+        if r > 1 and c.linear_tiled:  # value head j reads key head j % hk
+            q = ctx.concatenate([q.reshape(s, n, 1, hk, dk)] * r, axis=2)
+            k = ctx.concatenate([k.reshape(s, n, 1, hk, dk)] * r, axis=2)
+        elif r > 1:  # value head j reads key head j // r
             q = ctx.concatenate([q] * r, axis=3)
             k = ctx.concatenate([k] * r, axis=3)
         q, k = q.reshape(s, n, hv, dk), k.reshape(s, n, hv, dk)
         v = conv[..., 2 * kd:].reshape(s, n, hv, dv)
-        beta = ba[..., :r].reshape(s, n, hv).astype(DType.FLOAT32).sigmoid()
-        log_decay = _softplus(ba[..., r:].reshape(s, n, hv).astype(DType.FLOAT32) + w["lin_dt_bias"]) * w["lin_a"]
+        beta = x.linear(w["lin_beta"]).reshape(s, n, hv).astype(DType.FLOAT32).sigmoid()
+        alpha = x.linear(w["lin_alpha"]).reshape(s, n, hv).astype(DType.FLOAT32)
+        log_decay = _softplus(alpha + w["lin_dt_bias"]) * w["lin_a"]
         rec = cache.get_state(ctx, layer, "recurrent", (hv, dk, dv))
         rule = delta_rule_chunked if n >= DELTA_CHUNK else delta_rule
         o, rec = rule(ctx, q, k, v, log_decay, beta, rec)
@@ -330,7 +366,8 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "linear_attn.in_proj_qkv",
-    "attn_gate": "linear_attn.in_proj_z", "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
+    "attn_gate": "linear_attn.in_proj_z", "ssm_ba": "linear_attn.in_proj_ba", "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a", "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj", "ffn_gate_inp": "mlp.gate",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
@@ -338,9 +375,11 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def _from_gguf_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """llama.cpp's ``qwen3next`` tensor names (``convert_hf_to_gguf.py``'s ``Qwen3NextModel``) to Hugging Face
-    ones: ``ssm_a`` is already ``A = -exp(A_log)``, ``ssm_dt.bias`` is ``dt_bias``, the experts come stacked."""
+def _from_gguf_names(weights: dict[str, Tensor], layers: int) -> dict[str, Tensor]:
+    """llama.cpp's ``qwen3next`` / ``qwen35`` / ``qwen35moe`` tensor names (``convert_hf_to_gguf.py``'s
+    ``Qwen3NextModel``, ``Qwen3_5TextModel``) to Hugging Face ones: ``ssm_a`` is already ``A = -exp(A_log)``,
+    ``ssm_dt.bias`` is ``dt_bias``, the experts come stacked. Blocks from ``layers`` on (the multi-token-prediction
+    head the converter appends) are left out."""
     out = {}
     top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
@@ -353,6 +392,8 @@ def _from_gguf_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
             out[name] = t
             continue
         p, base, kind = f"model.layers.{parts[1]}.", parts[2], ".".join(parts[3:])
+        if parts[1].isdigit() and int(parts[1]) >= layers:
+            continue
         if base == "ssm_a":
             out[p + "linear_attn.A"] = t
         elif base == "ssm_dt":
@@ -361,6 +402,8 @@ def _from_gguf_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
             out[p + "mlp.experts." + {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                                       "ffn_down_exps": "down_proj"}[base]] = t
         elif base in _GGUF_LAYER_NAMES:
+            if base == "ffn_gate_inp_shexp" and t.ndim == 1:  # the converter writes the [1, D] row as [D]
+                t = t.reshape(1, t.shape[0])
             out[p + _GGUF_LAYER_NAMES[base] + "." + kind] = t
         else:
             out[name] = t

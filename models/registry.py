@@ -11,11 +11,8 @@ from typing import Any
 from mlx_engine.errors import EngineError, UnsupportedError
 from mlx_engine.ml import Backend, DType
 from mlx_engine.models.base import DecoderModel
-<<<<<<< HEAD
 from mlx_engine.models.deepseek2 import DeepSeek2
-=======
 from mlx_engine.models.bert import ENCODER_ARCHITECTURES
->>>>>>> embed
 from mlx_engine.models.gemma2 import Gemma2
 from mlx_engine.models.gemma3 import Gemma3
 from mlx_engine.models.granite import Granite
@@ -27,6 +24,7 @@ from mlx_engine.models.olmo2 import Olmo2
 from mlx_engine.models.qwen2 import Qwen2
 from mlx_engine.models.phi3 import Phi3
 from mlx_engine.models.qwen3 import Qwen3
+from mlx_engine.models.qwen3_5 import Qwen35, Qwen35MoE
 from mlx_engine.models.qwen3_next import Qwen3Next
 from mlx_engine.models.qwen_moe import Qwen2MoE, Qwen3MoE
 from mlx_engine.models.smollm3 import SmolLM3
@@ -40,6 +38,8 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "qwen3_moe": Qwen3MoE, "qwen3moe": Qwen3MoE, "qwen2_moe": Qwen2MoE, "qwen2moe": Qwen2MoE,
     "phi3": Phi3, "granite": Granite, "mistral3": Mistral3, "ministral3": Mistral3,
     "deepseek2": DeepSeek2, "deepseek_v3": DeepSeek2, "kimi_k2": DeepSeek2,
+    "qwen3_5": Qwen35, "qwen3_5_text": Qwen35, "qwen35": Qwen35,
+    "qwen3_5_moe": Qwen35MoE, "qwen3_5_moe_text": Qwen35MoE, "qwen35moe": Qwen35MoE,
 }
 
 

@@ -68,10 +68,21 @@ def sentencepiece_tokenizer(vocab_size: int) -> Callable[[Path], list[int]]:
 
 
 def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed: int = 0,
-         prepare: "Callable[[object], None] | None" = None) -> Made:
+         prepare: "Callable[[object], None] | None" = None, complete: Callable[[object, Path], None] | None = None,
+         tokenizer_class: str | None = None) -> Made:
     """Build, save, convert and quantize a random model of the transformers ``config`` under ``root``, with the
-    tokenizer that ``write_tokenizer(folder)`` writes (it returns the prompt's tokens); ``prepare(model)``, where
-    given, sets what :func:`~tests.hf_gguf.peaked` does not draw (buffers such as a router's bias)."""
+    tokenizer that ``write_tokenizer(folder)`` writes (it returns the prompt's tokens). The F32 file is the
+    converter's; Q8_0 and Q4_K_M are quantized from it by llama.cpp's quantizer (one converter run, not two).
+
+    Args:
+        prepare: ``prepare(model)`` sets what :func:`~tests.hf_gguf.peaked` does not draw (buffers such as a
+            router's bias).
+        complete: ``complete(model, folder)`` adds to the saved folder what the released checkpoints hold and
+            transformers does not save (Qwen3.5's multi-token-prediction block, which llama.cpp's converter
+            requires), before the conversion.
+        tokenizer_class: overrides the class named in ``tokenizer_config.json`` (some converters choose their
+            vocabulary reader by it).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -83,11 +94,15 @@ def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed:
     folder = root / "hf"
     model.save_pretrained(folder)
     tokens = write_tokenizer(folder)
-    files = {"F32": convert(folder, root / "f32.gguf", "f32"), "Q8_0": convert(folder, root / "q8_0.gguf", "q8_0")}
-    files["Q4_K_M"] = quantize(files["F32"], root / "q4_k_m.gguf", "Q4_K_M")
+    if tokenizer_class is not None:
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "tokenizer_class": tokenizer_class}))
+    if complete is not None:
+        complete(model, folder)
+    files = {"F32": convert(folder, root / "f32.gguf", "f32")}
+    for kind in ("Q8_0", "Q4_K_M"):
+        files[kind] = quantize(files["F32"], root / f"{kind.lower()}.gguf", kind)
     return Made(model, folder, files, tokens)
-
-
 
 
 def runner(path: Path, float_weights: bool = True) -> Runner:
@@ -139,10 +154,13 @@ def distance(logits: np.ndarray, ref: np.ndarray) -> float:
 
 
 def dequantized_model(made: Made, path: Path, arch: str,
-                      undo: Callable[[str, np.ndarray], np.ndarray] = lambda name, a: a):
+                      undo: Callable[[str, np.ndarray], np.ndarray] = lambda name, a: a,
+                      read: "Callable[[str, Callable[[str], np.ndarray]], np.ndarray | None]" = lambda n, array: None):
     """A copy of ``made.model`` holding the weights of the GGUF file ``path`` as the ``gguf`` package dequantizes
     them, each found by the converter's own name map (``gguf.get_tensor_name_map``); ``undo(hf_name, array)``
-    undoes what the converter changed in a tensor (Gemma's ``+ 1`` on norms, Llama's Q/K row permutation)."""
+    undoes what the converter changed in a tensor (Gemma's ``+ 1`` on norms, Llama's Q/K row permutation);
+    ``read(hf_name, array)`` makes a tensor the map does not find from the file's tensors, ``array(gguf_name)``
+    dequantized (None: not such a tensor), e.g. a fused tensor the converter split."""
     import gguf
     import torch
 
@@ -151,14 +169,24 @@ def dequantized_model(made: Made, path: Path, arch: str,
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     model = copy.deepcopy(made.model)
     names = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
-    state = {}
+    state, arrays = {}, {}
+
+    def array(gguf_name: str) -> np.ndarray:
+        if gguf_name not in arrays:
+            t = tensors[gguf_name]
+            arrays[gguf_name] = gguf.quants.dequantize(t.data, t.tensor_type)
+        return arrays[gguf_name]
+
     for name, p in model.state_dict().items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name not in tensors:  # a tied output head: the embeddings, loaded under their own name
+        made_up = read(name, array) if gguf_name not in tensors else None
+        if made_up is not None:
+            a = made_up.reshape(p.shape)
+        elif gguf_name not in tensors:  # a tied output head: the embeddings, loaded under their own name
             assert name == "lm_head.weight", f"{name} ({gguf_name}) is not in {path.name}"
             continue
-        t = tensors[gguf_name]
-        a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(p.shape)
+        else:
+            a = array(gguf_name).reshape(p.shape)
         state[name] = torch.from_numpy(np.ascontiguousarray(undo(name, a.astype(np.float32))))
     model.load_state_dict(state, strict=False)
     if model.config.tie_word_embeddings:
@@ -182,10 +210,11 @@ def check_folder(made: Made) -> float:
     return d
 
 
-def check_gguf(made: Made, kind: str, arch: str, undo=lambda name, a: a) -> float:
-    """Our logits on a GGUF file against transformers' on its dequantized weights. Returns the distance."""
+def check_gguf(made: Made, kind: str, arch: str, undo=lambda name, a: a, read=lambda name, array: None) -> float:
+    """Our logits on a GGUF file against transformers' on its dequantized weights (``undo``, ``read``: see
+    :func:`dequantized_model`). Returns the distance."""
     path = made.gguf[kind]
-    ref = reference(made.model if kind == "F32" else dequantized_model(made, path, arch, undo), made.tokens)
+    ref = reference(made.model if kind == "F32" else dequantized_model(made, path, arch, undo, read), made.tokens)
     d = distance(ours(path, made.tokens), ref)
     assert d <= 1e-4, (kind, d)
     return d
