@@ -56,8 +56,7 @@ def made(request, tmp_path_factory, smollm2_gguf):
         config = Qwen3_5MoeTextConfig(**SIZES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                       shared_expert_intermediate_size=96, tie_word_embeddings=False)
     return request.param, arch_proof.make(tmp_path_factory.mktemp(request.param), config,
-                                          arch_proof.smollm2_tokenizer(smollm2_gguf), seed=1, complete=_add_mtp_block,
-                                          q8_0_by_quantize=True)
+                                          arch_proof.smollm2_tokenizer(smollm2_gguf), seed=1, complete=_add_mtp_block)
 
 
 def _grouped(a: np.ndarray, axis: int, size: int) -> np.ndarray:
