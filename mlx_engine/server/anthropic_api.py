@@ -284,7 +284,9 @@ async def _stream(request: Request, state: ServerState, job: ChatJob, head: dict
     """Anthropic's server-sent events: ``message_start``, a ``ping``, each content block as ``content_block_start``,
     its deltas (``thinking_delta``, ``text_delta``, ``input_json_delta``) and ``content_block_stop``, then
     ``message_delta`` (stop reason, usage) and ``message_stop``; a failure mid-answer ends it with an ``error``
-    event (the SDK raises it), never with ``message_stop``."""
+    event (the SDK raises it), never with ``message_stop``. ``message_start``'s usage counts the whole prompt as
+    input (what the prefix cache serves is known once the request is admitted); ``message_delta``'s usage, which
+    clients take as the final one, gives the split."""
     yield _event("message_start", {"message": {
         **head, "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": len(job.tokens), "output_tokens": 0}}})
