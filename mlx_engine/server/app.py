@@ -1,7 +1,7 @@
 """The server: one ASGI app (Starlette on uvicorn) with the OpenAI (Chat Completions, Responses), Anthropic (Messages)
 and ollama routes over one device thread.
 
-Starlette, not FastAPI: the two APIs answer errors in different shapes and stream in different framings (server-sent
+Starlette, not FastAPI: the APIs answer errors in different shapes and stream in different framings (server-sent
 events, NDJSON), so each route reads its JSON body itself under a size limit and validates it with pydantic; FastAPI's
 automatic validation would have to be overridden route by route, and Starlette is the layer FastAPI is built on.
 """

@@ -9,7 +9,8 @@ enforced by a grammar on every token, ``strict`` or not; ``tools`` and ``tool_ch
 ``required``, a named function: the last two forced by a grammar) with ``tool`` messages and assistant ``tool_calls``
 going back into the template (:mod:`mlx_engine.models.tools`); ``image_url`` content parts with ``data:`` URLs go
 to a model that reads images (URLs are not fetched); what the engine cannot do yet (``logprobs``) is refused with a
-400, never ignored.
+400, never ignored. OpenAI's Responses API is :mod:`mlx_engine.server.responses_api`, on the same chat core
+(:mod:`mlx_engine.server.chat_core`).
 
 Reasoning, as vLLM and llama-server give it: a reasoning model's thinking comes back in ``message.reasoning_content``
 (streamed as ``delta.reasoning_content``), apart from ``content``; ``reasoning_effort`` (``none``, ``minimal``,
