@@ -17,8 +17,8 @@ class TextAssembler:
     None for a model that does not think).
 
     ``add(token)`` returns the ``(kind, text)`` pieces that are safe to show now (kind ``thinking`` or ``answer``;
-    maybe none); once :attr:`stop_reason` is set (``eos`` or ``stop``) the request is over and later tokens are
-    ignored. ``flush()`` returns what was held back when generation ends for another reason (``max_tokens``, a full
+    maybe none); once :attr:`stop_reason` is set (``eos`` or ``stop``; :attr:`stop_sequence` names the stop string)
+    the request is over and later tokens are ignored. ``flush()`` returns what was held back when generation ends for another reason (``max_tokens``, a full
     context). Stop strings are looked for in the answer only: the thinking is never cut by one (a stop string that a
     model's reasoning happens to contain would otherwise end the request before its answer began).
     """
@@ -31,9 +31,14 @@ class TextAssembler:
         self._hold = max((len(s) for s in self._stops), default=1) - 1  # text that could still become a stop string
         self._pending = ""
         self.stop_reason = ""
+        self.stop_sequence: str | None = None  # the stop string that ended the text (Anthropic reports it)
 
     def _stop_at(self, text: str) -> int:
-        return min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        found = [(i, s) for i, s in ((text.find(s), s) for s in self._stops) if i >= 0]
+        if not found:
+            return -1
+        i, self.stop_sequence = min(found, key=lambda f: f[0])
+        return i
 
     def _split(self, pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """Thinking pieces pass on; answer text joins the pending text that stop strings are looked for in."""

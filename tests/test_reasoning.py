@@ -383,3 +383,43 @@ def test_ollama_returns_thinking_and_think_reaches_the_template(server):
     assert "".join(p.response or "" for p in parts) == "Hi there!"
     g = client.generate(model="thinker:test", prompt="<|im_start|>assistant\n", raw=True)
     assert g.response == "<think>Let me think</think>\n\nHi there!" and not g.thinking  # raw: the text as written
+
+
+def test_anthropic_messages_return_thinking_blocks(server):
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    m = client.messages.create(model="thinker:test", max_tokens=64, messages=HELLO)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+        ("thinking", "Let me think"), ("text", "Hi there!")]
+    with client.messages.stream(model="thinker:test", max_tokens=64, messages=HELLO) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "thinking_delta" in deltas and deltas[-1] == "text_delta"
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == "Let me think"
+    m = client.messages.create(model="thinker:test", max_tokens=64, messages=HELLO, thinking={"type": "disabled"})
+    assert [(b.type, b.text) for b in m.content] == [("text", "Hi there!")]  # the template closed the span
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(_tokens_of(server, enable_thinking=False))
+    history = HELLO + [{"role": "assistant", "content": [{"type": "thinking", "thinking": "Let me think",
+                                                          "signature": ""}, {"type": "text", "text": "Hi there!"}]},
+                       {"role": "user", "content": "Again"}]
+    count = client.messages.count_tokens(model="thinker:test", messages=history)
+    chat = HELLO + [{"role": "assistant", "content": "Hi there!", "reasoning_content": "Let me think"},
+                    {"role": "user", "content": "Again"}]
+    assert count.input_tokens == len(_tokens_of(server, chat))  # the thinking goes back as the template writes it
+
+
+def test_responses_return_a_reasoning_item(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    r = client.responses.create(model="thinker:test", input="Hello")
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Let me think" and r.output_text == "Hi there!"
+    assert r.usage.output_tokens_details.reasoning_tokens == 3  # "Let", " me", " think"
+    events = list(client.responses.create(model="thinker:test", input="Hello", stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Let me think"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hi there!"
+    r = client.responses.create(model="thinker:test", input="Hello", reasoning={"effort": "none"})
+    assert [o.type for o in r.output] == ["message"] and r.output_text == "Hi there!"
+    r2 = client.responses.create(model="thinker:test", input="Again", previous_response_id=r.id)
+    chat = HELLO + [{"role": "assistant", "content": "Hi there!"}, {"role": "user", "content": "Again"}]
+    assert r2.usage.input_tokens == len(_tokens_of(server, chat))

@@ -1,6 +1,7 @@
-"""The server: one ASGI app (Starlette on uvicorn) with the OpenAI and ollama routes over one device thread.
+"""The server: one ASGI app (Starlette on uvicorn) with the OpenAI (Chat Completions, Responses), Anthropic (Messages)
+and ollama routes over one device thread.
 
-Starlette, not FastAPI: the two APIs answer errors in different shapes and stream in different framings (server-sent
+Starlette, not FastAPI: the APIs answer errors in different shapes and stream in different framings (server-sent
 events, NDJSON), so each route reads its JSON body itself under a size limit and validates it with pydantic; FastAPI's
 automatic validation would have to be overridden route by route, and Starlette is the layer FastAPI is built on.
 """
@@ -25,7 +26,7 @@ from starlette.routing import Route
 
 from mlx_engine.errors import EngineError, InvalidRequestError
 from mlx_engine.ml import ACTIVATIONS
-from mlx_engine.server import embeddings_api, ollama_api, openai_api
+from mlx_engine.server import anthropic_api, embeddings_api, ollama_api, openai_api, responses_api
 from mlx_engine.server.guard import BrowserGuard, check_hosts, check_origins, error_response, split_list
 from mlx_engine.server.http import DEFAULT_MAX_BODY, HTTPProblem, ServerState
 from mlx_engine.server.pool import ModelPool
@@ -131,7 +132,8 @@ class _AccessLog:
 
 
 class _Auth:
-    """Pure ASGI middleware: the API key check (``/`` and ``/health`` stay open for health probes)."""
+    """Pure ASGI middleware: the API key check (``/`` and ``/health`` stay open for health probes). The key comes as
+    ``Authorization: Bearer KEY`` (OpenAI's and ollama's clients) or ``x-api-key: KEY`` (Anthropic's)."""
 
     def __init__(self, app, api_key: str | None):
         self.app, self.api_key = app, api_key
@@ -139,16 +141,19 @@ class _Auth:
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
         if scope["type"] == "http" and self.api_key and path not in ("/", "/health") and not self._authorized(scope):
-            message = "missing or wrong API key: send 'Authorization: Bearer KEY'"
+            message = "missing or wrong API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
             return await error_response(path, 401, message, "authentication_error")(scope, receive, send)
         await self.app(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
+        want = self.api_key.encode()
         for k, v in scope.get("headers", []):
             if k == b"authorization":
                 got = v.decode("latin-1")
-                return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode("latin-1"),
-                                                                         self.api_key.encode())
+                if got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode("latin-1"), want):
+                    return True
+            elif k == b"x-api-key" and hmac.compare_digest(v.strip(), want):
+                return True
         return False
 
 
@@ -211,22 +216,17 @@ def create_app(config: ServerConfig):
         code = getattr(exc, "status_code", 404)
         message = f"{request.method} {request.url.path}: " + ("no such endpoint" if code == 404 else
                                                                "method not allowed" if code == 405 else str(exc))
-        if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": message}, status_code=code)
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                       "code": code}}, status_code=code)
+        return error_response(request.url.path, code, message, "invalid_request_error")
 
     async def internal(request: Request, exc: Exception) -> Response:
         log.error("internal error", exc_info=exc)
         body = f"internal server error ({type(exc).__name__}); the server log has the details"
-        if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": body}, status_code=500)
-        return JSONResponse({"error": {"message": body, "type": "server_error", "param": None, "code": 500}},
-                            status_code=500)
+        return error_response(request.url.path, 500, body, "server_error")
 
     routes = [Route("/", root, methods=["GET", "HEAD"]), Route("/health", root, methods=["GET"]),
               Route("/status", status, methods=["GET"]),
-              *openai_api.routes(state), *ollama_api.routes(state), *embeddings_api.routes(state)]
+              *openai_api.routes(state), *responses_api.routes(state), *anthropic_api.routes(state),
+              *ollama_api.routes(state), *embeddings_api.routes(state)]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: not_found, HTTPProblem: not_found,
                                         Exception: internal})

@@ -14,7 +14,8 @@ ollama's server makes them (``server/routes.go``: ``allowedHostsMiddleware`` and
 - **Content-Type**: ``text/plain``, form and multipart bodies are the ones a page may send cross-origin without a
   preflight (the Fetch standard's CORS-safelisted request headers); a JSON route takes a JSON type or none (415).
 
-Refusals come in the route family's error shape: ollama's ``{"error": "..."}`` under ``/api/``, OpenAI's
+Refusals come in the route family's error shape: ollama's ``{"error": "..."}`` under ``/api/``, Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` under ``/v1/messages``, OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` elsewhere.
 """
 
@@ -74,10 +75,25 @@ def check_origins(origins: Iterable[str]) -> None:
                              "https://example.com or http://localhost:*, with * as a wildcard")
 
 
+#: Anthropic's error types by status (its API reference, "Errors"); 529 is its overloaded_error.
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``, the type from the status."""
+    kind = ANTHROPIC_ERRORS.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def error_response(path: str, status: int, message: str, kind: str) -> Response:
-    """An error in the form of the route family of ``path`` (ollama's under ``/api/``, else OpenAI's)."""
+    """An error in the form of the route family of ``path``: ollama's under ``/api/``, Anthropic's under
+    ``/v1/messages``, else OpenAI's."""
     if path.startswith("/api/"):
         return JSONResponse({"error": message}, status_code=status)
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return JSONResponse(anthropic_error(status, message), status_code=status)
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
                         status_code=status)
 

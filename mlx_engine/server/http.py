@@ -256,6 +256,13 @@ async def whole_answer(request: Request, state: ServerState, loaded: Loaded, tok
         return error_response(e)
 
 
+def note(request: Request, model: str, stats: JobStats | None = None) -> None:
+    """What the access log line of ``request`` says after its status: the model, and the tokens once known."""
+    request.scope.setdefault("state", {})["log"] = (
+        f"model={model}" + (f" prompt={stats.prompt_tokens} cached={stats.cached_tokens} "
+                            f"completion={stats.completion_tokens}" if stats else ""))
+
+
 def remaining_context(loaded: Loaded, tokens: list[int]) -> int:
     """Tokens left in the context after the prompt (at least 1, so the prompt check gives the clear error)."""
     return max(1, loaded.obj.context_length - len(tokens))

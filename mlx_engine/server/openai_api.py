@@ -9,7 +9,8 @@ enforced by a grammar on every token, ``strict`` or not; ``tools`` and ``tool_ch
 ``required``, a named function: the last two forced by a grammar) with ``tool`` messages and assistant ``tool_calls``
 going back into the template (:mod:`mlx_engine.models.tools`); ``image_url`` content parts with ``data:`` URLs go
 to a model that reads images (URLs are not fetched); what the engine cannot do yet (``logprobs``) is refused with a
-400, never ignored.
+400, never ignored. OpenAI's Responses API is :mod:`mlx_engine.server.responses_api`, on the same chat core
+(:mod:`mlx_engine.server.chat_core`).
 
 Reasoning, as vLLM and llama-server give it: a reasoning model's thinking comes back in ``message.reasoning_content``
 (streamed as ``delta.reasoning_content``), apart from ``content``; ``reasoning_effort`` (``none``, ``minimal``,
@@ -35,10 +36,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlx_engine import api
-from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, problem_from, read_json,
-                                    remaining_context, text_events, until_done_or_disconnect, validate, whole_answer)
+from mlx_engine.server.chat_core import ChatJob, chat_answer, chat_events, effort_vars, prepare_chat
+from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, note, problem_from, read_json,
+                                    until_done_or_disconnect, validate)
 from mlx_engine.server.scheduler import JobStats
-from mlx_engine.server.tool_stream import ToolStream
 from mlx_engine.store import IMAGE_CATALOG
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -81,19 +82,18 @@ class _Sampling(_Strict):
     n: int = 1
     logprobs: Optional[Union[bool, int]] = None
 
-    def options(self, default_max_tokens: int, max_tokens: Optional[int] = None, response_format: Any = None):
+    def sampling(self, max_tokens: Optional[int] = None) -> dict[str, Any]:
+        """The engine's option fields of the request (None = not given; ``max_tokens`` overrides its own)."""
         if self.n != 1:
             raise HTTPProblem(400, "n must be 1: this server returns one choice per request", param="n")
         if self.logprobs:
             raise HTTPProblem(400, "logprobs are not supported by this server yet", param="logprobs")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise HTTPProblem(400, "stop takes at most 4 sequences", param="stop")
-        return generation_options({
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "max_tokens": max_tokens or self.max_tokens, "stop": self.stop, "seed": self.seed,
-            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-            "repeat_penalty": self.repetition_penalty, "response_format": response_format},
-            default_max_tokens=default_max_tokens)
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "max_tokens": max_tokens or self.max_tokens, "stop": self.stop, "seed": self.seed,
+                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                "repeat_penalty": self.repetition_penalty}
 
 
 class ChatRequest(_Sampling):
@@ -113,11 +113,8 @@ class ChatRequest(_Sampling):
         if taken:
             raise HTTPProblem(400, f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields "
                                    "give them", param="chat_template_kwargs")
-        if self.reasoning_effort is not None:
-            given["reasoning_effort"] = self.reasoning_effort
-            if self.reasoning_effort == "none":
-                given.setdefault("enable_thinking", False)
-        return given
+        effort = effort_vars(self.reasoning_effort)  # the request's effort wins; kwargs' enable_thinking too
+        return {**effort, **given, **{k: v for k, v in effort.items() if k == "reasoning_effort"}}
 
 
 #: the template variables a request fills from its own fields
@@ -201,34 +198,18 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _note(request: Request, model: str, stats: JobStats | None = None) -> None:
-    request.scope.setdefault("state", {})["log"] = (
-        f"model={model}" + (f" prompt={stats.prompt_tokens} cached={stats.cached_tokens} "
-                            f"completion={stats.completion_tokens}" if stats else ""))
-
-
 def routes(state: ServerState) -> list[Route]:
     async def chat_completions(request: Request) -> Response:
         try:
             req = validate(ChatRequest, await read_json(request, state.max_body_bytes))
             messages = _chat_messages(req)
             loaded = await state.pool.text(req.model)
-            tools = None
-            if req.tools or req.tool_choice or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-                if req.tools and req.response_format:
-                    raise HTTPProblem(400, "give tools or response_format, not both", param="response_format")
-                tools = await asyncio.to_thread(loaded.obj.tool_prompt, messages, req.tools, req.tool_choice,
-                                                **req.template_vars())
-                tokens = tools.tokens
-            else:
-                tokens, images = await asyncio.to_thread(loaded.obj.chat_inputs, messages, **req.template_vars())
-            options = req.options(remaining_context(loaded, tokens), req.max_completion_tokens,
-                                  response_format=tools.response_format if tools else req.response_format)
-            options = replace(options, images=tuple(images if tools is None else ()))
-            await asyncio.to_thread(loaded.obj.check_format, options)  # a 400 now, not an error mid-stream
+            job = await prepare_chat(loaded, messages, req.sampling(req.max_completion_tokens), tools=req.tools,
+                                     tool_choice=req.tool_choice, response_format=req.response_format,
+                                     template_vars=req.template_vars())
         except Exception as e:  # noqa: BLE001 -- every failure gets the API's own error form
             return error_response(e)
-        return await _answer(request, loaded, tokens, options, req, chat=True, tools=tools)
+        return await _answer(request, job, req, chat=True)
 
     async def completions(request: Request) -> Response:
         try:
@@ -250,12 +231,14 @@ def routes(state: ServerState) -> list[Route]:
                 if not prompt or not all(0 <= t < vocab for t in prompt):
                     raise HTTPProblem(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
                 tokens = list(prompt)
-            options = replace(req.options(16), raw=True)  # a plain completion's text stays raw, thinking markers too
+            # a plain completion's text stays raw, thinking markers too
+            options = replace(generation_options(req.sampling(), default_max_tokens=16), raw=True)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        return await _answer(request, loaded, tokens, options, req, chat=False)
+        return await _answer(request, ChatJob(loaded, tokens, options, None), req, chat=False)
 
-    async def _answer(request, loaded, tokens, options, req, *, chat: bool, tools: Any = None) -> Response:
+    async def _answer(request, job: ChatJob, req, *, chat: bool) -> Response:
+        loaded = job.loaded
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -276,16 +259,16 @@ def routes(state: ServerState) -> list[Route]:
             return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
 
         if not req.stream:
-            answer = await whole_answer(request, state, loaded, tokens, options, error_response)
+            answer = await chat_answer(request, state, job, error_response)
             if isinstance(answer, Response):
                 return answer
-            text, thinking, stats = answer
-            _note(request, loaded.name, stats)
-            body = choice(text, _FINISH[stats.finish_reason], False, thinking)
-            content, calls = tools.parse(text) if tools is not None else (text, [])
-            if calls:  # OpenAI's form: content null, the calls, finish_reason tool_calls
+            stats = answer.stats
+            note(request, loaded.name, stats)
+            body = choice(answer.text, _FINISH[stats.finish_reason], False, answer.thinking)
+            if answer.calls:  # OpenAI's form: content null, the calls, finish_reason tool_calls
                 body = {**body, "finish_reason": "tool_calls", "message": {
-                    **body["message"], "content": content or None, "tool_calls": [c.openai() for c in calls]}}
+                    **body["message"], "content": answer.text or None,
+                    "tool_calls": [c.openai() for c in answer.calls]}}
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": loaded.name,
                                  "choices": [body], "usage": _usage(stats)})
 
@@ -297,23 +280,20 @@ def routes(state: ServerState) -> list[Route]:
             if chat:
                 yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
-            held = ToolStream(tools)
+            calls: list = []
             try:
-                async for what, value in text_events(state, loaded, tokens, options):
+                async for what, value in chat_events(state, job):
                     if what == "thinking":
                         yield _sse({**head, "choices": [choice(None, None, True, value)]})
                     elif what == "text":
-                        value = held.feed(value)
-                        if value:
-                            yield _sse({**head, "choices": [choice(value, None, True)]})
-                    else:
-                        _note(request, loaded.name, value)
-                        rest, calls = held.finish()
-                        if rest:
-                            yield _sse({**head, "choices": [choice(rest, None, True)]})
+                        yield _sse({**head, "choices": [choice(value, None, True)]})
+                    elif what == "calls":
+                        calls = value
                         for i, c in enumerate(calls):  # one delta per call, its arguments whole
                             yield _sse({**head, "choices": [{"index": 0, "delta": {"tool_calls": [c.openai(i)]},
                                                              "logprobs": None, "finish_reason": None}]})
+                    else:
+                        note(request, loaded.name, value)
                         finish = "tool_calls" if calls else _FINISH[value.finish_reason]
                         yield _sse({**head, "choices": [choice(None if chat else "", finish, True)]})
                         if include_usage:
@@ -323,7 +303,7 @@ def routes(state: ServerState) -> list[Route]:
                 # stop at the first finish_reason, then the error event (the openai client raises APIError on it);
                 # no [DONE], which would say the answer is complete.
                 p = problem_from(e)
-                _note(request, loaded.name)
+                note(request, loaded.name)
                 yield _sse({**head, "choices": [choice(None if chat else "", "error", True)]})
                 yield _sse({"error": {"message": p.message, "type": p.kind, "param": p.param, "code": p.status}})
                 return
@@ -367,7 +347,7 @@ def routes(state: ServerState) -> list[Route]:
             return Response(status_code=499)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        _note(request, loaded.name)
+        note(request, loaded.name)
         return JSONResponse({"created": int(time.time()), "data": data})
 
     return [Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -50,13 +50,15 @@ class JobStats:
     """What one request cost. Times in seconds (from submission), token counts.
 
     ``finish_reason``: ``stop`` (an end-of-sequence token or a stop string), ``length`` (``max_tokens`` or the full
-    context) or ``cancelled``. ``cached_tokens``: prompt tokens served from the prefix cache (not prefilled).
+    context) or ``cancelled``; ``stop_sequence``: the stop string that ended the answer (None for any other end).
+    ``cached_tokens``: prompt tokens served from the prefix cache (not prefilled).
     """
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str = ""
+    stop_sequence: str | None = None
     queued_s: float = 0.0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
@@ -313,6 +315,8 @@ class TextScheduler:
         now = time.perf_counter()
         st = job.stats
         st.finish_reason, st.completion_tokens = reason, job.generated
+        if job.state is not None and job.state.text is not None:
+            st.stop_sequence = job.state.text.stop_sequence
         st.decode_s = now - job.t_first if job.t_first else 0.0
         st.total_s = now - job.t_submit
         job.emit("done", st)
