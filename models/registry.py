@@ -13,6 +13,7 @@ from mlx_engine.ml import Backend, DType
 from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.gemma2 import Gemma2
 from mlx_engine.models.gemma3 import Gemma3
+from mlx_engine.models.gpt_oss import GptOss
 from mlx_engine.models.granite import Granite
 from mlx_engine.models.lfm2 import LFM2
 from mlx_engine.models.llama import Llama
@@ -33,7 +34,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "qwen3": Qwen3, "lfm2": LFM2, "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
     "olmo2": Olmo2, "smollm3": SmolLM3,
     "qwen3_moe": Qwen3MoE, "qwen3moe": Qwen3MoE, "qwen2_moe": Qwen2MoE, "qwen2moe": Qwen2MoE,
-    "phi3": Phi3, "granite": Granite, "mistral3": Mistral3, "ministral3": Mistral3,
+    "phi3": Phi3, "granite": Granite, "gpt_oss": GptOss, "gpt-oss": GptOss, "mistral3": Mistral3, "ministral3": Mistral3,
 }
 
 

@@ -67,9 +67,11 @@ def sentencepiece_tokenizer(vocab_size: int) -> Callable[[Path], list[int]]:
     return write
 
 
-def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed: int = 0) -> Made:
+def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed: int = 0,
+         quantized: str = "Q4_K_M") -> Made:
     """Build, save, convert and quantize a random model of the transformers ``config`` under ``root``, with the
-    tokenizer that ``write_tokenizer(folder)`` writes (it returns the prompt's tokens)."""
+    tokenizer that ``write_tokenizer(folder)`` writes (it returns the prompt's tokens); ``quantized``: the
+    ``llama-quantize`` type of the third file (a key of ``tests.hf_gguf.FTYPES``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +82,7 @@ def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed:
     model.save_pretrained(folder)
     tokens = write_tokenizer(folder)
     files = {"F32": convert(folder, root / "f32.gguf", "f32"), "Q8_0": convert(folder, root / "q8_0.gguf", "q8_0")}
-    files["Q4_K_M"] = quantize(files["F32"], root / "q4_k_m.gguf", "Q4_K_M")
+    files[quantized] = quantize(files["F32"], root / f"{quantized.lower()}.gguf", quantized)
     return Made(model, folder, files, tokens)
 
 
@@ -187,10 +189,10 @@ def check_gguf(made: Made, kind: str, arch: str, undo=lambda name, a: a) -> floa
     return d
 
 
-def check_llama_cpp(made: Made) -> tuple[float, float, float]:
+def check_llama_cpp(made: Made, quantized: str = "Q4_K_M") -> tuple[float, float, float]:
     """llama.cpp's logits on the F32 file against ours (within 1e-3 of the spread), and the perplexities of the
-    prompt on the Q4_K_M file (ours with the quantized kernels as users run them, llama.cpp's): ``(distance, ours,
-    llama.cpp's)``.
+    prompt on the ``quantized`` file (ours with the quantized kernels as users run them, llama.cpp's): ``(distance,
+    ours, llama.cpp's)``.
 
     The perplexities are held to 10 %, not 1 %: llama.cpp's CPU dot products quantize the activations (to Q8_K for
     K-quant weights, Q8_0 for Q8_0), and a random model with peaked logits amplifies that rounding layer after layer
@@ -199,24 +201,24 @@ def check_llama_cpp(made: Made) -> tuple[float, float, float]:
     layer, which move it by orders of magnitude."""
     d = distance(ours(made.gguf["F32"], made.tokens), llama_cpp_logits(made.gguf["F32"], made.tokens))
     assert d <= 1e-3, d
-    q4 = made.gguf["Q4_K_M"]
+    q4 = made.gguf[quantized]
     mine = float(np.exp(nll(ours(q4, made.tokens, float_weights=False), made.tokens)))
     theirs = float(np.exp(nll(llama_cpp_logits(q4, made.tokens), made.tokens)))
     assert abs(mine - theirs) <= 0.1 * theirs, (mine, theirs)
     return d, mine, theirs
 
 
-def check_ollama(made: Made, name: str, arch: str, models: Path) -> None:
-    """The Q4_K_M file laid out under ``models`` (``$OLLAMA_MODELS``, set by the caller) as ollama stores a pulled
-    ``name`` (an ollama library name, e.g. ``qwen2.5:0.5b``): ``mlx_engine.load(name)`` reads its blob as the
+def check_ollama(made: Made, name: str, arch: str, models: Path, quantized: str = "Q4_K_M") -> None:
+    """The ``quantized`` file laid out under ``models`` (``$OLLAMA_MODELS``, set by the caller) as ollama stores a
+    pulled ``name`` (an ollama library name, e.g. ``qwen2.5:0.5b``): ``mlx_engine.load(name)`` reads its blob as the
     ``arch`` architecture, with the perplexity of the file loaded by its path."""
     import mlx_engine
     from tests.test_store import write_ollama_model
 
     base, tag = name.split(":")
-    write_ollama_model(models, base, tag, made.gguf["Q4_K_M"])
+    write_ollama_model(models, base, tag, made.gguf[quantized])
     by_name = mlx_engine.load(name, pull=False)
-    by_path = mlx_engine.load(str(made.gguf["Q4_K_M"]))
+    by_path = mlx_engine.load(str(made.gguf[quantized]))
     try:
         assert by_name.path.parent == models / "blobs" and by_name.architecture == arch
         assert by_name.perplexity(TEXT) == by_path.perplexity(TEXT)
