@@ -88,17 +88,18 @@ def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed:
 
 
 
-def runner(path: Path, float_weights: bool = True) -> Runner:
+def runner(path: Path, float_weights: bool = True, activations: str | None = None) -> Runner:
     """Our runner on ``path`` in float32 (``float_weights``: quantized tensors dequantized at load, as the
-    reference computes; else the CPU's quantized kernels, as a user runs them)."""
+    reference computes; else the CPU's quantized kernels, as a user runs them, with ``activations`` as
+    :class:`MLXBackend` takes them: ``"int8"`` for llama.cpp's numerics)."""
     backend = (MLXBackend(path, dtype="float32", quantized=False, requantize=0) if float_weights
-               else MLXBackend(path, dtype="float32"))
+               else MLXBackend(path, dtype="float32", activations=activations))
     return Runner(load_text_model(backend), NoText(), context_length=512, max_sequences=1, prefill_chunk=512)
 
 
-def ours(path: Path, tokens: list[int], float_weights: bool = True) -> np.ndarray:
+def ours(path: Path, tokens: list[int], float_weights: bool = True, activations: str | None = None) -> np.ndarray:
     """Our logits (float32 ``[N, vocab]``) at every position of ``tokens``, one forward pass."""
-    r = runner(path, float_weights)
+    r = runner(path, float_weights, activations)
     n = len(tokens)
     with r.backend.new_context() as ctx:
         r.reset(0)
@@ -189,10 +190,11 @@ def check_gguf(made: Made, kind: str, arch: str, undo=lambda name, a: a) -> floa
     return d
 
 
-def check_llama_cpp(made: Made, quantized: str = "Q4_K_M") -> tuple[float, float, float]:
+def check_llama_cpp(made: Made, quantized: str = "Q4_K_M", activations: str | None = None
+                    ) -> tuple[float, float, float]:
     """llama.cpp's logits on the F32 file against ours (within 1e-3 of the spread), and the perplexities of the
-    prompt on the ``quantized`` file (ours with the quantized kernels as users run them, llama.cpp's): ``(distance,
-    ours, llama.cpp's)``.
+    prompt on the ``quantized`` file (ours with the quantized kernels as users run them, with ``activations`` as
+    :func:`runner` takes them; llama.cpp's): ``(distance, ours, llama.cpp's)``.
 
     The perplexities are held to 10 %, not 1 %: llama.cpp's CPU dot products quantize the activations (to Q8_K for
     K-quant weights, Q8_0 for Q8_0), and a random model with peaked logits amplifies that rounding layer after layer
@@ -202,7 +204,7 @@ def check_llama_cpp(made: Made, quantized: str = "Q4_K_M") -> tuple[float, float
     d = distance(ours(made.gguf["F32"], made.tokens), llama_cpp_logits(made.gguf["F32"], made.tokens))
     assert d <= 1e-3, d
     q4 = made.gguf[quantized]
-    mine = float(np.exp(nll(ours(q4, made.tokens, float_weights=False), made.tokens)))
+    mine = float(np.exp(nll(ours(q4, made.tokens, float_weights=False, activations=activations), made.tokens)))
     theirs = float(np.exp(nll(llama_cpp_logits(q4, made.tokens), made.tokens)))
     assert abs(mine - theirs) <= 0.1 * theirs, (mine, theirs)
     return d, mine, theirs

@@ -41,7 +41,7 @@ def _dequantized(made: arch_proof.Made, path):
     transformers' interleaved ``gate_up_proj [E, D, 2I]`` and ``down_proj [E, I, D]``."""
     import gguf
 
-    tensors = {t.name: np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    tensors = {t.name: np.array(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
                for t in gguf.GGUFReader(path).tensors}
     model = copy.deepcopy(made.model)
     state = model.state_dict()
@@ -72,7 +72,7 @@ def _dequantized(made: arch_proof.Made, path):
             # (the converter names the sinks as a weight)
             gguf_name = names.get_name(name + ".weight" if name.endswith(".sinks") else name,
                                        try_suffixes=(".weight", ".bias"))
-            put(name, tensors[gguf_name].copy())
+            put(name, tensors[gguf_name])
             used.add(gguf_name)
     assert used == set(tensors), set(tensors) - used
     model.load_state_dict(state)
@@ -114,8 +114,11 @@ def test_mxfp4_gguf_matches_transformers_on_its_weights(made):
 
 
 def test_gguf_matches_llama_cpp(made):
+    """On the MXFP4_MOE file ours runs with llama.cpp's numerics (activations rounded to 8 bits per 32 before each
+    product, as its CPU does for MXFP4 and Q8_0 weights): this peaked random model's perplexity moves by 17 % under
+    that rounding alone (ours exact, 1.72e8; llama.cpp's 1.43e8; ours with int8 activations within 2 % of it)."""
     print("gpt_oss F32 vs llama.cpp, MXFP4_MOE perplexity ours, llama.cpp's:",
-          arch_proof.check_llama_cpp(made, "MXFP4_MOE"))
+          arch_proof.check_llama_cpp(made, "MXFP4_MOE", activations="int8"))
 
 
 def test_an_ollama_name_loads(made, home, tmp_path, monkeypatch):
