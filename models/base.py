@@ -299,9 +299,9 @@ class DecoderModel(abc.ABC):
 
     _BLOCK_WEIGHTS = {
         "in": ("attn_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"),
-        "out": ("o", "o_bias", "attn_gate", "attn_gate_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm", "gate", "up",
-                "down", "router", "experts_gate", "experts_up", "experts_down", "shared_gate", "shared_up",
-                "shared_down", "shared_expert_gate", "router_bias", "experts_gate_bias", "experts_up_bias",
+        "out": ("o", "o_bias", "attn_gate", "attn_gate_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm",
+                "gate", "up", "down", "router", "experts_gate", "experts_up", "experts_down", "shared_gate",
+                "shared_up", "shared_down", "shared_expert_gate", "router_bias", "experts_gate_bias", "experts_up_bias",
                 "experts_down_bias"),
     }
 

@@ -34,7 +34,8 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "qwen3": Qwen3, "lfm2": LFM2, "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
     "olmo2": Olmo2, "smollm3": SmolLM3,
     "qwen3_moe": Qwen3MoE, "qwen3moe": Qwen3MoE, "qwen2_moe": Qwen2MoE, "qwen2moe": Qwen2MoE,
-    "phi3": Phi3, "granite": Granite, "gpt_oss": GptOss, "gpt-oss": GptOss, "mistral3": Mistral3, "ministral3": Mistral3,
+    "phi3": Phi3, "granite": Granite, "mistral3": Mistral3, "ministral3": Mistral3,
+    "gpt_oss": GptOss, "gpt-oss": GptOss,
 }
 
 

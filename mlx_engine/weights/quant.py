@@ -59,9 +59,10 @@ Bits other than 2, 4 and 8 (3, 5, 6) pack as MLX packs them: a little-endian bit
 ``j * bits`` of the row's bytes (the 2-, 4- and 8-bit word layout above is the same stream).
 
 The three codebook types keep their 4-bit integers and the file's scales (two levels for IQ4_XS: ``ls - 32`` as int8
-and ``d`` per 256; MXFP4's powers of two as float16 where all are exact, else float32), with :class:`QuantizedArray`'s ``codebook``: our CPU kernels look each integer up (4.25 and 4.5
-bits per element, the files' own); elsewhere :func:`codebook_to_affine` makes them 8-bit affine without loss (the
-levels plus 128 as bytes, zero point 128).
+and ``d`` per 256; MXFP4's powers of two as float16 where all are exact, else float32), with
+:class:`QuantizedArray`'s ``codebook``: our CPU kernels look IQ4's integers up (4.25 and 4.5 bits per element, the
+files' own); elsewhere, and for MXFP4 everywhere, :func:`codebook_to_affine` makes them 8-bit affine without loss
+(the levels plus 128 as bytes, zero point 128).
 
 This module imports NumPy only (never ``mlx``).
 """
