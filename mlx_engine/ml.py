@@ -421,9 +421,13 @@ class Context(abc.ABC):
 
     @abc.abstractmethod
     def scaled_dot_product_attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float,
-                                     mask: "Tensor | str | None" = None, softcap: float | None = None) -> Tensor:
+                                     mask: "Tensor | str | None" = None, softcap: float | None = None,
+                                     sinks: "Tensor | None" = None) -> Tensor:
         """``softmax(q k^T * scale + mask) v`` (Vaswani et al. 2017); with ``softcap``, the scaled scores ``s`` are
-        capped to ``softcap * tanh(s / softcap)`` before the mask (Gemma 2).
+        capped to ``softcap * tanh(s / softcap)`` before the mask (Gemma 2); with ``sinks`` ``[Hq]``, each head's
+        softmax has one more logit, ``sinks[h]``, whose probability is dropped (attention sinks, gpt-oss:
+        transformers' ``eager_attention_forward`` in ``modeling_gpt_oss.py``). A cap and sinks together are refused
+        (``UnsupportedError``): no model has both.
 
         Shapes: ``q [B, Hq, L, Dh]``, ``k, v [B, Hkv, S, Dh]`` with ``Hq`` a multiple of ``Hkv`` (grouped-query
         attention), ``mask`` additive ``[L, S]`` (or broadcastable to ``[B, Hq, L, S]``), the string ``"causal"``

@@ -186,7 +186,8 @@ class DecoderModel(abc.ABC):
             norms = {p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)}
             (want if c.sandwich_norm else optional).update(norms)
             optional.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                             p + "self_attn.v_proj.bias": (kv,)})
+                             p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (d,),
+                             p + "self_attn.sinks": (c.num_heads,)})
         missing = [n for n in want if n not in self.w]
         if missing:
             raise WeightsError(f"the {self.architecture} checkpoint lacks {len(missing)} tensors, e.g. "
@@ -223,7 +224,8 @@ class DecoderModel(abc.ABC):
             "attn_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
             "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias",
             "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
-            "k_norm": "self_attn.k_norm.weight", "post_attn_norm": "post_attention_layernorm.weight",
+            "k_norm": "self_attn.k_norm.weight", "o_bias": "self_attn.o_proj.bias", "sinks": "self_attn.sinks",
+            "post_attn_norm": "post_attention_layernorm.weight",
             "pre_ffn_norm": "pre_feedforward_layernorm.weight", "post_ffn_norm": "post_feedforward_layernorm.weight",
             "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
         }
@@ -297,9 +299,10 @@ class DecoderModel(abc.ABC):
 
     _BLOCK_WEIGHTS = {
         "in": ("attn_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"),
-        "out": ("o", "attn_gate", "attn_gate_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm", "gate", "up",
-                "down", "router", "experts_gate", "experts_up", "experts_down", "shared_gate", "shared_up",
-                "shared_down", "shared_expert_gate"),
+        "out": ("o", "o_bias", "attn_gate", "attn_gate_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm",
+                "gate", "up", "down", "router", "experts_gate", "experts_up", "experts_down", "shared_gate",
+                "shared_up", "shared_down", "shared_expert_gate", "router_bias", "experts_gate_bias", "experts_up_bias",
+                "experts_down_bias"),
     }
 
     def _compiled_block(self, kind: str, layer: int, rope_args: int = 1,
@@ -488,8 +491,10 @@ class DecoderModel(abc.ABC):
             if o is None:
                 cache.put(ctx, k, v)
                 keys, values, mask = cache.get(ctx)
-                o = (ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask) if c.attn_softcap is None
-                     else ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask, c.attn_softcap))
+                sinks = lw.get("sinks")
+                o = (ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
+                     if c.attn_softcap is None and sinks is None
+                     else ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask, c.attn_softcap, sinks))
             nxt = self._next_layer.get(i)
             if (compiled and nxt is not None and (output_layer is None or nxt <= output_layer)
                     and self.part.reduce is None and fused and fused_attention(nxt)):

@@ -55,6 +55,9 @@ class DecoderConfig:
         num_experts, experts_per_token, moe_intermediate_size: mixture-of-experts MLPs (0: dense).
         shared_expert_size: the width of the always-on shared expert of an MoE layer (0: none).
         norm_topk_prob: the top-k router probabilities are renormalised to sum to 1.
+        clamped_swiglu: ``(alpha, limit)``: the experts' activation is gpt-oss's clamped SwiGLU,
+            ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``
+            (transformers' ``GptOssExperts._apply_gate``); None: SiLU-gated.
         attn_softcap: attention scores ``s`` (scaled) become ``attn_softcap * tanh(s / attn_softcap)`` (Gemma 2).
         final_softcap: the same cap on the output logits (Gemma 2).
     """
@@ -99,6 +102,7 @@ class DecoderConfig:
     moe_intermediate_size: int = 0
     shared_expert_size: int = 0
     norm_topk_prob: bool = True
+    clamped_swiglu: tuple[float, float] | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
 
@@ -162,6 +166,10 @@ class DecoderConfig:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise WeightsError(f"model config routes each token to {self.experts_per_token} of {self.num_experts} "
                                "experts; it must be at least 1 and at most the number of experts")
+        if self.clamped_swiglu is not None and not all(
+                isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in self.clamped_swiglu):
+            raise WeightsError(f"model config has swiglu (alpha, limit) = {self.clamped_swiglu!r}; both must be "
+                               "finite positive numbers")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise WeightsError("model config has sliding-window layers but no sliding_window")
         if self.query_scale is None:

@@ -95,7 +95,7 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     layout, Shoeybi et al. 2019)."""
     n = h.shape[1]
     if (n == 1 and reduce is None and w.get("attn_gate") is None and w.get("router") is None
-            and c.residual_scale == 1.0):
+            and w.get("o_bias") is None and c.residual_scale == 1.0):
         # one token: the output projection, the norms and the MLP as one operation where the backend can
         norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
         h, m = o.output_mlp(h, w["o"], norm, w["gate"], w["up"], w["down"], c.activation, c.rms_norm_eps,
@@ -108,7 +108,7 @@ def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | 
     if c.sandwich_norm and reduce is None:  # the product and the norm after it as one operation where it can
         return feed_forward(c, h, o.linear_norm(w["o"], w["post_attn_norm"], c.rms_norm_eps), w, reduce, defer,
                             normed=True)
-    o = o.linear(w["o"])
+    o = o.linear(w["o"], w.get("o_bias"))
     if reduce is not None:
         o = reduce(o)
     if c.residual_scale != 1.0:  # Granite
@@ -129,7 +129,7 @@ def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | N
     norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
     if w.get("router") is not None:
         h, x = h.add_rms_norm(o, norm, eps)
-        m = moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob)
+        m = moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob, c.clamped_swiglu)
     else:
         # the residual add, the norm and the products; the activation, the down projection and the norm after it:
         # each as one operation where the backend can
@@ -151,7 +151,8 @@ def attention_out_in(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor
     (:func:`attention_in` without RoPE, weights ``w_next``): returns the next layer's ``q, k, v`` and its ``h``. One
     token: as one operation where the backend can (a decode step's layer boundary: one graph node where there were
     two); the values are those of the two functions in turn."""
-    if (h.shape[1] == 1 and w.get("attn_gate") is None and w.get("router") is None and c.residual_scale == 1.0
+    if (h.shape[1] == 1 and w.get("attn_gate") is None and w.get("router") is None and w.get("o_bias") is None
+            and c.residual_scale == 1.0
             and all(w_next.get(b) is None for b in ("q_bias", "k_bias", "v_bias"))):
         norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
         shapes = [(1, c.num_heads, 1, c.head_dim)] + [(1, c.num_kv_heads, 1, c.head_dim)] * 2

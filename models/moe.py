@@ -15,35 +15,51 @@ if TYPE_CHECKING:
     from mlx_engine.models.config import DecoderConfig
 
 
-def moe_mlp(x: Tensor, w: dict[str, Tensor | None], top_k: int, norm_topk: bool) -> Tensor:
+def moe_mlp(x: Tensor, w: dict[str, Tensor | None], top_k: int, norm_topk: bool,
+            clamped_swiglu: "tuple[float, float] | None" = None) -> Tensor:
     """The MoE MLP on normed hidden states ``x [1, N, D]``; returns ``[1, N, D]`` (no residual).
 
     ``w``: ``router [E, D]``, ``experts_gate`` / ``experts_up [E, I, D]``, ``experts_down [E, D, I]``, and
-    optionally ``shared_gate`` / ``shared_up [S, D]``, ``shared_down [D, S]``, ``shared_expert_gate [1, D]``. The
-    router's softmax runs in float32; ``norm_topk`` renormalises the ``top_k`` kept probabilities to sum to 1.
+    optionally ``shared_gate`` / ``shared_up [S, D]``, ``shared_down [D, S]``, ``shared_expert_gate [1, D]``,
+    ``router_bias [E]``, ``experts_gate_bias`` / ``experts_up_bias [E, I]``, ``experts_down_bias [E, D]``
+    (gpt-oss). The router's softmax runs in float32; ``norm_topk`` renormalises the ``top_k`` kept probabilities to
+    sum to 1 (gpt-oss's softmax over the top-k logits is the same). ``clamped_swiglu``: as :func:`experts_mlp`'s.
     """
     n, d = x.shape[1], x.shape[2]
     x2 = x.reshape(n, d)
-    probs = x2.linear(w["router"]).astype(DType.FLOAT32).softmax(-1)  # [N, E]
+    probs = x2.linear(w["router"], w.get("router_bias")).astype(DType.FLOAT32).softmax(-1)  # [N, E]
     experts = probs.shape[-1]
     idx = (-probs).argpartition(top_k - 1, axis=-1)[:, :top_k] if top_k < experts else \
         (-probs).argsort(axis=-1)  # [N, k]
     top = probs.take_along_axis(idx, axis=-1)
     if norm_topk:
         top = top / top.sum(axis=-1, keepdims=True)
-    return experts_mlp(x2, idx, top, w).reshape(1, n, d)
+    return experts_mlp(x2, idx, top, w, clamped_swiglu).reshape(1, n, d)
 
 
-def experts_mlp(x2: Tensor, idx: Tensor, top: Tensor, w: dict[str, Tensor | None]) -> Tensor:
-    """The routed experts' SwiGLU outputs on ``x2 [N, D]``: each token's experts ``idx [N, k]`` (INT32) by the
-    gathered products, weighed by ``top [N, k]`` and summed, plus the shared expert where ``w`` has one (behind its
-    sigmoid gate where it has one); returns ``[N, D]``. ``w``: as :func:`moe_mlp`'s."""
+def experts_mlp(x2: Tensor, idx: Tensor, top: Tensor, w: dict[str, Tensor | None],
+                clamped_swiglu: "tuple[float, float] | None" = None) -> Tensor:
+    """The routed experts' outputs on ``x2 [N, D]``: each token's experts ``idx [N, k]`` (INT32) by the gathered
+    products (with the experts' biases where ``w`` has them), weighed by ``top [N, k]`` and summed, plus the shared
+    expert where ``w`` has one (behind its sigmoid gate where it has one); returns ``[N, D]``. ``w``: as
+    :func:`moe_mlp`'s. ``clamped_swiglu`` ``(alpha, limit)``: the activation is gpt-oss's
+    (:attr:`DecoderConfig.clamped_swiglu`), else SiLU-gated (SwiGLU)."""
     n, d = x2.shape
     top_k = idx.shape[-1]
-    hidden = x2.gather_linear(w["experts_gate"], idx).silu() * x2.gather_linear(w["experts_up"], idx)  # [N, k, I]
+    gate, up = x2.gather_linear(w["experts_gate"], idx), x2.gather_linear(w["experts_up"], idx)  # [N, k, I]
+    if w.get("experts_gate_bias") is not None:
+        gate, up = gate + w["experts_gate_bias"].take(idx, axis=0), up + w["experts_up_bias"].take(idx, axis=0)
+    if clamped_swiglu is None:
+        hidden = gate.silu() * up
+    else:
+        alpha, limit = clamped_swiglu
+        gate, up = gate.minimum(limit), up.minimum(limit).maximum(-limit)
+        hidden = (up + 1.0) * (gate * (gate * alpha).sigmoid())
     inner = hidden.shape[-1]
     flat = idx.reshape(n * top_k, 1)
     out = hidden.reshape(n * top_k, inner).gather_linear(w["experts_down"], flat).reshape(n, top_k, d)
+    if w.get("experts_down_bias") is not None:
+        out = out + w["experts_down_bias"].take(idx, axis=0)
     y = (out * top.astype(out.dtype).reshape(n, top_k, 1)).sum(axis=1)  # [N, D]
     if w.get("shared_gate") is not None:
         shared = (x2.linear(w["shared_gate"]).silu() * x2.linear(w["shared_up"])).linear(w["shared_down"])
@@ -138,5 +154,9 @@ class MoEWeights:
                       "shared_gate": self.w.get(m + "shared_expert.gate_proj.weight"),
                       "shared_up": self.w.get(m + "shared_expert.up_proj.weight"),
                       "shared_down": self.w.get(m + "shared_expert.down_proj.weight"),
-                      "shared_expert_gate": self.w.get(m + "shared_expert_gate.weight")})
+                      "shared_expert_gate": self.w.get(m + "shared_expert_gate.weight"),
+                      "router_bias": self.w.get(m + "gate.bias"),
+                      "experts_gate_bias": self.w.get(m + "experts.gate_bias"),
+                      "experts_up_bias": self.w.get(m + "experts.up_bias"),
+                      "experts_down_bias": self.w.get(m + "experts.down_bias")})
         return w

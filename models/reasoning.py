@@ -11,9 +11,11 @@ inside it (:func:`prompt_opens_span`). Whitespace right after either marker and 
 (ollama's parser does the same), so ``<think>\\nabc\\n</think>\\n\\nHi`` gives the thinking ``abc`` and the answer
 ``Hi``.
 
-Another channel format (gpt-oss's harmony ``analysis`` channel) plugs in as another parser with the same ``feed`` /
-``flush`` interface, chosen where :meth:`mlx_engine.models.runner.Runner.reasoning` makes one per request, and a gate
-like :class:`DeferredConstraint` for its grammar.
+gpt-oss's harmony format is read by :class:`HarmonyParser` (the same ``feed`` / ``flush`` interface, chosen where
+:meth:`mlx_engine.models.runner.Runner.reasoning` makes one per request): each message of the output is a header
+(``<|start|>assistant<|channel|>NAME<|message|>``) and a body up to ``<|end|>``, ``<|return|>`` or ``<|call|>``; the
+``analysis`` channel's bodies are the thinking, the others' (``final``, ``commentary``) the answer (OpenAI's harmony
+format, as the ``openai-harmony`` package and llama.cpp's ``common/chat.cpp`` read it).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any
 
 from mlx_engine.errors import InvalidOptionError
 
-__all__ = ["Thinking", "ThinkMarkers", "MARKER_PAIRS", "think_markers", "prompt_opens_span", "ReasoningParser",
+__all__ = ["Thinking", "ThinkMarkers", "MARKER_PAIRS", "HARMONY", "HarmonyParser", "think_markers",
+           "prompt_opens_span", "ReasoningParser",
            "DeferredConstraint", "THINKING", "ANSWER", "THINK_LEVELS", "parse_think", "think_template_vars"]
 
 THINKING, ANSWER = "thinking", "answer"
@@ -53,10 +56,18 @@ MARKER_PAIRS = (ThinkMarkers("<think>", "</think>"), ThinkMarkers("[THINK]", "[/
                 ThinkMarkers("<|START_THINKING|>", "<|END_THINKING|>"))
 
 
+#: gpt-oss's harmony format: its analysis channel's opening and its messages' end (:class:`HarmonyParser` reads it)
+HARMONY = ThinkMarkers("<|channel|>analysis<|message|>", "<|end|>")
+
+
 def think_markers(chat_template: str | None, token_to_id: Callable[[str], Any]) -> ThinkMarkers | None:
-    """The thinking span of a model: the first pair of :data:`MARKER_PAIRS` whose two markers are both in the chat
-    template's text, else both single tokens of the vocabulary (``token_to_id`` gives None for a text that is not a
-    token); None for a model that does not think."""
+    """The thinking span of a model: :data:`HARMONY` when the chat template (else the vocabulary) has harmony's
+    ``<|channel|>`` and ``<|message|>``, else the first pair of :data:`MARKER_PAIRS` whose two markers are both in the
+    chat template's text, else both single tokens of the vocabulary (``token_to_id`` gives None for a text that is
+    not a token); None for a model that does not think."""
+    if (chat_template and "<|channel|>" in chat_template and "<|message|>" in chat_template) or (
+            token_to_id("<|channel|>") is not None and token_to_id("<|message|>") is not None):
+        return HARMONY
     if chat_template:
         for pair in MARKER_PAIRS:
             if pair.open in chat_template and pair.close in chat_template:
@@ -150,6 +161,70 @@ class ReasoningParser:
         if self._phase == _IN and held.rstrip():
             return [(THINKING, held.rstrip())]
         return []
+
+
+_HEADERS = ("<|start|>", "<|channel|>")
+_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+#: a header longer than this is not one (the text is held no further)
+_MAX_HEADER = 256
+
+
+class HarmonyParser:
+    """:class:`ReasoningParser`'s interface for gpt-oss's harmony output: text deltas in, ``(kind, text)`` pieces out,
+    the ``analysis`` channel's message bodies as :data:`THINKING`, every other channel's (and text outside any
+    header) as :data:`ANSWER`; headers and end markers dropped. A marker split over deltas is held until known.
+
+    Args:
+        inside: the prompt opened an analysis message (:func:`prompt_opens_span` with :data:`HARMONY`).
+    """
+
+    def __init__(self, inside: bool = False):
+        self._in_body = inside
+        self._kind = THINKING if inside else ANSWER
+        self._held = ""
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """The pieces ``text`` completes (maybe none)."""
+        out: list[tuple[str, str]] = []
+        text = self._held + text
+        self._held = ""
+        while text:
+            if not self._in_body:
+                head = text.lstrip()
+                if any(head.startswith(h) for h in _HEADERS):
+                    i = head.find("<|message|>")
+                    if i < 0 and len(head) <= _MAX_HEADER:  # the header goes on
+                        self._held = text
+                        break
+                    if i >= 0:
+                        channel = head[:i].partition("<|channel|>")[2].split("<|")[0].split(" ")[0].strip()
+                        self._kind = THINKING if channel == "analysis" else ANSWER
+                        text = head[i + len("<|message|>"):]
+                    self._in_body = True
+                    continue
+                if any(h.startswith(head) for h in _HEADERS):  # whitespace, or a beginning of a header: wait
+                    self._held = text
+                    break
+                self._kind, self._in_body = ANSWER, True  # plain text: the answer
+                continue
+            ends = [(text.find(e), e) for e in _ENDS if e in text]
+            if ends:
+                i, end = min(ends)
+                if text[:i]:
+                    out.append((self._kind, text[:i]))
+                text, self._in_body = text[i + len(end):], False
+                continue
+            keep = max(_partial_suffix(text, e) for e in _ENDS)
+            self._held = text[len(text) - keep:]
+            if text[:len(text) - keep]:
+                out.append((self._kind, text[:len(text) - keep]))
+            break
+        return _merged(out)
+
+    def flush(self) -> list[tuple[str, str]]:
+        """At the end of the output: a held partial marker in a body is text; an unfinished header is dropped."""
+        held, self._held = self._held, ""
+        return [(self._kind, held)] if self._in_body and held else []
 
 
 def _merged(pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:

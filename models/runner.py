@@ -24,7 +24,8 @@ from mlx_engine.models.constraint import Constraint, GrammarTokenizer, ResponseF
 from mlx_engine.models.generation import SequenceState
 from mlx_engine.models.speculative import DraftLength, Drafter, make_drafter, speculate
 from mlx_engine.models.images import PromptImage
-from mlx_engine.models.reasoning import DeferredConstraint, ReasoningParser, prompt_opens_span, think_markers
+from mlx_engine.models.reasoning import (HARMONY, DeferredConstraint, HarmonyParser, ReasoningParser,
+                                         prompt_opens_span, think_markers)
 from mlx_engine.models.sampler import Sampler, SamplerOptions
 from mlx_engine.models.text_assembly import TextAssembler, typed_pieces
 from mlx_engine.models.tokenizer import Tokenizer
@@ -226,11 +227,14 @@ class Runner:
         tail = self.tokenizer.decode([int(t) for t in tokens[-self.PROMPT_TAIL:]])
         return prompt_opens_span(tail, self.think_markers)
 
-    def reasoning(self, req: Request) -> ReasoningParser | None:
+    def reasoning(self, req: Request) -> ReasoningParser | HarmonyParser | None:
         """The thinking parser of ``req`` (None for a model whose template and vocabulary have no thinking span, or
-        a request for raw text), starting inside the span when the prompt opened it."""
+        a request for raw text; gpt-oss's harmony channels: :class:`HarmonyParser`), starting inside the span when
+        the prompt opened it."""
         if self.think_markers is None or not req.reasoning:
             return None
+        if self.think_markers is HARMONY:
+            return HarmonyParser(self._starts_inside(req.tokens))
         return ReasoningParser(self.think_markers, self._starts_inside(req.tokens))
 
     def text_assembler(self, req: Request) -> TextAssembler:

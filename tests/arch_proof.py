@@ -7,6 +7,7 @@ quantized files) and against llama.cpp's. The architecture test modules call :fu
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -69,10 +70,10 @@ def sentencepiece_tokenizer(vocab_size: int) -> Callable[[Path], list[int]]:
 
 def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed: int = 0,
          prepare: "Callable[[object], None] | None" = None, complete: Callable[[object, Path], None] | None = None,
-         tokenizer_class: str | None = None) -> Made:
+         tokenizer_class: str | None = None, quantized: str = "Q4_K_M") -> Made:
     """Build, save, convert and quantize a random model of the transformers ``config`` under ``root``, with the
     tokenizer that ``write_tokenizer(folder)`` writes (it returns the prompt's tokens). The F32 file is the
-    converter's; Q8_0 and Q4_K_M are quantized from it by llama.cpp's quantizer (one converter run, not two).
+    converter's; Q8_0 and the ``quantized`` one are made from it by llama.cpp's quantizer (one converter run).
 
     Args:
         prepare: ``prepare(model)`` sets what :func:`~tests.hf_gguf.peaked` does not draw (buffers such as a
@@ -82,6 +83,7 @@ def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed:
             requires), before the conversion.
         tokenizer_class: overrides the class named in ``tokenizer_config.json`` (some converters choose their
             vocabulary reader by it).
+        quantized: the ``llama-quantize`` type of the third file (a key of ``tests.hf_gguf.FTYPES``).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -100,33 +102,49 @@ def make(root: Path, config, write_tokenizer: Callable[[Path], list[int]], seed:
     if complete is not None:
         complete(model, folder)
     files = {"F32": convert(folder, root / "f32.gguf", "f32")}
-    for kind in ("Q8_0", "Q4_K_M"):
+    for kind in ("Q8_0", quantized):
         files[kind] = quantize(files["F32"], root / f"{kind.lower()}.gguf", kind)
     return Made(model, folder, files, tokens)
 
 
-def runner(path: Path, float_weights: bool = True) -> Runner:
-    """Our runner on ``path`` in float32 (``float_weights``: quantized tensors dequantized at load, as the
-    reference computes; else the CPU's quantized kernels, as a user runs them)."""
+def runner(path: Path, float_weights: bool = True, activations: str | None = None, context: int | None = None,
+           room: int = 512) -> Runner:
+    """Our runner on ``path`` in float32, its cache holding ``room`` tokens. ``float_weights``: quantized tensors
+    dequantized at load, as the reference computes; else the CPU's quantized kernels, as a user runs them, with
+    ``activations`` as :class:`MLXBackend` takes them (``"int8"`` for llama.cpp's numerics). ``context``: the
+    context the model is told it runs with (``DecoderModel.use_context``: LongRoPE's factors follow it), whatever
+    the cache holds."""
     backend = (MLXBackend(path, dtype="float32", quantized=False, requantize=0) if float_weights
-               else MLXBackend(path, dtype="float32"))
-    return Runner(load_text_model(backend), NoText(), context_length=512, max_sequences=1, prefill_chunk=512)
+               else MLXBackend(path, dtype="float32", activations=activations))
+    r = Runner(load_text_model(backend), NoText(), context_length=room, max_sequences=1, prefill_chunk=room)
+    if context is not None:
+        r.model.use_context(context)
+    return r
 
 
-def ours(path: Path, tokens: list[int], float_weights: bool = True) -> np.ndarray:
-    """Our logits (float32 ``[N, vocab]``) at every position of ``tokens``, one forward pass."""
-    r = runner(path, float_weights)
+def ours(path: Path, tokens: list[int], float_weights: bool = True, activations: str | None = None,
+         chunk: int | None = None, context: int | None = None) -> np.ndarray:
+    """Our logits (float32 ``[N, vocab]``) at every position of ``tokens``: one forward pass, or passes of
+    ``chunk`` tokens (the cache's window and chunk masks then work across passes). The rest: as :func:`runner`."""
     n = len(tokens)
+    r = runner(path, float_weights, activations, context, room=max(512, n))
+    chunk = chunk or n
+    rows = []
     with r.backend.new_context() as ctx:
         r.reset(0)
-        batch = Batch(np.asarray(tokens, np.int32), np.arange(n), np.zeros(n, np.int32), np.arange(n))
-        return r.model.forward(ctx, batch, r.cache).astype(DType.FLOAT32).numpy()
+        for b in range(0, n, chunk):
+            idx = np.arange(b, min(n, b + chunk))
+            batch = Batch(np.asarray(tokens[b:b + chunk], np.int32), idx, np.zeros(len(idx), np.int32),
+                          np.arange(len(idx)))
+            rows.append(r.model.forward(ctx, batch, r.cache).astype(DType.FLOAT32).numpy())
+    return np.concatenate(rows)
 
 
-def ours_greedy(path: Path, tokens: list[int], n: int) -> list[int]:
+def ours_greedy(path: Path, tokens: list[int], n: int, context: int | None = None) -> list[int]:
     """``n`` greedy tokens of ours after ``tokens`` (prefill, then one-token decode steps)."""
     req = Request(list(tokens), SamplerOptions(temperature=0.0), max_tokens=n, sequence=0)
-    return list(runner(path).generate_tokens(req, GenerationStats()))
+    r = runner(path, context=context, room=max(512, len(tokens) + n))
+    return list(r.generate_tokens(req, GenerationStats()))
 
 
 def reference(model, tokens: list[int]) -> np.ndarray:
@@ -202,54 +220,79 @@ def nll(logits: np.ndarray, tokens: list[int]) -> float:
     return float(-logp[np.arange(len(tokens) - 1), tokens[1:]].mean())
 
 
-def check_folder(made: Made) -> float:
-    """Our logits on the folder against transformers'; the same 32 greedy tokens. Returns the distance."""
-    d = distance(ours(made.folder, made.tokens), reference(made.model, made.tokens))
+def check_folder(made: Made, chunk: int | None = None, context: int | None = None) -> float:
+    """Our logits on the folder against transformers' (prefill in passes of ``chunk`` tokens; ``context`` as for
+    :func:`runner`); the same 32 greedy tokens. Returns the distance."""
+    d = distance(ours(made.folder, made.tokens, chunk=chunk, context=context), reference(made.model, made.tokens))
     assert d <= 1e-4, d
-    assert ours_greedy(made.folder, made.tokens, 32) == reference_greedy(made.model, made.tokens, 32)
+    assert (ours_greedy(made.folder, made.tokens, 32, context=context)
+            == reference_greedy(made.model, made.tokens, 32))
     return d
 
 
-def check_gguf(made: Made, kind: str, arch: str, undo=lambda name, a: a, read=lambda name, array: None) -> float:
+def check_gguf(made: Made, kind: str, arch: str, undo=lambda name, a: a, read=lambda name, array: None,
+               chunk: int | None = None, context: int | None = None) -> float:
     """Our logits on a GGUF file against transformers' on its dequantized weights (``undo``, ``read``: see
-    :func:`dequantized_model`). Returns the distance."""
+    :func:`dequantized_model`; ``chunk``, ``context``: see :func:`ours`). Returns the distance."""
     path = made.gguf[kind]
     ref = reference(made.model if kind == "F32" else dequantized_model(made, path, arch, undo, read), made.tokens)
-    d = distance(ours(path, made.tokens), ref)
+    d = distance(ours(path, made.tokens, chunk=chunk, context=context), ref)
     assert d <= 1e-4, (kind, d)
     return d
 
 
-def check_llama_cpp(made: Made) -> tuple[float, float, float]:
+def check_llama_cpp(made: Made, quantized: str = "Q4_K_M", activations: str | None = None,
+                    tokens: list[int] | None = None, context: int | None = None,
+                    bound: float = 0.1) -> tuple[float, float, float]:
     """llama.cpp's logits on the F32 file against ours (within 1e-3 of the spread), and the perplexities of the
-    prompt on the Q4_K_M file (ours with the quantized kernels as users run them, llama.cpp's): ``(distance, ours,
-    llama.cpp's)``.
+    prompt on the ``quantized`` file (ours with the quantized kernels as users run them, with ``activations`` as
+    :func:`runner` takes them; llama.cpp's): ``(distance, ours, llama.cpp's)``. ``tokens``: a prompt of its own
+    (default the made one); ``context``: as for :func:`runner`.
 
-    The perplexities are held to 10 %, not 1 %: llama.cpp's CPU dot products quantize the activations (to Q8_K for
-    K-quant weights, Q8_0 for Q8_0), and a random model with peaked logits amplifies that rounding layer after layer
-    (its logits even on Q8_0 land far outside 1e-3 of the spread from the exact dequantized reference, which ours
-    match to 1e-4). A trained model is far less sensitive; the bound still catches a misread tensor or a wrong
-    layer, which move it by orders of magnitude."""
-    d = distance(ours(made.gguf["F32"], made.tokens), llama_cpp_logits(made.gguf["F32"], made.tokens))
+    The perplexities are held to ``bound`` (10 %), not 1 %: llama.cpp's CPU dot products quantize the activations
+    (to Q8_K for K-quant weights, Q8_0 for Q8_0), and a random model with peaked logits amplifies that rounding layer
+    after layer (its logits even on Q8_0 land far outside 1e-3 of the spread from the exact dequantized reference,
+    which ours match to 1e-4). A trained model is far less sensitive; the bound still catches a misread tensor or a
+    wrong layer, which move it by orders of magnitude. ``activations="int8"`` computes as llama.cpp does, where the
+    float path's distance to it is the rounding's."""
+    tokens = made.tokens if tokens is None else tokens
+    d = distance(ours(made.gguf["F32"], tokens, context=context), llama_cpp_logits(made.gguf["F32"], tokens))
     assert d <= 1e-3, d
-    q4 = made.gguf["Q4_K_M"]
-    mine = float(np.exp(nll(ours(q4, made.tokens, float_weights=False), made.tokens)))
-    theirs = float(np.exp(nll(llama_cpp_logits(q4, made.tokens), made.tokens)))
-    assert abs(mine - theirs) <= 0.1 * theirs, (mine, theirs)
+    q = made.gguf[quantized]
+    mine = float(np.exp(nll(ours(q, tokens, float_weights=False, activations=activations, context=context), tokens)))
+    theirs = float(np.exp(nll(llama_cpp_logits(q, tokens), tokens)))
+    assert abs(mine - theirs) <= bound * theirs, (mine, theirs)
     return d, mine, theirs
 
 
-def check_ollama(made: Made, name: str, arch: str, models: Path) -> None:
-    """The Q4_K_M file laid out under ``models`` (``$OLLAMA_MODELS``, set by the caller) as ollama stores a pulled
-    ``name`` (an ollama library name, e.g. ``qwen2.5:0.5b``): ``mlx_engine.load(name)`` reads its blob as the
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of llama.cpp's converter's ``LlamaModel.permute`` of Q/K rows (``[heads * Dh, ...]``)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_undo(heads: int, kv_heads: int) -> Callable[[str, np.ndarray], np.ndarray]:
+    """An ``undo`` for :func:`dequantized_model`: the Q/K row permutation that llama.cpp's converter applies to
+    Llama-like architectures (Llama, SmolLM3, Granite, Mistral 3), undone."""
+    def undo(name: str, a: np.ndarray) -> np.ndarray:
+        if name.endswith("q_proj.weight"):
+            return unpermute(a, heads)
+        if name.endswith("k_proj.weight"):
+            return unpermute(a, kv_heads)
+        return a
+    return undo
+
+
+def check_ollama(made: Made, name: str, arch: str, models: Path, quantized: str = "Q4_K_M") -> None:
+    """The ``quantized`` file laid out under ``models`` (``$OLLAMA_MODELS``, set by the caller) as ollama stores a
+    pulled ``name`` (an ollama library name, e.g. ``qwen2.5:0.5b``): ``mlx_engine.load(name)`` reads its blob as the
     ``arch`` architecture, with the perplexity of the file loaded by its path."""
     import mlx_engine
     from tests.test_store import write_ollama_model
 
     base, tag = name.split(":")
-    write_ollama_model(models, base, tag, made.gguf["Q4_K_M"])
+    write_ollama_model(models, base, tag, made.gguf[quantized])
     by_name = mlx_engine.load(name, pull=False)
-    by_path = mlx_engine.load(str(made.gguf["Q4_K_M"]))
+    by_path = mlx_engine.load(str(made.gguf[quantized]))
     try:
         assert by_name.path.parent == models / "blobs" and by_name.architecture == arch
         assert by_name.perplexity(TEXT) == by_path.perplexity(TEXT)

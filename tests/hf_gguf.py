@@ -28,7 +28,7 @@ LLAMA_CPP_PYTHON = "0.3.36"
 
 #: llama.cpp's file types by ``llama-quantize``'s names (``enum llama_ftype`` in llama.h).
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_S": 14,
-          "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30}
+          "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30, "MXFP4_MOE": 38}
 
 
 def cache_root() -> Path:

@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 
 from mlx_engine.errors import InvalidOptionError, InvalidRequestError
 from mlx_engine.models.constraint import parse_response_format
-from mlx_engine.models.reasoning import (ReasoningParser, ThinkMarkers, Thinking, prompt_opens_span,
-                                         think_markers, think_template_vars)
+from mlx_engine.models.reasoning import (HARMONY, HarmonyParser, ReasoningParser, ThinkMarkers, Thinking,
+                                         prompt_opens_span, think_markers, think_template_vars)
 from mlx_engine.models.runner import Request
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +68,51 @@ def test_markers_from_the_template_or_the_vocabulary():
     assert think_template_vars(None) == {}
     assert think_template_vars(False) == {"enable_thinking": False, "thinking": False}
     assert think_template_vars("high")["reasoning_effort"] == "high"
+
+
+def _harmony(chunks, inside=False):
+    p = HarmonyParser(inside)
+    out = [x for c in chunks for x in p.feed(c)] + p.flush()
+    return ("".join(t for k, t in out if k == "thinking"), "".join(t for k, t in out if k == "answer"))
+
+
+def test_harmony_channels_split_alike_wherever_the_stream_is_cut():
+    """gpt-oss's output after its template's ``<|start|>assistant`` (OpenAI's harmony format): the analysis
+    channel's message is the thinking, the final channel's the answer, headers and end markers dropped."""
+    raw = ("<|channel|>analysis<|message|>User asks 2+2. Answer 4.<|end|>"
+           "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>")
+    want = ("User asks 2+2. Answer 4.", "2 + 2 = 4.")
+    for i in range(len(raw) + 1):
+        for j in range(i, len(raw) + 1, 7):
+            assert _harmony([raw[:i], raw[i:j], raw[j:]]) == want, (i, j)
+    assert _harmony(list(raw)) == want
+
+
+def test_harmony_cases():
+    assert _harmony(["<|channel|>final<|message|>Hi"]) == ("", "Hi")  # no analysis
+    assert _harmony(["Hi <|channel|>"]) == ("", "Hi <|channel|>")  # plain text is the answer, to its end
+    assert _harmony(["<|channel|>analysis<|message|>abc <|en"]) == ("abc <|en", "")  # cut off while thinking
+    assert _harmony(["abc<|end|><|start|>assistant<|channel|>final<|message|>x"], inside=True) == ("abc", "x")
+    # a preamble on the commentary channel (to the user) is answer text
+    assert _harmony(["<|channel|>commentary<|message|>Let me check.<|end|>"]) == ("", "Let me check.")
+    assert _harmony(["<|channel|>analysis<|mess"]) == ("", "")  # an unfinished header
+
+
+def test_the_gpt_oss_template_renders_and_selects_harmony():
+    """gpt-oss's own chat template (llama.cpp's copy of the released one) renders in our sandbox, with the
+    reasoning effort and an earlier answer, ends with the assistant's header, and selects :data:`HARMONY`."""
+    from mlx_engine.models.chat_template import render_chat_template
+    from tests.hf_gguf import llama_cpp_source
+
+    source = (llama_cpp_source() / "models" / "templates" / "openai-gpt-oss-120b.jinja").read_text()
+    text = render_chat_template(source, [{"role": "user", "content": "Hi"},
+                                         {"role": "assistant", "content": "Hello!"},
+                                         {"role": "user", "content": "2+2?"}], reasoning_effort="high")
+    assert "Reasoning: high" in text
+    assert "<|start|>assistant<|channel|>final<|message|>Hello!<|end|>" in text
+    assert text.endswith("<|start|>user<|message|>2+2?<|end|><|start|>assistant")
+    assert think_markers(source, lambda t: None) is HARMONY
+    assert not prompt_opens_span(text[-64:], HARMONY)
 
 
 # ---- the scripted model -------------------------------------------------------------------------------------------

@@ -316,10 +316,15 @@ class MLXContext(Context):
         return MLXMask(mask, _attention_blocks(visible, ATTENTION_BLOCK), _visible_runs(visible[0]) if one else None,
                        None if one else _visible_spans(visible))
 
-    def scaled_dot_product_attention(self, q, k, v, scale, mask=None, softcap=None):
+    def scaled_dot_product_attention(self, q, k, v, scale, mask=None, softcap=None, sinks=None):
         m = mask if isinstance(mask, str) or mask is None else mask.a
         if m is not None and not isinstance(m, str) and m.dtype != q.a.dtype:
             m = m.astype(q.a.dtype)
+        if sinks is not None:  # MLX's own attention takes the sinks; our kernels and the block split do not
+            if softcap is not None:
+                raise UnsupportedError("attention with both a soft-cap and sinks is not supported")
+            return MLXTensor(mx.fast.scaled_dot_product_attention(q.a, k.a, v.a, scale=scale, mask=m,
+                                                                  sinks=sinks.a.astype(q.a.dtype)))
         if softcap is not None:
             return MLXTensor(_softcapped_attention(q.a, k.a, v.a, scale, softcap, m))
         sdpa = mx.fast.scaled_dot_product_attention

@@ -41,6 +41,9 @@ GGUF block formats (``ggml/src/ggml-common.h`` in llama.cpp; the ``gguf`` packag
 - ``IQ4_XS``: 256 elements, ``{f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}``: eight sub-blocks of 32, each
   with a 6-bit scale ``ls`` (low 4 bits from nibble ``j`` of ``scales_l``, high 2 from bits ``2j`` of ``scales_h``)
   and 16 bytes of nibbles as Q4_0; value ``d * (ls - 32) * kvalues[q]``.
+- ``MXFP4``: 32 elements, ``{u8 e; u8 qs[16]}``, nibbles as Q4_0; value ``2**(e - 128) * kvalues[q]`` with
+  ``kvalues`` the FP4 (E2M1) levels doubled (:data:`MXFP4_VALUES`, ``kvalues_mxfp4``; ``ggml_e8m0_to_fp32_half``
+  gives the halved E8M0 scale): the OCP microscaling format, gpt-oss's experts.
 
 All of the affine ones map without loss onto group-32 affine: a scale and a bias per 32 elements, each the product of an f16
 and an integer of at most 6 bits, exact in float32, and ``scale * q`` (at most 17 + 5 significant bits) is exact too,
@@ -55,10 +58,11 @@ element), which our CPU kernels run; elsewhere the backend re-quantizes them (:f
 Bits other than 2, 4 and 8 (3, 5, 6) pack as MLX packs them: a little-endian bitstream, element ``j`` at bit
 ``j * bits`` of the row's bytes (the 2-, 4- and 8-bit word layout above is the same stream).
 
-The two codebook types keep their 4-bit integers and the file's scales (two levels for IQ4_XS: ``ls - 32`` as int8
-and ``d`` per 256), with :class:`QuantizedArray`'s ``codebook``: our CPU kernels look each integer up (4.25 and 4.5
-bits per element, the files' own); elsewhere :func:`codebook_to_affine` makes them 8-bit affine without loss (the
-levels plus 128 as bytes, zero point 128).
+The three codebook types keep their 4-bit integers and the file's scales (two levels for IQ4_XS: ``ls - 32`` as int8
+and ``d`` per 256; MXFP4's powers of two as float16 where all are exact, else float32), with
+:class:`QuantizedArray`'s ``codebook``: our CPU kernels look IQ4's integers up (4.25 and 4.5 bits per element, the
+files' own); elsewhere, and for MXFP4 everywhere, :func:`codebook_to_affine` makes them 8-bit affine without loss
+(the levels plus 128 as bytes, zero point 128).
 
 This module imports NumPy only (never ``mlx``).
 """
@@ -71,7 +75,7 @@ from mlx_engine.weights.base import QuantizedArray, unpack
 
 __all__ = [
     "GROUP_SIZE", "BITS", "BLOCKS", "REPACK_BITS", "SUBBLOCK_TYPES", "Q4_0_BLOCK", "Q4_1_BLOCK", "Q8_0_BLOCK",
-    "Q8_K_BLOCK", "Q5_0_BLOCK", "IQ4_NL_BLOCK", "IQ4_XS_BLOCK", "IQ4_NL_VALUES", "CODEBOOK_TYPES",
+    "Q8_K_BLOCK", "Q5_0_BLOCK", "IQ4_NL_BLOCK", "IQ4_XS_BLOCK", "IQ4_NL_VALUES", "MXFP4_VALUES", "CODEBOOK_TYPES",
     "codebook_to_affine", "Q5_1_BLOCK", "Q4_K_BLOCK", "Q5_K_BLOCK", "Q6_K_BLOCK", "Q3_K_BLOCK", "Q2_K_BLOCK",
     "FP8_E4M3FN_TABLE", "unpack", "pack", "compact_scales", "quantize_affine", "regroup", "repack_gguf",
     "dequantize_q8_k",
@@ -95,21 +99,24 @@ Q3_K_BLOCK = np.dtype([("hmask", "u1", (32,)), ("qs", "u1", (64,)), ("scales", "
 Q2_K_BLOCK = np.dtype([("scales", "u1", (16,)), ("qs", "u1", (64,)), ("d", "<f2"), ("dmin", "<f2")])
 IQ4_NL_BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
 IQ4_XS_BLOCK = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", (4,)), ("qs", "u1", (128,))])
+MXFP4_BLOCK = np.dtype([("e", "u1"), ("qs", "u1", (16,))])
 
 #: IQ4_NL's and IQ4_XS's 16 levels (``kvalues_iq4nl`` in llama.cpp's ggml-common.h)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+#: MXFP4's 16 levels: the E2M1 values times 2 (``kvalues_mxfp4`` in ggml-common.h)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 #: GGUF types that map onto MLX's affine layout without loss, and the bits they take there.
 REPACK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3,
-               "Q2_K": 2, "IQ4_NL": 4, "IQ4_XS": 4}
+               "Q2_K": 2, "IQ4_NL": 4, "IQ4_XS": 4, "MXFP4": 4}
 #: those of them with 16-element sub-blocks (group size 16)
 SUBBLOCK_TYPES = frozenset({"Q6_K", "Q3_K", "Q2_K"})
-#: those whose integers index a codebook (:data:`IQ4_NL_VALUES`)
-CODEBOOK_TYPES = frozenset({"IQ4_NL", "IQ4_XS"})
+#: those whose integers index a codebook (:data:`IQ4_NL_VALUES`, :data:`MXFP4_VALUES`)
+CODEBOOK_TYPES = frozenset({"IQ4_NL", "IQ4_XS", "MXFP4"})
 #: their block dtypes
 BLOCKS = {"Q4_0": Q4_0_BLOCK, "Q4_1": Q4_1_BLOCK, "Q8_0": Q8_0_BLOCK, "Q5_0": Q5_0_BLOCK, "Q5_1": Q5_1_BLOCK,
           "Q4_K": Q4_K_BLOCK, "Q5_K": Q5_K_BLOCK, "Q6_K": Q6_K_BLOCK, "Q3_K": Q3_K_BLOCK, "Q2_K": Q2_K_BLOCK,
-          "IQ4_NL": IQ4_NL_BLOCK, "IQ4_XS": IQ4_XS_BLOCK}
+          "IQ4_NL": IQ4_NL_BLOCK, "IQ4_XS": IQ4_XS_BLOCK, "MXFP4": MXFP4_BLOCK}
 
 # Rows processed per chunk so that temporaries stay around this many bytes.
 _CHUNK_BYTES = 1 << 24
@@ -409,7 +416,10 @@ def _repack_sub_blocks(blocks: np.ndarray, type_name: str, rows: int, cols: int)
 def _repack_codebook(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedArray:
     """IQ4_NL or IQ4_XS blocks -> a lossless :class:`QuantizedArray` with :data:`IQ4_NL_VALUES` as its codebook:
     the nibbles in MLX's order, IQ4_NL's ``d`` as float16 scales, IQ4_XS's ``ls - 32`` as int8 scales under ``d``
-    per 256 elements (``dequantize_row_iq4_nl`` / ``_iq4_xs`` in llama.cpp's ggml-quants.c)."""
+    per 256 elements (``dequantize_row_iq4_nl`` / ``_iq4_xs`` in llama.cpp's ggml-quants.c); MXFP4 blocks with
+    :data:`MXFP4_VALUES` and ``2**(e - 128)`` as scales (``dequantize_row_mxfp4``)."""
+    if type_name == "MXFP4":
+        return _repack_mxfp4(blocks, rows, cols)
     xs = type_name == "IQ4_XS"
     nb = cols // (256 if xs else GROUP_SIZE)
     ng = cols // GROUP_SIZE
@@ -430,6 +440,24 @@ def _repack_codebook(blocks: np.ndarray, type_name: str, rows: int, cols: int) -
         scales[r0:r1] = ((low | (high << np.uint8(4))).astype(np.int16) - 32).astype(np.int8).reshape(r1 - r0, ng)
         supers[r0:r1, :, 0] = blk["d"].reshape(r1 - r0, nb)
     return QuantizedArray(weight, scales, None, GROUP_SIZE, 4, supers, codebook=IQ4_NL_VALUES)
+
+
+def _repack_mxfp4(blocks: np.ndarray, rows: int, cols: int) -> QuantizedArray:
+    """MXFP4 blocks -> a lossless codebook :class:`QuantizedArray`: the nibbles in MLX's order, the E8M0 exponents
+    as the scales ``2**(e - 128)`` (float16 when every one is a float16: ``e`` from 104 to 143, else float32, exact
+    for every ``e``)."""
+    ng = cols // GROUP_SIZE
+    weight = np.empty((rows, cols // 8), np.uint32)
+    exps = np.empty((rows, ng), np.uint8)
+    step = max(1, _CHUNK_BYTES // max(1, cols))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        blk = blocks[r0 * ng:r1 * ng]
+        weight[r0:r1] = _as_words(_repack_q4_nibbles(blk["qs"].reshape(-1, 16)).reshape(r1 - r0, cols // 2))
+        exps[r0:r1] = blk["e"].reshape(r1 - r0, ng)
+    small = exps.size == 0 or (104 <= int(exps.min()) and int(exps.max()) <= 143)
+    scales = np.ldexp(np.float32(1.0), exps.astype(np.int32) - 128).astype(np.float16 if small else np.float32)
+    return QuantizedArray(weight, scales, None, GROUP_SIZE, 4, codebook=MXFP4_VALUES)
 
 
 def dequantize_q8_k(blocks: np.ndarray) -> np.ndarray:
