@@ -29,12 +29,11 @@ import math
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mlx_engine.embed_api import EmbeddingModel, is_embedding_checkpoint  # noqa: F401 -- the pool's, too
-from mlx_engine.errors import (ChatTemplateError, GenerationInterruptedError, IncompleteOutputError,
+from mlx_engine.errors import (ChatTemplateError, GenerationInterruptedError,
                                InvalidRequestError, MemoryBudgetError)
 from mlx_engine.kvcache.storage import HALF_KV_BITS, KV_BITS, stored_dtype
 from mlx_engine.image_api import (generate_image, load_image_model, open_init_image, read_image_parameters,
@@ -42,12 +41,13 @@ from mlx_engine.image_api import (generate_image, load_image_model, open_init_im
 from mlx_engine.ml import DType
 from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.config import ATTENTION_TYPES
+from mlx_engine.models.answer import Answer, ChatReply, ToolPrompt, collect_answer, whole_answer
 from mlx_engine.models.images import IMAGE_SUFFIXES, load_image
 from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
 from mlx_engine.models.reasoning import Thinking, parse_think, think_template_vars
 from mlx_engine.models.registry import half_dtype, load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner
-from mlx_engine.models.tools import (ToolCall, ToolStyle, check_tools, parse_tool_calls, prepare_messages,
+from mlx_engine.models.tools import (ToolCall, check_tools, prepare_messages,
                                      tool_choice_format, tool_style)
 from mlx_engine.models.vision import chat_prompt
 from mlx_engine.parallel import launched_rank, load_sharded
@@ -364,14 +364,14 @@ class Model:
         With a response format (``response_format=``, ``format=``, ``json_schema=``, ``regex=``, ``grammar=``) the
         text matches it; raises ``IncompleteOutputError`` (its ``text`` holds the partial output) when
         ``max_tokens`` or the context cut it off first."""
-        return _whole(self.stream(prompt, images=images, **options))
+        return whole_answer(self.stream(prompt, images=images, **options))
 
     def chat(self, messages: list[dict[str, str]], **options: Any) -> "Answer":
         """The assistant's answer to a conversation (``[{"role": "user", "content": ...}, ...]``) as an
         :class:`Answer` (with ``thinking``); structured output as in :meth:`generate`."""
         opts = GenerationOptions.parse(options)
         tokens, placed = self.chat_inputs(messages, **self.template_vars(opts.think))
-        return _whole(self._serialized(self.runner.stream(opts.request(tokens, images=placed))))
+        return whole_answer(self._serialized(self.runner.stream(opts.request(tokens, images=placed))))
 
     def tool_prompt(self, messages: list[dict[str, Any]], tools: list | None = None,
                     tool_choice: Any = None, **template_vars: Any) -> "ToolPrompt":
@@ -409,7 +409,7 @@ class Model:
         prompt = self.tool_prompt(messages, tools, tool_choice, **self.template_vars(opts.think))
         if prompt.response_format is not None:
             opts = GenerationOptions.parse({**options, "response_format": prompt.response_format})
-        text, thinking, stats = _collect(self._serialized(self.runner.stream(opts.request(prompt.tokens))))
+        text, thinking, stats = collect_answer(self._serialized(self.runner.stream(opts.request(prompt.tokens))))
         content, calls = prompt.parse(text)
         finish = "tool_calls" if calls else ("length" if stats.stop_reason == "length" else "stop")
         return ChatReply(content, calls, finish, stats, thinking)
@@ -453,71 +453,6 @@ class Model:
         if self.text_model.vision is not None:
             self.text_model.vision.close()
         self.backend.close()
-
-
-@dataclass
-class ToolPrompt:
-    """A conversation with tools, ready to run: its ``tokens``, the ``response_format`` that forces a call (or
-    None), the template's tool ``style`` and the ``names`` of the functions offered (None: no tools offered)."""
-
-    tokens: list[int]
-    response_format: Any
-    style: ToolStyle
-    names: set[str] | None
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """``(text, calls)`` of an answer: the calls to offered functions, and the rest of the text."""
-        return parse_tool_calls(text, self.style, self.names) if self.names else (text, [])
-
-
-@dataclass
-class ChatReply:
-    """An answer with tool calls: ``content`` (text, "" when the answer is only calls), ``tool_calls``
-    (:class:`~mlx_engine.models.tools.ToolCall`: ``name``, ``arguments`` dict, ``id``), ``finish_reason``
-    (``tool_calls``, ``stop`` or ``length``), the :class:`GenerationStats`, and a reasoning model's ``thinking``
-    ("" when it did not think)."""
-
-    content: str
-    tool_calls: list[ToolCall]
-    finish_reason: str
-    stats: GenerationStats | None
-    thinking: str = ""
-
-
-class Answer(str):
-    """The text of an answer (a ``str``), with a reasoning model's thinking apart in :attr:`thinking` ("" when it
-    did not think) and the request's :class:`GenerationStats` in :attr:`stats`."""
-
-    thinking: str
-    stats: GenerationStats | None
-
-    def __new__(cls, text: str, thinking: str = "", stats: GenerationStats | None = None) -> "Answer":
-        self = super().__new__(cls, text)
-        self.thinking, self.stats = thinking, stats
-        return self
-
-
-def _collect(pieces: Iterator["str | GenerationStats"]) -> tuple[str, str, GenerationStats | None]:
-    """A stream's answer text, thinking text and statistics."""
-    text, thinking, stats = [], [], None
-    for p in pieces:
-        if isinstance(p, Thinking):
-            thinking.append(p)
-        elif isinstance(p, str):
-            text.append(p)
-        else:
-            stats = p
-    return "".join(text), "".join(thinking), stats
-
-
-def _whole(pieces: Iterator["str | GenerationStats"]) -> Answer:
-    text, thinking, stats = _collect(pieces)
-    if stats is not None and stats.format_complete is False:
-        raise IncompleteOutputError(
-            f"the output was cut off ({'the context is full' if stats.context_full else 'max_tokens reached'}) "
-            f"after {stats.generated_tokens} tokens, before it was a complete value of the requested format; "
-            "raise max_tokens (the partial text is in this error's .text)", text)
-    return Answer(text, thinking, stats)
 
 
 def _gib(n: float) -> str:

@@ -16,7 +16,7 @@ import pytest
 from mlx_engine.batch import Batch
 from mlx_engine.ml import Backend, DType
 from mlx_engine.mlx import MLXBackend, MLXQuantizedTensor
-from mlx_engine.mlx.backend import MLXMask
+from mlx_engine.mlx.attention import MLXMask
 from mlx_engine.models.registry import load_text_model
 from tests.test_models_random import VOCAB, _make_folder
 
@@ -298,7 +298,7 @@ def test_attention_that_skips_hidden_blocks_changes_nothing(backend, pattern):
 def test_one_query_attention_in_streamed_blocks(backend, monkeypatch, heads, kv_heads, keys):
     """A decode step's attention over many keys runs as row-blocked products (block limit made small here)."""
     from mlx_engine.mlx import runtime
-    from mlx_engine.mlx.backend import _streams_one_query
+    from mlx_engine.mlx.attention import _streams_one_query
 
     monkeypatch.setattr(runtime, "matvec_block", 5000)
     ctx = backend.new_context()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_engine.mlx.runtime import mx  # noqa: E402  (MLX after the BLAS)
-from mlx_engine.mlx import backend as mlx_backend, cpu_kernels  # noqa: E402
+from mlx_engine.mlx import attention as mlx_attention, backend as mlx_backend, cpu_kernels  # noqa: E402
 from mlx_engine.ml import DType  # noqa: E402
 from mlx_engine.mlx.tensor import MLXTensor  # noqa: E402
 
@@ -77,16 +77,16 @@ def test_prefill_attention_is_mlx_attention_bit_for_bit(heads, kv_heads, n, dim,
     attention of many queries with our softmax gives the bits it gave with MLX's
     (``mx.fast.scaled_dot_product_attention``): grouped heads, a causal mask (split into blocks of queries from 512
     queries on, each block MLX's attention over the keys it sees), and no mask (one call of MLX's)."""
-    monkeypatch.setattr(mlx_backend.runtime, "on_cpu", True)
-    monkeypatch.setattr(mlx_backend, "_prefill_rows", lambda *a: False)
-    assert mlx_backend.cpu_kernels.softmax is not None
+    monkeypatch.setattr(mlx_attention.runtime, "on_cpu", True)
+    monkeypatch.setattr(mlx_attention, "_prefill_rows", lambda *a: False)
+    assert mlx_attention.cpu_kernels.softmax is not None
     rng = np.random.default_rng(heads * n)
     q, k, v = (MLXTensor(mx.array(rng.standard_normal((1, h, n, dim)).astype(np.float32)))
                for h in (heads, kv_heads, kv_heads))
     scale = dim ** -0.5
     ctx = mlx_backend.MLXContext()
     mask = ctx.attention_mask(np.tril(np.ones((n, n), bool)), DType.FLOAT32)
-    assert (mask.blocks is not None) == (n >= 2 * mlx_backend.ATTENTION_BLOCK)  # blocks of queries where it pays
+    assert (mask.blocks is not None) == (n >= 2 * mlx_attention.ATTENTION_BLOCK)  # blocks of queries where it pays
     got = [np.array(ctx.scaled_dot_product_attention(q, k, v, scale, m).a) for m in (mask, None)]
     monkeypatch.setattr(cpu_kernels, "softmax", None)  # MLX's own attention, as without our kernels
     want = [np.array(ctx.scaled_dot_product_attention(q, k, v, scale, m).a) for m in (mask, None)]
@@ -111,7 +111,7 @@ def test_prefill_attention_by_our_kernel_is_attention(heads, kv_heads, n, dim, w
     each over the keys its queries see: within float32 rounding of the float64 definition with a causal mask, a
     sliding window (Gemma 3's local layers), no mask, grouped heads and a last partial block, each block over the keys
     its queries see or over all of them; and MLX's products no longer run (so no BLAS)."""
-    monkeypatch.setattr(mlx_backend.runtime, "on_cpu", True)
+    monkeypatch.setattr(mlx_attention.runtime, "on_cpu", True)
     rng = np.random.default_rng(heads * n + dim)
     q, k, v = (rng.standard_normal((1, h, n, dim)).astype(np.float32) for h in (heads, kv_heads, kv_heads))
     scale = dim ** -0.5
@@ -122,21 +122,21 @@ def test_prefill_attention_by_our_kernel_is_attention(heads, kv_heads, n, dim, w
         visible &= at[None, :] > at[:, None] - window
     mask = ctx.attention_mask(visible, DType.FLOAT32)
     qt, kt, vt = (MLXTensor(mx.array(a)) for a in (q, k, v))
-    monkeypatch.setattr(mlx_backend, "_rows_attention", None)  # would raise if MLX's products ran
-    attend, keys = mlx_backend.cpu_kernels.attend, []
+    monkeypatch.setattr(mlx_attention, "_rows_attention", None)  # would raise if MLX's products ran
+    attend, keys = mlx_attention.cpu_kernels.attend, []
 
     def counting(q_, k_, *rest):  # the keys each call of the kernel reads
         keys.append(k_.shape[2])
         return attend(q_, k_, *rest)
-    monkeypatch.setattr(mlx_backend.cpu_kernels, "attend", counting)
+    monkeypatch.setattr(mlx_attention.cpu_kernels, "attend", counting)
     for m, seen in ((mask, visible), (None, None)):
         keys.clear()
         got = np.array(ctx.scaled_dot_product_attention(qt, kt, vt, scale, m).a)
-        blocks = -(-n // mlx_backend.PREFILL_BLOCK)
+        blocks = -(-n // mlx_attention.PREFILL_BLOCK)
         assert len(keys) == blocks
         if m is not None and blocks > 1:  # a block reads only the keys its queries see
-            cols = [seen[q0:q0 + mlx_backend.PREFILL_BLOCK].any(axis=0).nonzero()[0]
-                    for q0 in range(0, n, mlx_backend.PREFILL_BLOCK)]
+            cols = [seen[q0:q0 + mlx_attention.PREFILL_BLOCK].any(axis=0).nonzero()[0]
+                    for q0 in range(0, n, mlx_attention.PREFILL_BLOCK)]
             assert keys == [int(c[-1] - c[0]) + 1 for c in cols]
             assert sum(keys) < blocks * n
         elif m is None:
@@ -148,6 +148,6 @@ def test_prefill_attention_by_our_kernel_is_attention(heads, kv_heads, n, dim, w
     assert spans[0][0] == 0 and spans[1][-1] == n and spans[1][0] == 1  # the first query sees key 0 alone
     # every block over all the keys (the mask hiding the rest): the same values to float32 rounding (the kernel's
     # chunks of keys, so the order of its sums, follow the number of keys)
-    whole = np.array(mlx_backend._kernel_blocks_attention(qt.a, kt.a, vt.a, scale, mask.a, None))
+    whole = np.array(mlx_attention._kernel_blocks_attention(qt.a, kt.a, vt.a, scale, mask.a, None))
     want = _attention64(q, k, v, scale, visible)
     assert np.max(np.abs(whole - want)) <= 2e-6 * np.max(np.abs(want)) * dim ** 0.5

@@ -161,7 +161,7 @@ def test_server_tool_round_trip_with_the_real_clients(smollm2_server):
 
 
 def test_a_streamed_call_after_plain_text_is_held_and_parsed():
-    from mlx_engine.api import ToolPrompt
+    from mlx_engine.models.answer import ToolPrompt
     from mlx_engine.models.tools import ToolStyle
     from mlx_engine.server.tool_stream import ToolStream
 
