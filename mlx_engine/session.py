@@ -4,19 +4,35 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.models.options import GenerationOptions
 from mlx_engine.models.reasoning import Thinking
-from mlx_engine.models.runner import GenerationStats, prompt_keys
-
-if TYPE_CHECKING:
-    from mlx_engine.api import Model
+from mlx_engine.models.base import DecoderModel
+from mlx_engine.models.runner import GenerationStats, Runner, prompt_keys
 
 __all__ = ["ChatSession"]
+
+
+class SessionModel(Protocol):
+    """What a session needs of :class:`mlx_engine.api.Model` (stated here so that this floor does not import the one
+    above it): the runner and model it prefills on, the context it fits in, the lock that serializes requests and
+    the templating of a conversation."""
+
+    runner: Runner
+    text_model: DecoderModel
+    context_length: int
+    _lock: threading.RLock
+
+    def chat_inputs(self, messages: list[dict[str, Any]], **template_vars: Any) -> tuple[list[int], list]: ...
+
+    def template_vars(self, think: Any) -> dict[str, Any]: ...
+
+    def _serialized(self, pieces: Iterator[Any]) -> Iterator[Any]: ...
 
 
 class ChatSession:
@@ -28,7 +44,7 @@ class ChatSession:
         options: the default generation options of ``send`` (mutable).
     """
 
-    def __init__(self, model: Model, sequence: int, system: str | None, options: dict[str, Any]):
+    def __init__(self, model: SessionModel, sequence: int, system: str | None, options: dict[str, Any]):
         self.model = model
         self.sequence = sequence
         self.options = dict(options)

@@ -11,18 +11,33 @@ import contextlib
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mlx_engine.errors import EngineError, InvalidRequestError, ModelNotFoundError, PullError
 from mlx_engine.store import integrity
 from mlx_engine.store.catalog import CATALOG, DEFAULT_MODEL, canonical_name, catalog_hint
-from mlx_engine.store.info import folder_license
+from mlx_engine.store.info import ModelInfo, folder_license
 from mlx_engine.store.manifest import ResolvedModel, check_name, is_gguf, read_manifest, resolved_from_manifest
 from mlx_engine.store.registry import parse_registry_name
 from mlx_engine.store.ollama import ollama_models_dir, resolve_ollama
 
-if TYPE_CHECKING:
-    from mlx_engine.store.store import Store
+
+class Store(Protocol):
+    """What resolving needs of :class:`mlx_engine.store.Store` (stated here, so that the store's module and this one
+    do not import each other)."""
+
+    @property
+    def models_dir(self) -> Path: ...
+
+    def check_name(self, name: str) -> None: ...
+
+    def find(self, name: str) -> ResolvedModel | None: ...
+
+    def pull(self, name: str, *, progress: bool = True) -> ResolvedModel: ...
+
+    def list(self) -> list[ModelInfo]: ...
+
+    def ollama_models(self) -> list[tuple[str, Path]]: ...
 
 
 def resolve(store: "Store", model: str, *, pull: bool = True, progress: bool = True,
