@@ -122,8 +122,11 @@ def _phi3():  # Phi-3 / Phi-4: fused projections, GQA, partial rotary (Phi-4-min
                          "short_factor": (1 + rng.random(4)).tolist(), "long_factor": (2 + 4 * rng.random(4)).tolist()})
 
 
-#: The perplexity bounds against llama.cpp's Q4_K_M are arch_proof's 10 % unless an architecture meets a tighter
-#: one (measured: granite 1.5 %, mistral3 1.0 %): see :func:`arch_proof.check_llama_cpp` for why not 1 %.
+#: Against llama.cpp's Q4_K_M perplexity ours runs with 8-bit activations (``activations="int8"``), as llama.cpp's
+#: CPU products do, held to 5 %: with float activations these random peaked models amplify llama.cpp's rounding into
+#: 6-17 % (measured: qwen2 +6 %, mistral3 +16.5 %, phi3 +17 %), while the int8 path came to granite +1.9 %,
+#: mistral3 -1.5 %, phi3 +3.1 % of llama.cpp's (see :func:`arch_proof.check_llama_cpp`).
+LLAMA_CPP = {"activations": "int8", "bound": 0.05}
 FAMILIES = {
     "qwen2": Family(_qwen2, "qwen2.5:0.5b", {"num_key_value_heads": 3}, "not a multiple of 3 key/value heads"),
     "gemma2": Family(_gemma2, "gemma2:2b", {"attn_logit_softcapping": -50.0}, "soft-cap -50.0 must be a positive "
@@ -132,13 +135,13 @@ FAMILIES = {
     "smollm3": Family(_smollm3, "smollm3:3b", {"no_rope_layers": [1, 1, 0]}, "no_rope_layers has 3 entries for 4 "
                       "layers", undo=arch_proof.llama_undo(4, 2)),
     "granite": Family(_granite, "granite3.3:2b", {"residual_multiplier": -1.0}, "residual_scale = -1.0; it must be",
-                      undo=arch_proof.llama_undo(4, 2), chunk=16, llama_cpp={"bound": 0.03}),
+                      undo=arch_proof.llama_undo(4, 2), chunk=16),
     "mistral3": Family(_mistral3, "ministral-3:3b", {"head_dim": 21}, "head_dim = 21; RoPE needs an even",
-                       undo=arch_proof.llama_undo(4, 2), chunk=16, llama_cpp={"bound": 0.03}),
+                       undo=arch_proof.llama_undo(4, 2), chunk=16),
     # Phi-4's tokenizer is GPT-2's BPE: the converter reads a BPE vocabulary (not a SentencePiece model) for it.
     # llama.cpp turns Phi-3's sliding window off: compared where the window hides nothing; its context is padded to
     # 256 tokens, past the original 128, so it takes the long factors, as we do for that context.
-    "phi3": Family(_phi3, "phi4-mini:3.8b", {"sliding_window": -4}, "sliding_window = -4; it must be",
+    "phi3": Family(_phi3, "phi4-mini:3.8b", {"sliding_window": -4}, r"sliding_window = -\d+; it must be at least 2",
                    tokenizer_class="GPT2Tokenizer", chunk=16,
                    llama_cpp={"tokens": PHI3_WINDOW, "context": 256}),
 }
@@ -168,7 +171,7 @@ def test_gguf_matches_transformers(arch, made, kind):
 
 
 def test_gguf_matches_llama_cpp(arch, made):
-    kw = dict(FAMILIES[arch].llama_cpp)
+    kw = {**LLAMA_CPP, **FAMILIES[arch].llama_cpp}
     if "tokens" in kw:
         kw["tokens"] = made.tokens[:kw["tokens"]]
     print(f"{arch} F32 vs llama.cpp, Q4_K_M perplexity ours, llama.cpp's:", arch_proof.check_llama_cpp(made, **kw))
