@@ -100,3 +100,37 @@ def test_an_ollama_name_loads(made, home, tmp_path, monkeypatch):
 def test_a_bad_config_is_refused_with_a_clear_error(made, tmp_path):
     arch_proof.check_refused(made, tmp_path / "bad", {"num_kv_shared_layers": 5},
                              r"shared layer 2 \(full_attention\) has no unshared")
+
+
+def test_the_text_model_of_a_multimodal_folder_matches_transformers(made, tmp_path):
+    """The released checkpoints' layout (``Gemma4ForConditionalGeneration``): the config under ``text_config`` with a
+    ``vision_config`` beside it, the text tensors under ``model.language_model.``, vision and audio towers beside them
+    (not read: the text model loads and runs as the plain folder)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import mlx_engine
+
+    folder = tmp_path / "multimodal"
+    shutil.copytree(made.folder, folder)
+    tensors = {n.replace("model.", "model.language_model.", 1): t
+               for n, t in load_file(folder / "model.safetensors").items()}
+    tensors["model.vision_tower.patch_embedder.input_proj.weight"] = torch.zeros(8, 12)
+    tensors["model.audio_tower.output_proj.weight"] = torch.zeros(8, 8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": text,
+                                                    "vision_config": {"hidden_size": 8},
+                                                    "architectures": ["Gemma4ForConditionalGeneration"]}))
+    d = arch_proof.distance(arch_proof.ours(folder, made.tokens), arch_proof.reference(made.model, made.tokens))
+    print("gemma4 multimodal folder vs transformers:", d)
+    assert d <= 1e-4, d
+    multimodal, plain = mlx_engine.load(str(folder)), mlx_engine.load(str(made.folder))
+    try:
+        assert multimodal.architecture == "gemma4"
+        assert multimodal.perplexity(arch_proof.TEXT) == plain.perplexity(arch_proof.TEXT)
+    finally:
+        multimodal.close()
+        plain.close()
