@@ -53,7 +53,8 @@ _GGUF_EXTRA = {
     "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
 _GGUF_LAYER_EXTRA = {"inp_gate.weight": "per_layer_input_gate.weight", "proj.weight": "per_layer_projection.weight",
-                     "post_norm.weight": "post_per_layer_input_norm.weight", "layer_output_scale.weight": "layer_scalar"}
+                     "post_norm.weight": "post_per_layer_input_norm.weight",
+                     "layer_output_scale.weight": "layer_scalar"}
 # The parts of Gemma4ForConditionalGeneration that are not its text model.
 _TOWERS = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
 
