@@ -54,8 +54,8 @@ class Gemma2(DecoderModel):
             # Hugging Face's sliding_window counts the token itself; the cache's window does not.
             sliding_window=int(get("attention.sliding_window", 4096)) - 1, layer_types=_layer_types(layers),
             query_scale=scalar ** -0.5, embed_scale=hidden ** 0.5, sandwich_norm=True, activation="gelu_tanh",
-            attn_softcap=_cap(get("attn_logit_softcapping", None)),
-            final_softcap=_cap(get("final_logit_softcapping", None)),
+            attn_softcap=soft_cap(get("attn_logit_softcapping", None)),
+            final_softcap=soft_cap(get("final_logit_softcapping", None)),
         )
 
     @classmethod
@@ -74,8 +74,8 @@ class Gemma2(DecoderModel):
             sliding_window=int(config.get("sliding_window", 4096)) - 1,
             layer_types=list(config.get("layer_types") or _layer_types(layers)),
             query_scale=float(config.get("query_pre_attn_scalar", head_dim)) ** -0.5, embed_scale=hidden ** 0.5,
-            sandwich_norm=True, activation="gelu_tanh", attn_softcap=_cap(config.get("attn_logit_softcapping")),
-            final_softcap=_cap(config.get("final_logit_softcapping")),
+            sandwich_norm=True, activation="gelu_tanh", attn_softcap=soft_cap(config.get("attn_logit_softcapping")),
+            final_softcap=soft_cap(config.get("final_logit_softcapping")),
         )
 
     @classmethod
@@ -85,12 +85,15 @@ class Gemma2(DecoderModel):
 
     def logits(self, ctx: Context, batch: Batch, h: Tensor) -> Tensor:
         """The output logits ``[K, vocab]``, soft-capped where the config caps them."""
-        logits = super().logits(ctx, batch, h)
-        cap = self.config.final_softcap
-        return logits if cap is None else (logits * (1.0 / cap)).tanh() * cap
+        return capped(super().logits(ctx, batch, h), self.config.final_softcap)
 
 
-def _cap(value: Any) -> float | None:
+def capped(x: Tensor, cap: float | None) -> Tensor:
+    """``cap * tanh(x / cap)`` (Gemma's soft-cap), or ``x`` where ``cap`` is None."""
+    return x if cap is None else (x * (1.0 / cap)).tanh() * cap
+
+
+def soft_cap(value: Any) -> float | None:
     """A soft-cap from the config (None or 0: none), checked positive.
 
     Raises:

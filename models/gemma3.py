@@ -23,7 +23,7 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
           "q_norm", "k_norm", "model.norm")
 
 
-def _embed_scale(hidden: int) -> float:
+def bf16_embed_scale(hidden: int) -> float:
     """``sqrt(hidden)`` rounded to bfloat16, as Gemma's reference code (which computes it in the bf16 weight dtype)
     and mlx-lm do."""
     bits = np.array([hidden ** 0.5], np.float32).view(np.uint32)
@@ -62,7 +62,7 @@ class Gemma3(DecoderModel):
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             context_length=int(get("context_length", 32768)), rope_theta=float(get("rope.freq_base", 1e6)),
             rope_local_theta=10000.0, rope_scale=1.0 / factor, sliding_window=window,
-            layer_types=_layer_types(layers, 6), query_scale=head_dim ** -0.5, embed_scale=_embed_scale(hidden),
+            layer_types=_layer_types(layers, 6), query_scale=head_dim ** -0.5, embed_scale=bf16_embed_scale(hidden),
             qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
         )
 
@@ -86,7 +86,7 @@ class Gemma3(DecoderModel):
             rope_local_theta=float(config.get("rope_local_base_freq", 10000.0)),
             rope_scale=1.0 / float(scaling["factor"]) if kind == "linear" else 1.0,
             sliding_window=int(config.get("sliding_window", 512)) - 1, layer_types=list(types),
-            query_scale=float(config.get("query_pre_attn_scalar", head_dim)) ** -0.5, embed_scale=_embed_scale(hidden),
+            query_scale=float(config.get("query_pre_attn_scalar", head_dim)) ** -0.5, embed_scale=bf16_embed_scale(hidden),
             qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
         )
 

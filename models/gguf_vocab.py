@@ -54,7 +54,7 @@ _PRE_SPLITS = {
 #: llama.cpp pre-types whose first regex is ``\p{N}`` followed by GPT-2's: digits split one by one.
 _DIGIT_SPLIT_PRES = frozenset({"starcoder", "smollm", "refact", "codeshell", "command-r", "exaone", "minerva"})
 
-GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding"})
+GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "gemma4", "gemma-embedding"})
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -173,19 +173,20 @@ def build_byte_level(tokens: list[str], types: list[int], md: Mapping[str, Any]
 
 def build_sentencepiece(tokens: list[str], types: list[int], md: Mapping[str, Any], gemma: bool
                          ) -> tuple[_HFTokenizer, dict[str, int]]:
-    """SentencePiece-style BPE with byte fallback (``tokenizer.ggml.model == "llama"``).
+    """SentencePiece-style BPE with byte fallback (``tokenizer.ggml.model == "llama"``, and Gemma 4's ``"gemma4"``).
 
     Gemma (transformers' ``gemma_tokenizer`` + ``GemmaTokenizer``): tokens made only of whitespace with a space in
-    them are respelled with ``▁``; merges are derived from the vocabulary ordered by file position; spaces become ``▁``
-    in a normalizer; nothing is prepended. Others (``sentencepiece_tokenizer`` + ``LlamaTokenizer``): merges from the
+    them are respelled with ``▁``; merges from the file for ``"gemma4"`` (its converter writes tokenizer.json's),
+    else derived from the vocabulary ordered by file position; spaces become ``▁`` in a normalizer; nothing is
+    prepended. Others (``sentencepiece_tokenizer`` + ``LlamaTokenizer``): merges from the
     file, else derived from the scores; a ``Metaspace`` pre-tokenizer prepends ``▁`` to the text's start when
     ``add_space_prefix`` (default true), and the decoder strips it again.
     """
     if gemma:
         spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
         vocab = {t: i for i, t in enumerate(spelled)}
-        order = {t: -i for i, t in enumerate(spelled)}
-        merges = _merges_from_vocab(vocab, order)
+        merges = (_file_merges(meta(md, "tokenizer.ggml.merges", [])) if meta(md, "tokenizer.ggml.model") == "gemma4"
+                  else _merges_from_vocab(vocab, {t: -i for i, t in enumerate(spelled)}))
         unk = tokens[int(meta(md, "tokenizer.ggml.unknown_token_id", 3))] if tokens else "<unk>"
         tk = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, dropout=None,
                                      byte_fallback=True))

@@ -15,6 +15,7 @@ from mlx_engine.models.deepseek2 import DeepSeek2
 from mlx_engine.models.bert import ENCODER_ARCHITECTURES
 from mlx_engine.models.gemma2 import Gemma2
 from mlx_engine.models.gemma3 import Gemma3
+from mlx_engine.models.gemma4 import Gemma4
 from mlx_engine.models.gpt_oss import GptOss
 from mlx_engine.models.granite import Granite
 from mlx_engine.models.lfm2 import LFM2
@@ -34,6 +35,7 @@ from mlx_engine.models.tokenizer import Tokenizer
 # Names as GGUF's general.architecture and Hugging Face's model_type spell them.
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": Llama, "mistral": Llama, "qwen2": Qwen2, "gemma2": Gemma2, "gemma3": Gemma3, "gemma3_text": Gemma3,
+    "gemma4": Gemma4, "gemma4_text": Gemma4,
     "qwen3": Qwen3, "lfm2": LFM2, "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
     "olmo2": Olmo2, "smollm3": SmolLM3,
     "qwen3_moe": Qwen3MoE, "qwen3moe": Qwen3MoE, "qwen2_moe": Qwen2MoE, "qwen2moe": Qwen2MoE,
@@ -147,8 +149,10 @@ def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
             vision_backend = make_backend(Path(mmproj))
             model.vision = Gemma3Vision.from_mmproj(vision_backend, model.config.hidden_size, tokenizer.token_to_id)
         elif part is None:
-            vision_class = MllamaVision if model.architecture == "mllama" else Gemma3Vision
-            model.vision = vision_class.from_backend(backend, model.config.hidden_size, tokenizer.token_to_id)
+            # (Gemma 4's towers are not read: its text model runs without them)
+            vision_class = {"mllama": MllamaVision, "gemma3": Gemma3Vision}.get(model.architecture)
+            if vision_class is not None:
+                model.vision = vision_class.from_backend(backend, model.config.hidden_size, tokenizer.token_to_id)
     except BaseException:
         if vision_backend is not None:
             vision_backend.close()

@@ -101,7 +101,7 @@ class Tokenizer:
 
         Raises:
             WeightsError: the tokenizer keys are missing or inconsistent.
-            UnsupportedError: a ``tokenizer.ggml.model`` other than ``gpt2`` and ``llama``.
+            UnsupportedError: a ``tokenizer.ggml.model`` other than ``gpt2``, ``llama``, ``gemma4`` and ``bert``.
         """
         try:
             return cls._from_gguf(metadata, architecture)
@@ -125,15 +125,15 @@ class Tokenizer:
         if kind == "gpt2":
             tk, vocab = build_byte_level(tokens, types, md)
             default_add_bos = False
-        elif kind == "llama":
-            tk, vocab = build_sentencepiece(tokens, types, md, gemma=str(arch) in GEMMA_ARCHS)
+        elif kind in ("llama", "gemma4"):
+            tk, vocab = build_sentencepiece(tokens, types, md, gemma=kind == "gemma4" or str(arch) in GEMMA_ARCHS)
             default_add_bos = True
         elif kind == "bert":
             tk, vocab = build_wordpiece(tokens, types, md)
             default_add_bos = False  # its post-processor adds [CLS] and [SEP] (models/embedding.py)
         else:
-            raise UnsupportedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2', 'llama' and "
-                                   "'bert')")
+            raise UnsupportedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2', 'llama', "
+                                   "'gemma4' and 'bert')")
 
         control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == CONTROL]
         user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
@@ -149,7 +149,7 @@ class Tokenizer:
 
         special = {"bos_token": text_of("bos_token_id"), "eos_token": text_of("eos_token_id"),
                    "unk_token": text_of("unknown_token_id"), "pad_token": text_of("padding_token_id")}
-        if kind == "llama" and str(arch) in GEMMA_ARCHS and "<mask>" in vocab:
+        if kind in ("llama", "gemma4") and str(arch) in GEMMA_ARCHS and "<mask>" in vocab:
             special["mask_token"] = "<mask>"
         # Named special tokens not yet kept whole become special added tokens (TokenizersBackend.__init__ does so).
         added = {t.content for t in tk.get_added_tokens_decoder().values()}
