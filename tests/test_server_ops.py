@@ -83,3 +83,51 @@ def test_chat_logprobs_are_the_models_log_softmax(oai, reference, ids):
             assert [a.logprob for a in c.top_logprobs] == pytest.approx(want[k, best].tolist(), abs=2e-3)
         if temperature == 0:
             assert all(c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy took the best
+
+
+def test_streamed_and_legacy_and_ollama_logprobs_agree(oai, server, ids):
+    """The same greedy answer's scores streamed (chat), as the legacy completions shape and through ollama's
+    client equal the non-streamed chat scores."""
+    whole = oai.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, logprobs=True, top_logprobs=2)
+    want = [(c.token, c.logprob) for c in whole.choices[0].logprobs.content]
+    streamed = []
+    for chunk in oai.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, logprobs=True,
+                                             top_logprobs=2, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            streamed += [(c.token, c.logprob) for c in chunk.choices[0].logprobs.content]
+    assert streamed == want
+    client = ollama.Client(host=server.url)
+    o = client.chat(model=MODEL, messages=HELLO, options={"num_predict": 5, "temperature": 0}, logprobs=True,
+                    top_logprobs=2)
+    assert [(p.token, p.logprob) for p in o.logprobs] == want
+    assert all(len(p.top_logprobs) == 2 for p in o.logprobs)
+    lines = [p for part in client.chat(model=MODEL, messages=HELLO, options={"num_predict": 5, "temperature": 0},
+                                       logprobs=True, stream=True) for p in (part.logprobs or [])]
+    assert [(p.token, p.logprob) for p in lines] == want
+    prompt = server.state.pool.models[MODEL].obj.chat_tokens(HELLO)
+    legacy = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=3)
+    lp = legacy.choices[0].logprobs
+    assert list(zip(lp.tokens, lp.token_logprobs)) == want
+    assert lp.text_offset[0] == 0 and all(len(t) == 3 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == legacy.choices[0].text
+
+
+def test_n_choices_share_the_prompt(oai, server):
+    """n = 4 greedy: four equal answers; n = 3 sampled with seed s: choice i equals the single answer of seed s + i.
+    The prompt is prefilled once: the later choices take it from the cache."""
+    msgs = [{"role": "user", "content": "Tell me a short story about a cat named Tom."}]
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, n=4)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and len(set(texts)) == 1 and texts[0]
+    assert r.usage.completion_tokens == 4 * 8
+    many = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, n=3, temperature=1.0, seed=11)
+    singles = [oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=1.0,
+                                           seed=11 + i).choices[0].message.content for i in range(3)]
+    assert [c.message.content for c in many.choices] == singles
+    assert len(set(singles)) > 1  # the seeds differ, so do the answers
+    streamed: dict[int, str] = {}
+    for chunk in oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, n=3, temperature=1.0,
+                                             seed=11, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert [streamed[i] for i in range(3)] == singles
