@@ -131,3 +131,120 @@ def test_n_choices_share_the_prompt(oai, server):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
     assert [streamed[i] for i in range(3)] == singles
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` parsed by ``prometheus_client``: ``(sample name, sorted labels) -> value``."""
+    r = httpx.get(server.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_move_with_requests(oai, server):
+    """Counters and histograms move by what a request did; an n = 4 request prefills its prompt once (the other
+    three choices take all of it but the last token from the cache); the gauges describe the loaded model."""
+    before = scrape(server)
+    msgs = [{"role": "user", "content": "Count from one to twenty in French words, please."}]
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, n=4)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, top_p=7)
+    after = scrape(server)
+    m = (("model", MODEL),)
+
+    def moved(name, labels=m):
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+    prompt = r.usage.prompt_tokens
+    assert moved("mlx_engine_prompt_tokens_total") == 4 * prompt
+    assert moved("mlx_engine_cached_tokens_total") >= 3 * (prompt - 1)
+    assert moved("mlx_engine_generated_tokens_total") == r.usage.completion_tokens == 16
+    assert moved("mlx_engine_time_to_first_token_seconds_count") == 4
+    assert moved("mlx_engine_inter_token_latency_seconds_count") == 4 * 3
+    route = (("method", "POST"), ("route", "/v1/chat/completions"), ("status", "200"))
+    assert moved("mlx_engine_requests_total", route) == 1
+    assert moved("mlx_engine_requests_total", (("method", "POST"), ("route", "/v1/chat/completions"),
+                                               ("status", "400"))) == 1
+    httpx.get(server.url + "/no/such/path/" + "x" * 40)
+    assert scrape(server)[("mlx_engine_requests_total", (("method", "GET"), ("route", "other"),
+                                                         ("status", "404")))] >= 1
+    assert after[("mlx_engine_models_loaded", ())] == 1
+    assert after[("mlx_engine_model_bytes", (("kind", "text"), ("model", MODEL)))] > 50e6
+    assert after[("mlx_engine_queue_length", m)] == 0 and after[("mlx_engine_running_requests", m)] == 0
+    assert after[("mlx_engine_kv_cells_in_use", m)] >= prompt  # finished conversations stay for reuse
+
+
+QUESTIONS = ["Name a fruit.", "Name a colour.", "Name an animal.", "Name a country.", "Name a river.",
+             "Name a planet.", "Name a tree.", "Name a metal.", "Name a bird.", "Name a city.", "Name a sport.",
+             "Name a flower."]
+
+
+def _chat_turns(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "You are terse."}]
+    for q in QUESTIONS:
+        messages.append({"role": "user", "content": q})
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        yield r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+
+def _responses_turns(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    previous = None
+    for q in QUESTIONS:
+        r = client.responses.create(model=MODEL, input=q, instructions="You are terse.", max_output_tokens=4,
+                                    previous_response_id=previous)
+        previous = r.id
+        yield r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens
+
+
+def _messages_turns(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    messages: list[dict] = []
+    for q in QUESTIONS:
+        messages.append({"role": "user", "content": q})
+        m = client.messages.create(model=MODEL, max_tokens=4, system="You are terse.", messages=messages)
+        messages.append({"role": "assistant", "content": m.content[0].text if m.content else ""})
+        yield m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.cache_read_input_tokens
+
+
+@pytest.mark.parametrize("turns", [_chat_turns, _responses_turns, _messages_turns],
+                         ids=["chat", "responses", "messages"])
+def test_agent_loop_of_12_turns_prefills_only_the_new_tokens(server, turns):
+    """Twelve turns of a growing conversation: from the second on, the whole previous prompt comes from the
+    prefix cache (usage's cached tokens), so only the tokens after it (the last answer, the new question) are
+    prefilled."""
+    before = 0
+    seen = 0
+    for turn, (prompt, cached) in enumerate(turns(server)):
+        assert prompt > before
+        if turn:
+            assert cached >= before, (turn, prompt, cached, before)  # every earlier turn from the cache
+        before = prompt
+        seen += 1
+    assert seen == 12
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", {"logprobs": "x"}),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 99}),
+    ("/v1/chat/completions", {"top_logprobs": 2}),
+    ("/v1/chat/completions", {"logprobs": 1}),
+    ("/v1/chat/completions", {"n": 0}),
+    ("/v1/chat/completions", {"n": 10**9}),
+    ("/v1/chat/completions", {"n": "2"}),
+    ("/v1/chat/completions", {"n": 2, "seed": 2**64 - 1, "temperature": 1.0}),
+    ("/v1/completions", {"logprobs": 6}),
+    ("/v1/completions", {"logprobs": True}),
+    ("/v1/completions", {"n": -1}),
+    ("/api/chat", {"logprobs": "x", "stream": False}),
+    ("/api/chat", {"logprobs": True, "top_logprobs": 99, "stream": False}),
+    ("/api/generate", {"top_logprobs": 3, "stream": False}),
+])
+def test_hostile_new_fields_are_4xx(server, route, body):
+    base = {"model": MODEL, "max_tokens": 2}
+    base.update({"prompt": "Hi"} if route in ("/v1/completions", "/api/generate") else
+                {"messages": [{"role": "user", "content": "Hi"}]})
+    r = httpx.post(server.url + route, json={**base, **body})
+    assert 400 <= r.status_code < 500, (route, body, r.status_code, r.text)
+    assert "error" in r.json()
