@@ -20,6 +20,7 @@ import mlx_engine
 from mlx_engine.models.runner import logits_for
 from mlx_engine.server import ServerConfig
 from tests.conftest import link_model
+from tests.doc_examples import blocks
 from tests.test_server import RunningServer, free_port
 
 MODEL = "smollm2:135m"
@@ -248,3 +249,14 @@ def test_hostile_new_fields_are_4xx(server, route, body):
     r = httpx.post(server.url + route, json={**base, **body})
     assert 400 <= r.status_code < 500, (route, body, r.status_code, r.text)
     assert "error" in r.json()
+
+
+def test_the_docs_examples_run(server, capsys):
+    """docs/server.md's logprobs, n and /metrics examples as written, against this module's server."""
+    examples = [b.text for b in blocks("python") if b.file == "docs/server.md"
+                and ("top_logprobs=2" in b.text or "text_string_to_metric_families" in b.text)]
+    assert len(examples) == 2
+    for text in examples:
+        exec(compile(text.replace("http://127.0.0.1:11435", server.url), "docs/server.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "-" in out.splitlines()[0] and out.count("[") >= 3 and f"('{MODEL}'," in out
