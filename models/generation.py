@@ -43,7 +43,9 @@ class SequenceState:
             runs to ``max_tokens`` as a benchmark wants).
         top_logprobs: None (default) scores nothing; an int ``k >= 0`` makes :meth:`sample` also compute the
             sampled token's log-probability and the ``k`` most likely tokens' (:attr:`logprob`), at the cost of a
-            second pass over the logits and a read-back per token (so the batch's argmax fast path is off).
+            second pass over the logits and a read-back per token (so the batch's argmax fast path is off). The
+            scores are read by the next :meth:`accept`, so a scored sequence accepts each token before it samples
+            the next (the server's scheduler does; the pipelined single-request loop does not score).
 
     Attributes:
         tokens: the generated token ids accepted so far.

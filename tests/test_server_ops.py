@@ -235,6 +235,7 @@ def test_agent_loop_of_12_turns_prefills_only_the_new_tokens(server, turns):
     ("/v1/chat/completions", {"n": 10**9}),
     ("/v1/chat/completions", {"n": "2"}),
     ("/v1/chat/completions", {"n": 2, "seed": 2**64 - 1, "temperature": 1.0}),
+    ("/v1/chat/completions", {"n": 2, "seed": 2**64 - 1, "temperature": 1.0, "stream": True}),
     ("/v1/completions", {"logprobs": 6}),
     ("/v1/completions", {"logprobs": True}),
     ("/v1/completions", {"n": -1}),

@@ -89,6 +89,9 @@ class _Sampling(_Strict):
 
     def sampling(self, max_tokens: Optional[int] = None) -> dict[str, Any]:
         """The engine's option fields of the request (None = not given; ``max_tokens`` overrides its own)."""
+        if self.seed is not None and self.n > 1 and not 0 <= self.seed <= 2**64 - self.n:
+            raise HTTPProblem(400, f"seed must be in [0, 2**64 - n] with n = {self.n}: choice i samples with seed + i",
+                              param="seed")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise HTTPProblem(400, "stop takes at most 4 sequences", param="stop")
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
