@@ -300,16 +300,6 @@ async def whole_answers(request: Request, state: ServerState, loaded: Loaded, to
         return error_response(e)
 
 
-async def whole_answer(request: Request, state: ServerState, loaded: Loaded, tokens: list[int],
-                       options: GenerationOptions, error_response: Any) -> "tuple[str, str, JobStats] | Response":
-    """One choice answered in one piece (:func:`whole_answers`): ``(text, thinking, stats)`` or the response to
-    send instead."""
-    answers = await whole_answers(request, state, loaded, tokens, options, error_response)
-    if isinstance(answers, Response):
-        return answers
-    return answers[0].text, answers[0].thinking, answers[0].stats
-
-
 def note(request: Request, model: str, stats: JobStats | None = None) -> None:
     """What the access log line of ``request`` says after its status: the model, and the tokens once known."""
     request.scope.setdefault("state", {})["log"] = (

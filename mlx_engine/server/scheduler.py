@@ -42,7 +42,8 @@ log = logging.getLogger("mlx_engine.server")
 
 Emit = Callable[[str, Any], None]
 """``emit(kind, value)``: ``("text", str)`` for each piece of the answer and ``("thinking", str)`` for each piece of a
-reasoning model's thinking (before the answer), then ``("done", JobStats)`` or ``("error", exception)``.
+reasoning model's thinking (before the answer), ``("logprob", (token, logprob, top))`` before a token's text when
+the job scores tokens, then ``("done", JobStats)`` or ``("error", exception)``.
 Called on the device thread; it must only hand the event over (for example ``loop.call_soon_threadsafe``)."""
 
 
