@@ -14,7 +14,8 @@ enforced by a grammar on every token. Durations are nanoseconds, as ollama's. A 
 apart from the answer, in ``message.thinking`` (``/api/chat``) or ``thinking`` (``/api/generate``); ``think`` (true,
 false, ``"low"``, ``"medium"``, ``"high"``) reaches the chat template (``think: false`` turns ``enable_thinking``
 off), and is refused with a 400 by a model that does not think; an assistant message's ``thinking`` goes back into
-the template.
+the template. ``logprobs`` (with ``top_logprobs``, 0 to 20) gives each token's log-probability in ``logprobs``, the
+``ollama`` client's ``Logprob`` shape (:mod:`mlx_engine.server.logprobs`), on the line that carries its text.
 """
 
 from __future__ import annotations
