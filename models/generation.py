@@ -41,16 +41,25 @@ class SequenceState:
         text: the text assembler (stop strings, end of sequence, thinking apart), or None for tokens only.
         eos_ids: without a text assembler, the ids that end the sequence (empty: none does; the tokens-only loop
             runs to ``max_tokens`` as a benchmark wants).
+        top_logprobs: None (default) scores nothing; an int ``k >= 0`` makes :meth:`sample` also compute the
+            sampled token's log-probability and the ``k`` most likely tokens' (:attr:`logprob`), at the cost of a
+            second pass over the logits and a read-back per token (so the batch's argmax fast path is off). The
+            scores are read by the next :meth:`accept`, so a scored sequence accepts each token before it samples
+            the next (the server's scheduler does; the pipelined single-request loop does not score).
 
     Attributes:
         tokens: the generated token ids accepted so far.
         finish_reason: ``""`` while running, then ``eos``, ``stop`` (a stop string or the grammar's end) or
             ``length`` (``max_tokens``, or a full context: then :attr:`context_full`).
         format_complete: with a grammar, whether the text is a complete value of it; None without one.
+        logprob: with ``top_logprobs``, the last accepted token's score ``(token, logprob, [(id, logprob), ...])``
+            (the top list most likely first), None for a token that ended the sequence as end-of-sequence (OpenAI
+            and ollama leave it out). Log-probabilities are natural logs, ``-inf`` for a token the filters removed.
     """
 
     def __init__(self, prompt: Sequence[int], sampler: Sampler, *, max_tokens: int, context_length: int,
-                 constraint: Any = None, text: TextAssembler | None = None, eos_ids: Sequence[int] = ()):
+                 constraint: Any = None, text: TextAssembler | None = None, eos_ids: Sequence[int] = (),
+                 top_logprobs: int | None = None):
         self.prompt_length = len(prompt)
         self.sampler = sampler
         self.max_tokens = max_tokens
@@ -63,6 +72,9 @@ class SequenceState:
         self.finish_reason = ""
         self.context_full = False
         self.format_complete: bool | None = None
+        self.top_logprobs = top_logprobs
+        self.logprob: tuple[int, float, list[tuple[int, float]]] | None = None
+        self._scores: tuple[Tensor, Tensor | None, Tensor | None] | None = None  # lazy, read back by accept
 
     @property
     def generated(self) -> int:
@@ -71,7 +83,8 @@ class SequenceState:
     @property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits is this sequence's token (no penalty, no grammar): a batch may take it at once."""
-        return self.sampler.options.greedy and self._history is None and self.constraint is None
+        return self.sampler.options.greedy and self._history is None and self.constraint is None \
+            and self.top_logprobs is None
 
     def history(self, ctx: Context, pending: Tensor | None = None) -> Tensor | None:
         """INT32 ``[1, T]``: the penalties' window (the last ``repeat_last_n`` of prompt and output, with the unread
@@ -95,7 +108,28 @@ class SequenceState:
         if self.constraint is not None:
             assert pending is None, "a grammar's mask needs the previous token accepted first"
             allowed = self.allowed(ctx, logits.shape[-1])
-        return self.sampler.sample(logits, self.history(ctx, pending), allowed)
+        history = self.history(ctx, pending)
+        token = self.sampler.sample(logits, history, allowed)
+        if self.top_logprobs is not None:
+            self._scores = self._score(logits, history, allowed, token)
+        return token
+
+    def _score(self, logits: Tensor, history: Tensor | None, allowed: Tensor | None,
+               token: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Lazy log-probabilities of the distribution ``token`` was drawn from (:meth:`Sampler.process`: mask,
+        penalties, temperature, filters; greedy: the penalised logits at temperature 1): the token's ``[1, 1]``
+        and the top ``k``'s ids and values ``[1, k]`` (most likely first), ``log_softmax(z) = z - logsumexp(z)``."""
+        masked = logits.astype(DType.FLOAT32)
+        if allowed is not None:
+            masked = allowed.where(masked, float("-inf"))
+        z = self.sampler.process(masked, history)
+        lp = z - z.logsumexp(axis=-1, keepdims=True)
+        chosen = lp.take_along_axis(token.reshape(1, 1), axis=-1)
+        k = min(self.top_logprobs, lp.shape[-1])
+        if k == 0:
+            return chosen, None, None
+        top = (-lp).argpartition(k - 1, axis=-1)[:, :k]  # unordered; sorted on the host
+        return chosen, top, lp.take_along_axis(top, axis=-1)
 
     def probabilities(self, ctx: Context, logits: Tensor) -> np.ndarray:
         """float64 ``[vocab]``: the distribution :meth:`sample` draws the next token from, for logits ``[1, vocab]``
@@ -128,6 +162,7 @@ class SequenceState:
             return []
         token = int(token)
         self.tokens.append(token)
+        self._read_scores(token)
         if self._history is not None:
             self._history.append(token)
         complete = False
@@ -149,6 +184,17 @@ class SequenceState:
             return self._end("length", pieces + self._flush())
         return pieces
 
+    def _read_scores(self, token: int) -> None:
+        scores, self._scores = self._scores, None
+        if scores is None:
+            self.logprob = None
+            return
+        chosen, top, vals = scores
+        pairs: list[tuple[int, float]] = []
+        if top is not None:
+            pairs = sorted(zip(top.numpy()[0].tolist(), vals.numpy()[0].tolist()), key=lambda p: -p[1])
+        self.logprob = (token, float(chosen.numpy().reshape(-1)[0]), [(int(i), float(v)) for i, v in pairs])
+
     def finish(self, reason: str) -> list[tuple[str, str]]:
         """End the sequence from outside (the caller stopped reading: ``interrupted``); returns the held-back text."""
         if self.finish_reason:
@@ -164,4 +210,6 @@ class SequenceState:
         if reason == "stop" and self.text is not None and self.text.stop_reason == "stop" and self.format_complete:
             self.format_complete = False  # a stop string cut the text the grammar had accepted
         self.finish_reason = reason
+        if reason == "eos":
+            self.logprob = None  # the end-of-sequence token is no part of the answer
         return pieces

@@ -375,15 +375,17 @@ class Runner:
         return sum(c.cells_in_use() for c in getattr(self.cache, "caches", [self.cache]))
 
     # ---- one request ------------------------------------------------------------------------------------------
-    def sequence_state(self, req: Request, ctx, *, text: bool = True, eos: bool = False) -> SequenceState:
+    def sequence_state(self, req: Request, ctx, *, text: bool = True, eos: bool = False,
+                       top_logprobs: int | None = None) -> SequenceState:
         """The generation core's state of ``req`` (:class:`~mlx_engine.models.generation.SequenceState`): its sampler
         (random key from ``ctx``), grammar, and with ``text`` its text assembly (stop strings, end of sequence,
-        thinking apart); without text, ``eos`` makes an end-of-sequence id end it. Raises ``InvalidRequestError``
-        for bad sampler options or a grammar this vocabulary cannot follow."""
+        thinking apart); without text, ``eos`` makes an end-of-sequence id end it; ``top_logprobs`` (None: off)
+        scores each token. Raises ``InvalidRequestError`` for bad sampler options or a grammar this vocabulary
+        cannot follow."""
         return SequenceState(req.tokens, Sampler(req.sampler, ctx), max_tokens=req.max_tokens,
                              context_length=self.context_length, constraint=self.constraint(req),
                              text=self.text_assembler(req) if text else None,
-                             eos_ids=self.tokenizer.eos_ids if eos else ())
+                             eos_ids=self.tokenizer.eos_ids if eos else (), top_logprobs=top_logprobs)
 
     def generate_tokens(self, req: Request, stats: GenerationStats | None = None) -> Iterator[int]:
         """The generated token ids of one request, one at a time, up to ``max_tokens``, a full context or the end

@@ -339,6 +339,13 @@ class Tokenizer:
             text = text[n:]
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (part of a UTF-8 character, for a byte-level token; a special token's
+        text), as OpenAI's ``logprobs[].bytes`` gives them."""
+        if self._plan is None:
+            return self._hf.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+        return self._piece(int(token_id))
+
     def detokenizer(self, skip_special: bool = False) -> "Detokenizer":
         """A new streaming detokenizer (see :class:`Detokenizer`)."""
         if self._plan is None:

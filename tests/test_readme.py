@@ -69,6 +69,8 @@ COVERAGE: list[tuple[str, str]] = [
                             "both peers at --quick sizes; the full sizes take minutes: the bench is not a test)"),
     (r"anthropic\.Anthropic\(base_url=|client\.responses\.create\(",
      "elsewhere:tests/test_server_agent_apis.py::test_the_docs_examples_run (against that module's server)"),
+    (r"top_logprobs=2|text_string_to_metric_families",
+     "elsewhere:tests/test_server_ops.py::test_the_docs_examples_run (against that module's server)"),
     (r"openai\.OpenAI\(base_url=\"http://127\.0\.0\.1:11435/v1\"", "here:test_serve_examples"),
     (r"^mlx\.launch -n \d --backend ring -- mlx-engine run ", "here:test_parallel_examples"),
     (r"^mlx\.launch --hosts ", "not run:needs two Macs with this engine installed and ssh between them (the same "

@@ -216,13 +216,13 @@ def _hostile_requests():
         {**good, "messages": [{"role": "wizard", "content": "x"}]}, {**good, "temperature": "hot"},
         {**good, "temperature": -1}, {**good, "temperature": float("nan")}, {**good, "top_p": 0},
         {**good, "max_tokens": 0}, {**good, "max_tokens": "3"}, {**good, "stop": 5}, {**good, "stop": ["a"] * 9},
-        {**good, "seed": "x"}, {**good, "n": 3}, {**good, "stream": "yes"}, {**good, "model": "no-such-model"},
+        {**good, "seed": "x"}, {**good, "n": 0}, {**good, "stream": "yes"}, {**good, "model": "no-such-model"},
         {**good, "model": "../../etc/passwd"}, {**good, "messages": [{"role": "user", "content": "x " * 5000}]},
         {**good, "frequency_penalty": 9}, {**good, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
         {**good, "response_format": {"type": "regex", "pattern": "[a-"}}, {**good, "response_format": "json"},
         {**good, "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}}},
         {**good, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-        {**good, "tools": [{"type": "function"}]}, {**good, "logprobs": True}, {**good, "stream_options": 3},
+        {**good, "tools": [{"type": "function"}]}, {**good, "logprobs": "x"}, {**good, "stream_options": 3},
     ]
     openai_variants += [{**good, field: value} for field in (
         "temperature", "top_p", "max_tokens", "seed", "n", "frequency_penalty", "presence_penalty", "top_k", "min_p")

@@ -29,6 +29,7 @@ from mlx_engine.ml import ACTIVATIONS
 from mlx_engine.server import anthropic_api, embeddings_api, ollama_api, openai_api, responses_api
 from mlx_engine.server.guard import BrowserGuard, check_hosts, check_origins, error_response, split_list
 from mlx_engine.server.http import DEFAULT_MAX_BODY, HTTPProblem, ServerState
+from mlx_engine.server.metrics import CONTENT_TYPE, Metrics
 from mlx_engine.server.pool import ModelPool
 from mlx_engine.server.worker import DeviceWorker
 from mlx_engine.store import Store
@@ -107,10 +108,10 @@ def is_loopback(host: str) -> bool:
 
 class _AccessLog:
     """Pure ASGI middleware: one log line per request (method, path, status, model, tokens, time), written when the
-    response (a stream included) has ended; refusals of the checks behind it included."""
+    response (a stream included) has ended, and counted in the metrics; refusals of the checks behind it included."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -126,6 +127,7 @@ class _AccessLog:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            self.metrics.request(scope, status["code"])
             note = scope.get("state", {}).get("log", "")
             log.info("%s %s %s %s %.0f ms", scope.get("method"), scope.get("path", ""), status["code"] or "-", note,
                      (time.perf_counter() - t0) * 1000)
@@ -212,6 +214,9 @@ def create_app(config: ServerConfig):
                             **(m.scheduler.load() if m.scheduler else {})}
         return JSONResponse({"memory_budget": pool.memory_budget, "models": models})
 
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
     async def not_found(request: Request, exc) -> Response:
         code = getattr(exc, "status_code", 404)
         message = f"{request.method} {request.url.path}: " + ("no such endpoint" if code == 404 else
@@ -224,7 +229,7 @@ def create_app(config: ServerConfig):
         return error_response(request.url.path, 500, body, "server_error")
 
     routes = [Route("/", root, methods=["GET", "HEAD"]), Route("/health", root, methods=["GET"]),
-              Route("/status", status, methods=["GET"]),
+              Route("/status", status, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
               *openai_api.routes(state), *responses_api.routes(state), *anthropic_api.routes(state),
               *ollama_api.routes(state), *embeddings_api.routes(state)]
     app = Starlette(routes=routes, lifespan=lifespan,
@@ -232,7 +237,8 @@ def create_app(config: ServerConfig):
                                         Exception: internal})
     guarded = BrowserGuard(_Auth(app, config.api_key), bound=config.host, allowed_hosts=config.allowed_hosts,
                            allowed_origins=config.allowed_origins)
-    wrapped = _AccessLog(guarded)
+    state.metrics.routes = routes
+    wrapped = _AccessLog(guarded, state.metrics)
     wrapped.server = state  # for tests and embedding: the pool and the device thread
     return wrapped
 

@@ -11,8 +11,9 @@ its tools into OpenAI's function list; from there one path runs them (:func:`pre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -21,8 +22,8 @@ from starlette.responses import Response
 from mlx_engine.api import ToolPrompt
 from mlx_engine.models.options import GenerationOptions
 from mlx_engine.models.tools import ToolCall
-from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, remaining_context, text_events,
-                                    whole_answer)
+from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, group_events, remaining_context,
+                                    whole_answers)
 from mlx_engine.server.pool import Loaded
 from mlx_engine.server.scheduler import JobStats
 from mlx_engine.server.tool_stream import ToolStream
@@ -31,12 +32,15 @@ from mlx_engine.server.tool_stream import ToolStream
 @dataclass
 class ChatJob:
     """A conversation ready to run: the model, the prompt's ``tokens``, the engine's ``options`` (images included)
-    and the ``tools`` prompt (None: no tools in the conversation)."""
+    and the ``tools`` prompt (None: no tools in the conversation); ``n`` choices, each token scored with its
+    ``top_logprobs`` most likely alternatives when that is set (:func:`mlx_engine.server.http.group_events`)."""
 
     loaded: Loaded
     tokens: list[int]
     options: GenerationOptions
     tools: ToolPrompt | None
+    n: int = 1
+    top_logprobs: int | None = None
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         """``(text, calls)`` of a whole answer: the calls to offered tools parsed out of it."""
@@ -46,12 +50,13 @@ class ChatJob:
 @dataclass
 class ChatAnswer:
     """A whole answer: its ``text`` (without the calls), a reasoning model's ``thinking`` ("" when it did not think),
-    the tool ``calls`` and the request's :class:`JobStats`."""
+    the tool ``calls``, the request's :class:`JobStats` and, when asked, each token's ``(token, logprob, top)``."""
 
     text: str
     thinking: str
     calls: list[ToolCall]
     stats: JobStats
+    logprobs: list = field(default_factory=list)
 
 
 async def prepare_chat(loaded: Loaded, messages: list[dict[str, Any]], sampling: dict[str, Any], *,
@@ -84,36 +89,57 @@ async def prepare_chat(loaded: Loaded, messages: list[dict[str, Any]], sampling:
     return ChatJob(loaded, tokens, options, prompt)
 
 
+async def choice_events(state: ServerState, job: ChatJob) -> AsyncIterator[tuple[int, str, Any]]:
+    """The answers of ``job.n`` choices as they come, as ``(index, kind, value)``: ``("thinking", str)``,
+    ``("logprob", (token, logprob, top))``, ``("text", str)`` (text that may begin a tool call held back until the
+    answer ends), then ``("calls", list[ToolCall])`` (maybe empty) and ``("done", JobStats)`` for each choice.
+    Raises the request's error; closing it early cancels the request
+    (:func:`mlx_engine.server.http.group_events`)."""
+    held = [ToolStream(job.tools) for _ in range(job.n)]
+    async with contextlib.aclosing(group_events(state, job.loaded, job.tokens, job.options, n=job.n,
+                                                top_logprobs=job.top_logprobs)) as events:
+        async for i, kind, value in events:
+            if kind == "text":
+                value = held[i].feed(value)
+                if value:
+                    yield i, kind, value
+            elif kind == "done":
+                rest, calls = held[i].finish()
+                if rest:
+                    yield i, "text", rest
+                yield i, "calls", calls
+                yield i, kind, value
+            else:
+                yield i, kind, value
+
+
 async def chat_events(state: ServerState, job: ChatJob) -> AsyncIterator[tuple[str, Any]]:
-    """The answer as it comes: ``("thinking", str)``, ``("text", str)`` (text that may begin a tool call held back
-    until the answer ends), then ``("calls", list[ToolCall])`` (maybe empty) and ``("done", JobStats)``. Raises the
-    request's error; closing it early cancels the request (:func:`mlx_engine.server.http.text_events`)."""
-    held = ToolStream(job.tools)
-    async for kind, value in text_events(state, job.loaded, job.tokens, job.options):
-        if kind == "text":
-            value = held.feed(value)
-            if value:
-                yield kind, value
-        elif kind == "done":
-            rest, calls = held.finish()
-            if rest:
-                yield "text", rest
-            yield "calls", calls
+    """One choice's events as ``(kind, value)`` (:func:`choice_events`)."""
+    async with contextlib.aclosing(choice_events(state, job)) as events:
+        async for _, kind, value in events:
             yield kind, value
-        else:
-            yield kind, value
+
+
+async def chat_answers(request: Request, state: ServerState, job: ChatJob,
+                       error_response: Any) -> "list[ChatAnswer] | Response":
+    """The whole answers of ``job.n`` choices, or the response to send instead (499 when the client left;
+    ``error_response(exc)``, the API's own error form, when it failed)."""
+    answers = await whole_answers(request, state, job.loaded, job.tokens, job.options, error_response, n=job.n,
+                                  top_logprobs=job.top_logprobs)
+    if isinstance(answers, Response):
+        return answers
+    out = []
+    for a in answers:
+        content, calls = job.split(a.text)
+        out.append(ChatAnswer(content, a.thinking, calls, a.stats, a.logprobs))
+    return out
 
 
 async def chat_answer(request: Request, state: ServerState, job: ChatJob,
                       error_response: Any) -> "ChatAnswer | Response":
-    """The whole answer, or the response to send instead (499 when the client left; ``error_response(exc)``, the
-    API's own error form, when it failed)."""
-    answer = await whole_answer(request, state, job.loaded, job.tokens, job.options, error_response)
-    if isinstance(answer, Response):
-        return answer
-    text, thinking, stats = answer
-    content, calls = job.split(text)
-    return ChatAnswer(content, thinking, calls, stats)
+    """One choice's whole answer (:func:`chat_answers`), or the response to send instead."""
+    answers = await chat_answers(request, state, job, error_response)
+    return answers if isinstance(answers, Response) else answers[0]
 
 
 def effort_vars(effort: str | None) -> dict[str, Any]:

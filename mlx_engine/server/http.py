@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pydantic
@@ -21,6 +21,7 @@ from starlette.responses import Response
 from mlx_engine.errors import (EngineError, GenerationInterruptedError, InvalidRequestError, MemoryBudgetError,
                                ModelNotFoundError, ServerBusyError, UnsupportedError)
 from mlx_engine.models.options import GenerationOptions
+from mlx_engine.server.metrics import Metrics
 from mlx_engine.server.pool import Loaded, ModelPool
 from mlx_engine.server.scheduler import JobStats, TextJob
 from mlx_engine.server.worker import DeviceWorker
@@ -32,13 +33,17 @@ DEFAULT_MAX_BODY = 32 * 2**20
 
 @dataclass
 class ServerState:
-    """What every route needs: the device thread, the models, and limits."""
+    """What every route needs: the device thread, the models, limits and the metrics."""
 
     worker: DeviceWorker
     pool: ModelPool
     max_body_bytes: int = DEFAULT_MAX_BODY
     started_at: float = field(default_factory=time.time)
     startup_error: BaseException | None = None  # why loading the --model list failed (serve reports it)
+    metrics: Metrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.pool)
 
 
 class HTTPProblem(Exception):
@@ -201,55 +206,94 @@ async def until_done_or_disconnect(request: Request, work: Any) -> Any:
         watcher.cancel()
 
 
-async def text_events(state: ServerState, loaded: Loaded, tokens: list[int],
-                      options: GenerationOptions) -> AsyncIterator[tuple[str, Any]]:
-    """Submit a text request and yield its events: ``("thinking", str)`` pieces of a reasoning model's thinking,
-    ``("text", str)`` pieces of the answer, then ``("done", JobStats)``.
+async def group_events(state: ServerState, loaded: Loaded, tokens: list[int], options: GenerationOptions, *,
+                       n: int = 1, top_logprobs: int | None = None) -> AsyncIterator[tuple[int, str, Any]]:
+    """Submit ``n`` text requests on one prompt (the choices of one API request) and yield their events as
+    ``(index, kind, value)``: ``("thinking", str)`` and ``("text", str)`` pieces, ``("logprob", (token, logprob,
+    top))`` before each token's text when ``top_logprobs`` is set, then ``("done", JobStats)`` once per choice.
 
-    Raises the request's error (an engine error: 4xx; anything else: 500). Closing the iterator early (the client
-    went away) cancels the request, which frees its cells within one step.
+    Choice ``i`` samples with seed ``seed + i`` (none given: each draws its own); choices after the first wait for
+    the first's prompt to be in the cache and share it (:class:`~mlx_engine.server.scheduler.TextJob`'s leader).
+
+    Raises the first error of any choice (an engine error: 4xx; anything else: 500). Closing the iterator early (the
+    client went away) cancels every choice, which frees their cells within one step.
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    job = TextJob(tokens, options, lambda kind, value: loop.call_soon_threadsafe(queue.put_nowait, (kind, value)))
+    seed = options.sampler.seed
+    jobs: list[TextJob] = []
+    for i in range(n):
+        opts = options if i == 0 or seed is None else replace(options, sampler=replace(options.sampler, seed=seed + i))
+        opts.sampler.validate()  # seed + i past the range is the request's error
+        jobs.append(TextJob(tokens, opts, lambda kind, value, i=i: loop.call_soon_threadsafe(
+            queue.put_nowait, (i, kind, value)), top_logprobs=top_logprobs, leader=jobs[0] if jobs else None))
     loaded.in_flight += 1
     try:
-        loaded.scheduler.submit(job)
+        for job in jobs:
+            loaded.scheduler.submit(job)
         state.worker.wake()
-        while True:
-            kind, value = await queue.get()
+        running = n
+        while running:
+            i, kind, value = await queue.get()
             if kind == "error":
                 raise value
-            yield kind, value
             if kind == "done":
-                return
+                state.metrics.finished(loaded.name, value)
+                running -= 1
+            yield i, kind, value
     finally:
-        if not job.stats.finish_reason:
-            job.cancel()
-            state.worker.wake()
+        for job in jobs:
+            if not job.stats.finish_reason:
+                job.cancel()
+        state.worker.wake()
         loaded.in_flight -= 1
         loaded.last_used = time.time()
 
 
-async def generate_text(state: ServerState, loaded: Loaded, tokens: list[int],
-                        options: GenerationOptions) -> tuple[str, str, JobStats]:
-    """The whole answer of a text request, its thinking ("" when the model did not think) and its statistics."""
-    pieces: dict[str, list[str]] = {"text": [], "thinking": []}
-    stats = JobStats()
-    async for kind, value in text_events(state, loaded, tokens, options):
+async def text_events(state: ServerState, loaded: Loaded, tokens: list[int], options: GenerationOptions, *,
+                      top_logprobs: int | None = None) -> AsyncIterator[tuple[str, Any]]:
+    """One request's events as ``(kind, value)`` (:func:`group_events` with one choice)."""
+    async with contextlib.aclosing(group_events(state, loaded, tokens, options, top_logprobs=top_logprobs)) as events:
+        async for _, kind, value in events:
+            yield kind, value
+
+
+@dataclass
+class TextAnswer:
+    """A whole answer of one choice: its ``text``, its ``thinking`` ("" when the model did not think), its
+    :class:`JobStats` and, when asked, its tokens' ``logprobs`` (``(token, logprob, top)`` each)."""
+
+    text: str
+    thinking: str
+    stats: JobStats
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+async def generate_texts(state: ServerState, loaded: Loaded, tokens: list[int], options: GenerationOptions, *,
+                         n: int = 1, top_logprobs: int | None = None) -> list[TextAnswer]:
+    """The whole answers of ``n`` choices (:func:`group_events`), in order."""
+    pieces = [{"text": [], "thinking": []} for _ in range(n)]
+    answers = [TextAnswer("", "", JobStats()) for _ in range(n)]
+    async for i, kind, value in group_events(state, loaded, tokens, options, n=n, top_logprobs=top_logprobs):
         if kind == "done":
-            stats = value
+            answers[i].stats = value
+        elif kind == "logprob":
+            answers[i].logprobs.append(value)
         else:
-            pieces[kind].append(value)
-    return "".join(pieces["text"]), "".join(pieces["thinking"]), stats
+            pieces[i][kind].append(value)
+    for a, p in zip(answers, pieces):
+        a.text, a.thinking = "".join(p["text"]), "".join(p["thinking"])
+    return answers
 
 
-async def whole_answer(request: Request, state: ServerState, loaded: Loaded, tokens: list[int],
-                       options: GenerationOptions, error_response: Any) -> "tuple[str, str, JobStats] | Response":
-    """A request answered in one piece: ``(text, thinking, stats)``, or the response to send instead: 499 when the
-    client left (the request is cancelled), the API's own error form (``error_response(exc)``) when it failed."""
+async def whole_answers(request: Request, state: ServerState, loaded: Loaded, tokens: list[int],
+                        options: GenerationOptions, error_response: Any, *, n: int = 1,
+                        top_logprobs: int | None = None) -> "list[TextAnswer] | Response":
+    """A request answered in one piece: its choices' answers, or the response to send instead: 499 when the client
+    left (the request is cancelled), the API's own error form (``error_response(exc)``) when it failed."""
     try:
-        return await until_done_or_disconnect(request, generate_text(state, loaded, tokens, options))
+        return await until_done_or_disconnect(request, generate_texts(state, loaded, tokens, options, n=n,
+                                                                      top_logprobs=top_logprobs))
     except asyncio.CancelledError:
         return Response(status_code=499)
     except Exception as e:  # noqa: BLE001 -- each API renders the error in its own form

@@ -14,7 +14,8 @@ enforced by a grammar on every token. Durations are nanoseconds, as ollama's. A 
 apart from the answer, in ``message.thinking`` (``/api/chat``) or ``thinking`` (``/api/generate``); ``think`` (true,
 false, ``"low"``, ``"medium"``, ``"high"``) reaches the chat template (``think: false`` turns ``enable_thinking``
 off), and is refused with a 400 by a model that does not think; an assistant message's ``thinking`` goes back into
-the template.
+the template. ``logprobs`` (with ``top_logprobs``, 0 to 20) gives each token's log-probability in ``logprobs``, the
+``ollama`` client's ``Logprob`` shape (:mod:`mlx_engine.server.logprobs`), on the line that carries its text.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from starlette.routing import Route
 from mlx_engine.errors import ModelNotFoundError
 from mlx_engine.models.reasoning import think_markers
 from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, inline_images, problem_from,
-                                    read_json, text_events, validate, whole_answer)
+                                    read_json, text_events, validate, whole_answers)
+from mlx_engine.server import logprobs as lp_shapes
 from mlx_engine.server.pool import Loaded, parse_keep_alive
 from mlx_engine.server.scheduler import JobStats
 from mlx_engine.server.tool_stream import ToolStream
@@ -72,6 +74,15 @@ class _Common(_Strict):
     keep_alive: Union[str, int, float, None] = None
     format: Union[str, dict[str, Any], None] = None
     think: Union[bool, str, None] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    def scored(self) -> Optional[int]:
+        """How many alternatives each token's score lists (ollama: ``top_logprobs`` with ``logprobs``); None: no
+        scores."""
+        if self.top_logprobs and not self.logprobs:
+            raise HTTPProblem(400, "top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class ChatRequest(_Common):
@@ -210,35 +221,52 @@ def routes(state: ServerState) -> list[Route]:
             return {"model": req.model, "created_at": _now(), **body(text, calls, thinking), "done": True,
                     "done_reason": reason, **_timings(stats, load_s)}
 
+        scored = req.scored()
+
+        def scores(entries: list) -> dict[str, Any]:
+            if scored is None or not entries:
+                return {}
+            return {"logprobs": lp_shapes.ollama(loaded.obj.tokenizer, entries, scored > 0)}
+
         if not req.stream:
-            answer = await whole_answer(request, state, loaded, tokens, options, error_response)
-            if isinstance(answer, Response):
-                return answer
-            text, thinking, stats = answer
+            answers = await whole_answers(request, state, loaded, tokens, options, error_response,
+                                          top_logprobs=scored)
+            if isinstance(answers, Response):
+                return answers
+            answer = answers[0]
+            stats = answer.stats
             request.scope.setdefault("state", {})["log"] = f"model={loaded.name} completion={stats.completion_tokens}"
-            content, calls = tools.parse(text) if tools is not None else (text, [])
-            return JSONResponse(final(stats, content, calls, thinking))
+            content, calls = tools.parse(answer.text) if tools is not None else (answer.text, [])
+            return JSONResponse({**final(stats, content, calls, answer.thinking), **scores(answer.logprobs)})
 
         async def lines():
             held = ToolStream(tools)
+            pending: list = []  # scores of tokens whose text is not sent yet
+
+            def take() -> dict[str, Any]:
+                out = scores(pending)
+                pending.clear()
+                return out
             try:
-                async for kind, value in text_events(state, loaded, tokens, options):
-                    if kind == "thinking":
+                async for kind, value in text_events(state, loaded, tokens, options, top_logprobs=scored):
+                    if kind == "logprob":
+                        pending.append(value)
+                    elif kind == "thinking":
                         yield json.dumps({"model": req.model, "created_at": _now(), **body("", thinking=value),
-                                          "done": False}, ensure_ascii=False) + "\n"
+                                          "done": False, **take()}, ensure_ascii=False) + "\n"
                     elif kind == "text":
                         value = held.feed(value)
                         if value:
                             yield json.dumps({"model": req.model, "created_at": _now(), **body(value),
-                                              "done": False}, ensure_ascii=False) + "\n"
+                                              "done": False, **take()}, ensure_ascii=False) + "\n"
                     else:
                         rest, calls = held.finish()
                         if rest or calls:
                             yield json.dumps({"model": req.model, "created_at": _now(), **body(rest, calls),
-                                              "done": False}, ensure_ascii=False) + "\n"
+                                              "done": False, **take()}, ensure_ascii=False) + "\n"
                         request.scope.setdefault("state", {})["log"] = (
                             f"model={loaded.name} completion={value.completion_tokens}")
-                        yield json.dumps(final(value, "")) + "\n"
+                        yield json.dumps({**final(value, ""), **take()}) + "\n"
             except Exception as e:  # noqa: BLE001 -- the status is sent; the error goes in the stream
                 # a final line that cannot pass for a complete answer: done_reason "error" and the error (the ollama
                 # clients raise ResponseError on an "error" field)

@@ -4,12 +4,16 @@
 Field semantics follow OpenAI's API reference. Differences, stated rather than hidden: sampling is greedy unless
 ``temperature`` is given (the engine's default); a chat answer may run to the end of the context unless
 ``max_tokens`` / ``max_completion_tokens`` is given (as OpenAI); ``/v1/completions`` defaults to 16 tokens (as OpenAI);
-``n`` must be 1 for text; ``response_format`` (``json_object``, ``json_schema``; also ``regex`` and ``grammar``) is
+``n`` (1 to 16) choices share the prompt's prefill and are decoded together, choice ``i`` sampling with seed
+``seed + i``; ``logprobs`` / ``top_logprobs`` (chat: up to 20; completions: ``logprobs`` up to 5) are the natural
+logs of the distribution each token was drawn from: after the penalties, the temperature and the top-k / top-p /
+min-p filters (a filtered token: -9999), and at temperature 0 the model's own distribution (temperature 1), as
+:mod:`mlx_engine.server.logprobs` shapes them; ``response_format`` (``json_object``, ``json_schema``; also ``regex`` and ``grammar``) is
 enforced by a grammar on every token, ``strict`` or not; ``tools`` and ``tool_choice`` (``auto``, ``none``,
 ``required``, a named function: the last two forced by a grammar) with ``tool`` messages and assistant ``tool_calls``
 going back into the template (:mod:`mlx_engine.models.tools`); ``image_url`` content parts with ``data:`` URLs go
-to a model that reads images (URLs are not fetched); what the engine cannot do yet (``logprobs``) is refused with a
-400, never ignored. OpenAI's Responses API is :mod:`mlx_engine.server.responses_api`, on the same chat core
+to a model that reads images (URLs are not fetched); what the engine cannot do yet (``echo``, ``suffix``) is refused
+with a 400, never ignored. OpenAI's Responses API is :mod:`mlx_engine.server.responses_api`, on the same chat core
 (:mod:`mlx_engine.server.chat_core`).
 
 Reasoning, as vLLM and llama-server give it: a reasoning model's thinking comes back in ``message.reasoning_content``
@@ -36,13 +40,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlx_engine import api
-from mlx_engine.server.chat_core import ChatJob, chat_answer, chat_events, effort_vars, prepare_chat
+from mlx_engine.server import logprobs as lp_shapes
+from mlx_engine.server.chat_core import ChatJob, chat_answers, choice_events, effort_vars, prepare_chat
 from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, note, problem_from, read_json,
                                     until_done_or_disconnect, validate)
 from mlx_engine.server.scheduler import JobStats
 from mlx_engine.store import IMAGE_CATALOG
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+MAX_CHOICES = 16  # n: each choice holds a sequence slot (or waits for one)
 
 
 class _Strict(BaseModel):
@@ -79,15 +85,13 @@ class _Sampling(_Strict):
     repetition_penalty: Optional[float] = Field(None, gt=0)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: int = 1
-    logprobs: Optional[Union[bool, int]] = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
 
     def sampling(self, max_tokens: Optional[int] = None) -> dict[str, Any]:
         """The engine's option fields of the request (None = not given; ``max_tokens`` overrides its own)."""
-        if self.n != 1:
-            raise HTTPProblem(400, "n must be 1: this server returns one choice per request", param="n")
-        if self.logprobs:
-            raise HTTPProblem(400, "logprobs are not supported by this server yet", param="logprobs")
+        if self.seed is not None and self.n > 1 and not 0 <= self.seed <= 2**64 - self.n:
+            raise HTTPProblem(400, f"seed must be in [0, 2**64 - n] with n = {self.n}: choice i samples with seed + i",
+                              param="seed")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise HTTPProblem(400, "stop takes at most 4 sequences", param="stop")
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
@@ -104,6 +108,14 @@ class ChatRequest(_Sampling):
     tool_choice: Union[str, dict[str, Any], None] = None
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    def scored(self) -> Optional[int]:
+        """How many alternatives each token's score lists; None: no scores."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise HTTPProblem(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_vars(self) -> dict[str, Any]:
         """The chat-template variables the request sets: ``chat_template_kwargs`` as given, and
@@ -125,6 +137,10 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int]]
     echo: bool = False
     suffix: Optional[str] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=5)
+
+    def scored(self) -> Optional[int]:
+        return self.logprobs
 
 
 class ImageRequest(_Strict):
@@ -194,6 +210,12 @@ def _usage(stats: JobStats) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
 
 
+def _total(first: JobStats, all_stats: list[JobStats]) -> JobStats:
+    """The usage of a request's choices: the prompt (and its cached part) once, as the first choice's; the
+    generated tokens of every choice (OpenAI counts ``n`` so)."""
+    return replace(first, completion_tokens=sum(s.completion_tokens for s in all_stats))
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -207,6 +229,7 @@ def routes(state: ServerState) -> list[Route]:
             job = await prepare_chat(loaded, messages, req.sampling(req.max_completion_tokens), tools=req.tools,
                                      tool_choice=req.tool_choice, response_format=req.response_format,
                                      template_vars=req.template_vars())
+            job = replace(job, n=req.n, top_logprobs=req.scored())
         except Exception as e:  # noqa: BLE001 -- every failure gets the API's own error form
             return error_response(e)
         return await _answer(request, job, req, chat=True)
@@ -235,42 +258,57 @@ def routes(state: ServerState) -> list[Route]:
             options = replace(generation_options(req.sampling(), default_max_tokens=16), raw=True)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        return await _answer(request, ChatJob(loaded, tokens, options, None), req, chat=False)
+        return await _answer(request, ChatJob(loaded, tokens, options, None, n=req.n, top_logprobs=req.scored()), req,
+                             chat=False)
 
     async def _answer(request, job: ChatJob, req, *, chat: bool) -> Response:
         loaded = job.loaded
+        tokenizer = loaded.obj.tokenizer
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
+        scored = job.top_logprobs is not None
 
         thinks = chat and loaded.obj.thinks  # a reasoning model's answers carry reasoning_content
 
-        def choice(text: str | None, finish: str | None, delta: bool, thinking: str | None = None) -> dict[str, Any]:
+        def scores(entries: list, offset: int = 0) -> Optional[dict[str, Any]]:
+            if not scored:
+                return None
+            if chat:
+                return {"content": lp_shapes.openai_content(tokenizer, entries), "refusal": None}
+            return lp_shapes.legacy(tokenizer, entries, offset)
+
+        def choice(i: int, text: str | None, finish: str | None, delta: bool, thinking: str | None = None,
+                   logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
             if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             if delta:
                 body = {"content": text} if text is not None else {}
                 if thinking is not None:
                     body = {"reasoning_content": thinking}
-                return {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
+                return {"index": i, "delta": body, "logprobs": logprobs, "finish_reason": finish}
             message = {"role": "assistant", "content": text or ""}
             if thinks:
                 message["reasoning_content"] = thinking or None
-            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
         if not req.stream:
-            answer = await chat_answer(request, state, job, error_response)
-            if isinstance(answer, Response):
-                return answer
-            stats = answer.stats
+            answers = await chat_answers(request, state, job, error_response)
+            if isinstance(answers, Response):
+                return answers
+            stats = _total(answers[0].stats, [a.stats for a in answers])
             note(request, loaded.name, stats)
-            body = choice(answer.text, _FINISH[stats.finish_reason], False, answer.thinking)
-            if answer.calls:  # OpenAI's form: content null, the calls, finish_reason tool_calls
-                body = {**body, "finish_reason": "tool_calls", "message": {
-                    **body["message"], "content": answer.text or None,
-                    "tool_calls": [c.openai() for c in answer.calls]}}
+            bodies = []
+            for i, answer in enumerate(answers):
+                body = choice(i, answer.text, _FINISH[answer.stats.finish_reason], False, answer.thinking,
+                              scores(answer.logprobs))
+                if answer.calls:  # OpenAI's form: content null, the calls, finish_reason tool_calls
+                    body = {**body, "finish_reason": "tool_calls", "message": {
+                        **body["message"], "content": answer.text or None,
+                        "tool_calls": [c.openai() for c in answer.calls]}}
+                bodies.append(body)
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": loaded.name,
-                                 "choices": [body], "usage": _usage(stats)})
+                                 "choices": bodies, "usage": _usage(stats)})
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_kind = kind + ".chunk" if chat else kind
@@ -278,33 +316,46 @@ def routes(state: ServerState) -> list[Route]:
         async def events():
             head = {"id": rid, "object": chunk_kind, "created": created, "model": loaded.name}
             if chat:
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-            calls: list = []
+                for i in range(job.n):
+                    yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]})
+            calls: dict[int, list] = {}
+            held: dict[int, list] = {i: [] for i in range(job.n)}  # scores not yet sent, per choice
+            offsets = [0] * job.n  # characters sent per choice (legacy text_offset)
+            done: list[JobStats] = []
+
+            def take(i: int) -> Optional[dict[str, Any]]:
+                entries, held[i] = held[i], []
+                return scores(entries, offsets[i]) if entries else None
             try:
-                async for what, value in chat_events(state, job):
-                    if what == "thinking":
-                        yield _sse({**head, "choices": [choice(None, None, True, value)]})
+                async for i, what, value in choice_events(state, job):
+                    if what == "logprob":
+                        held[i].append(value)
+                    elif what == "thinking":
+                        yield _sse({**head, "choices": [choice(i, None, None, True, value, take(i))]})
                     elif what == "text":
-                        yield _sse({**head, "choices": [choice(value, None, True)]})
+                        yield _sse({**head, "choices": [choice(i, value, None, True, None, take(i))]})
+                        offsets[i] += len(value)
                     elif what == "calls":
-                        calls = value
-                        for i, c in enumerate(calls):  # one delta per call, its arguments whole
-                            yield _sse({**head, "choices": [{"index": 0, "delta": {"tool_calls": [c.openai(i)]},
+                        calls[i] = value
+                        for k, c in enumerate(value):  # one delta per call, its arguments whole
+                            yield _sse({**head, "choices": [{"index": i, "delta": {"tool_calls": [c.openai(k)]},
                                                              "logprobs": None, "finish_reason": None}]})
                     else:
-                        note(request, loaded.name, value)
-                        finish = "tool_calls" if calls else _FINISH[value.finish_reason]
-                        yield _sse({**head, "choices": [choice(None if chat else "", finish, True)]})
-                        if include_usage:
-                            yield _sse({**head, "choices": [], "usage": _usage(value)})
+                        done.append(value)
+                        finish = "tool_calls" if calls.get(i) else _FINISH[value.finish_reason]
+                        yield _sse({**head, "choices": [choice(i, None if chat else "", finish, True, None,
+                                                               take(i))]})
+                note(request, loaded.name, _total(done[0], done))
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(_total(done[0], done))})
             except Exception as e:  # noqa: BLE001 -- the status is sent; the error goes in the stream
                 # A final chunk whose finish_reason is "error" (vLLM's name for a failed request) for readers that
                 # stop at the first finish_reason, then the error event (the openai client raises APIError on it);
                 # no [DONE], which would say the answer is complete.
                 p = problem_from(e)
                 note(request, loaded.name)
-                yield _sse({**head, "choices": [choice(None if chat else "", "error", True)]})
+                yield _sse({**head, "choices": [choice(0, None if chat else "", "error", True)]})
                 yield _sse({"error": {"message": p.message, "type": p.kind, "param": p.param, "code": p.status}})
                 return
             yield "data: [DONE]\n\n"

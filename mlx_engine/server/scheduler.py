@@ -4,7 +4,8 @@ The model's KV cache is one pool of cells shared by ``max_sequences`` sequence s
 design). Each call of :meth:`TextScheduler.step`, on the device thread:
 
 1. drops cancelled requests (their cells are freed at once);
-2. admits queued requests while a slot is free. A request whose prompt starts with tokens some slot already holds
+2. admits queued requests while a slot is free (a request of a group of ``n`` choices after its group's first has
+   been prefilled, so that it shares that prompt instead of prefilling it again). A request whose prompt starts with tokens some slot already holds
    reuses them: a finished conversation's slot is taken over and trimmed to the common prefix; a running request's
    prefix is shared through the cache's ``copy_prefix`` (cells are shared, not copied), for every cache kind,
    sliding-window layers included (when the window has already moved past the prefix, ``can_resume`` says so and
@@ -26,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_engine.errors import EngineError, GenerationInterruptedError, InvalidRequestError, ServerBusyError
@@ -41,7 +42,8 @@ log = logging.getLogger("mlx_engine.server")
 
 Emit = Callable[[str, Any], None]
 """``emit(kind, value)``: ``("text", str)`` for each piece of the answer and ``("thinking", str)`` for each piece of a
-reasoning model's thinking (before the answer), then ``("done", JobStats)`` or ``("error", exception)``.
+reasoning model's thinking (before the answer), ``("logprob", (token, logprob, top))`` before a token's text when
+the job scores tokens, then ``("done", JobStats)`` or ``("error", exception)``.
 Called on the device thread; it must only hand the event over (for example ``loop.call_soon_threadsafe``)."""
 
 
@@ -51,7 +53,8 @@ class JobStats:
 
     ``finish_reason``: ``stop`` (an end-of-sequence token or a stop string), ``length`` (``max_tokens`` or the full
     context) or ``cancelled``; ``stop_sequence``: the stop string that ended the answer (None for any other end).
-    ``cached_tokens``: prompt tokens served from the prefix cache (not prefilled).
+    ``cached_tokens``: prompt tokens served from the prefix cache (not prefilled). ``token_gaps_s``: the time
+    between each generated token and the next (inter-token latency).
     """
 
     prompt_tokens: int = 0
@@ -64,15 +67,20 @@ class JobStats:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     total_s: float = 0.0
+    token_gaps_s: list[float] = field(default_factory=list)
 
 
 class TextJob:
     """One text request: prompt tokens and options in, events out through ``emit``.
 
     ``cancel()`` may be called from any thread; the request stops within one step and frees its cells.
+    ``top_logprobs``: None, or score each token (``emit("logprob", (token, logprob, top))`` before its text;
+    :attr:`SequenceState.logprob`). ``leader``: the first request of a group with the same prompt (``n`` choices):
+    this one is admitted once the leader's prompt is in the cache, and shares it.
     """
 
-    def __init__(self, tokens: Sequence[int], options: GenerationOptions, emit: Emit):
+    def __init__(self, tokens: Sequence[int], options: GenerationOptions, emit: Emit, *,
+                 top_logprobs: int | None = None, leader: "TextJob | None" = None):
         self.tokens = [int(t) for t in tokens]
         self.options = options
         self.images = list(options.images)  # at their places of tokens
@@ -88,6 +96,10 @@ class TextJob:
         self.chunks: Any = None
         self.state: SequenceState | None = None  # the generation core's state: sampler, grammar, text, stops
         self.ctx: Any = None
+        self.top_logprobs = top_logprobs
+        self.leader = leader
+        self.released = False
+        self.t_last = 0.0
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -95,6 +107,11 @@ class TextJob:
     @property
     def generated(self) -> int:
         return self.state.generated if self.state is not None else 0
+
+    def ready(self) -> bool:
+        """Whether it may be admitted: no leader, or the leader's prompt is prefilled (or it will never be)."""
+        lead = self.leader
+        return lead is None or bool(lead.t_first) or lead.released or lead.cancelled
 
     @property
     def pos(self) -> int:
@@ -185,9 +202,10 @@ class TextScheduler:
         while True:
             free = [s for s in self._slots if s.job is None]
             with self._lock:
-                if not free or not self._pending:
+                job = next((j for j in self._pending if j.ready()), None) if free else None
+                if job is None:
                     return
-                job = self._pending.popleft()
+                self._pending.remove(job)
             try:
                 self._start(job, free)
             except EngineError as e:
@@ -214,7 +232,7 @@ class TextScheduler:
                 runner.share_prefix(best.seq, dst.seq, job.keys)
         dst.job, job.seq = job, dst.seq
         ctx = self.backend.new_context()
-        job.state = runner.sequence_state(job.options.request(tokens), ctx)
+        job.state = runner.sequence_state(job.options.request(tokens), ctx, top_logprobs=job.top_logprobs)
         reused, job.chunks = runner.prefill_chunks(ctx, dst.seq, tokens, job.images)
         job.ctx = ctx
         job.chunks_left = len(runner.chunk_bounds(reused, len(tokens),
@@ -285,6 +303,12 @@ class TextScheduler:
         except EngineError as e:
             self._fail(job, e)
             return
+        now = time.perf_counter()
+        if job.t_last:
+            job.stats.token_gaps_s.append(now - job.t_last)
+        job.t_last = now
+        if job.state.logprob is not None:
+            job.emit("logprob", job.state.logprob)
         self._emit(job, pieces)
         if job.state.finish_reason:
             self._finish(job, "length" if job.state.finish_reason == "length" else "stop")  # eos, a stop string
@@ -302,6 +326,7 @@ class TextScheduler:
         for q in (self._prefilling, self._decoding):
             if job in q:
                 q.remove(job)
+        job.released = True
         if job.chunks is not None:
             job.chunks.close()
         if job.seq >= 0:
