@@ -80,15 +80,22 @@ def grouped_route(x2: Tensor, w: dict[str, Tensor | None], c: "DecoderConfig") -
 
 
 def experts_mlp(x2: Tensor, idx: Tensor, top: Tensor, w: dict[str, Tensor | None],
-                clamped_swiglu: "tuple[float, float] | None" = None) -> Tensor:
+                clamped_swiglu: "tuple[float, float] | None" = None, weigh_input: bool = False) -> Tensor:
     """The routed experts' outputs on ``x2 [N, D]``: each token's experts ``idx [N, k]`` (INT32) by the gathered
     products (with the experts' biases where ``w`` has them), weighed by ``top [N, k]`` and summed, plus the shared
     expert where ``w`` has one (behind its sigmoid gate where it has one); returns ``[N, D]``. ``w``: as
     :func:`moe_mlp`'s. ``clamped_swiglu`` ``(alpha, limit)``: the activation is gpt-oss's
-    (:attr:`DecoderConfig.clamped_swiglu`), else SiLU-gated (SwiGLU)."""
+    (:attr:`DecoderConfig.clamped_swiglu`), else SiLU-gated (SwiGLU). ``weigh_input``: each expert's input is
+    weighed by ``top`` instead of its output (Llama 4's ``Llama4TextMoe``: ``x * score`` into the expert)."""
     n, d = x2.shape
     top_k = idx.shape[-1]
-    gate, up = x2.gather_linear(w["experts_gate"], idx), x2.gather_linear(w["experts_up"], idx)  # [N, k, I]
+    if weigh_input:  # one row per (token, expert), weighed, through its one expert
+        rows = (x2.reshape(n, 1, d) * top.astype(x2.dtype).reshape(n, top_k, 1)).reshape(n * top_k, d)
+        one = idx.reshape(n * top_k, 1)
+        gate = rows.gather_linear(w["experts_gate"], one).reshape(n, top_k, -1)
+        up = rows.gather_linear(w["experts_up"], one).reshape(n, top_k, -1)
+    else:
+        gate, up = x2.gather_linear(w["experts_gate"], idx), x2.gather_linear(w["experts_up"], idx)  # [N, k, I]
     if w.get("experts_gate_bias") is not None:
         gate, up = gate + w["experts_gate_bias"].take(idx, axis=0), up + w["experts_up_bias"].take(idx, axis=0)
     if clamped_swiglu is None:
@@ -102,7 +109,7 @@ def experts_mlp(x2: Tensor, idx: Tensor, top: Tensor, w: dict[str, Tensor | None
     out = hidden.reshape(n * top_k, inner).gather_linear(w["experts_down"], flat).reshape(n, top_k, d)
     if w.get("experts_down_bias") is not None:
         out = out + w["experts_down_bias"].take(idx, axis=0)
-    y = (out * top.astype(out.dtype).reshape(n, top_k, 1)).sum(axis=1)  # [N, D]
+    y = (out if weigh_input else out * top.astype(out.dtype).reshape(n, top_k, 1)).sum(axis=1)  # [N, D]
     if w.get("shared_gate") is not None:
         shared = (x2.linear(w["shared_gate"]).silu() * x2.linear(w["shared_up"])).linear(w["shared_down"])
         if w.get("shared_expert_gate") is not None:
