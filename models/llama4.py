@@ -14,8 +14,8 @@
   width (``intermediate_size_mlp``).
 
 llama.cpp's ``llama4`` reads no chunk size, temperature or NoPE interval from a GGUF: it fixes chunks of 8192,
-``floor_scale`` 8192, ``attn_scale`` 0.1 and every 4th layer without RoPE (``src/models/llama4.cpp``), unless the file
-sets ``sliding_window`` 0 (no chunks, RoPE everywhere); a GGUF runs here as there.
+``floor_scale`` 8192, ``attn_scale`` 0.1 and every 4th layer without RoPE (``src/models/llama4.cpp``); a GGUF runs
+here as there (one that sets ``sliding_window`` 0, MobileLLM's, is refused).
 
 References: transformers' ``models/llama4/modeling_llama4.py`` (``Llama4TextAttention``, ``Llama4TextMoe``,
 ``Llama4Router``); llama.cpp's ``src/models/llama4.cpp`` and its converter (``conversion/llama.py``,
@@ -98,7 +98,8 @@ class Llama4(MoEWeights, DecoderModel):
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> Llama4Config:
         """From llama.cpp's ``llama4.*`` keys, with the chunk, temperature and NoPE layers llama.cpp fixes (module
-        docstring). Raises ``UnsupportedError`` for a RoPE scaling other than linear and llama3."""
+        docstring). Raises ``UnsupportedError`` for a RoPE scaling other than linear and llama3, and for a file
+        without chunked attention (``sliding_window`` 0)."""
         get = metadata_getter(metadata, "llama4")
         heads = get("attention.head_count", positive=True)
         hidden = get("embedding_length", positive=True)
@@ -108,8 +109,10 @@ class Llama4(MoEWeights, DecoderModel):
         check_rope_scaling(scaling, "llama4")
         factor = float(get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
         freqs = weights.get("rope_freqs.weight")
-        chunked = int(get("attention.sliding_window", 8192)) != 0
-        step = int(get("interleave_moe_layer_step", 1))
+        if int(get("attention.sliding_window", 8192)) == 0:
+            # llama.cpp then drops the chunks and RoPE's absence from every layer but the last (MobileLLM)
+            raise UnsupportedError("a llama4 GGUF without chunked attention (sliding_window 0: MobileLLM) is not "
+                                   "supported")
         experts = int(get("expert_count", positive=True))
         moe_ff = int(get("expert_feed_forward_length", positive=True))
         theta = float(get("rope.freq_base", 500000.0))
@@ -124,8 +127,7 @@ class Llama4(MoEWeights, DecoderModel):
             rope_traditional=True, l2_norm=experts != 128, num_experts=experts,
             experts_per_token=int(get("expert_used_count", positive=True)), moe_intermediate_size=moe_ff,
             shared_expert_size=moe_ff, norm_topk_prob=False,
-            rope_layers=[not chunked or (i + 1) % 4 != 0 for i in range(layers)], chunk=8192 if chunked else None,
-            temperature=(0.1, 8192) if chunked else None)
+            rope_layers=[(i + 1) % 4 != 0 for i in range(layers)], chunk=8192, temperature=(0.1, 8192))
 
     @classmethod
     def config_from_hf(cls, config: Any) -> Llama4Config:
@@ -153,7 +155,8 @@ class Llama4(MoEWeights, DecoderModel):
         return Llama4Config(
             architecture=cls.architecture, vocab_size=int(config["vocab_size"]), hidden_size=hidden,
             num_layers=layers, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=head_dim, intermediate_size=int(config.get("intermediate_size_mlp") or config["intermediate_size"]),
+            head_dim=head_dim,
+            intermediate_size=int(config.get("intermediate_size_mlp") or config["intermediate_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             context_length=int(config.get("max_position_embeddings", 131072)), rope_theta=theta, rope_freqs=freqs,
             rope_scale=1.0 / float(scaling["factor"]) if kind == "linear" else 1.0, rope_traditional=True,
