@@ -301,8 +301,8 @@ class DecoderModel(abc.ABC):
         "in": ("attn_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"),
         "out": ("o", "o_bias", "attn_gate", "attn_gate_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm",
                 "gate", "up", "down", "router", "experts_gate", "experts_up", "experts_down", "shared_gate",
-                "shared_up", "shared_down", "shared_expert_gate", "router_bias", "experts_gate_bias", "experts_up_bias",
-                "experts_down_bias"),
+                "shared_up", "shared_down", "shared_expert_gate", "router_bias", "score_bias", "experts_gate_bias",
+                "experts_up_bias", "experts_down_bias"),
     }
 
     def _compiled_block(self, kind: str, layer: int, rope_args: int = 1,

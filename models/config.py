@@ -55,6 +55,10 @@ class DecoderConfig:
         num_experts, experts_per_token, moe_intermediate_size: mixture-of-experts MLPs (0: dense).
         shared_expert_size: the width of the always-on shared expert of an MoE layer (0: none).
         norm_topk_prob: the top-k router probabilities are renormalised to sum to 1.
+        sigmoid_router: DeepSeek V3's router (:func:`mlx_engine.models.moe.grouped_route`: sigmoid scores, the
+            correction bias for the choice, groups, ``routed_scale``); else softmax top-k (Qwen, gpt-oss).
+        expert_groups, groups_used: that router's ``n_group`` and ``topk_group`` (1, 1: no groups).
+        routed_scale: that router's ``routed_scaling_factor``, on the routed experts' weights.
         clamped_swiglu: ``(alpha, limit)``: the experts' activation is gpt-oss's clamped SwiGLU,
             ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``
             (transformers' ``GptOssExperts._apply_gate``); None: SiLU-gated.
@@ -102,6 +106,10 @@ class DecoderConfig:
     moe_intermediate_size: int = 0
     shared_expert_size: int = 0
     norm_topk_prob: bool = True
+    sigmoid_router: bool = False
+    expert_groups: int = 1
+    groups_used: int = 1
+    routed_scale: float = 1.0
     clamped_swiglu: tuple[float, float] | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -120,7 +128,7 @@ class DecoderConfig:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v >= 1 << 31:
                 raise WeightsError(f"model config has {name} = {v!r}; it must be a positive integer below 2**31")
         for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "rope_scale", "rope_attention_factor",
-                     "query_scale", "embed_scale", "residual_scale", "logit_scale"):
+                     "query_scale", "embed_scale", "residual_scale", "logit_scale", "routed_scale"):
             v = getattr(self, name)
             if v is None and name in ("rope_local_theta", "query_scale", "embed_scale"):
                 continue
@@ -166,6 +174,12 @@ class DecoderConfig:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise WeightsError(f"model config routes each token to {self.experts_per_token} of {self.num_experts} "
                                "experts; it must be at least 1 and at most the number of experts")
+        g, used = self.expert_groups, self.groups_used
+        if self.num_experts and (g < 1 or self.num_experts % g or not 1 <= used <= g
+                                 or self.num_experts // g * used < self.experts_per_token):
+            raise WeightsError(f"model config puts {self.num_experts} experts in {g!r} groups and keeps {used!r} of "
+                               f"them for {self.experts_per_token} experts per token: the groups must divide the "
+                               "experts and the kept groups hold at least that many")
         if self.clamped_swiglu is not None and not all(
                 isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in self.clamped_swiglu):
             raise WeightsError(f"model config has swiglu (alpha, limit) = {self.clamped_swiglu!r}; both must be "

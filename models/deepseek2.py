@@ -45,7 +45,7 @@ from mlx_engine.ml import Backend, Context, DType, Tensor
 from mlx_engine.models.base import DecoderModel, ModelPart, hf_names_from_gguf
 from mlx_engine.models.config import DecoderConfig, hf_rope_parameters, metadata_getter, vocab_size_of, yarn_rope
 from mlx_engine.models.layer import apply_rope, rope_positions
-from mlx_engine.models.moe import MoEWeights, experts_mlp, moe_names_from_gguf, stack_experts
+from mlx_engine.models.moe import MoEWeights, experts_mlp, grouped_route, moe_names_from_gguf, stack_experts
 from mlx_engine.models.step import NotWholeStep
 
 if TYPE_CHECKING:
@@ -61,8 +61,10 @@ class MLAConfig(DecoderConfig):
         q_lora_rank: the queries' low rank (0: one ``q_proj``). kv_lora_rank: the latent's size.
         qk_nope_dim: the key features without RoPE. v_head_dim: a value head's size.
         dense_layers: the leading layers with a dense MLP (``first_k_dense_replace``).
-        expert_groups, groups_used: ``n_group``, ``topk_group``. routed_scale: ``routed_scaling_factor``.
-        sigmoid_router: sigmoid scores (else softmax).
+
+    The router's fields (``sigmoid_router``, ``expert_groups``, ``groups_used``, ``routed_scale``) are
+    :class:`DecoderConfig`'s; :func:`~mlx_engine.models.moe.grouped_route` reads them (softmax scores for the V2
+    GGUF files that say so).
     """
 
     q_lora_rank: int = 0
@@ -70,13 +72,9 @@ class MLAConfig(DecoderConfig):
     qk_nope_dim: int = 0
     v_head_dim: int = 0
     dense_layers: int = 0
-    expert_groups: int = 1
-    groups_used: int = 1
-    routed_scale: float = 1.0
-    sigmoid_router: bool = True
 
     def __post_init__(self) -> None:
-        """Raises ``WeightsError`` for sizes that are not positive or groups that do not divide the experts."""
+        """Raises ``WeightsError`` for sizes that are not positive or a count of dense layers out of range."""
         super().__post_init__()
         for name in ("kv_lora_rank", "qk_nope_dim", "v_head_dim"):
             v = getattr(self, name)
@@ -87,49 +85,11 @@ class MLAConfig(DecoderConfig):
         if self.dense_layers < self.num_layers and not (self.num_experts and self.experts_per_token):
             raise WeightsError(f"model config has MoE layers past the first {self.dense_layers} but "
                                f"{self.num_experts!r} experts, {self.experts_per_token!r} per token")
-        if self.dense_layers < self.num_layers:
-            g, used = self.expert_groups, self.groups_used
-            if g < 1 or self.num_experts % g or not 1 <= used <= g or self.num_experts // g * used < \
-                    self.experts_per_token:
-                raise WeightsError(f"model config puts {self.num_experts} experts in {g!r} groups and keeps "
-                                   f"{used!r} of them for {self.experts_per_token} experts per token: the groups "
-                                   "must divide the experts and the kept groups hold at least that many")
-        if not math.isfinite(self.routed_scale) or self.routed_scale <= 0:
-            raise WeightsError(f"model config has routed_scaling_factor = {self.routed_scale!r}")
 
 
 def _mscale(scale: float, m: float) -> float:
     """DeepSeek's YaRN magnitude correction ``0.1 m ln(s) + 1`` (1 for ``s <= 1``)."""
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-
-def deepseek_route(x2: Tensor, w: dict[str, Tensor | None], c: MLAConfig) -> tuple[Tensor, Tensor]:
-    """The chosen experts ``[N, k]`` (INT32) and their weights ``[N, k]`` (float32) for ``x2 [N, D]``.
-
-    Scores ``sigmoid(x W_r)`` (or softmax) in float32; the choice adds ``e_score_correction_bias``; with
-    ``expert_groups > 1`` a group's score is the sum of its two best choice scores and only the ``groups_used`` best
-    groups' experts can be chosen. Source: transformers'
-    ``DeepseekV3MoE.route_tokens_to_experts``; llama.cpp's ``build_moe_ffn``."""
-    n, k, e = x2.shape[0], c.experts_per_token, c.num_experts
-    logits = x2.astype(DType.FLOAT32).linear(w["router"]).astype(DType.FLOAT32)
-    scores = logits.sigmoid() if c.sigmoid_router else logits.softmax(-1)
-    choice = scores if w.get("score_bias") is None else scores + w["score_bias"].astype(DType.FLOAT32)
-    g = c.expert_groups
-    if g > 1 and c.groups_used < g:
-        per = e // g
-        grouped = choice.reshape(n, g, per)
-        best = min(2, per)
-        two = grouped.take_along_axis((-grouped).argpartition(best - 1, axis=-1)[:, :, :best], axis=-1)
-        group_scores = two.sum(axis=-1)  # [N, G]
-        kept = (-group_scores).argpartition(c.groups_used - 1, axis=-1)[:, :c.groups_used]
-        zeros = group_scores * 0.0
-        mask = zeros.put_along_axis(kept, zeros.take_along_axis(kept, axis=-1) + 1.0, axis=-1)  # 1: a kept group
-        choice = mask.reshape(n, g, 1).compare(">", 0.5).where(grouped, float("-inf")).reshape(n, e)
-    idx = (-choice).argpartition(k - 1, axis=-1)[:, :k] if k < e else (-choice).argsort(axis=-1)
-    top = scores.take_along_axis(idx, axis=-1)
-    if c.norm_topk_prob:
-        top = top / (top.sum(axis=-1, keepdims=True) + 1e-20)
-    return idx, top * c.routed_scale
 
 
 _MLA_NAMES = {"q": "q_proj.weight", "q_a": "q_a_proj.weight", "q_a_norm": "q_a_layernorm.weight",
@@ -140,8 +100,7 @@ _MLA_NAMES = {"q": "q_proj.weight", "q_a": "q_a_proj.weight", "q_a_norm": "q_a_l
 _GGUF_NAMES = {"attn_q_a": "self_attn.q_a_proj.weight", "attn_q_a_norm": "self_attn.q_a_layernorm.weight",
                "attn_q_b": "self_attn.q_b_proj.weight", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa.weight",
                "attn_kv_a_norm": "self_attn.kv_a_layernorm.weight", "attn_kv_b": "self_attn.kv_b_proj.weight",
-               "attn_k_b": "self_attn.attn_k_b", "attn_v_b": "self_attn.attn_v_b",
-               "exp_probs_b": "mlp.gate.e_score_correction_bias"}
+               "attn_k_b": "self_attn.attn_k_b", "attn_v_b": "self_attn.attn_v_b"}
 
 
 class DeepSeek2(MoEWeights, DecoderModel):
@@ -360,7 +319,6 @@ class DeepSeek2(MoEWeights, DecoderModel):
         w = super()._layer_weights(i)
         a = f"model.layers.{i}.self_attn."
         w.update({k: self.w.get(a + v) for k, v in _MLA_NAMES.items()})
-        w["score_bias"] = self.w.get(f"model.layers.{i}.mlp.gate.e_score_correction_bias")
         return w
 
     def layer_kv_shapes(self) -> list[tuple[int, int, int]]:
@@ -390,7 +348,7 @@ class DeepSeek2(MoEWeights, DecoderModel):
             x = h.rms_norm(lw["post_attn_norm"], eps)
             if lw.get("router") is not None:
                 x2 = x.reshape(n, c.hidden_size)
-                idx, top = deepseek_route(x2, lw, c)
+                idx, top = grouped_route(x2, lw, c)
                 m = experts_mlp(x2, idx, top, lw).reshape(1, n, c.hidden_size)
             else:
                 m = (x.linear(lw["gate"]).silu() * x.linear(lw["up"])).linear(lw["down"])

@@ -129,7 +129,7 @@ def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | N
     norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
     if w.get("router") is not None:
         h, x = h.add_rms_norm(o, norm, eps)
-        m = moe_mlp(x, w, c.experts_per_token, c.norm_topk_prob, c.clamped_swiglu)
+        m = moe_mlp(x, w, c)
     else:
         # the residual add, the norm and the products; the activation, the down projection and the norm after it:
         # each as one operation where the backend can

@@ -16,10 +16,12 @@ from mlx_engine.models.bert import ENCODER_ARCHITECTURES
 from mlx_engine.models.gemma2 import Gemma2
 from mlx_engine.models.gemma3 import Gemma3
 from mlx_engine.models.gemma4 import Gemma4
+from mlx_engine.models.glm4_moe import Glm4MoE
 from mlx_engine.models.gpt_oss import GptOss
 from mlx_engine.models.granite import Granite
 from mlx_engine.models.lfm2 import LFM2
 from mlx_engine.models.llama import Llama
+from mlx_engine.models.llama4 import Llama4
 from mlx_engine.models.mistral3 import Mistral3
 from mlx_engine.models.mllama import Mllama
 from mlx_engine.models.olmo2 import Olmo2
@@ -43,7 +45,8 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "deepseek2": DeepSeek2, "deepseek_v3": DeepSeek2, "kimi_k2": DeepSeek2,
     "qwen3_5": Qwen35, "qwen3_5_text": Qwen35, "qwen35": Qwen35,
     "qwen3_5_moe": Qwen35MoE, "qwen3_5_moe_text": Qwen35MoE, "qwen35moe": Qwen35MoE,
-    "gpt_oss": GptOss, "gpt-oss": GptOss,
+    "gpt_oss": GptOss, "gpt-oss": GptOss, "glm4_moe": Glm4MoE, "glm4moe": Glm4MoE,
+    "llama4": Llama4, "llama4_text": Llama4,
 }
 
 
