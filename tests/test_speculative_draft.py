@@ -135,6 +135,8 @@ def test_server_speculation_gives_the_plain_answers(home_with_smollm2):
             plain = list(pool.map(ask, PROMPTS))
             fast = list(pool.map(lambda p: ask(p, speculative="lookup", draft_tokens=6), PROMPTS))
         assert fast == plain and len(set(plain)) == 4
+        status = next(v for k, v in srv.status()["models"].items() if k.startswith("smollm2"))
+        assert status["draft_accepted"] > 10 and status["verify_steps"] < 4 * 39
         with pytest.raises(Exception, match="needs a draft model"):
             ask(PROMPTS[0], speculative="draft")
     finally:

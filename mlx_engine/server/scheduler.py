@@ -136,6 +136,7 @@ class TextScheduler:
     def __init__(self, runner: Runner, *, max_queue: int = 64, speculative: str = "off"):
         self.runner = runner
         self.speculative = speculative
+        self.drafts = {"verify_steps": 0, "draft_proposed": 0, "draft_accepted": 0}  # totals, for /status
         self.backend = runner.backend
         self.max_queue = max_queue
         self.distributed = getattr(runner.model, "group", None) is not None  # split over mlx.launch's ranks
@@ -167,11 +168,12 @@ class TextScheduler:
             self._pending.append(job)
 
     def load(self) -> dict[str, int]:
-        """Running, prefilling and queued requests, and the cache's cells in use (for status and tests)."""
+        """Running, prefilling and queued requests, the cache's cells in use, and speculative decoding's totals
+        (verification passes, draft tokens proposed and accepted) (for status and tests)."""
         with self._lock:
             queued = len(self._pending)
         return {"decoding": len(self._decoding), "prefilling": len(self._prefilling), "queued": queued,
-                "cells_in_use": self.runner.cells_in_use(), "slots": len(self._slots)}
+                "cells_in_use": self.runner.cells_in_use(), "slots": len(self._slots), **self.drafts}
 
     def busy(self) -> bool:
         return bool(self._pending or self._prefilling or self._decoding)
@@ -337,6 +339,8 @@ class TextScheduler:
                 continue
             self.runner.truncate(j.seq, pos + fed)
             record(j.stats, j.length, len(ids) - 1, fed)
+            for k, v in (("verify_steps", 1), ("draft_proposed", len(ids) - 1), ("draft_accepted", fed - 1)):
+                self.drafts[k] += v
             self._took(j, out)
 
     def _step_failed(self, jobs: list[TextJob], e: Exception) -> None:
