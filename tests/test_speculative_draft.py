@@ -102,20 +102,20 @@ def test_a_draft_model_of_another_vocabulary_is_refused(random_draft, tmp_path):
         mlx_engine.load(str(random_draft), progress=False, context_length=64, draft_model=str(other))
 
 
-def test_the_scheduler_verifies_four_sequences_drafts_in_one_pass(smollm2_gguf):
-    m = mlx_engine.Model("smollm2:135m", smollm2_gguf, context_length=1024, max_sequences=4, prefill_chunk=256)
-    try:
-        prompts = [m.chat_tokens([{"role": "user", "content": p}]) for p in PROMPTS]
-        want = [alone(m, p, 40) for p in prompts]
-        sched = TextScheduler(m.runner, speculative="lookup")
-        got = [submit(sched, p, 40)[1] for p in prompts[:3]] + [submit(sched, prompts[3], 40, speculative="off")[1]]
-        run_until(sched, lambda: all(c.done for c in got))
-        assert [c.error for c in got] == [None] * 4
-        assert [c.answer for c in got] == want
-        assert got[0].stats.draft_accepted > 10 and got[3].stats.verify_steps == 0
-        assert m.runner.cells_in_use() == sum(len(p) + c.stats.completion_tokens - 1 for p, c in zip(prompts, got))
-    finally:
-        m.close()
+def test_the_scheduler_verifies_four_sequences_drafts_in_one_pass(target):
+    """Three requests with lookup (the scheduler's default here) and one without, batched: each gives its tokens
+    alone; the cache holds exactly the accepted tokens (every rejected cell removed)."""
+    m = target
+    prompts = [m.chat_tokens([{"role": "user", "content": p}]) for p in PROMPTS]
+    want = [alone(m, p, 40, speculative="off") for p in prompts]
+    sched = TextScheduler(m.runner, speculative="lookup")
+    got = [submit(sched, p, 40)[1] for p in prompts[:3]] + [submit(sched, prompts[3], 40, speculative="off")[1]]
+    run_until(sched, lambda: all(c.done for c in got))
+    assert [c.error for c in got] == [None] * 4
+    assert [c.answer for c in got] == want
+    assert got[0].stats.draft_accepted > 10 and got[3].stats.verify_steps == 0
+    assert m.runner.cells_in_use() == sum(len(p) + c.stats.completion_tokens - 1 for p, c in zip(prompts, got))
+    m.runner.reset()
 
 
 def test_server_speculation_gives_the_plain_answers(home_with_smollm2):
