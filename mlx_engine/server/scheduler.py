@@ -220,6 +220,7 @@ class TextScheduler:
     def _start(self, job: TextJob, free: list[_Slot]) -> None:
         runner, tokens = self.runner, job.tokens
         req = job.options.request(tokens)
+        chosen = req.speculative is not None
         req.speculative = req.speculative or self.speculative
         best, n = None, 0
         for s in self._slots:
@@ -235,7 +236,12 @@ class TextScheduler:
                 runner.share_prefix(best.seq, dst.seq, job.keys)
         dst.job, job.seq = job, dst.seq
         req.sequence = dst.seq
-        job.drafter = runner.drafter(req)
+        try:
+            job.drafter = runner.drafter(req)
+        except InvalidRequestError:
+            if chosen:
+                raise
+            job.drafter = None  # the server's default on a model that cannot speculate (recurrent): plain decode
         if job.drafter is not None:
             job.length = DraftLength(req.draft_tokens)
             job.rng = np.random.default_rng(req.sampler.seed if req.sampler.seed is not None else secrets.randbits(63))
