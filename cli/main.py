@@ -272,10 +272,13 @@ def _sampling_options(f):
         click.option("--hide-thinking", is_flag=True,
                      help="Do not show a reasoning model's thinking (shown dimmed on a terminal, on stderr when "
                           "stdout is piped)."),
-        click.option("--speculative", type=click.Choice(["off", "lookup"]), default=None,
+        click.option("--speculative", type=click.Choice(["off", "lookup", "draft"]), default=None,
                      help="Speculative decoding: lookup drafts tokens by finding the latest text in the prompt and "
-                          "output that matches their end, and the model checks a whole draft in one pass (same "
-                          "output; faster when the answer copies the prompt).  [default: off]"),
+                          "output that matches their end, draft by the --draft-model, and the model checks a whole "
+                          "draft in one pass (same output; faster when the drafts are right).  [default: draft with "
+                          "--draft-model, else off]"),
+        click.option("--draft-model", default=None, metavar="NAME|PATH",
+                     help="A smaller model of the same vocabulary that drafts for speculative decoding."),
         click.option("--draft-tokens", type=click.IntRange(1, 64), default=None,
                      help="With --speculative: the most draft tokens checked per pass (it adapts below).  "
                           "[default: 8]"),
@@ -340,7 +343,7 @@ def _load(model: str, kw: dict):
     loaded = api.load(model, device=kw.get("device"), context_length=kw.get("context_length"), pull=True,
                       progress=True, kv_bits=None if kv == "none" else int(kv), parallel=kw.get("parallel"),
                       transport=kw.get("transport") or "any", mmproj=kw.get("mmproj"),
-                      activations=kw.get("activations"))
+                      activations=kw.get("activations"), draft_model=kw.get("draft_model"))
     if kw.get("verbose") and loaded.distributed is not None:
         for r in loaded.distributed.ranks:
             click.echo(f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, heads {r['heads'][0]}-"

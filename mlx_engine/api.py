@@ -142,6 +142,7 @@ class Model:
         self._free_sequences = list(range(1, max_sequences))
         self._lock = threading.RLock()  # one request at a time on the runner (see _serialized)
         self._closed = self._released = False  # close() was called; the weights were let go
+        self.draft: Model | None = None  # the draft model of speculative decoding (load's draft_model)
 
     @property
     def kv_cache_type(self) -> str:
@@ -452,6 +453,8 @@ class Model:
             self.distributed.stop()
         if self.text_model.vision is not None:
             self.text_model.vision.close()
+        if self.draft is not None:
+            self.draft.close()
         self.backend.close()
 
 
@@ -500,7 +503,8 @@ def kv_value_bytes(kv_bits: int | None, item: int) -> float:
 def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None,
          context_length: int | None = None, pull: bool = True, progress: bool = True, kv_bits: int | None = None,
          requantize: int | None = None, parallel: str | None = None, transport: str = "any",
-         mmproj: "str | Path | None" = None, activations: str | None = None) -> Model:
+         mmproj: "str | Path | None" = None, activations: str | None = None,
+         draft_model: "str | None" = None) -> Model:
     """Load a model by catalog name (``smollm2:135m``, ``gemma3:270m``), GGUF path, Hugging Face folder,
     ``hf:org/repo`` or ollama name; pulls catalog models on first use. An encoder (BERT, nomic-bert) loads as an
     :class:`~mlx_engine.embed_api.EmbeddingModel` (``.embed(texts)``; ``device`` and ``dtype`` only).
@@ -521,22 +525,37 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     x quantized per 32 elements as llama.cpp's Q8_0 and integer dot products (AVX-512 VNNI or AVX2), llama.cpp's numerics and
     a faster decode; ``"int16"``: x quantized per 32 elements to 16 bits (d = max|x| / 32639) and the same integer dot
     products (AVX-512 VNNI or AVX2), the float path's numerics to a few 1e-5 and a faster decode than float32. A
-    GPU takes x as it is (MLX's kernels).
+    GPU takes x as it is (MLX's kernels). ``draft_model``: a smaller model of the same vocabulary (a name or path,
+    loaded with the same options and context length) whose greedy drafts the model verifies several tokens per
+    pass (speculative decoding, on by default then; ``speculative="off"`` turns it off for one generation).
 
     Raises:
         ModelNotFoundError: the name resolves to nothing. WeightsError: the file is corrupt.
         UnsupportedError: an architecture we do not run (the message lists those we do).
         InvalidRequestError: float16 for an architecture whose activations outgrow it; activations none of float32,
-            int8, int16. UnsupportedError: int8 or int16 activations where they cannot run (a GPU; a CPU without
-            AVX-512 VNNI and AVX2).
+            int8, int16; a draft model of another vocabulary. UnsupportedError: int8 or int16 activations where
+            they cannot run (a GPU; a CPU without AVX-512 VNNI and AVX2).
     """
     resolved = Store().resolve(model, pull=pull, progress=progress)
     if is_embedding_checkpoint(resolved.path):
         return EmbeddingModel(resolved.name, resolved.path, source=resolved.source, license=resolved.license,
                               device=device, dtype=dtype)
-    return Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,
-                 dtype=dtype, context_length=context_length, kv_bits=kv_bits, requantize=requantize,
-                 parallel=parallel, transport=transport, mmproj=mmproj, activations=activations)
+    loaded = Model(resolved.name, resolved.path, source=resolved.source, license=resolved.license, device=device,
+                   dtype=dtype, context_length=context_length, kv_bits=kv_bits, requantize=requantize,
+                   parallel=parallel, transport=transport, mmproj=mmproj, activations=activations)
+    if draft_model is not None:
+        draft = load(draft_model, device=device, dtype=dtype, context_length=loaded.context_length, pull=pull,
+                     progress=progress, kv_bits=kv_bits, activations=activations)
+        try:
+            if not isinstance(draft, Model):
+                raise InvalidRequestError(f"the draft model {draft_model} is an embedding model, not a text model")
+            loaded.runner.attach_draft(draft.runner, loaded.name, draft.name)
+        except BaseException:
+            draft.close()
+            loaded.close()
+            raise
+        loaded.draft = draft
+    return loaded
 
 
 def memory_in_use() -> int:

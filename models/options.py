@@ -27,8 +27,8 @@ SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerOptions))
 FORMAT_OPTIONS = ("response_format", "format", "json_schema", "regex", "grammar")
 #: ``think``: a reasoning model thinks (True), answers at once (False), or thinks at a level (``low``, ``medium``,
 #: ``high``); None leaves it to the chat template
-#: ``speculative``: ``off`` or ``lookup`` (speculative decoding with prompt lookup drafts); ``draft_tokens``: the
-#: most draft tokens a verification step checks
+#: ``speculative``: ``off``, ``lookup`` (prompt lookup drafts) or ``draft`` (the draft model's drafts);
+#: ``draft_tokens``: the most draft tokens a verification step checks
 OPTION_NAMES = (*SAMPLER_FIELDS, "max_tokens", "stop", "system", "raw", *FORMAT_OPTIONS, "think", "speculative",
                 "draft_tokens")
 DEFAULT_MAX_TOKENS = 256
@@ -49,8 +49,9 @@ class GenerationOptions:
         images: the prompt's images at their places (set by whoever made the prompt, never parsed from options).
         think: whether a reasoning model thinks: True, False, a level (``low``, ``medium``, ``high``), or None for
             the chat template's default (it reaches the template through ``Model.template_vars``).
-        speculative: ``off`` (default) or ``lookup``: speculative decoding with prompt lookup drafts
-            (:mod:`~mlx_engine.models.speculative`); the output is the same, faster when it copies the prompt.
+        speculative: ``off``, ``lookup`` (prompt lookup drafts) or ``draft`` (a draft model's drafts): speculative
+            decoding (:mod:`~mlx_engine.models.speculative`), the same output, faster where the drafts are right;
+            None (default): ``draft`` for a model loaded with a draft model, else ``off``.
         draft_tokens: the most draft tokens one verification step checks (>= 1, default 8).
     """
 
@@ -62,7 +63,7 @@ class GenerationOptions:
     response_format: ResponseFormat | None = None
     images: tuple[PromptImage, ...] = ()
     think: bool | str | None = None
-    speculative: str = "off"
+    speculative: str | None = None
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
 
     @classmethod
@@ -92,8 +93,8 @@ class GenerationOptions:
         raw = given.get("raw")
         if raw is not None and not isinstance(raw, bool):
             raise InvalidOptionError("raw", raw, "must be true or false")
-        speculative = given.get("speculative", "off")
-        if speculative not in SPECULATIVE_MODES:
+        speculative = given.get("speculative")
+        if speculative is not None and speculative not in SPECULATIVE_MODES:
             raise InvalidOptionError("speculative", speculative, f"must be one of {', '.join(SPECULATIVE_MODES)}")
         draft_tokens = given.get("draft_tokens", DEFAULT_DRAFT_TOKENS)
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= 64:

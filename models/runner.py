@@ -17,11 +17,11 @@ import numpy as np
 
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheFullError, InvalidRequestError
-from mlx_engine.kvcache.recurrent import RecurrentCache
 from mlx_engine.ml import DType, Tensor
 from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.constraint import Constraint, GrammarTokenizer, ResponseFormat
 from mlx_engine.models.generation import SequenceState
+from mlx_engine.models.draft_model import check_vocabulary
 from mlx_engine.models.speculative import DraftLength, Drafter, make_drafter, speculate
 from mlx_engine.models.images import PromptImage
 from mlx_engine.models.reasoning import (HARMONY, DeferredConstraint, HarmonyParser, ReasoningParser,
@@ -85,7 +85,8 @@ class Request:
         images: images at explicit places of ``tokens`` (their placeholder tokens), for a model with a vision part.
         reasoning: keep a reasoning model's thinking span apart from the answer (False: raw text, as a plain
             completion wants it).
-        speculative: ``off`` or ``lookup`` (speculative decoding with prompt lookup drafts; single requests).
+        speculative: ``off``, ``lookup`` (prompt lookup drafts) or ``draft`` (the attached draft model's drafts);
+            None: ``draft`` when the runner has a draft model (:meth:`Runner.attach_draft`), else ``off``.
         draft_tokens: the most draft tokens one verification step checks (the draft length adapts within 1..this).
     """
 
@@ -97,7 +98,7 @@ class Request:
     response_format: ResponseFormat | None = None
     images: Sequence[PromptImage] = ()
     reasoning: bool = True
-    speculative: str = "off"
+    speculative: str | None = None
     draft_tokens: int = 8
 
 
@@ -150,6 +151,7 @@ class Runner:
             with self.backend.new_context() as ctx:
                 self.cache.reserve(ctx, model.layer_kv_shapes())
         self._cached: dict[int, list[int]] = {}
+        self.draft: Runner | None = None  # a draft model's runner (attach_draft)
         #: the model's thinking span (None: it does not think, or there is no tokenizer to tell)
         self.think_markers = (think_markers(tokenizer.chat_template, tokenizer.token_to_id)
                               if tokenizer is not None else None)
@@ -337,12 +339,7 @@ class Runner:
         """One decode step over several sequences in one forward pass: ``tokens[i]`` at ``positions[i]`` of
         ``sequences[i]`` (each sequence at most once). Returns logits ``[K, vocab]`` in that order (lazy), and
         records the tokens as cached. Raises ``CacheFullError`` with the cache unchanged when it has no room."""
-        k = len(tokens)
-        logits = self.model.forward(ctx, Batch(np.asarray(tokens, np.int32), positions, sequences, np.arange(k)),
-                                     self.cache)
-        for t, s in zip(tokens, sequences):
-            self._cached.setdefault(int(s), []).append(int(t))
-        return logits
+        return self.verify(ctx, [(s, [t], p) for t, p, s in zip(tokens, positions, sequences)])
 
     def share_prefix(self, src: int, dst: int, tokens: Sequence[int]) -> int:
         """Make ``dst`` (emptied first) share the cells of the longest common prefix of ``src``'s cached tokens and
@@ -426,7 +423,7 @@ class Runner:
         self.backend.reset_peak_memory()
         t0 = time.perf_counter()
         ctx = self.backend.new_context()
-        drafter = self._drafter(req)
+        drafter = self.drafter(req)
         state = self.sequence_state(req, ctx, text=text)
         logits, stats.prefilled_tokens = self.prefill(ctx, seq, list(req.tokens), req.images)
         steps = (self._pipelined(ctx, req, state, logits) if drafter is None else
@@ -483,39 +480,59 @@ class Runner:
     def _speculative(self, ctx, req: Request, state: SequenceState, logits: Tensor, drafter: Drafter,
                      stats: GenerationStats) -> Iterator[tuple[int, list]]:
         """Drafted tokens verified several per forward pass (:func:`~mlx_engine.models.speculative.speculate`); the
-        rejected part of each draft is removed from the cache with its ``remove``."""
+        rejected part of each draft is removed from the cache (:meth:`truncate`)."""
         seq = req.sequence
         t = int(state.sample(ctx, logits).item())
         yield t, state.accept(t)
 
-        def verify(ids: list[int], pos: int) -> Tensor:
-            n = len(ids)
-            batch = Batch(np.asarray(ids, np.int32), np.arange(pos, pos + n), np.full(n, seq), np.arange(n))
-            return self.model.forward(ctx, batch, self.cache)
-
         def keep(ids: list[int], pos: int, n: int) -> None:
-            if n < len(ids):
-                self.cache.remove(seq, pos + n, None)
-            self._cached[seq].extend(ids[:n])
+            self.truncate(seq, pos + n)
 
         seed = req.sampler.seed if req.sampler.seed is not None else secrets.randbits(63)
-        yield from speculate(ctx, state, req.tokens, drafter, DraftLength(req.draft_tokens), verify, keep,
+        yield from speculate(ctx, state, req.tokens, drafter, DraftLength(req.draft_tokens),
+                             lambda ids, pos: self.verify(ctx, [(seq, ids, pos)]), keep,
                              np.random.default_rng(seed), stats)
 
-    def _drafter(self, req: Request) -> Drafter | None:
-        """The drafter of ``req`` (None: no speculation). Raises ``InvalidRequestError`` for an unknown mode, a
-        draft length out of range, or a model whose cache cannot take a rejected draft back (recurrent layers)."""
-        try:
-            drafter = make_drafter(req.speculative)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        if drafter is None:
-            return None
-        if isinstance(req.draft_tokens, bool) or not isinstance(req.draft_tokens, int) or req.draft_tokens < 1:
+    def verify(self, ctx, drafts: Sequence[tuple[int, Sequence[int], int]]) -> Tensor:
+        """One forward pass over several sequences' runs of tokens: ``(sequence, ids, pos)`` puts ``ids`` at
+        positions ``pos ..`` of ``sequence`` (each sequence at most once). Returns logits ``[sum of len(ids),
+        vocab]`` (lazy), every row, in that order, and records the tokens as cached (:meth:`truncate` takes back a
+        rejected draft). Raises ``CacheFullError`` with the cache unchanged when it has no room."""
+        ids = np.concatenate([np.asarray(d[1], np.int32) for d in drafts])
+        positions = np.concatenate([np.arange(p, p + len(t)) for _, t, p in drafts])
+        sequences = np.concatenate([np.full(len(t), s) for s, t, _ in drafts])
+        logits = self.model.forward(ctx, Batch(ids, positions, sequences, np.arange(len(ids))), self.cache)
+        for s, t, _ in drafts:
+            self._cached.setdefault(int(s), []).extend(int(x) for x in t)
+        return logits
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep the first ``length`` cached tokens of ``seq``: the cells past them are removed from the cache (a
+        rejected draft)."""
+        if length < len(self._cached.get(seq, ())):
+            self.cache.remove(seq, length, None)
+            self._cached[seq] = self._cached[seq][:length]
+
+    def attach_draft(self, draft: "Runner", target_name: str, draft_name: str) -> None:
+        """Use ``draft`` (a runner of a smaller model, with at least this runner's sequences) as the drafter of
+        ``speculative="draft"`` requests, and by default. Raises ``InvalidRequestError`` when its vocabulary is
+        not this model's or it holds fewer sequences."""
+        check_vocabulary(self.tokenizer, draft.tokenizer, target_name, draft_name)
+        if draft.max_sequences < self.max_sequences:
+            raise InvalidRequestError(f"the draft model {draft_name} holds {draft.max_sequences} sequences but "
+                                      f"{target_name} {self.max_sequences}; load it with as many")
+        self.draft = draft
+
+    def drafter(self, req: Request) -> Drafter | None:
+        """The drafter of ``req`` (None: no speculation); ``speculative`` None means ``draft`` when a draft model
+        is attached, else ``off``. Raises ``InvalidRequestError`` for an unknown mode, ``draft`` without a draft
+        model, a draft length out of range, or a model whose cache cannot take a rejected draft back."""
+        mode = req.speculative or ("draft" if self.draft is not None else "off")
+        drafter = make_drafter(mode, cache=self.cache, architecture=self.model.architecture, draft_runner=self.draft,
+                               sequence=req.sequence, vocab_size=self.tokenizer.vocab_size if self.draft else 0)
+        if drafter is not None and (isinstance(req.draft_tokens, bool) or not isinstance(req.draft_tokens, int)
+                                    or req.draft_tokens < 1):
             raise InvalidRequestError(f"draft_tokens must be an integer >= 1, got {req.draft_tokens!r}")
-        if any(isinstance(c, RecurrentCache) for c in getattr(self.cache, "caches", [self.cache])):
-            raise InvalidRequestError(f"speculative decoding is not available for {self.model.architecture}: its "
-                                      "recurrent layers cannot take back a rejected draft; use --speculative off")
         return drafter
 
     def _finish(self, stats: GenerationStats, state: SequenceState, t_first: float | None) -> None:

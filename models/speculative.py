@@ -15,8 +15,9 @@ the first disagreement is replaced by the model's own token, so every verificati
 The first drafter is prompt lookup (:class:`PromptLookup`): the longest match of the last ``n`` tokens
 (``n`` from 3 down to 1) earlier in the prompt and the output, whose continuation is the draft (llama.cpp's
 ``--lookup``, transformers' ``prompt_lookup_num_tokens``, vLLM's ``ngram``). It costs no model and helps where the
-output copies the input (rewriting, editing code, quoting a document). A draft model or MTP heads plug in as another
-:class:`Drafter`.
+output copies the input (rewriting, editing code, quoting a document). The second is a draft model of the same
+vocabulary (:class:`~mlx_engine.models.draft_model.DraftModel`). The server's scheduler verifies several sequences'
+drafts in one pass with :func:`plan`, :func:`judge` and :func:`record`, the parts :func:`speculate` is made of.
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mlx_engine.errors import CacheFullError
+from mlx_engine.errors import CacheFullError, InvalidRequestError
+from mlx_engine.kvcache.recurrent import RecurrentCache
 from mlx_engine.ml import Context, DType, Tensor
+from mlx_engine.models.draft_model import DraftModel
 from mlx_engine.models.generation import SequenceState
 
-__all__ = ["Drafter", "PromptLookup", "DraftLength", "verify_token", "SPECULATIVE_MODES", "make_drafter", "speculate"]
+__all__ = ["Drafter", "PromptLookup", "DraftLength", "verify_token", "SPECULATIVE_MODES", "make_drafter", "plan",
+           "judge", "record", "speculate"]
 
 #: the values of the ``speculative`` option
-SPECULATIVE_MODES = ("off", "lookup")
+SPECULATIVE_MODES = ("off", "lookup", "draft")
 
 
 class Drafter(Protocol):
@@ -110,13 +114,71 @@ def verify_token(p: np.ndarray, draft: int, rng: np.random.Generator) -> tuple[i
     return int(rng.choice(len(rest), p=rest / total)), False
 
 
-def make_drafter(mode: str) -> Drafter | None:
-    """The drafter of a ``speculative`` option value (None for ``off``). Raises ValueError for another value."""
+def make_drafter(mode: str, *, cache: Any = None, architecture: str = "", draft_runner: Any = None,
+                 sequence: int = 0, vocab_size: int = 0) -> Drafter | None:
+    """The drafter of a ``speculative`` option value: None for ``off``; :class:`PromptLookup` for ``lookup``;
+    :class:`~mlx_engine.models.draft_model.DraftModel` on ``draft_runner``'s ``sequence`` for ``draft``.
+
+    Raises ``InvalidRequestError`` for another value, ``draft`` without a draft model, or a target ``cache`` that
+    cannot take a rejected draft back (recurrent layers of ``architecture``)."""
+    if mode not in SPECULATIVE_MODES:
+        raise InvalidRequestError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
     if mode == "off":
         return None
+    if any(isinstance(c, RecurrentCache) for c in getattr(cache, "caches", [cache])):
+        raise InvalidRequestError(f"speculative decoding is not available for {architecture}: its recurrent layers "
+                                  "cannot take back a rejected draft; use --speculative off")
     if mode == "lookup":
         return PromptLookup()
-    raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
+    if draft_runner is None:
+        raise InvalidRequestError("speculative=draft needs a draft model: load the model with --draft-model NAME "
+                                  "(Python: load(..., draft_model=NAME)), or use --speculative lookup")
+    return DraftModel(draft_runner, sequence, vocab_size)
+
+
+def plan(state: SequenceState, prompt: Sequence[int], drafter: Drafter, length: DraftLength) -> tuple[list[int], int]:
+    """The next verification pass of a sequence: ``(ids, pos)``, its last accepted token followed by a draft of at
+    most ``length.k`` tokens (within what ``max_tokens`` and the context leave), and the position of ``ids[0]``."""
+    pos = state.prompt_length + state.generated - 1  # where the last accepted token goes
+    k = min(length.k, state.max_tokens - state.generated - 1, state.context_length - pos - 1)
+    draft = drafter.draft([*prompt, *state.tokens], k) if k > 0 else []
+    return [state.tokens[-1], *draft], pos
+
+
+def judge(ctx: Context, state: SequenceState, ids: list[int], logits: Tensor, rng: np.random.Generator,
+          greedy_rows: np.ndarray | None = None) -> tuple[list[tuple[int, list[tuple[str, str]]]], int]:
+    """Feed the verified tokens of one pass to ``state`` one by one (its grammar and stop conditions see each).
+
+    ``logits``: ``[len(ids), vocab]``, row ``i`` the target's prediction after ``ids[i]``; ``greedy_rows``: int
+    ``[len(ids)]``, their argmax, when ``state.plain_greedy`` (computed once for a whole batch). Returns the
+    ``(token, pieces)`` accepted and ``fed``: how many of ``ids`` stay in the cache (the last token and the
+    accepted draft tokens; the rest is to be rolled back). Raises ``InvalidRequestError`` when the grammar fails."""
+    draft, out, fed = ids[1:], [], 1
+    if greedy_rows is None and state.plain_greedy:
+        greedy_rows = logits.astype(DType.FLOAT32).argmax(axis=-1).numpy()
+    for i in range(len(ids)):
+        if greedy_rows is not None:
+            t = int(greedy_rows[i])
+        else:
+            p = state.probabilities(ctx, logits[i:i + 1])
+            if i < len(draft):
+                t, _ = verify_token(p, draft[i], rng)
+            else:
+                t = int(np.argmax(p)) if state.sampler.options.greedy else int(rng.choice(len(p), p=p))
+        out.append((t, state.accept(t)))
+        if state.finish_reason or i == len(draft) or t != draft[i]:
+            break
+        fed += 1
+    return out, fed
+
+
+def record(stats: Any, length: DraftLength, proposed: int, fed: int) -> None:
+    """Count one verification pass (``stats``: ``verify_steps``, ``draft_proposed``, ``draft_accepted``) and adapt
+    the draft length."""
+    stats.verify_steps += 1
+    stats.draft_proposed += proposed
+    stats.draft_accepted += fed - 1
+    length.update(proposed, fed - 1)
 
 
 def speculate(ctx: Context, state: SequenceState, prompt: Sequence[int], drafter: Drafter, length: DraftLength,
@@ -125,21 +187,17 @@ def speculate(ctx: Context, state: SequenceState, prompt: Sequence[int], drafter
     """The speculative decode loop of one sequence whose first token ``state`` has accepted: ``(token, pieces)``
     per generated token until ``state`` finishes.
 
-    Each step drafts ``k`` tokens (``length.k``, within what ``max_tokens`` and the context leave), runs the last
-    accepted token and the draft in one pass (``verify(ids, pos)``: logits ``[len(ids), vocab]`` of ``ids`` at
-    positions ``pos ..``; raises ``CacheFullError``), feeds the verified tokens to ``state`` one by one (its grammar
-    mask and stop conditions see each), then ``keep(ids, pos, n)``: the first ``n`` of ``ids`` stay in the cache, the
-    rest of the draft is rolled back, before any token of the step is handed out. ``stats`` (a ``GenerationStats``)
-    counts ``verify_steps``, ``draft_proposed`` and ``draft_accepted``.
+    Each step drafts (:func:`plan`), runs the last accepted token and the draft in one pass (``verify(ids, pos)``:
+    logits ``[len(ids), vocab]`` of ``ids`` at positions ``pos ..``; raises ``CacheFullError`` with the cache
+    unchanged), feeds the verified tokens to ``state`` (:func:`judge`), then ``keep(ids, pos, n)``: the first ``n``
+    of ``ids`` stay in the cache, the rest of the draft is rolled back, before any token of the step is handed out.
+    ``stats`` (a ``GenerationStats``) counts the passes and draft tokens (:func:`record`).
     """
     while not state.finish_reason:
-        pos = state.prompt_length + state.generated - 1  # where the last accepted token goes
-        k = min(length.k, state.max_tokens - state.generated - 1, state.context_length - pos - 1)
-        draft = drafter.draft([*prompt, *state.tokens], k) if k > 0 else []
-        ids = [state.tokens[-1], *draft]
+        ids, pos = plan(state, prompt, drafter, length)
         logits = _verified(verify, ids, pos)
-        if logits is None and draft:  # no room for the draft: one token, as a plain step
-            ids, draft, length.k = ids[:1], [], 1
+        if logits is None and len(ids) > 1:  # no room for the draft: one token, as a plain step
+            ids, length.k = ids[:1], 1
             logits = _verified(verify, ids, pos)
         if logits is None:
             state.context_full = True
@@ -147,26 +205,9 @@ def speculate(ctx: Context, state: SequenceState, prompt: Sequence[int], drafter
             if pieces:
                 yield -1, pieces  # the held-back text (no token: the context is full)
             return
-        out, fed = [], 1
-        greedy_rows = (logits.astype(DType.FLOAT32).argmax(axis=-1).numpy() if state.plain_greedy else None)
-        for i in range(len(ids)):
-            if greedy_rows is not None:
-                t = int(greedy_rows[i])
-            else:
-                p = state.probabilities(ctx, logits[i:i + 1])
-                if i < len(draft):
-                    t, _ = verify_token(p, draft[i], rng)
-                else:
-                    t = int(np.argmax(p)) if state.sampler.options.greedy else int(rng.choice(len(p), p=p))
-            out.append((t, state.accept(t)))
-            if state.finish_reason or i == len(draft) or t != draft[i]:
-                break
-            fed += 1
+        out, fed = judge(ctx, state, ids, logits, rng)
         keep(ids, pos, fed)
-        stats.verify_steps += 1
-        stats.draft_proposed += len(draft)
-        stats.draft_accepted += fed - 1
-        length.update(len(draft), fed - 1)
+        record(stats, length, len(ids) - 1, fed)
         yield from out
 
 

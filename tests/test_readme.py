@@ -40,6 +40,9 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^mlx-engine run \./gemma-3-4b-it .* --image ", "elsewhere:tests/test_vision.py::test_the_cli_reads_images (the "
                                                     "same command on a small random Gemma 3 vision folder; the "
                                                     "real one is an 8 GB download from the hub)"),
+    (r"^mlx-engine run \./Llama-3\.1-8B.* --draft-model ", "not run:needs Llama 3.1 8B and 3.2 1B GGUF files (a "
+                                                          "download); a draft model runs in tests/"
+                                                          "test_speculative_draft.py"),
     (r"^mlx-engine run .* --speculative ", "here:test_speculative_examples"),
     (r"^mlx-engine embed \./all-MiniLM-L6-v2 ", "elsewhere:tests/test_embeddings.py::test_doc_examples (the commands as "
                                                 "written, ./all-MiniLM-L6-v2 a small random folder in its layout)"),

@@ -55,6 +55,7 @@ class ServerConfig:
     activations: str | None = None  # what the CPU's quantized products do with x (mlx_engine.load's activations)
     prefill_chunk: int = 512
     max_queue: int = 64
+    speculative: str = "off"  # the speculative mode of requests that set none (off, lookup)
     max_body_bytes: int = DEFAULT_MAX_BODY
     shutdown_timeout: float = 5.0
     read_timeout: float = 30.0  # seconds for a request's headers, and the longest pause inside its body
@@ -165,6 +166,7 @@ def create_app(config: ServerConfig):
     pool = ModelPool(worker, context_length=config.context_length, max_sequences=config.max_sequences,
                      kv_bits=config.kv_bits, prefill_chunk=config.prefill_chunk, memory_budget=config.memory_budget,
                      keep_alive=config.keep_alive, max_queue=config.max_queue, store=Store(config.store_root),
+                     speculative=config.speculative,
                      parallel=config.parallel, transport=config.transport, activations=config.activations,
                      models_dirs=config.models_dirs, pull=config.pull)
     state = ServerState(worker, pool, max_body_bytes=config.max_body_bytes)

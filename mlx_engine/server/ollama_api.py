@@ -3,7 +3,8 @@
 
 Semantics follow ollama's API documentation (docs/api.md): an empty ``messages`` / ``prompt`` loads the model (with
 ``keep_alive: 0``, unloads it); ``options`` take ``num_ctx``, ``num_predict``, ``temperature``, ``top_k``, ``top_p``,
-``min_p``, ``seed``, ``stop``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``;
+``min_p``, ``seed``, ``stop``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``
+(and ours: ``speculative``, ``draft_tokens``);
 runtime knobs of ollama's own runner (``num_thread``, ``num_gpu``, ...) are accepted and logged as ignored; options
 that would change the output and that the engine does not have (``mirostat``, ``typical_p``) and ``context`` are
 refused with a 400. ``images`` (base64, or ``data:`` URLs; never paths: the server reads no files for a client) go
@@ -49,7 +50,7 @@ from mlx_engine.version import __version__
 log = logging.getLogger("mlx_engine.server")
 
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_penalty", "repeat_last_n",
-             "presence_penalty", "frequency_penalty"}
+             "presence_penalty", "frequency_penalty", "speculative", "draft_tokens"}  # the last two: ours
 _RUNTIME = {"num_thread", "num_gpu", "main_gpu", "num_batch", "num_keep", "use_mmap", "use_mlock", "numa",
             "low_vram", "f16_kv", "vocab_only", "penalize_newline", "num_gqa", "rope_frequency_base",
             "rope_frequency_scale", "logits_all", "embedding_only"}

@@ -86,6 +86,8 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
+    speculative: Optional[str] = None  # ours: off, lookup (speculative decoding); default the server's --speculative
+    draft_tokens: Optional[int] = None
 
     def sampling(self, max_tokens: Optional[int] = None) -> dict[str, Any]:
         """The engine's option fields of the request (None = not given; ``max_tokens`` overrides its own)."""
@@ -97,7 +99,8 @@ class _Sampling(_Strict):
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                 "max_tokens": max_tokens or self.max_tokens, "stop": self.stop, "seed": self.seed,
                 "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-                "repeat_penalty": self.repetition_penalty}
+                "repeat_penalty": self.repetition_penalty, "speculative": self.speculative,
+                "draft_tokens": self.draft_tokens}
 
 
 class ChatRequest(_Sampling):

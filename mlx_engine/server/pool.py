@@ -146,7 +146,7 @@ class ModelPool:
                  kv_bits: int | None = None, prefill_chunk: int = 512, memory_budget: int | None = None,
                  keep_alive: float = 300.0, max_queue: int = 64, store: Store | None = None,
                  parallel: str | None = None, transport: str = "any", activations: str | None = None,
-                 models_dirs: "list[str] | tuple[str, ...]" = (), pull: bool = True):
+                 models_dirs: "list[str] | tuple[str, ...]" = (), pull: bool = True, speculative: str = "off"):
         self.worker = worker
         #: the folders whose files requests may name (resolved), the paths the operator loaded, whether pulls run
         self.models_dirs = tuple(Path(d).expanduser().resolve() for d in models_dirs)
@@ -163,6 +163,7 @@ class ModelPool:
         self.memory_budget = memory_budget or default_memory_budget()
         self.keep_alive = keep_alive
         self.max_queue = max_queue
+        self.speculative = speculative
         self.store = store or Store()
         self.models: dict[str, Loaded] = {}
         self._load_lock = asyncio.Lock()
@@ -306,7 +307,7 @@ class ModelPool:
             raise
         m = Loaded(key, kind, obj, need, float("inf") if pinned else self.keep_alive, path=path, pinned=pinned)
         if kind == "text":
-            m.scheduler = TextScheduler(obj.runner, max_queue=self.max_queue)
+            m.scheduler = TextScheduler(obj.runner, max_queue=self.max_queue, speculative=self.speculative)
             self.worker.add_scheduler(m.scheduler)
         return m
 

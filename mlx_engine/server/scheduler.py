@@ -14,7 +14,10 @@ design). Each call of :meth:`TextScheduler.step`, on the device thread:
    at most one chunk;
 4. runs one decode step for every decoding request together: one token per sequence in one forward pass, each
    request sampled with its own options and random key, and masked by its own grammar when it asked for structured
-   output (the masks are computed on the host while the device runs the step).
+   output (the masks are computed on the host while the device runs the step). A request with speculative decoding
+   (``speculative``, or the server's ``--speculative`` default) puts its last token and its draft in the same pass
+   (every sequence's drafts verified together); its verified tokens are fed to its state one by one and the
+   rejected cells removed from its sequence (:mod:`~mlx_engine.models.speculative`).
 
 A finished request's slot keeps its tokens for reuse until the slot is needed (least recently used first): the cache
 was reserved at load for ``max_sequences`` full contexts, and that reserved pool is the prefix cache's byte budget.
@@ -23,6 +26,7 @@ was reserved at load for ``max_sequences`` full contexts, and that reserved pool
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -30,12 +34,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_engine.errors import EngineError, GenerationInterruptedError, InvalidRequestError, ServerBusyError
+import numpy as np
+
+from mlx_engine.errors import (CacheFullError, EngineError, GenerationInterruptedError, InvalidRequestError,
+                               ServerBusyError)
 from mlx_engine.ml import DType
 from mlx_engine.models.generation import SequenceState
 from mlx_engine.models.options import GenerationOptions
 from mlx_engine.models.reasoning import THINKING
 from mlx_engine.models.runner import Runner, prompt_keys
+from mlx_engine.models.speculative import DraftLength, judge, plan, record
 from mlx_engine.parallel import serving_peer_lost
 
 log = logging.getLogger("mlx_engine.server")
@@ -54,7 +62,9 @@ class JobStats:
     ``finish_reason``: ``stop`` (an end-of-sequence token or a stop string), ``length`` (``max_tokens`` or the full
     context) or ``cancelled``; ``stop_sequence``: the stop string that ended the answer (None for any other end).
     ``cached_tokens``: prompt tokens served from the prefix cache (not prefilled). ``token_gaps_s``: the time
-    between each generated token and the next (inter-token latency).
+    between each generated token and the next (inter-token latency; 0 between tokens of one verified draft). With
+    speculative decoding: ``verify_steps`` (passes that verified a draft), ``draft_proposed`` and
+    ``draft_accepted`` (draft tokens).
     """
 
     prompt_tokens: int = 0
@@ -68,6 +78,9 @@ class JobStats:
     decode_s: float = 0.0
     total_s: float = 0.0
     token_gaps_s: list[float] = field(default_factory=list)
+    verify_steps: int = 0
+    draft_proposed: int = 0
+    draft_accepted: int = 0
 
 
 class TextJob:
@@ -100,6 +113,9 @@ class TextJob:
         self.leader = leader
         self.released = False
         self.t_last = 0.0
+        self.drafter: Any = None  # speculative decoding: the drafter, its draft length and random generator
+        self.length: DraftLength | None = None
+        self.rng: np.random.Generator | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -132,10 +148,13 @@ class TextScheduler:
     Args:
         runner: the model's runner (its cache holds ``runner.max_sequences`` slots).
         max_queue: requests that may wait for a slot; beyond that :meth:`submit` raises ``ServerBusyError``.
+        speculative: the ``speculative`` mode of requests that do not set one (``off``, ``lookup``, ``draft``).
     """
 
-    def __init__(self, runner: Runner, *, max_queue: int = 64):
+    def __init__(self, runner: Runner, *, max_queue: int = 64, speculative: str = "off"):
         self.runner = runner
+        self.speculative = speculative
+        self.drafts = {"verify_steps": 0, "draft_proposed": 0, "draft_accepted": 0}  # totals, for /status
         self.backend = runner.backend
         self.max_queue = max_queue
         self.distributed = getattr(runner.model, "group", None) is not None  # split over mlx.launch's ranks
@@ -167,11 +186,12 @@ class TextScheduler:
             self._pending.append(job)
 
     def load(self) -> dict[str, int]:
-        """Running, prefilling and queued requests, and the cache's cells in use (for status and tests)."""
+        """Running, prefilling and queued requests, the cache's cells in use, and speculative decoding's totals
+        (verification passes, draft tokens proposed and accepted) (for status and tests)."""
         with self._lock:
             queued = len(self._pending)
         return {"decoding": len(self._decoding), "prefilling": len(self._prefilling), "queued": queued,
-                "cells_in_use": self.runner.cells_in_use(), "slots": len(self._slots)}
+                "cells_in_use": self.runner.cells_in_use(), "slots": len(self._slots), **self.drafts}
 
     def busy(self) -> bool:
         return bool(self._pending or self._prefilling or self._decoding)
@@ -218,6 +238,9 @@ class TextScheduler:
 
     def _start(self, job: TextJob, free: list[_Slot]) -> None:
         runner, tokens = self.runner, job.tokens
+        req = job.options.request(tokens)
+        chosen = req.speculative is not None
+        req.speculative = req.speculative or self.speculative
         best, n = None, 0
         for s in self._slots:
             k = min(runner.common_prefix(s.seq, job.keys), len(tokens) - 1)
@@ -231,8 +254,23 @@ class TextScheduler:
             if best is not None:
                 runner.share_prefix(best.seq, dst.seq, job.keys)
         dst.job, job.seq = job, dst.seq
+        req.sequence = dst.seq
+        try:
+            if job.top_logprobs is not None and req.speculative not in (None, "off"):
+                if chosen:
+                    raise InvalidRequestError("logprobs and speculative decoding cannot be asked together (a "
+                                              "verified draft's tokens are scored in one pass); drop one of them")
+                req.speculative = "off"  # the server's default gives way to the request's logprobs
+            job.drafter = runner.drafter(req)
+        except InvalidRequestError:
+            if chosen:
+                raise
+            job.drafter = None  # the server's default on a model that cannot speculate (recurrent): plain decode
+        if job.drafter is not None:
+            job.length = DraftLength(req.draft_tokens)
+            job.rng = np.random.default_rng(req.sampler.seed if req.sampler.seed is not None else secrets.randbits(63))
         ctx = self.backend.new_context()
-        job.state = runner.sequence_state(job.options.request(tokens), ctx, top_logprobs=job.top_logprobs)
+        job.state = runner.sequence_state(req, ctx, top_logprobs=job.top_logprobs)
         reused, job.chunks = runner.prefill_chunks(ctx, dst.seq, tokens, job.images)
         job.ctx = ctx
         job.chunks_left = len(runner.chunk_bounds(reused, len(tokens),
@@ -270,31 +308,79 @@ class TextScheduler:
 
     def _decode(self) -> None:
         jobs = list(self._decoding)
+        if any(j.drafter is not None for j in jobs):
+            self._verify(jobs)
+            return
         ctx = self.backend.new_context()
         try:
             logits = self.runner.decode(ctx, [j.next_token for j in jobs], [j.pos for j in jobs],
                                         [j.seq for j in jobs])
-            if all(j.state.plain_greedy for j in jobs):
-                sampled = logits.astype(DType.FLOAT32).argmax(axis=-1).astype(DType.INT32)
-                ctx.evaluate(sampled)
-                toks = [int(t) for t in sampled.numpy()]
-            else:
-                if any(j.state.constraint is not None for j in jobs):
-                    ctx.evaluate_async(logits)  # the device runs the step while the host computes the masks
-                rows = [j.state.sample(ctx, logits[i:i + 1]) for i, j in enumerate(jobs)]
-                ctx.evaluate(*rows)
-                toks = [int(r.item()) for r in rows]
+            toks = self._sampled(ctx, jobs, logits, list(range(len(jobs))))
         except Exception as e:  # noqa: BLE001 -- fail this batch's requests, keep serving
-            if self.distributed and isinstance(e, RuntimeError):
-                self.fail_all(serving_peer_lost(e))
-                return
-            if not isinstance(e, EngineError):
-                log.exception("decode step failed")
-            for j in jobs:
-                self._fail(j, e)
+            self._step_failed(jobs, e)
             return
         for j, t in zip(jobs, toks):
             self._accept(j, t)
+
+    def _sampled(self, ctx, jobs: list[TextJob], logits, rows: list[int]) -> list[int]:
+        """The next token of each of ``jobs`` from its row ``rows[i]`` of ``logits`` (one step each)."""
+        if all(j.state.plain_greedy for j in jobs):
+            sampled = logits.astype(DType.FLOAT32).argmax(axis=-1).astype(DType.INT32)
+            ctx.evaluate(sampled)
+            picked = sampled.numpy()
+            return [int(picked[r]) for r in rows]
+        if any(j.state.constraint is not None for j in jobs):
+            ctx.evaluate_async(logits)  # the device runs the step while the host computes the masks
+        out = [j.state.sample(ctx, logits[r:r + 1]) for j, r in zip(jobs, rows)]
+        ctx.evaluate(*out)
+        return [int(t.item()) for t in out]
+
+    def _verify(self, jobs: list[TextJob]) -> None:
+        """One pass over every decoding request, each speculating one with its last token and its draft (a
+        request without speculation with its last token alone); then each request's verified tokens are fed to its
+        state and its rejected cells removed. A cache without room for the drafts runs one token each."""
+        ctx = self.backend.new_context()
+        try:
+            runs = [plan(j.state, j.tokens, j.drafter, j.length) if j.drafter is not None else ([j.next_token], j.pos)
+                    for j in jobs]
+            try:
+                logits = self.runner.verify(ctx, [(j.seq, ids, pos) for j, (ids, pos) in zip(jobs, runs)])
+            except CacheFullError:
+                runs = [(ids[:1], pos) for ids, pos in runs]
+                logits = self.runner.verify(ctx, [(j.seq, ids, pos) for j, (ids, pos) in zip(jobs, runs)])
+            starts = np.cumsum([0] + [len(ids) for ids, _ in runs])
+            greedy = (logits.astype(DType.FLOAT32).argmax(axis=-1).numpy()
+                      if any(j.state.plain_greedy for j in jobs) else None)
+            plain = [i for i, j in enumerate(jobs) if j.drafter is None]
+            toks = dict(zip(plain, self._sampled(ctx, [jobs[i] for i in plain], logits, [starts[i] for i in plain])))
+        except Exception as e:  # noqa: BLE001 -- fail this batch's requests, keep serving
+            self._step_failed(jobs, e)
+            return
+        for i, (j, (ids, pos)) in enumerate(zip(jobs, runs)):
+            if j.drafter is None:
+                self._accept(j, toks[i])
+                continue
+            a, b = int(starts[i]), int(starts[i + 1])
+            try:
+                out, fed = judge(ctx, j.state, ids, logits[a:b], j.rng,
+                                 greedy[a:b] if greedy is not None and j.state.plain_greedy else None)
+            except EngineError as e:
+                self._fail(j, e)
+                continue
+            self.runner.truncate(j.seq, pos + fed)
+            record(j.stats, j.length, len(ids) - 1, fed)
+            for k, v in (("verify_steps", 1), ("draft_proposed", len(ids) - 1), ("draft_accepted", fed - 1)):
+                self.drafts[k] += v
+            self._took(j, out)
+
+    def _step_failed(self, jobs: list[TextJob], e: Exception) -> None:
+        if self.distributed and isinstance(e, RuntimeError):
+            self.fail_all(serving_peer_lost(e))
+            return
+        if not isinstance(e, EngineError):
+            log.exception("decode step failed")
+        for j in jobs:
+            self._fail(j, e)
 
     def _accept(self, job: TextJob, token: int) -> None:
         """A sampled token: emit its text, then finish the request or queue the token for the next step."""
@@ -303,17 +389,23 @@ class TextScheduler:
         except EngineError as e:
             self._fail(job, e)
             return
-        now = time.perf_counter()
-        if job.t_last:
-            job.stats.token_gaps_s.append(now - job.t_last)
-        job.t_last = now
         if job.state.logprob is not None:
             job.emit("logprob", job.state.logprob)
-        self._emit(job, pieces)
+        self._took(job, [(token, pieces)])
+
+    def _took(self, job: TextJob, accepted: list[tuple[int, list[tuple[str, str]]]]) -> None:
+        """Tokens the state accepted (with their text pieces): emit the text, then finish the request or queue its
+        last token for the next step."""
+        now = time.perf_counter()
+        for _, pieces in accepted:
+            if job.t_last:
+                job.stats.token_gaps_s.append(now - job.t_last)
+            job.t_last = now
+            self._emit(job, pieces)
         if job.state.finish_reason:
             self._finish(job, "length" if job.state.finish_reason == "length" else "stop")  # eos, a stop string
             return
-        job.next_token = token
+        job.next_token = accepted[-1][0]
         if job not in self._decoding:
             self._decoding.append(job)
 
