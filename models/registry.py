@@ -17,6 +17,7 @@ from mlx_engine.models.gemma2 import Gemma2
 from mlx_engine.models.gemma3 import Gemma3
 from mlx_engine.models.gpt_oss import GptOss
 from mlx_engine.models.granite import Granite
+from mlx_engine.models.granite_hybrid import GraniteHybrid
 from mlx_engine.models.lfm2 import LFM2
 from mlx_engine.models.llama import Llama
 from mlx_engine.models.mistral3 import Mistral3
@@ -42,6 +43,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "qwen3_5": Qwen35, "qwen3_5_text": Qwen35, "qwen35": Qwen35,
     "qwen3_5_moe": Qwen35MoE, "qwen3_5_moe_text": Qwen35MoE, "qwen35moe": Qwen35MoE,
     "gpt_oss": GptOss, "gpt-oss": GptOss,
+    "granitemoehybrid": GraniteHybrid, "granitehybrid": GraniteHybrid,
 }
 
 
