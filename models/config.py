@@ -32,8 +32,8 @@ class DecoderConfig:
             permuted (attention scores are unchanged: queries and keys are permuted alike).
         sliding_window: the window ``W`` in the cache's convention (a token sees ``W + 1`` keys), or None.
         layer_types: per layer, ``"sliding_attention"`` or ``"full_attention"`` (self-attention through the KV
-            cache), ``"conv"`` or ``"linear_attention"`` (recurrent, hybrid models), ``"cross_attention"`` (over an
-            image's encoder output, Llama 3.2 Vision).
+            cache), ``"conv"``, ``"linear_attention"`` or ``"mamba"`` (recurrent, hybrid models),
+            ``"cross_attention"`` (over an image's encoder output, Llama 3.2 Vision).
         query_scale: the attention scale (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5`` for Gemma).
         embed_scale: embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)``; Granite's multiplier).
         residual_scale: each layer's attention and MLP outputs are multiplied by it before their residual adds
@@ -190,7 +190,8 @@ class DecoderConfig:
             self.query_scale = self.head_dim ** -0.5
 
 
-_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "conv", "linear_attention", "cross_attention"})
+_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "conv", "linear_attention", "mamba",
+                          "cross_attention"})
 #: Layer types whose tokens attend through the KV cache; the others keep a recurrent state (hybrid models).
 ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention"})
 #: More layers than any released model has by far; a bigger count in a file is a lie, refused before lists are made.

@@ -19,6 +19,7 @@ from mlx_engine.models.gemma4 import Gemma4
 from mlx_engine.models.glm4_moe import Glm4MoE
 from mlx_engine.models.gpt_oss import GptOss
 from mlx_engine.models.granite import Granite
+from mlx_engine.models.granite_hybrid import GraniteHybrid
 from mlx_engine.models.lfm2 import LFM2
 from mlx_engine.models.llama import Llama
 from mlx_engine.models.llama4 import Llama4
@@ -47,6 +48,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "qwen3_5_moe": Qwen35MoE, "qwen3_5_moe_text": Qwen35MoE, "qwen35moe": Qwen35MoE,
     "gpt_oss": GptOss, "gpt-oss": GptOss, "glm4_moe": Glm4MoE, "glm4moe": Glm4MoE,
     "llama4": Llama4, "llama4_text": Llama4,
+    "granitemoehybrid": GraniteHybrid, "granitehybrid": GraniteHybrid,
 }
 
 
