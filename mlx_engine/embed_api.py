@@ -17,17 +17,18 @@ import numpy as np
 
 from mlx_engine.errors import EngineError, InvalidRequestError
 from mlx_engine.mlx import MLXBackend
-from mlx_engine.models.embedding import Embedder, is_encoder
+from mlx_engine.models.embedding import Embedder, is_embedder
 
 
 def is_embedding_checkpoint(path: Path) -> bool:
-    """Whether the model file or folder at ``path`` is an encoder we embed with (read from its metadata alone);
+    """Whether the model file or folder at ``path`` is one we embed with (:func:`is_embedder`, from its metadata and
+    ``modules.json`` alone);
     False where it cannot be read (the load then says what is wrong)."""
     from mlx_engine.weights import open_weights
 
     try:
         with open_weights(path) as wf:
-            return is_encoder(wf.metadata)
+            return is_embedder(wf.metadata, path)
     except (EngineError, OSError):
         return False
 

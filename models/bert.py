@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -134,8 +134,12 @@ def llama_cpp_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
 class BertEncoder:
     """A BERT-family encoder on the ``ml`` interfaces: token ids to the last layer's hidden states.
 
+    Attributes: config, batch_tokens (the most token rows of one padded pass: a bound on attention's memory).
+
     Errors at construction: ``WeightsError`` for a missing tensor or one whose shape disagrees with the config.
     """
+
+    batch_tokens = 16384
 
     def __init__(self, config: EncoderConfig, weights: dict[str, Tensor], backend: Backend):
         self.config, self.backend, self.w = config, backend, weights
@@ -185,6 +189,15 @@ class BertEncoder:
             if tuple(self.w[name].shape) != shape:
                 raise WeightsError(f"tensor {name} has shape {tuple(self.w[name].shape)} but the config implies "
                                    f"{shape}; the file is inconsistent")
+
+    def pooled(self, ctx: Context, inputs: Sequence[Sequence[int]], mode: str) -> np.ndarray:
+        """Pooled hidden states float32 ``[len(inputs), hidden_size]`` of token-id inputs, run as one padded batch
+        (see :func:`pool`)."""
+        lengths = np.array([len(x) for x in inputs])
+        ids = np.zeros((len(inputs), int(lengths.max())), np.int32)
+        for b, x in enumerate(inputs):
+            ids[b, :len(x)] = x
+        return pool(ctx, self.forward(ctx, ids, lengths), lengths, mode)
 
     def forward(self, ctx: Context, ids: np.ndarray, lengths: np.ndarray) -> Tensor:
         """The last layer's hidden states ``[B, L, D]`` (compute dtype) of token ids ``ids`` (int ``[B, L]``, row
