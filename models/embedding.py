@@ -156,7 +156,7 @@ class Embedder:
     """An encoder, its tokenizer and its pipeline: texts or token ids to float32 vectors.
 
     Attributes: encoder (:class:`BertEncoder` or :class:`DecoderEncoder`), tokenizer, spec
-    (:class:`EmbeddingSpec`), dim (the vector width).
+    (:class:`EmbeddingSpec`), dim (the vector width), ranks (a cross-encoder), gguf (read from a GGUF file).
     """
 
     def __init__(self, backend: Backend, path: Path):
@@ -168,7 +168,13 @@ class Embedder:
             else DecoderEncoder.from_backend(backend))
         ctx_len = self.encoder.config.context_length
         self.tokenizer = Tokenizer.from_gguf(backend.metadata) if gguf else Tokenizer.from_folder(path)
-        self.spec = spec_from_gguf(backend.metadata, ctx_len) if gguf else spec_from_folder(path, ctx_len)
+        #: a cross-encoder (a classification head): it reranks (models/rerank.py) and gives no embeddings
+        self.ranks = isinstance(self.encoder, BertEncoder) and self.encoder.has_rank_head
+        if self.ranks:
+            self.spec = EmbeddingSpec(pooling="cls", normalize=False, max_tokens=ctx_len)
+        else:
+            self.spec = spec_from_gguf(backend.metadata, ctx_len) if gguf else spec_from_folder(path, ctx_len)
+        self.gguf = gguf
         self.dim = self.encoder.config.hidden_size
         self._around = _gguf_specials(backend.metadata, self.tokenizer) if gguf else None
         mask = self.tokenizer.backend.encode("a", add_special_tokens=True).special_tokens_mask

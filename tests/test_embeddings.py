@@ -32,12 +32,11 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "a small bird",
 PROMPTS = {"query": "query: ", "document": ""}
 
 
-def _write(folder: Path, pooling: str, normalize: bool, max_seq_length: int, seed: int) -> None:
-    """A sentence-transformers folder: a random BertModel (transformers' own class), a WordPiece tokenizer trained on
-    :data:`CORPUS`, modules.json, the pooling config, Normalize when asked, and prompts."""
-    import torch
+def write_wordpiece(folder: Path) -> int:
+    """A WordPiece tokenizer trained on :data:`CORPUS` saved in ``folder`` (created) as BertTokenizerFast saves it;
+    returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertTokenizerFast
 
     folder.mkdir(parents=True)
     tk = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -51,7 +50,17 @@ def _write(folder: Path, pooling: str, normalize: bool, max_seq_length: int, see
     tk.decoder = decoders.WordPiece()
     BertTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                       cls_token="[CLS]", mask_token="[MASK]", do_lower_case=True).save_pretrained(folder)
-    config = BertConfig(vocab_size=tk.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    return tk.get_vocab_size()
+
+
+def _write(folder: Path, pooling: str, normalize: bool, max_seq_length: int, seed: int) -> None:
+    """A sentence-transformers folder: a random BertModel (transformers' own class), a WordPiece tokenizer trained on
+    :data:`CORPUS`, modules.json, the pooling config, Normalize when asked, and prompts."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    vocab = write_wordpiece(folder)
+    config = BertConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=128)
     torch.manual_seed(seed)
     model = BertModel(config).eval()
