@@ -79,3 +79,30 @@ def test_embedder_does_not_rerank(made, tmp_path):
     _write(tmp_path / "e", "mean", True, 128, 0)
     with pytest.raises(InvalidRequestError, match="an embedding model, not a reranker"):
         mlx_engine.load(str(tmp_path / "e")).rerank(QUERY, DOCS)
+
+
+def test_server_routes(made):
+    """``/v1/rerank`` and ``/rerank`` in llama.cpp's, Jina's and Cohere's shape, the same scores as the API."""
+    import httpx
+
+    from mlx_engine.server import ServerConfig
+    from tests.test_server import RunningServer, free_port
+
+    srv = RunningServer(ServerConfig(port=free_port(), models_dirs=[str(made["hf"].parent)]))
+    try:
+        want = mlx_engine.load(str(made["hf"])).rerank(QUERY, DOCS)
+        body = {"model": str(made["hf"]), "query": QUERY, "documents": DOCS}
+        got = httpx.post(srv.url + "/v1/rerank", json=body, timeout=60).json()
+        assert [r["index"] for r in got["results"]] == [r["index"] for r in want]
+        assert max(abs(a["relevance_score"] - b["relevance_score"]) for a, b in zip(got["results"], want)) < 1e-6
+        assert got["usage"]["prompt_tokens"] > 0 and "document" not in got["results"][0]
+        two = httpx.post(srv.url + "/rerank", json={**body, "top_n": 2, "return_documents": True,
+                                                     "documents": [{"text": d} for d in DOCS]}, timeout=60).json()
+        assert [r["index"] for r in two["results"]] == [r["index"] for r in want[:2]]
+        assert two["results"][0]["document"] == {"text": DOCS[want[0]["index"]]}
+        bad = httpx.post(srv.url + "/v1/rerank", json={**body, "documents": []}, timeout=60)
+        assert bad.status_code == 400 and "documents is empty" in bad.text
+        refused = httpx.post(srv.url + "/v1/embeddings", json={"model": str(made["hf"]), "input": "a"}, timeout=60)
+        assert refused.status_code == 400 and "a reranker" in refused.text
+    finally:
+        srv.stop()
