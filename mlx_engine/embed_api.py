@@ -75,10 +75,11 @@ class EmbeddingModel:
         self._lock = threading.Lock()
         self._closed = False
 
-    def tokenize(self, texts: Sequence[str], *, prompt_name: str | None = None, truncate: bool = True
-                 ) -> list[list[int]]:
-        """Token ids of each text as :meth:`embed` runs them (see :meth:`Embedder.tokenize`)."""
-        return self.embedder.tokenize(_texts(texts), prompt_name=prompt_name, truncate=truncate)
+    def tokenize(self, texts: Sequence[str], *, prompt_name: str | None = None, truncate: bool = True,
+                 fit: bool = True) -> list[list[int]]:
+        """Token ids of each text as :meth:`embed` runs them (see :meth:`Embedder.tokenize`; ``fit=False``: not cut
+        to :attr:`context_length`)."""
+        return self.embedder.tokenize(_texts(texts), prompt_name=prompt_name, truncate=truncate, fit=fit)
 
     def embed(self, texts: "str | Sequence[str]", *, dimensions: int | None = None, normalize: bool = True,
               truncate: bool = True, prompt_name: str | None = None) -> np.ndarray:

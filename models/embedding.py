@@ -182,12 +182,13 @@ class Embedder:
         self._tail = (len(self._around[1]) if self._around is not None
                       else next((i for i, m in enumerate(reversed(mask)) if not m), 0))
 
-    def tokenize(self, texts: Sequence[str], *, prompt_name: str | None = None, truncate: bool = True
-                 ) -> list[list[int]]:
+    def tokenize(self, texts: Sequence[str], *, prompt_name: str | None = None, truncate: bool = True,
+                 fit: bool = True) -> list[list[int]]:
         """Token ids of each text (the model's prompt prepended, the tokenizer's special tokens around it).
 
         An input longer than ``spec.max_tokens`` is cut to it, its trailing special tokens kept (as the tokenizer's
-        own truncation does); with ``truncate=False`` it is refused.
+        own truncation does); with ``truncate=False`` it is refused; with ``fit=False`` it is returned whole (the
+        server flags the inputs it then cuts with :meth:`fit`).
 
         Raises:
             InvalidRequestError: a text that is not a string or is empty; an unknown ``prompt_name``; an input too
@@ -207,7 +208,7 @@ class Embedder:
             else:
                 first, last = self._around
                 ids = first + self.tokenizer.backend.encode(prefix + text, add_special_tokens=False).ids + last
-            out.append(self.fit(ids, truncate, i))
+            out.append(self.fit(ids, truncate, i) if fit else ids)
         return out
 
     def fit(self, ids: list[int], truncate: bool, index: int = 0) -> list[int]:

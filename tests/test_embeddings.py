@@ -237,6 +237,9 @@ def test_openai_client(server, made, st):
     ref = st["mean"].encode(TEXTS)
     batch = client.embeddings.create(model=name, input=TEXTS)  # the client asks for base64 and decodes it
     assert [d.index for d in batch.data] == [0, 1, 2] and batch.usage.prompt_tokens > 0
+    assert [d.truncated for d in batch.data] == [False] * 3  # none is longer than the model's 128 tokens
+    long = client.embeddings.create(model=name, input=[TEXTS[2] * 12, TEXTS[0]])
+    assert [d.truncated for d in long.data] == [True, False] and long.usage.prompt_tokens < 128 + 20
     assert cosines([d.embedding for d in batch.data], ref).min() >= COSINE
     one = client.embeddings.create(model=name, input=TEXTS[1], encoding_format="float")
     assert len(one.data) == 1 and cosines([one.data[0].embedding], ref[1:2]).min() >= COSINE
@@ -272,6 +275,10 @@ def test_ollama_client(server, made, st):
     assert np.allclose(old.embedding, ref[1], rtol=1e-4, atol=1e-4)
     long = client.embed(model=name, input=TEXTS[2] * 3)  # cut at 16 tokens
     assert long.prompt_eval_count == 16
+    import httpx  # the cut input is flagged (issue 64 item 4), a field the ollama client does not read
+
+    flags = httpx.post(server.url + "/api/embed", json={"model": name, "input": [TEXTS[2] * 3, TEXTS[0]]}).json()
+    assert flags["truncated"] == [True, False]
     with pytest.raises(ollama.ResponseError, match="more than the model's 16") as e:
         client.embed(model=name, input=TEXTS[2] * 3, truncate=False)
     assert e.value.status_code == 400
