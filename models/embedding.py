@@ -168,6 +168,10 @@ class Embedder:
             else DecoderEncoder.from_backend(backend))
         ctx_len = self.encoder.config.context_length
         self.tokenizer = Tokenizer.from_gguf(backend.metadata) if gguf else Tokenizer.from_folder(path)
+        # a tokenizer.json may pad every text to a fixed length and cut it (all-MiniLM-L6-v2's pads to 128 with
+        # [PAD]): the padded batches and :meth:`fit` do that here, with a mask
+        self.tokenizer.backend.no_padding()
+        self.tokenizer.backend.no_truncation()
         #: a cross-encoder (a classification head): it reranks (models/rerank.py) and gives no embeddings
         self.ranks = isinstance(self.encoder, BertEncoder) and self.encoder.has_rank_head
         if self.ranks:

@@ -48,6 +48,9 @@ def write_wordpiece(folder: Path) -> int:
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", tk.token_to_id("[CLS]")), ("[SEP]", tk.token_to_id("[SEP]"))])
     tk.decoder = decoders.WordPiece()
+    # padded to a fixed length and cut, as all-MiniLM-L6-v2's tokenizer.json is: the engine must undo both
+    tk.enable_padding(pad_id=0, pad_token="[PAD]", length=128)
+    tk.enable_truncation(max_length=128)
     BertTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                       cls_token="[CLS]", mask_token="[MASK]", do_lower_case=True).save_pretrained(folder)
     return tk.get_vocab_size()
