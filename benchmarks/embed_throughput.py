@@ -21,12 +21,13 @@ import time
 _PEER = """
 import json, os, sys, time
 import llama_cpp
-texts = json.loads(sys.stdin.read())
+texts = json.loads(sys.stdin.readline())
 n = int(sys.argv[2])
 llm = llama_cpp.Llama(sys.argv[1], embedding=True, n_ctx=n, n_batch=n, n_ubatch=n, n_seq_max=64,
                       n_threads=len(os.sched_getaffinity(0)), verbose=False)
 llm.embed(texts[:8])
-for _ in range(int(sys.argv[3])):
+print("ready", flush=True)
+for _ in sys.stdin:  # one round a line: never while the other engine runs
     t0 = time.perf_counter()
     llm.embed(texts, normalize=True)
     print(json.dumps(time.perf_counter() - t0), flush=True)
@@ -63,17 +64,21 @@ def main() -> None:
     model = mlx_engine.load(args.model)
     texts = texts_of(model, args.inputs, args.tokens)
     lengths = [len(x) for x in model.tokenize(texts)]
-    peer = subprocess.Popen([sys.executable, "-c", _PEER, args.model, str(64 * args.tokens), str(args.rounds)],
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, args.model, str(64 * args.tokens)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    peer.stdin.write(json.dumps(texts))
-    peer.stdin.close()
+    peer.stdin.write(json.dumps(texts) + "\n")
+    peer.stdin.flush()
+    assert peer.stdout.readline().strip() == "ready", "llama.cpp did not load the model"
     model.embed(texts[:8])
     ours, theirs = [], []
-    for _ in range(args.rounds):  # alternating: ours, then the peer's next round (it waits on its pipe)
+    for _ in range(args.rounds):  # alternating: ours, then one round of the peer's, which waits on its pipe
         t0 = time.perf_counter()
         model.embed(texts)
         ours.append(time.perf_counter() - t0)
+        peer.stdin.write("go\n")
+        peer.stdin.flush()
         theirs.append(float(peer.stdout.readline()))
+    peer.stdin.close()
     peer.wait()
     ours_rate, theirs_rate = args.inputs / min(ours), args.inputs / min(theirs)
     print(json.dumps({"model": os.path.basename(args.model), "inputs": args.inputs,
