@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -39,6 +39,10 @@ _HF_NAMES = [
     (r"encoder\.layer\.(\d+)\.intermediate\.dense\.(weight|bias)", r"blk.\1.ffn_up.\2"),
     (r"encoder\.layer\.(\d+)\.output\.dense\.(weight|bias)", r"blk.\1.ffn_down.\2"),
     (r"encoder\.layer\.(\d+)\.output\.LayerNorm\.(weight|bias)", r"blk.\1.layer_output_norm.\2"),
+    # BertForSequenceClassification's head: tanh(pooler(CLS)), then the classifier; llama.cpp's rank head has the
+    # same graph (cls, tanh, cls.output) though its converter drops the pooler
+    (r"pooler\.dense\.(weight|bias)", r"cls.\1"),
+    (r"classifier\.(weight|bias)", r"cls.output.\1"),
 ]
 _HF_RE = [(re.compile(p + "$"), r) for p, r in _HF_NAMES]
 
@@ -134,8 +138,12 @@ def llama_cpp_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
 class BertEncoder:
     """A BERT-family encoder on the ``ml`` interfaces: token ids to the last layer's hidden states.
 
+    Attributes: config, batch_tokens (the most token rows of one padded pass: a bound on attention's memory).
+
     Errors at construction: ``WeightsError`` for a missing tensor or one whose shape disagrees with the config.
     """
+
+    batch_tokens = 16384
 
     def __init__(self, config: EncoderConfig, weights: dict[str, Tensor], backend: Backend):
         self.config, self.backend, self.w = config, backend, weights
@@ -186,14 +194,46 @@ class BertEncoder:
                 raise WeightsError(f"tensor {name} has shape {tuple(self.w[name].shape)} but the config implies "
                                    f"{shape}; the file is inconsistent")
 
-    def forward(self, ctx: Context, ids: np.ndarray, lengths: np.ndarray) -> Tensor:
+    @property
+    def has_rank_head(self) -> bool:
+        """Whether the checkpoint holds a classification head (``cls.output.weight``): a cross-encoder."""
+        return "cls.output.weight" in self.w
+
+    def pooled(self, ctx: Context, inputs: Sequence[Sequence[int]], mode: str) -> np.ndarray:
+        """Pooled hidden states float32 ``[len(inputs), hidden_size]`` of token-id inputs, run as one padded batch
+        (see :func:`pool`)."""
+        ids, lengths = _padded(inputs)
+        return pool(ctx, self.forward(ctx, ids, lengths), lengths, mode)
+
+    def rank(self, ctx: Context, inputs: Sequence[Sequence[int]], types: Sequence[Sequence[int]] | None = None
+             ) -> np.ndarray:
+        """Classifier outputs float32 ``[len(inputs), labels]`` of (query, document) pair inputs: the first token's
+        hidden state through ``tanh(cls(x))`` where the checkpoint has ``cls.weight``, then ``cls.output`` (llama.cpp's
+        ``LLAMA_POOLING_TYPE_RANK`` head; transformers' ``BertForSequenceClassification``: pooler, classifier).
+        ``types``: each token's segment (0 query, 1 document), as transformers' tokenizer gives; None: all 0, as
+        llama.cpp runs. Raises WeightsError when the checkpoint has no classification head."""
+        if not self.has_rank_head:
+            raise WeightsError(f"the {self.config.architecture} checkpoint has no classification head "
+                               "(cls.output.weight / classifier.weight): it embeds, it does not rerank")
+        ids, lengths = _padded(inputs)
+        type_ids = None if types is None else _padded(types)[0]
+        x = pool(ctx, self.forward(ctx, ids, lengths, type_ids), lengths, "cls", as_tensor=True)
+        if "cls.weight" in self.w:
+            x = x.linear(self.w["cls.weight"], self.w.get("cls.bias")).tanh()
+        return x.linear(self.w["cls.output.weight"], self.w.get("cls.output.bias")).astype(DType.FLOAT32).numpy()
+
+    def forward(self, ctx: Context, ids: np.ndarray, lengths: np.ndarray, types: np.ndarray | None = None) -> Tensor:
         """The last layer's hidden states ``[B, L, D]`` (compute dtype) of token ids ``ids`` (int ``[B, L]``, row
-        ``b`` holding ``lengths[b]`` tokens, then padding that no token attends to)."""
+        ``b`` holding ``lengths[b]`` tokens, then padding that no token attends to). ``types``: int ``[B, L]``
+        token types (rows of ``token_types.weight``); None: type 0 for every token (llama.cpp's "Sentence A")."""
         c, w = self.config, self.w
         b, n = ids.shape
         flat = ctx.from_numpy(np.ascontiguousarray(ids, np.int32).reshape(-1))
         h = w["token_embd.weight"].take(flat, axis=0).reshape(b, n, c.hidden_size).astype(self.dtype)
-        if self._type_row is not None:
+        if types is not None and "token_types.weight" in w:
+            rows = ctx.from_numpy(np.ascontiguousarray(types, np.int32).reshape(-1))
+            h = h + w["token_types.weight"].take(rows, axis=0).reshape(b, n, c.hidden_size).astype(self.dtype)
+        elif self._type_row is not None:
             h = h + self._type_row
         if c.rope_theta is None:
             h = h + w["position_embd.weight"].take(ctx.arange(0, n), axis=0).astype(self.dtype)
@@ -228,10 +268,20 @@ class BertEncoder:
         return (m + h).layer_norm(w[p + "layer_output_norm.weight"], w[p + "layer_output_norm.bias"], c.norm_eps)
 
 
-def pool(ctx: Context, h: Tensor, lengths: np.ndarray, mode: str) -> np.ndarray:
+def _padded(inputs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids int32 [B, L], lengths [B])``: the inputs padded on the right with 0."""
+    lengths = np.array([len(x) for x in inputs])
+    ids = np.zeros((len(inputs), int(lengths.max())), np.int32)
+    for b, x in enumerate(inputs):
+        ids[b, :len(x)] = x
+    return ids, lengths
+
+
+def pool(ctx: Context, h: Tensor, lengths: np.ndarray, mode: str, as_tensor: bool = False) -> "np.ndarray | Tensor":
     """Pooled embeddings float32 ``[B, D]`` of hidden states ``h [B, L, D]`` whose row ``b`` holds ``lengths[b]``
     tokens: ``mean`` over those tokens, ``cls`` the first token, ``last`` the last one (sentence-transformers'
-    ``Pooling``; llama.cpp's pooling types 1, 2 and 3). Raises ValueError for another mode."""
+    ``Pooling``; llama.cpp's pooling types 1, 2 and 3); ``as_tensor``: ``cls`` and ``last`` as a Tensor in ``h``'s
+    dtype. Raises ValueError for another mode."""
     b, n, d = h.shape
     lengths = np.asarray(lengths, np.int64)
     if mode == "mean":
@@ -241,5 +291,5 @@ def pool(ctx: Context, h: Tensor, lengths: np.ndarray, mode: str) -> np.ndarray:
     if mode in ("cls", "last"):
         rows = np.arange(b) * n + (0 if mode == "cls" else lengths - 1)
         picked = h.reshape(b * n, d).take(ctx.from_numpy(rows.astype(np.int32)), axis=0)
-        return picked.astype(DType.FLOAT32).numpy()
+        return picked if as_tensor else picked.astype(DType.FLOAT32).numpy()
     raise ValueError(f"pooling {mode!r}: mean, cls and last are the ones we run")

@@ -1,4 +1,4 @@
-"""Embeddings: an encoder (``models/bert.py``), its tokenizer and the sentence-transformers pipeline around it
+"""Embeddings: an encoder (``models/bert.py``) or a decoder embedder (``models/decoder_embedding.py``), its tokenizer and the sentence-transformers pipeline around it
 (pooling, normalization, prompts, Matryoshka truncation), read from a folder in sentence-transformers' layout or from a
 GGUF file as llama.cpp's converter writes it.
 
@@ -10,7 +10,8 @@ What is read, and from where:
   (``max_seq_length``), ``config_sentence_transformers.json`` (``prompts``, ``default_prompt_name``). A folder without
   ``modules.json`` pools by mean, as sentence-transformers does for a plain transformers model.
 - A GGUF file: ``{arch}.pooling_type`` (1 mean, 2 CLS, 3 last; llama.cpp's ``enum llama_pooling_type``; 0, none, is
-  refused: no one vector per text) and ``{arch}.attention.causal`` (false for encoders).
+  refused: no one vector per text) and ``{arch}.attention.causal`` (false for encoders; a decoder embedder, such as
+  Qwen3-Embedding's ``qwen3``, attends causally as llama.cpp's default).
 
 The pipeline follows sentence-transformers (``SentenceTransformer.encode``, ``models/Pooling.py``,
 ``models/Normalize.py``): token ids with the tokenizer's special tokens, inputs longer than ``max_seq_length`` cut
@@ -28,14 +29,13 @@ import numpy as np
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
 from mlx_engine.ml import Backend
-from mlx_engine.models.bert import ENCODER_ARCHITECTURES, BertEncoder, pool
+from mlx_engine.models.bert import ENCODER_ARCHITECTURES, BertEncoder
+from mlx_engine.models.decoder_embedding import DecoderEncoder
 from mlx_engine.models.tokenizer import Tokenizer
 
 #: llama.cpp's ``enum llama_pooling_type`` values that give one vector per text.
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 _ST_MODULES = ("Transformer", "Pooling", "Normalize")
-#: The most token rows (batch times padded length) of one forward pass: a bound on the attention scores' memory.
-BATCH_TOKENS = 16384
 
 
 @dataclass
@@ -56,10 +56,20 @@ class EmbeddingSpec:
     default_prompt: str | None = None
 
 
-def is_encoder(metadata: Any) -> bool:
-    """Whether a checkpoint's metadata (GGUF keys or ``config.json``) names an encoder architecture we embed with."""
-    arch = metadata.get("general.architecture", metadata.get("model_type"))
-    return str(arch) in ENCODER_ARCHITECTURES
+def is_embedder(metadata: Any, path: Path) -> bool:
+    """Whether the checkpoint at ``path`` (its metadata: GGUF keys or ``config.json``) is one we embed with: an
+    encoder architecture; a GGUF whose ``{arch}.pooling_type`` pools (1, 2, 3: llama.cpp's converter writes it from
+    the sentence-transformers folder it converts); a folder whose ``modules.json`` lists a Pooling module."""
+    arch = str(metadata.get("general.architecture", metadata.get("model_type")))
+    if arch in ENCODER_ARCHITECTURES:
+        return True
+    if "general.architecture" in metadata:
+        return metadata.get(f"{arch}.pooling_type") in GGUF_POOLING
+    try:
+        modules = json.loads((Path(path) / "modules.json").read_text(encoding="utf-8"))
+        return any(str(m.get("type", "")).endswith("Pooling") for m in modules)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
 
 
 def _json(path: Path) -> Any:
@@ -123,34 +133,66 @@ def spec_from_gguf(metadata: Any, context_length: int) -> EmbeddingSpec:
     if kind not in GGUF_POOLING:
         raise UnsupportedError(f"the GGUF's {arch}.pooling_type is {kind}; we pool by mean (1), CLS (2) or last "
                                "token (3)")
-    if bool(metadata.get(f"{arch}.attention.causal", False)):
-        raise UnsupportedError(f"the GGUF's {arch}.attention.causal is true; encoders attend both ways")
+    encoder = arch in ENCODER_ARCHITECTURES
+    if bool(metadata.get(f"{arch}.attention.causal", not encoder)) != (not encoder):
+        raise UnsupportedError(f"the GGUF's {arch}.attention.causal is {not encoder}; "
+                               f"{'encoders attend both ways' if encoder else 'we run decoders causally'}")
     return EmbeddingSpec(pooling=GGUF_POOLING[kind], normalize=True, max_tokens=context_length)
+
+
+def _gguf_specials(metadata: Any, tokenizer: Tokenizer) -> tuple[list[int], list[int]] | None:
+    """The token ids llama.cpp puts before and after a text of a byte-level or SentencePiece GGUF vocabulary
+    (``tokenizer.ggml.add_bos_token``, ``add_eos_token``: ``llama_vocab::impl::tokenize``); None for a WordPiece one,
+    whose tokenizer adds [CLS] and [SEP] itself."""
+    if metadata.get("tokenizer.ggml.model") == "bert":
+        return None
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    first = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    last = [int(eos)] if bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos is not None else []
+    return first, last
 
 
 class Embedder:
     """An encoder, its tokenizer and its pipeline: texts or token ids to float32 vectors.
 
-    Attributes: encoder (:class:`BertEncoder`), tokenizer, spec (:class:`EmbeddingSpec`), dim (the vector width).
+    Attributes: encoder (:class:`BertEncoder` or :class:`DecoderEncoder`), tokenizer, spec
+    (:class:`EmbeddingSpec`), dim (the vector width), ranks (a cross-encoder), gguf (read from a GGUF file).
     """
 
     def __init__(self, backend: Backend, path: Path):
         gguf = path.is_file()
         self.backend = backend
-        self.encoder = BertEncoder.from_backend(backend, "gguf" if gguf else "hf")
+        arch = backend.metadata.get("general.architecture", backend.metadata.get("model_type"))
+        self.encoder: "BertEncoder | DecoderEncoder" = (
+            BertEncoder.from_backend(backend, "gguf" if gguf else "hf") if str(arch) in ENCODER_ARCHITECTURES
+            else DecoderEncoder.from_backend(backend))
         ctx_len = self.encoder.config.context_length
         self.tokenizer = Tokenizer.from_gguf(backend.metadata) if gguf else Tokenizer.from_folder(path)
-        self.spec = spec_from_gguf(backend.metadata, ctx_len) if gguf else spec_from_folder(path, ctx_len)
+        # a tokenizer.json may pad every text to a fixed length and cut it (all-MiniLM-L6-v2's pads to 128 with
+        # [PAD]): the padded batches and :meth:`fit` do that here, with a mask
+        self.tokenizer.backend.no_padding()
+        self.tokenizer.backend.no_truncation()
+        #: a cross-encoder (a classification head): it reranks (models/rerank.py) and gives no embeddings
+        self.ranks = isinstance(self.encoder, BertEncoder) and self.encoder.has_rank_head
+        if self.ranks:
+            self.spec = EmbeddingSpec(pooling="cls", normalize=False, max_tokens=ctx_len)
+        else:
+            self.spec = spec_from_gguf(backend.metadata, ctx_len) if gguf else spec_from_folder(path, ctx_len)
+        self.gguf = gguf
         self.dim = self.encoder.config.hidden_size
+        self._around = _gguf_specials(backend.metadata, self.tokenizer) if gguf else None
         mask = self.tokenizer.backend.encode("a", add_special_tokens=True).special_tokens_mask
-        self._tail = next((i for i, m in enumerate(reversed(mask)) if not m), 0)  # the [SEP] after a text
+        # the special tokens after a text ([SEP], <|endoftext|>), kept when it is cut
+        self._tail = (len(self._around[1]) if self._around is not None
+                      else next((i for i, m in enumerate(reversed(mask)) if not m), 0))
 
-    def tokenize(self, texts: Sequence[str], *, prompt_name: str | None = None, truncate: bool = True
-                 ) -> list[list[int]]:
+    def tokenize(self, texts: Sequence[str], *, prompt_name: str | None = None, truncate: bool = True,
+                 fit: bool = True) -> list[list[int]]:
         """Token ids of each text (the model's prompt prepended, the tokenizer's special tokens around it).
 
         An input longer than ``spec.max_tokens`` is cut to it, its trailing special tokens kept (as the tokenizer's
-        own truncation does); with ``truncate=False`` it is refused.
+        own truncation does); with ``truncate=False`` it is refused; with ``fit=False`` it is returned whole (the
+        server flags the inputs it then cuts with :meth:`fit`).
 
         Raises:
             InvalidRequestError: a text that is not a string or is empty; an unknown ``prompt_name``; an input too
@@ -165,8 +207,12 @@ class Embedder:
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text:
                 raise InvalidRequestError(f"input {i} must be a non-empty string, not {text!r:.60}")
-            ids = self.tokenizer.backend.encode(prefix + text, add_special_tokens=True).ids
-            out.append(self.fit(ids, truncate, i))
+            if self._around is None:
+                ids = self.tokenizer.backend.encode(prefix + text, add_special_tokens=True).ids
+            else:
+                first, last = self._around
+                ids = first + self.tokenizer.backend.encode(prefix + text, add_special_tokens=False).ids + last
+            out.append(self.fit(ids, truncate, i) if fit else ids)
         return out
 
     def fit(self, ids: list[int], truncate: bool, index: int = 0) -> list[int]:
@@ -183,8 +229,8 @@ class Embedder:
 
     def embed_ids(self, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None,
                   normalize: bool = True) -> np.ndarray:
-        """Float32 vectors ``[len(inputs), dimensions or dim]`` of token-id inputs, in one or more padded forward
-        passes (inputs sorted by length, at most :data:`BATCH_TOKENS` token rows each).
+        """Float32 vectors ``[len(inputs), dimensions or dim]`` of token-id inputs, in one or more forward passes
+        (inputs sorted by length, at most the encoder's ``batch_tokens`` token rows each).
 
         ``dimensions``: keep the first ``dimensions`` components (Matryoshka), then normalize. ``normalize``: divide
         each vector by its L2 norm (sentence-transformers' ``Normalize``; llama.cpp's default); False: as pooled.
@@ -203,10 +249,10 @@ class Embedder:
                 raise InvalidRequestError(f"input {i} must be a non-empty list of token ids from 0 to {vocab - 1}")
         out = np.zeros((len(inputs), self.dim), np.float32)
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-        start = 0
+        start, budget = 0, self.encoder.batch_tokens
         while start < len(order):
             end = start + 1
-            while end < len(order) and (end + 1 - start) * len(inputs[order[end]]) <= BATCH_TOKENS:
+            while end < len(order) and (end + 1 - start) * len(inputs[order[end]]) <= budget:
                 end += 1
             rows = order[start:end]
             out[rows] = self._forward([inputs[i] for i in rows])
@@ -218,10 +264,5 @@ class Embedder:
         return out
 
     def _forward(self, inputs: list[Sequence[int]]) -> np.ndarray:
-        lengths = np.array([len(x) for x in inputs])
-        ids = np.zeros((len(inputs), int(lengths.max())), np.int32)
-        for b, x in enumerate(inputs):
-            ids[b, :len(x)] = x
         with self.backend.new_context() as ctx:
-            h = self.encoder.forward(ctx, ids, lengths)
-            return pool(ctx, h, lengths, self.spec.pooling)
+            return self.encoder.pooled(ctx, inputs, self.spec.pooling)

@@ -231,7 +231,9 @@ def build_wordpiece(tokens: list[str], types: list[int], md: Mapping[str, Any]
     if not 0 <= unk < len(tokens):
         raise WeightsError(f"tokenizer.ggml.unknown_token_id {unk} is out of the vocabulary of {len(tokens)}")
     tk = _HFTokenizer(models.WordPiece(vocab=vocab, unk_token=tokens[unk], continuing_subword_prefix="##"))
-    lower = bool(meta(md, "tokenizer.ggml.normalizer.lowercase", False))
+    # llama.cpp lowercases when the file does not say (llama_vocab's normalizer_options: lowercase = true); older
+    # files such as nomic-embed-text's carry no key
+    lower = bool(meta(md, "tokenizer.ggml.normalizer.lowercase", True))
     strip = bool(meta(md, "tokenizer.ggml.normalizer.strip_accents", lower))
     tk.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=strip,
                                                lowercase=lower)

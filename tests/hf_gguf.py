@@ -210,6 +210,51 @@ def llama_cpp_embeddings(path: "str | Path", texts: list[str]) -> tuple[np.ndarr
     return np.asarray(out["vectors"], np.float32), out["tokens"]
 
 
+_RANK = """
+import json, sys
+import llama_cpp
+query, documents = json.loads(sys.argv[2])
+llm = llama_cpp.Llama(sys.argv[1], embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK, n_ctx=512,
+                      n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
+vocab = llama_cpp.llama_model_get_vocab(llm.model)
+eos = llama_cpp.llama_vocab_eos(vocab)
+eos = llama_cpp.llama_vocab_sep(vocab) if eos == llama_cpp.LLAMA_TOKEN_NULL else eos
+q = llm.tokenize(query.encode(), add_bos=False, special=False)
+scores, pairs = [], []
+for doc in documents:  # the server's format_prompt_rerank, without a rerank chat template
+    tokens = ([llama_cpp.llama_vocab_bos(vocab)] if llama_cpp.llama_vocab_get_add_bos(vocab) else []) + q
+    tokens += [eos] if llama_cpp.llama_vocab_get_add_eos(vocab) else []
+    tokens += [llama_cpp.llama_vocab_sep(vocab)] if llama_cpp.llama_vocab_get_add_sep(vocab) else []
+    tokens += llm.tokenize(doc.encode(), add_bos=False, special=False)
+    tokens += [eos] if llama_cpp.llama_vocab_get_add_eos(vocab) else []
+    llm._ctx.kv_cache_clear()
+    llm._batch.reset()
+    llm._batch.add_sequence(tokens, 0, False)
+    llm._ctx.decode(llm._batch)
+    scores.append(llama_cpp.llama_get_embeddings_seq(llm._ctx.ctx, 0)[0])
+    pairs.append(tokens)
+print(json.dumps({"scores": scores, "tokens": pairs}))
+"""
+
+
+def llama_cpp_rank(path: "str | Path", query: str, documents: list[str]) -> tuple[np.ndarray, list[list[int]]]:
+    """llama.cpp's rerank scores (float32 ``[len(documents)]``, the classifier's first output, raw) of ``documents``
+    against ``query`` on the GGUF file ``path`` (``Llama(embedding=True, pooling_type=LLAMA_POOLING_TYPE_RANK)``),
+    each pair's tokens as its server's ``format_prompt_rerank`` puts them, and those tokens; in a process of its own.
+
+    Raises:
+        RuntimeError: llama.cpp failed to load or run the file (the message ends with its output).
+    """
+    import json
+
+    got = subprocess.run([sys.executable, "-c", _RANK, str(path), json.dumps([query, documents])],
+                         capture_output=True, text=True)
+    if got.returncode != 0:
+        raise RuntimeError(f"llama.cpp failed on {path}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    return np.asarray(out["scores"], np.float32), out["tokens"]
+
+
 def save_tokenizer(gguf_path: "str | Path", folder: "str | Path") -> None:
     """Writes into ``folder`` the real tokenizer held by the GGUF file ``gguf_path`` (e.g. the catalog's smollm2:
     ``tokenizer.json``, ``tokenizer_config.json``), as our GGUF vocabulary reader rebuilds it. For smollm2 it

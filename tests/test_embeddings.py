@@ -32,12 +32,11 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "a small bird",
 PROMPTS = {"query": "query: ", "document": ""}
 
 
-def _write(folder: Path, pooling: str, normalize: bool, max_seq_length: int, seed: int) -> None:
-    """A sentence-transformers folder: a random BertModel (transformers' own class), a WordPiece tokenizer trained on
-    :data:`CORPUS`, modules.json, the pooling config, Normalize when asked, and prompts."""
-    import torch
+def write_wordpiece(folder: Path) -> int:
+    """A WordPiece tokenizer trained on :data:`CORPUS` saved in ``folder`` (created) as BertTokenizerFast saves it;
+    returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertTokenizerFast
 
     folder.mkdir(parents=True)
     tk = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -49,9 +48,22 @@ def _write(folder: Path, pooling: str, normalize: bool, max_seq_length: int, see
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", tk.token_to_id("[CLS]")), ("[SEP]", tk.token_to_id("[SEP]"))])
     tk.decoder = decoders.WordPiece()
+    # padded to a fixed length and cut, as all-MiniLM-L6-v2's tokenizer.json is: the engine must undo both
+    tk.enable_padding(pad_id=0, pad_token="[PAD]", length=128)
+    tk.enable_truncation(max_length=128)
     BertTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                       cls_token="[CLS]", mask_token="[MASK]", do_lower_case=True).save_pretrained(folder)
-    config = BertConfig(vocab_size=tk.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    return tk.get_vocab_size()
+
+
+def _write(folder: Path, pooling: str, normalize: bool, max_seq_length: int, seed: int) -> None:
+    """A sentence-transformers folder: a random BertModel (transformers' own class), a WordPiece tokenizer trained on
+    :data:`CORPUS`, modules.json, the pooling config, Normalize when asked, and prompts."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    vocab = write_wordpiece(folder)
+    config = BertConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=128)
     torch.manual_seed(seed)
     model = BertModel(config).eval()
@@ -228,6 +240,9 @@ def test_openai_client(server, made, st):
     ref = st["mean"].encode(TEXTS)
     batch = client.embeddings.create(model=name, input=TEXTS)  # the client asks for base64 and decodes it
     assert [d.index for d in batch.data] == [0, 1, 2] and batch.usage.prompt_tokens > 0
+    assert [d.truncated for d in batch.data] == [False] * 3  # none is longer than the model's 128 tokens
+    long = client.embeddings.create(model=name, input=[TEXTS[2] * 12, TEXTS[0]])
+    assert [d.truncated for d in long.data] == [True, False] and long.usage.prompt_tokens < 128 + 20
     assert cosines([d.embedding for d in batch.data], ref).min() >= COSINE
     one = client.embeddings.create(model=name, input=TEXTS[1], encoding_format="float")
     assert len(one.data) == 1 and cosines([one.data[0].embedding], ref[1:2]).min() >= COSINE
@@ -263,6 +278,10 @@ def test_ollama_client(server, made, st):
     assert np.allclose(old.embedding, ref[1], rtol=1e-4, atol=1e-4)
     long = client.embed(model=name, input=TEXTS[2] * 3)  # cut at 16 tokens
     assert long.prompt_eval_count == 16
+    import httpx  # the cut input is flagged (issue 64 item 4), a field the ollama client does not read
+
+    flags = httpx.post(server.url + "/api/embed", json={"model": name, "input": [TEXTS[2] * 3, TEXTS[0]]}).json()
+    assert flags["truncated"] == [True, False]
     with pytest.raises(ollama.ResponseError, match="more than the model's 16") as e:
         client.embed(model=name, input=TEXTS[2] * 3, truncate=False)
     assert e.value.status_code == 400

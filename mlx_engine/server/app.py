@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from mlx_engine.errors import EngineError, InvalidRequestError
 from mlx_engine.ml import ACTIVATIONS
-from mlx_engine.server import anthropic_api, embeddings_api, ollama_api, openai_api, responses_api
+from mlx_engine.server import anthropic_api, embeddings_api, ollama_api, openai_api, rerank_api, responses_api
 from mlx_engine.server.guard import BrowserGuard, check_hosts, check_origins, error_response, split_list
 from mlx_engine.server.http import DEFAULT_MAX_BODY, HTTPProblem, ServerState
 from mlx_engine.server.metrics import CONTENT_TYPE, Metrics
@@ -233,7 +233,8 @@ def create_app(config: ServerConfig):
     routes = [Route("/", root, methods=["GET", "HEAD"]), Route("/health", root, methods=["GET"]),
               Route("/status", status, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
               *openai_api.routes(state), *responses_api.routes(state), *anthropic_api.routes(state),
-              *ollama_api.routes(state), *embeddings_api.routes(state)]
+              *ollama_api.routes(state), *embeddings_api.routes(state),
+              *rerank_api.routes(state)]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: not_found, HTTPProblem: not_found,
                                         Exception: internal})

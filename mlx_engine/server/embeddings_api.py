@@ -6,10 +6,11 @@ Each request's inputs run together in padded forward passes on the device thread
 - ``/v1/embeddings`` (OpenAI's API reference): ``input`` a string, a list of strings, a list of token ids or a list of
   such lists (token ids run as given, no special tokens added); ``dimensions`` keeps the first components and
   renormalizes (Matryoshka); ``encoding_format`` ``float`` or ``base64`` (little-endian float32 bytes, what the
-  ``openai`` client asks for by default). Beyond OpenAI: ``truncate`` (default true), as ollama's.
+  ``openai`` client asks for by default). Beyond OpenAI: ``truncate`` (default true), as ollama's, and each item's
+  ``truncated`` (true where the input was longer than the model's context and was cut).
 - ``/api/embed`` (ollama's ``api/types.go`` ``EmbedRequest``): ``input`` a string or a list of strings, ``truncate``
   (default true: an input longer than the context is cut; false: a 400), ``dimensions``, ``keep_alive``; vectors
-  L2-normalized.
+  L2-normalized. Beyond ollama: ``truncated``, one boolean per input (true where it was cut).
 - ``/api/embeddings`` (ollama's older ``EmbeddingRequest``): one ``prompt``, one vector, not normalized (as ollama's
   answer from its llama.cpp runner).
 
@@ -64,16 +65,18 @@ class OllamaEmbeddingsRequest(_Strict):
 
 
 async def _embed(state: ServerState, loaded: Loaded, texts: "list[str] | None", ids: "list[list[int]] | None",
-                 dimensions: int | None, normalize: bool, truncate: bool) -> tuple[np.ndarray, int]:
-    """``(vectors float32 [n, d], tokens run)`` of a request's inputs, on the device thread."""
+                 dimensions: int | None, normalize: bool, truncate: bool) -> tuple[np.ndarray, int, list[bool]]:
+    """``(vectors float32 [n, d], tokens run, truncated)`` of a request's inputs, on the device thread;
+    ``truncated[i]``: input ``i`` was longer than the model's context and was cut (issue 64 item 4)."""
     model = loaded.obj
     if not (texts or ids):
         raise HTTPProblem(400, "input is empty: send a string or a non-empty list", param="input")
 
-    def run() -> tuple[np.ndarray, int]:
-        inputs = model.tokenize(texts, truncate=truncate) if texts is not None else ids
+    def run() -> tuple[np.ndarray, int, list[bool]]:
+        inputs = model.tokenize(texts, truncate=truncate, fit=False) if texts is not None else ids
         vectors = model.embed_tokens(inputs, dimensions=dimensions, normalize=normalize, truncate=truncate)
-        return vectors, sum(min(len(x), model.context_length) for x in inputs)
+        return (vectors, sum(min(len(x), model.context_length) for x in inputs),
+                [len(x) > model.context_length for x in inputs])
 
     loaded.in_flight += 1
     try:
@@ -94,7 +97,7 @@ def routes(state: ServerState) -> list[Route]:
                 else req.input
             texts = raw if raw and isinstance(raw[0], str) else None
             ids = None if texts is not None else raw
-            vectors, tokens = await _embed(state, loaded, texts, ids, req.dimensions, True, req.truncate)
+            vectors, tokens, cut = await _embed(state, loaded, texts, ids, req.dimensions, True, req.truncate)
         except Exception as e:  # noqa: BLE001 -- rendered in OpenAI's error form
             return openai_api.error_response(e)
         request.scope.setdefault("state", {})["log"] = f"{req.model} {len(vectors)} inputs, {tokens} tokens"
@@ -105,8 +108,8 @@ def routes(state: ServerState) -> list[Route]:
             return v.tolist()
 
         return JSONResponse({"object": "list", "model": req.model,
-                             "data": [{"object": "embedding", "index": i, "embedding": encoded(v)}
-                                      for i, v in enumerate(vectors)],
+                             "data": [{"object": "embedding", "index": i, "embedding": encoded(v),
+                                       "truncated": cut[i]} for i, v in enumerate(vectors)],
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def _ollama(request: Request, schema: type, legacy: bool) -> Response:
@@ -121,7 +124,7 @@ def routes(state: ServerState) -> list[Route]:
             else:
                 texts = [req.input] if isinstance(req.input, str) else req.input
                 dims, normalize, truncate = req.dimensions, True, req.truncate
-            vectors, tokens = await _embed(state, loaded, texts, None, dims, normalize, truncate)
+            vectors, tokens, cut = await _embed(state, loaded, texts, None, dims, normalize, truncate)
         except Exception as e:  # noqa: BLE001 -- rendered in ollama's error form
             return ollama_api.error_response(e)
         if legacy:
@@ -129,7 +132,7 @@ def routes(state: ServerState) -> list[Route]:
         load_ns = int((t1 - t0) * 1e9) if loaded.loaded_at >= time.time() - (time.perf_counter() - t0) else 0
         return JSONResponse({"model": req.model, "embeddings": vectors.tolist(),
                              "total_duration": int((time.perf_counter() - t0) * 1e9), "load_duration": load_ns,
-                             "prompt_eval_count": tokens})
+                             "prompt_eval_count": tokens, "truncated": cut})
 
     async def ollama_embed(request: Request) -> Response:
         return await _ollama(request, OllamaEmbedRequest, legacy=False)

@@ -249,8 +249,9 @@ class ModelPool:
         model (it gives no embeddings here), ModelNotFoundError as :meth:`text`."""
         resolved = await asyncio.to_thread(self.resolve_text, name)
         if not await asyncio.to_thread(api.is_embedding_checkpoint, resolved.path):
-            raise InvalidRequestError(f"{name} is a chat model, not an embedding model: embeddings come from BERT and "
-                                      "nomic-bert models (a sentence-transformers folder or their GGUF)")
+            raise InvalidRequestError(f"{name} is a chat model, not an embedding model: embeddings and reranking come "
+                                      "from BERT, nomic-bert and decoder embedders (Qwen3-Embedding) and from "
+                                      "cross-encoders (a sentence-transformers folder or their GGUF)")
         return await self._get(resolved.name, "embed", resolved, keep_alive)
 
     async def image(self, name: str, keep_alive: float | None = None) -> Loaded:
