@@ -2,6 +2,7 @@
 
     python -m benchmarks.synthetic 1b --types Q4_K_M Q8_0            # make (once, cached) and print the paths
     python -m benchmarks.synthetic 3b --types Q4_K_M --bench --compare llama.cpp   # then mlx-engine bench each
+    python -m benchmarks.synthetic 1b --decode --activations int8   # decode only, ours and llama.cpp alternating
 
 Each file goes the way a user's does: a Hugging Face folder (``config.json`` from transformers' own config class,
 ``model.safetensors`` in bfloat16 with the tensor names and shapes transformers' model has, the catalog smollm2
@@ -15,6 +16,11 @@ model.
 Shapes (from the models' published ``config.json``): Llama 3.2 1B and 3B, Llama 3.1 8B, and Qwen3-30B-A3B's layers
 (with fewer layers than its 48: see ``SHAPES``). Files are cached in ``$MLX_ENGINE_TEST_CACHE/synthetic`` (default
 ``~/.cache/mlx-engine-tests/synthetic``); the F16 file and the folder are deleted once every type asked for exists.
+
+``--decode`` measures decode alone, the figure the bench takes minutes to reach among its others: this engine and
+llama.cpp (llama-cpp-python, a process of its own, as many threads as our kernels) on the same file, each
+``--rounds`` times in turn (greedy ``--tokens`` tokens after a 32-token prompt, a fresh cache each), and prints each
+round's tokens/s and ratio and the median ratio. On a shared machine read that median, not the rates.
 
 Not a test: these machines are shared and noisy; run the bench on a quiet machine and read its ratios.
 """
@@ -137,6 +143,35 @@ def make(shape: str, types: list[str], smollm2_gguf: Path) -> dict[str, Path]:
     return out
 
 
+def decode_ratio(path: Path, rounds: int, tokens: int, activations: str | None) -> float:
+    """Median over ``rounds`` of our decode tokens/s over llama.cpp's on ``path``, the two run in turn; prints each
+    round. Raises RuntimeError where llama-cpp-python is not installed (the message says how)."""
+    import statistics
+
+    from mlx_engine.api import load
+    from mlx_engine.bench.llama_cpp_peer import LlamaCppPeer
+    from mlx_engine.bench.run import EngineSide, cpu_threads, random_prompt
+
+    model = load(str(path), progress=False, context_length=512, activations=activations)
+    ours = EngineSide(model)
+    peer = LlamaCppPeer(path, n_ctx=512, threads=cpu_threads())
+    prompt = random_prompt(32, 32000, seed=0)
+    try:
+        ours.run(prompt, 4), peer.run(prompt, 4)  # warm-up: weights paged in, buffers made
+        ratios = []
+        for i in range(rounds):
+            a = ours.run(prompt, tokens)["decode_tps"]
+            b = peer.run(prompt, tokens)["decode_tps"]
+            ratios.append(a / b)
+            print(f"round {i + 1}: ours {a:.2f} tokens/s, llama.cpp {b:.2f}: {a / b:.2f}x", flush=True)
+    finally:
+        peer.close()
+    med = statistics.median(ratios)
+    print(f"{path.name} ({model.activations} activations, {cpu_threads()} threads): median decode ratio "
+          f"{med:.2f}x over {rounds} rounds of {tokens} tokens", flush=True)
+    return med
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("shape", choices=sorted(SHAPES))
@@ -145,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="append", default=[], choices=["llama.cpp", "mlx-lm"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--activations", default=None)
+    ap.add_argument("--decode", action="store_true", help="decode alone beside llama.cpp, alternating (see above)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args(argv)
     bad = [t for t in args.types if t != "F16" and t not in hf_gguf.FTYPES]
     if bad:
@@ -155,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     files = make(args.shape, args.types, Path(smollm2))
     for t, p in files.items():
         print(f"{args.shape} {t}: {p} ({p.stat().st_size / 1e9:.2f} GB)", flush=True)
+        if args.decode:
+            decode_ratio(p, args.rounds, args.tokens, args.activations)
         if args.bench:
             cmd = [str(Path(sys.executable).parent / "mlx-engine"), "bench", str(p), "--reps", str(args.reps)]
             for c in args.compare:

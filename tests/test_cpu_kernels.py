@@ -16,7 +16,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from mlx_engine.mlx import cpu_kernels  # noqa: E402
-from tests.conftest import passed_on_avx2  # noqa: E402
+from tests.conftest import int8_on_vnni, passed_on_avx2  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -614,23 +614,25 @@ LEVELS = {"int8": 127, "int16": 32639}
 def _int8_reference(x, q, s, b, group_size, bits, kind="int8"):
     """float64 oracle of qmatmul's int8 (int16) activations, from its definition (qmatmul_int8.inc; llama.cpp's Q8_0
     activations, ggml-quants.c quantize_row_q8_0): x per 32 elements as d = max|x| / 127 (32639), x_q = round(x / d);
-    integer sums of w_q * x_q per 32 (of (w_q - 2**(bits - 1)) * x_q for a symmetric weight, b None) times scale * d;
-    plus each bias times the sum of x's rounded values d * x_q over its group."""
+    integer sums of w_q * x_q per 32 (of (w_q - 2**(bits - 1)) * x_q for a symmetric weight, b None; per 16 for
+    groups of 16, each under its group's scale) times scale * d; plus each bias times the sum of x's rounded values
+    d * x_q over its group."""
     x = np.array(x, np.float32)
     m, k = x.shape
     blocks = x.reshape(m, k // 32, 32)
     d = (np.abs(blocks).max(-1) / np.float32(LEVELS[kind])).astype(np.float32)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    xq = np.rint(blocks * inv[..., None]).astype(np.int64)
-    ones = mx.ones(s.shape, mx.float32)
-    wq = np.array(mx.dequantize(q, ones, 0 * ones, group_size=group_size, bits=bits)).astype(np.int64)
+    xq = np.rint(blocks * inv[..., None]).astype(np.int64).reshape(m, k // 16, 16)
+    ones = mx.ones((q.shape[0], k // 32), mx.float32)  # (the integers, whatever the groups)
+    wq = np.array(mx.dequantize(q, ones, 0 * ones, group_size=32, bits=bits)).astype(np.int64)
     if b is None:
         wq -= 2 ** (bits - 1)
-    sums = np.einsum("mbj,nbj->mnb", xq, wq.reshape(wq.shape[0], k // 32, 32)).astype(np.float64)
-    scale = np.repeat(np.array(s.astype(mx.float32), np.float64), group_size // 32, axis=1)
-    out = np.einsum("mnb,nb,mb->mn", sums, scale, d.astype(np.float64))
+    sums = np.einsum("mbj,nbj->mnb", xq, wq.reshape(wq.shape[0], k // 16, 16)).astype(np.float64)
+    scale = np.repeat(np.array(s.astype(mx.float32), np.float64), group_size // 16, axis=1)
+    out = np.einsum("mnb,nb,mb->mn", sums, scale, np.repeat(d.astype(np.float64), 2, axis=1))
     if b is not None:
-        rounded = (xq * d[..., None].astype(np.float64)).reshape(m, k // group_size, group_size)
+        rounded = (xq.reshape(m, k // 32, 32) * d[..., None].astype(np.float64)).reshape(m, k // group_size,
+                                                                                         group_size)
         out += rounded.sum(-1) @ np.array(b.astype(mx.float32), np.float64).T
     return out
 
@@ -671,6 +673,31 @@ def test_int8_activations_are_their_definition(kind, bits, group_size, scale_dty
                 want = _int8_reference(x, q, s, biases, group_size, bits, kind)
                 # float32 sums of exact integer sums: a few ulps of the largest partial sums
                 np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bits", [3, 6])
+def test_int8_activations_with_groups_of_16_are_their_definition(kind, bits):
+    """Symmetric groups of 16 (GGUF's Q6_K and Q3_K) on AVX-512 VNNI: each half of x's block of 32 under its own
+    group's scale, against the float64 oracle; elsewhere (the AVX2 kernel sums per 32), and with biases (Q2_K), the
+    float32 kernel's product."""
+    rng = np.random.default_rng(bits)
+    k = 576  # 9 x 64: whole registers of the own order
+    q = mx.array(rng.integers(0, 2**32, (37, k * bits // 32), dtype=np.uint32))
+    s = mx.array(rng.standard_normal((37, k // 16)).astype(np.float32))
+    b = mx.array(rng.standard_normal((37, k // 16)).astype(np.float32))
+    for m in (1, 3, 4, 9):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[0, :32] = 0
+        x = mx.array(x)
+        got = np.array(cpu_kernels.qmatmul(x, q, s, None, 16, bits, kind))
+        if int8_on_vnni():
+            want = _int8_reference(x, q, s, None, 16, bits, kind)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
+        else:
+            assert np.array_equal(got, np.array(cpu_kernels.qmatmul(x, q, s, None, 16, bits, "float32")))
+        assert mx.array_equal(cpu_kernels.qmatmul(x, q, s, b, 16, bits, kind),
+                              cpu_kernels.qmatmul(x, q, s, b, 16, bits, "float32")).item()
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -189,11 +189,13 @@ const float* prepare_x(const float* x, int M, int K, int bits, bool blocks, cons
   return xp.data();
 }
 
-// Whether the int8 kernel runs p: it sums per 32 elements (groups of 16 take the float32 kernel), and looks a
-// codebook weight up in groups of 32 only, and not at all with int16 activations on AVX2 (`avx2_x16`: its sign trick
-// cannot take a lo byte of -128; qmatmul_int8_avx2.inc).
-bool int8_kernel_takes(const Problem& p, bool avx2_x16) {
-  return p.group_size != 16 && (!p.codebook || (p.group_size == 32 && !avx2_x16));
+// Whether the int8 kernel runs p: groups of 16 only symmetric (Q6_K, Q3_K: x's sums per 16, which biases would meet,
+// are not kept) and only on AVX-512 VNNI (the AVX2 kernel sums per 32 elements: `avx2`), a codebook weight in groups
+// of 32 only, and not at all with int16 activations on AVX2 (`avx2_x16`: its sign trick cannot take a lo byte of
+// -128; qmatmul_int8_avx2.inc).
+bool int8_kernel_takes(const Problem& p, bool avx2, bool avx2_x16) {
+  if (p.group_size == 16) return !avx2 && !p.biases;
+  return !p.codebook || (p.group_size == 32 && !avx2_x16);
 }
 
 // Output rows [n0, n1) of p with the row kernel `rows` (`int8_rows` where p has x quantized); a problem of two-level
@@ -335,13 +337,13 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, Activations act) {
     const bool vnni_here = int8_here == "vnni", x16 = act == kActInt16;
     bool nib = false, own = false;  // the layouts of x_q these widths read
     for (auto& p : ps)
-      if (int8_kernel_takes(p, x16 && !vnni_here)) (p.bits == 4 ? nib : own) = true;
+      if (int8_kernel_takes(p, !vnni_here, x16 && !vnni_here)) (p.bits == 4 ? nib : own) = true;
     if (nib || own) {
       const auto quantize_row = vnni_here ? (x16 ? &vnni::quantize_row16 : &vnni::quantize_row)
                                           : (x16 ? &avx2::i8::quantize_row16 : &avx2::i8::quantize_row);
       const void* qx = &mlx_engine::int8::quantize_x(ps[0].x, M, K, nib, own, quantize_row, x16);
       for (auto& p : ps)
-        if (int8_kernel_takes(p, x16 && !vnni_here)) p.qx = qx;
+        if (int8_kernel_takes(p, !vnni_here, x16 && !vnni_here)) p.qx = qx;
       int8_rows = vnni_here ? &vnni::rows : &avx2::i8::rows;
     }
   }

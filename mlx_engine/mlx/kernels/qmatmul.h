@@ -61,8 +61,8 @@ constexpr int kInt16MaxRows = 64;
 Activations parse_activations(const std::string& name, const std::string& who);
 
 // Products of one x (every problem's x, M and K the same) with one or more weights as one parallel job; act int8 or
-// int16: x quantized so and the integer kernel, where the CPU has it (groups of 16 take the float32 kernel: the
-// integer one sums per 32; int16 needs AVX-512 VNNI: std::invalid_argument elsewhere). Problems of two-level scales
+// int16: x quantized so and the integer kernel, where the CPU has it (groups of 16 only symmetric and on AVX-512
+// VNNI, else the float32 kernel; int16 needs AVX-512 VNNI or AVX2: std::invalid_argument elsewhere). Problems of two-level scales
 // run per block of rows, their scales and biases made float32 first.
 void qmatmul_run(std::vector<Problem>& ps, Activations act);
 
