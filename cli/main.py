@@ -12,7 +12,9 @@ import io
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -26,6 +28,9 @@ from mlx_engine.errors import EngineError, InvalidRequestError, ModelNotFoundErr
 from mlx_engine.store import CATALOG, DEFAULT_MODEL, Store, format_bytes, parse_registry_name
 from mlx_engine.store.format import printable
 from mlx_engine.version import __version__
+
+if TYPE_CHECKING:
+    from mlx_engine.api import GenerationOptions
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -315,9 +320,10 @@ def _read_option_file(option: str, path: str) -> str:
         raise InvalidRequestError(f"{option}: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
 
 
-def _collect_options(kw: dict) -> dict:
-    """The generation options the flags give, checked now (a bad schema fails before the model loads)."""
-    from mlx_engine.api import GenerationOptions
+def _collect_options(kw: dict, system: str | None = None) -> "tuple[dict, GenerationOptions]":
+    """The generation options the flags give (and ``system``), by name and parsed: checked now (a bad schema fails
+    before the model loads), and parsed once."""
+    from mlx_engine.api import GenerationOptions  # (the API loads on first use: --help stays quick)
 
     opts = {k: kw[k] for k in _OPTION_NAMES if kw.get(k) is not None}
     if kw.get("stop"):
@@ -332,8 +338,9 @@ def _collect_options(kw: dict) -> dict:
         opts["grammar"] = _read_option_file("--grammar", kw["grammar"])
     if kw.get("think") is not None:
         opts["think"] = kw["think"]
-    GenerationOptions.parse(opts)
-    return opts
+    if system is not None:
+        opts["system"] = system
+    return opts, GenerationOptions.parse(opts)
 
 
 def _load(model: str, kw: dict):
@@ -393,13 +400,12 @@ def run(args: tuple[str, ...], raw: bool, images: tuple[str, ...], **kw) -> None
     if not prompt.strip():
         raise InvalidRequestError("the prompt is empty: give it as an argument or on stdin")
 
-    options = _collect_options(kw)
+    _, options = _collect_options(kw, kw.get("system"))
     if images:
         from mlx_engine.api import load_image
 
         for path in images:  # a missing or unreadable image fails before the model loads
             load_image(path)
-        options["images"] = list(images)
     try:
         model = _load(model_name, kw)
     except (ModelNotFoundError, PullError) as e:
@@ -409,13 +415,13 @@ def run(args: tuple[str, ...], raw: bool, images: tuple[str, ...], **kw) -> None
                                  f"send a prompt that starts with {model_name!r} to the default model, quote the "
                                  f"whole prompt: mlx-engine run \"{' '.join(given)}\"") from None
     use_raw = raw or not model.has_chat_template
-    if kw.get("system") is not None:
-        options["system"] = kw["system"]
     if kw["verbose"]:
         click.echo(describe_model(model) + (" (raw completion)" if use_raw else ""), err=True)
+        click.echo(model.decode_plan.describe(), err=True)
     out = sys.stdout
     with StopOnInterrupt() as stop:
-        stats, text, interrupted = stream_to(out, model.stream(prompt, raw=use_raw, **options), stop,
+        stats, text, interrupted = stream_to(out, model.stream(prompt, images=list(images) or None,
+                                                          options=replace(options, raw=use_raw)), stop,
                                              ThinkingView(out, hide=kw["hide_thinking"]))
     if not text.endswith("\n"):
         out.write("\n")
@@ -449,7 +455,7 @@ def chat(model: str, no_history: bool, **kw) -> None:
     from mlx_engine.cli.chat import ChatRepl
 
     store = Store()
-    options = _collect_options(kw)
+    options, _ = _collect_options(kw)
     loaded = _load(model, kw)
     repl = ChatRepl(loaded, system=kw.get("system"), options=options, verbose=kw["verbose"],
                     history_file=None if no_history else store.history_file, hide_thinking=kw["hide_thinking"])

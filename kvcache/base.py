@@ -95,39 +95,6 @@ class Cache(abc.ABC):
         is alive, the next ``put`` of the layer must copy the whole storage instead of updating it in place.
         """
 
-    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: Optional[RopeAngles],
-               dims: int, traditional: bool) -> Optional[Tensor]:
-        """:meth:`put` and attention over :meth:`get` in one, with RoPE: ``q [1, H, N, Dk]`` and ``key`` (shaped as
-        for :meth:`put`) not yet rotated; ``angles`` are the batch's RoPE angles (``Context.rope_angles``), applied
-        to both as ``Tensor.rope(angles, dims, traditional=traditional)``, or None for ``q`` and ``key`` rotated
-        already. Returns the attention output
-        ``[1, H, N, Dv]`` (as ``Context.scaled_dot_product_attention`` of the rotated ``q`` over :meth:`get` with
-        ``scale``), the keys and values stored; or ``None`` with nothing stored where the cache or the backend has
-        no such path (this default): the caller then rotates, puts, gets and attends apart. A decode step so runs as
-        one graph node where it would run as seven."""
-        return None
-
-    def step_tensors(self, ctx: Context, layers: Sequence[int]) -> Optional[tuple[list[Tensor], list[Tensor]]]:
-        """For a decode step compiled whole (after :meth:`start_forward`): ``(cells, storage)``, the tensors that
-        :meth:`attend` reads for ``layers`` and that change from one step to the next (``cells``: what this forward
-        attends to; ``storage``: the layers' keys and values, which attend replaces), in a fixed order. ``None``
-        (this default) where this forward cannot run so: then a trace of attend would hold numbers of this step
-        (a batch of several tokens, cells that are not one run, a quantized cache, a layer not stored yet or whose
-        storage must grow first). Otherwise every layer's :meth:`attend` takes its fused path with these tensors
-        alone, so one trace serves every such step given them (:meth:`load_step_tensors`)."""
-        return None
-
-    def load_step_tensors(self, cells: Sequence[Tensor], storage: Sequence[Tensor]) -> None:
-        """Use ``cells`` and ``storage`` (shaped as :meth:`step_tensors` gave them: a compiled step's placeholders,
-        then its outputs) from now on. Raises ``CacheError`` where :meth:`step_tensors` gives None."""
-        raise CacheError("this cache has no tensors for a decode step compiled whole")
-
-    def encoder_inputs(self) -> list[tuple[int, int, int]]:
-        """``(sequence, position, rows)`` of the encoder inputs whose keys the current layer's :meth:`get` returns,
-        in order (an :class:`~mlx_engine.kvcache.EncoderCache`, for cross-attention); ``[]`` for a cache of the
-        batch's own tokens."""
-        return []
-
     def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
         """Let the tokens of each ``[begin, end)`` range of the current batch see each other both ways, for this
         forward pass only (see :meth:`CausalCache.set_causal`). Raises ``CacheError`` where the cache has no causal
@@ -189,23 +156,6 @@ class Cache(abc.ABC):
         ``pos`` itself for a KV cache that can resume there, else 0. A recurrent cache answers with its checkpoints."""
         return pos if self.can_resume(seq, pos) else 0
 
-    #: Whether the cache rolls back only to checkpoints, so that the runner should ask for them (a recurrent cache).
-    keeps_checkpoints = False
-
-    def state_tensors(self) -> list[Tensor]:
-        """Tensors the current forward pass wrote that its logits do not depend on (a recurrent cache's new states),
-        to evaluate with them. A KV cache has none."""
-        return []
-
-    def checkpoint_grid(self, start: int, end: int) -> list[int]:
-        """Positions in ``start .. end - 1`` where a forward pass should end so that the cache keeps a checkpoint
-        there (a recurrent cache). A KV cache needs none."""
-        return []
-
-    def request_checkpoint(self, seq: int) -> None:
-        """Ask for a restore point after the next forward pass of ``seq``. A KV cache can resume anywhere: nothing
-        to do."""
-
     @abc.abstractmethod
     def remove(self, seq: int, begin: int, end: Optional[int]) -> None:
         """Drop the positions ``begin .. end - 1`` of ``seq`` (``end=None``: to the end).
@@ -238,3 +188,72 @@ class Cache(abc.ABC):
         """Check that ``remove(seq, begin, end)`` can succeed, changing nothing, and return a function that performs
         it. The default is not atomic: it defers to :meth:`remove`."""
         return lambda: self.remove(seq, begin, end)
+
+
+class FusedSteps(abc.ABC):
+    """An optional capability of a :class:`Cache` (checked with ``isinstance``): a decode step's cache write and
+    attention as one backend operation (:meth:`attend`), and the tensors a decode step compiled whole reads
+    (:meth:`step_tensors`). A cache without it is written and read by ``put`` and ``get`` alone."""
+
+    @abc.abstractmethod
+    def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: Optional[RopeAngles],
+               dims: int, traditional: bool) -> Optional[Tensor]:
+        """:meth:`put` and attention over :meth:`get` in one, with RoPE: ``q [1, H, N, Dk]`` and ``key`` (shaped as
+        for :meth:`put`) not yet rotated; ``angles`` are the batch's RoPE angles (``Context.rope_angles``), applied
+        to both as ``Tensor.rope(angles, dims, traditional=traditional)``, or None for ``q`` and ``key`` rotated
+        already. Returns the attention output
+        ``[1, H, N, Dv]`` (as ``Context.scaled_dot_product_attention`` of the rotated ``q`` over :meth:`get` with
+        ``scale``), the keys and values stored; or ``None`` with nothing stored where the cache or the backend has
+        no such path (this default): the caller then rotates, puts, gets and attends apart. A decode step so runs as
+        one graph node where it would run as seven."""
+
+    @abc.abstractmethod
+    def step_tensors(self, ctx: Context, layers: Sequence[int]) -> Optional[tuple[list[Tensor], list[Tensor]]]:
+        """For a decode step compiled whole (after :meth:`start_forward`): ``(cells, storage)``, the tensors that
+        :meth:`attend` reads for ``layers`` and that change from one step to the next (``cells``: what this forward
+        attends to; ``storage``: the layers' keys and values, which attend replaces), in a fixed order. ``None``
+        (this default) where this forward cannot run so: then a trace of attend would hold numbers of this step
+        (a batch of several tokens, cells that are not one run, a quantized cache, a layer not stored yet or whose
+        storage must grow first). Otherwise every layer's :meth:`attend` takes its fused path with these tensors
+        alone, so one trace serves every such step given them (:meth:`load_step_tensors`)."""
+
+    @abc.abstractmethod
+    def load_step_tensors(self, cells: Sequence[Tensor], storage: Sequence[Tensor]) -> None:
+        """Use ``cells`` and ``storage`` (shaped as :meth:`step_tensors` gave them: a compiled step's placeholders,
+        then its outputs) from now on. Raises ``CacheError`` where :meth:`step_tensors` gives None."""
+
+
+
+class Checkpoints(abc.ABC):
+    """An optional capability of a :class:`Cache` (checked with ``isinstance``): recurrent state that rolls back only
+    to checkpoints the runner asks for (a hybrid model's :class:`~mlx_engine.kvcache.RecurrentCache`), and the state
+    tensors each forward pass writes. A KV cache can resume anywhere and needs none of it."""
+
+    #: Whether the cache keeps checkpoints, so that the runner should ask for them (False: none configured).
+    keeps_checkpoints = True
+
+    @abc.abstractmethod
+    def state_tensors(self) -> list[Tensor]:
+        """Tensors the current forward pass wrote that its logits do not depend on (a recurrent cache's new states),
+        to evaluate with them."""
+
+    @abc.abstractmethod
+    def checkpoint_grid(self, start: int, end: int) -> list[int]:
+        """Positions in ``start .. end - 1`` where a forward pass should end so that the cache keeps a checkpoint
+        there."""
+
+    @abc.abstractmethod
+    def request_checkpoint(self, seq: int) -> None:
+        """Ask for a restore point after the next forward pass of ``seq``."""
+
+
+
+class EncoderInputs(abc.ABC):
+    """An optional capability of a :class:`Cache` (checked with ``isinstance``): the encoder inputs (an image's rows)
+    whose keys a cross-attention layer's ``get`` returns."""
+
+    @abc.abstractmethod
+    def encoder_inputs(self) -> list[tuple[int, int, int]]:
+        """``(sequence, position, rows)`` of the encoder inputs whose keys the current layer's :meth:`get` returns,
+        in order (an :class:`~mlx_engine.kvcache.EncoderCache`, for cross-attention; a wrapper: ``[]`` for a layer
+        of the batch's own tokens)."""

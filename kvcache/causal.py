@@ -38,7 +38,7 @@ from typing import Optional
 
 import numpy as np
 
-from mlx_engine.kvcache.base import Cache, LayerShape, ShiftFn
+from mlx_engine.kvcache.base import Cache, FusedSteps, LayerShape, ShiftFn
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError, CacheFullError
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles, Tensor
@@ -76,7 +76,7 @@ class _Forward:
         return self.cells
 
 
-class CausalCache(Cache):
+class CausalCache(Cache, FusedSteps):
     """A causal KV cache: each token sees the earlier positions of its own sequence (and itself).
 
     Args:

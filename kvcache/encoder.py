@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from mlx_engine.kvcache.base import Cache
+from mlx_engine.kvcache.base import Cache, EncoderInputs
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, Tensor
@@ -36,7 +36,7 @@ class EncoderInput:
     values: dict[int, Tensor] = field(default_factory=dict)  # layer -> [1, H_kv, rows, Dv]
 
 
-class EncoderCache(Cache):
+class EncoderCache(Cache, EncoderInputs):
     """Position-independent storage of cross-attention keys and values, per sequence and encoder input.
 
     The life of an input: a batch whose ``images`` hold ``(index, rows [k, D])`` brings it into sequence

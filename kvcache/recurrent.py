@@ -40,7 +40,7 @@ import numpy as np
 
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError, CacheFullError
-from mlx_engine.kvcache.base import Cache, LayerShape, ShiftFn
+from mlx_engine.kvcache.base import Cache, Checkpoints, LayerShape, ShiftFn
 from mlx_engine.kvcache.causal import CausalCache
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, Tensor
 
@@ -59,7 +59,7 @@ class Checkpoint:
     states: dict[StateKey, Tensor] = field(default_factory=dict)
 
 
-class RecurrentCache(Cache):
+class RecurrentCache(Cache, Checkpoints):
     """A causal KV cache for attention layers plus per-sequence recurrent state (see the module docstring).
 
     Args:

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Optional, Union
 
-from mlx_engine.kvcache.base import Cache, LayerShape
+from mlx_engine.kvcache.base import Cache, EncoderInputs, FusedSteps, LayerShape
 from mlx_engine.errors import CacheError
 from mlx_engine.batch import Batch
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles, Tensor
 
 
-class WrapperCache(Cache):
+class WrapperCache(Cache, FusedSteps, EncoderInputs):
     """Holds several caches and routes each layer to one of them.
 
     Args:
@@ -84,7 +84,8 @@ class WrapperCache(Cache):
 
     def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: Optional[RopeAngles],
                dims: int, traditional: bool) -> Optional[Tensor]:
-        return self._cur.attend(ctx, q, key, value, scale, angles, dims, traditional)
+        cur = self._cur
+        return cur.attend(ctx, q, key, value, scale, angles, dims, traditional) if isinstance(cur, FusedSteps) else None
 
     def step_tensors(self, ctx: Context, layers: Sequence[int]) -> Optional[tuple[list[Tensor], list[Tensor]]]:
         cells: list[Tensor] = []
@@ -95,7 +96,7 @@ class WrapperCache(Cache):
             self._step_routes[key] = [[layer for layer in layers if self.cache_index(layer) == i]
                                       for i in range(len(self.caches))]
         for c, mine in zip(self.caches, self._step_routes[key]):
-            got = c.step_tensors(ctx, mine) if mine else ([], [])
+            got = ([], []) if not mine else c.step_tensors(ctx, mine) if isinstance(c, FusedSteps) else None
             if got is None:
                 return None
             cells += got[0]
@@ -110,12 +111,13 @@ class WrapperCache(Cache):
             raise CacheError("load_step_tensors takes the tensors of step_tensors, after it")
         a = b = 0
         for c, (n, m) in zip(self.caches, split):
-            if n or m:
+            if (n or m) and isinstance(c, FusedSteps):
                 c.load_step_tensors(cells[a:a + n], storage[b:b + m])
             a, b = a + n, b + m
 
     def encoder_inputs(self) -> list[tuple[int, int, int]]:
-        return self._cur.encoder_inputs()
+        cur = self._cur
+        return cur.encoder_inputs() if isinstance(cur, EncoderInputs) else []
 
     def reserve(self, ctx: Context, layer_shapes: Sequence[LayerShape]) -> None:
         for i, c in enumerate(self.caches):

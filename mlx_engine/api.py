@@ -44,6 +44,7 @@ from mlx_engine.models.config import ATTENTION_TYPES
 from mlx_engine.models.answer import Answer, ChatReply, ToolPrompt, collect_answer, whole_answer
 from mlx_engine.models.images import IMAGE_SUFFIXES, load_image
 from mlx_engine.models.options import OPTION_NAMES, GenerationOptions
+from mlx_engine.models.plan import DecodePlan
 from mlx_engine.models.reasoning import Thinking, parse_think, think_template_vars
 from mlx_engine.models.registry import half_dtype, load_text_checkpoint
 from mlx_engine.models.runner import GenerationStats, Runner
@@ -63,6 +64,19 @@ __all__ = ["load", "generate", "stream", "chat", "Model", "EmbeddingModel", "Cha
 
 DEFAULT_CONTEXT = 8192  # cap on the cache's capacity unless the caller asks for more
 _CLOSE_WAIT_S = 10.0  # how long close() waits for a generation in another thread to stop
+
+
+def _parsed(options: GenerationOptions | None, given: dict[str, Any]) -> GenerationOptions:
+    """``options`` parsed already, else ``given`` parsed now (:meth:`GenerationOptions.parse`).
+
+    Raises:
+        InvalidRequestError: both, or an invalid option by name.
+    """
+    if options is None:
+        return GenerationOptions.parse(given)
+    if given:
+        raise InvalidRequestError(f"options come parsed (options=) or by name, not both (also {', '.join(given)})")
+    return options
 
 
 class Model:
@@ -149,6 +163,12 @@ class Model:
         """What the KV cache keeps keys and values as: a dtype (``float16``, ...) or ``8-bit`` / ``4-bit``."""
         kv = self.kv_bits
         return f"{kv}-bit" if kv in KV_BITS else stored_dtype(kv, self.text_model.dtype).value
+
+    @property
+    def decode_plan(self) -> "DecodePlan":
+        """How a one-token decode step runs each layer of the model (this rank's, distributed), and why a layer does
+        not take the fused forms (:mod:`mlx_engine.models.plan`); ``describe()`` prints it."""
+        return self.text_model.plan
 
     def _check_kv_memory(self, ctx_len: int, max_sequences: int, prefill_chunk: int, kv_bits: int | None) -> int:
         """The KV cache's worst case in bytes (every sequence full), refused when it does not fit the device beside
@@ -320,10 +340,13 @@ class Model:
         return math.exp(nll)
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def stream(self, prompt: str, *, images: Any = None, **options: Any) -> Iterator["str | GenerationStats"]:
+    def stream(self, prompt: str, *, images: Any = None, options: GenerationOptions | None = None,
+               **given: Any) -> Iterator["str | GenerationStats"]:
         """Text chunks as they are generated, then one :class:`GenerationStats`. ``images``: images the prompt
-        is about (paths, bytes, base64 strings, PIL images), for a model with a vision part."""
-        opts = GenerationOptions.parse(options)
+        is about (paths, bytes, base64 strings, PIL images), for a model with a vision part. The options come by
+        name (``given``, parsed here) or parsed already (``options``, :meth:`GenerationOptions.parse`); raises
+        ``InvalidRequestError`` for both at once."""
+        opts = _parsed(options, given)
         tokens, placed = self.prompt_inputs(prompt, images, system=opts.system, raw=opts.raw,
                                             **self.template_vars(opts.think))
         return self._serialized(self.runner.stream(opts.request(tokens, images=placed)))

@@ -19,7 +19,6 @@ Conventions (fixed here for every implementation):
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -172,33 +171,6 @@ class Tensor(abc.ABC):
         the values are the same. Raises ValueError for an activation :meth:`gated` does not know."""
         y = self.gated(up, activation).linear(weight)
         return y if out_norm is None else y.rms_norm(out_norm, eps)
-
-    def output_mlp(self, h: "Tensor", o_weight: "Tensor", norm: "Tensor", gate: "Tensor", up: "Tensor",
-                   down: "Tensor", activation: str, eps: float, o_norm: "Tensor | None" = None,
-                   down_norm: "Tensor | None" = None) -> "tuple[Tensor, Tensor]":
-        """A decoder layer after attention, ``self`` the attention output whose rows in row-major order are those of
-        ``h [..., D]`` (one token's ``[1, H, 1, Dh]``, or ``[..., H * Dh]``): ``y = o.linear(o_weight)`` (then
-        RMSNorm-ed with ``o_norm``, Gemma 3's), ``s = h + y``, ``x = s.rms_norm(norm, eps)``, ``m = (act(x @ gate) *
-        (x @ up)) @ down`` (then RMSNorm-ed with ``down_norm``); returns ``(s, m)``, the layer's output being
-        ``s + m``. A backend may run it as one operation; the values are the same (:meth:`linear_norm`,
-        :meth:`norm_linear` and :meth:`gated_linear` in turn). Raises ValueError for an activation :meth:`gated`
-        does not know."""
-        o = self.reshape(*h.shape[:-1], math.prod(self.shape) // math.prod(h.shape[:-1]))
-        y = o.linear(o_weight) if o_norm is None else o.linear_norm(o_weight, o_norm, eps)
-        s, (g, u) = h.norm_linear([gate, up], norm, eps, y)
-        return s, g.gated_linear(u, activation, down, down_norm, eps)
-
-    def output_mlp_norm_linear(self, h: "Tensor", o_weight: "Tensor", norm: "Tensor", gate: "Tensor", up: "Tensor",
-                               down: "Tensor", activation: str, eps: float, o_norm: "Tensor | None",
-                               down_norm: "Tensor | None", next_norm: "Tensor", next_weights: "Sequence[Tensor]",
-                               shapes: "Sequence[tuple[int, ...]] | None" = None,
-                               out_norms: "Sequence[Tensor | None] | None" = None) -> "tuple[Tensor, list[Tensor]]":
-        """One layer's :meth:`output_mlp` and the next layer's input :meth:`norm_linear` (the sum of the first's two
-        outputs, normed with ``next_norm``, through ``next_weights``, in ``shapes``, each output RMSNorm-ed with
-        ``out_norms[i]`` where given); returns ``(s + m, ys)``. A backend may run it as one operation (a decode step's
-        layer boundary); the values are the same. Raises ValueError for an activation :meth:`gated` does not know."""
-        s, m = self.output_mlp(h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm)
-        return s.norm_linear(next_weights, next_norm, eps, m, shapes, out_norms)
 
     def linear_norm(self, weight: "Tensor", norm: "Tensor", eps: float) -> "Tensor":
         """``self.linear(weight).rms_norm(norm, eps)`` (Gemma 3's attention output projection and the norm after it).
@@ -532,6 +504,29 @@ class Context(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LayerFusion(abc.ABC):
+    """An optional capability of a :class:`Backend` (checked with ``isinstance``): a decoder layer after attention as
+    one operation, where the backend has a kernel for it. The model asks :meth:`takes_output_mlp` once per layer
+    (its decode plan) and calls :meth:`output_mlp` only for the layers it accepted."""
+
+    @abc.abstractmethod
+    def takes_output_mlp(self, dtype: DType, weights: "Sequence[Tensor]", norms: "Sequence[Tensor | None]",
+                         activation: str) -> bool:
+        """Whether :meth:`output_mlp` runs as one operation for a layer computing in ``dtype`` with ``weights``
+        (output, gate, up, down), ``norms`` (the MLP's input norm, and the norms after the output and down
+        projections or None) and ``activation``."""
+
+    @abc.abstractmethod
+    def output_mlp(self, o: Tensor, h: Tensor, o_weight: Tensor, norm: Tensor, gate: Tensor, up: Tensor,
+                   down: Tensor, activation: str, eps: float, o_norm: "Tensor | None" = None,
+                   down_norm: "Tensor | None" = None) -> "tuple[Tensor, Tensor]":
+        """A decoder layer after attention, ``o`` the attention output whose rows in row-major order are those of
+        ``h [..., D]`` (one token's ``[1, H, 1, Dh]``): ``y = o.linear(o_weight)`` (then RMSNorm-ed with ``o_norm``,
+        Gemma 3's), ``s = h + y``, ``x = s.rms_norm(norm, eps)``, ``m = (act(x @ gate) * (x @ up)) @ down`` (then
+        RMSNorm-ed with ``down_norm``); returns ``(s, m)``, the layer's output being ``s + m``: the values of
+        :meth:`Tensor.linear_norm`, :meth:`Tensor.norm_linear` and :meth:`Tensor.gated_linear` in turn."""
 
 
 class Backend(abc.ABC):

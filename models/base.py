@@ -11,21 +11,18 @@ from __future__ import annotations
 import abc
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from mlx_engine.batch import Batch
 from mlx_engine.errors import WeightsError
-from mlx_engine.ml import Backend, Context, DType, RopeAngles, Tensor
+from mlx_engine.kvcache import Cache, FusedSteps
+from mlx_engine.ml import Backend, Context, DType, LayerFusion, RopeAngles, Tensor
 from mlx_engine.models.config import ATTENTION_TYPES, DecoderConfig
-from mlx_engine.models.layer import (apply_rope, attention_in, attention_out, attention_out_in,
-                                     rope_positions)
+from mlx_engine.models.layer import apply_rope, attention_in, attention_out, rope_positions, takes_output_mlp
+from mlx_engine.models.plan import COMPILED, FUSED, FUSED_ROTATED, DecodePlan, PlanInputs, decode_plan
 from mlx_engine.models.step import NotWholeStep, WholeStep
-
-if TYPE_CHECKING:
-    from mlx_engine.kvcache import Cache
-
 
 # GGUF tensor names (llama.cpp's) to the Hugging Face names every architecture file uses.
 _GGUF_NAMES = [
@@ -85,6 +82,9 @@ class DecoderModel(abc.ABC):
     #: The 16-bit dtype a GPU computes in unless the load names one: float16, or bfloat16 for an architecture whose
     #: activations outgrow float16's range (65504), for which float16 is then refused.
     half_dtype = DType.FLOAT16
+    #: The architecture runs its own layer code (its ``run_layers``), not the fused forms: the reason, for the
+    #: decode plan; "" for the shared layer.
+    own_layers = ""
 
     def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend,
                  part: "ModelPart | None" = None):
@@ -100,13 +100,10 @@ class DecoderModel(abc.ABC):
         self.head = (weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
                      if self.part.head else None)
         self.layers = {i: self._layer_weights(i) for i in self.part.layers}
-        order = list(self.layers)
-        self._next_layer = dict(zip(order, order[1:]))  # each layer's successor in this part
         self.cache_options: dict[str, Any] = {}  # keyword arguments of the cache a hybrid model makes (checkpoints)
         self.vision: Any = None  # the image encoder of a multimodal checkpoint (models/vision.py), or None
-        self.compile_decode = True  # single-token steps through Backend.compile (False: op by op, for comparison)
-        self.fuse_attention = True  # compiled steps: Cache.attend (False: RoPE, put, get and attention apart)
-        self.compile_step = True  # fused decode steps traced whole (models/step.py; False: block by block)
+        self._plan: DecodePlan | None = None
+        self._switches = (True, True, True)  # see compile_decode, fuse_attention, compile_step
         self._whole_step: WholeStep | None = None
         self._compiled: dict[tuple, Any] = {}
         self._block_of: dict[tuple, tuple[Any, tuple[str, ...]]] = {}  # (kind, layer, rope_args) -> _compiled_block
@@ -243,6 +240,60 @@ class DecoderModel(abc.ABC):
             self._block_of.clear()
             self._whole_step = None
 
+    # ---- the decode plan -----------------------------------------------------------------------------------------
+    @property
+    def compile_decode(self) -> bool:
+        """Single-token steps through ``Backend.compile`` (False: op by op, for comparison). Setting a switch
+        makes the decode plan again."""
+        return self._switches[0]
+
+    @compile_decode.setter
+    def compile_decode(self, on: bool) -> None:
+        self._switch(0, on)
+
+    @property
+    def fuse_attention(self) -> bool:
+        """Compiled steps take the cache's fused attention (False: RoPE, put, get and attention apart)."""
+        return self._switches[1]
+
+    @fuse_attention.setter
+    def fuse_attention(self, on: bool) -> None:
+        self._switch(1, on)
+
+    @property
+    def compile_step(self) -> bool:
+        """Fused decode steps are traced whole (``models/step.py``; False: block by block)."""
+        return self._switches[2]
+
+    @compile_step.setter
+    def compile_step(self, on: bool) -> None:
+        self._switch(2, on)
+
+    def _switch(self, at: int, on: bool) -> None:
+        s = list(self._switches)
+        s[at] = bool(on)
+        self._switches = (s[0], s[1], s[2])
+        self._plan = None
+
+    @property
+    def plan(self) -> DecodePlan:
+        """How each layer of a one-token step runs (:mod:`mlx_engine.models.plan`), decided on first use."""
+        if self._plan is None:
+            c = self.config
+            base, scale, freqs = self._rope(next(iter(self.layers))) if self.layers else (c.rope_theta, 1.0, None)
+            with self.backend.new_context() as ctx:
+                angles = ctx.rope_angles(0, 1, c.rope_dims or c.head_dim, base, scale, freqs, self.dtype) is not None
+            fusion = self.backend if isinstance(self.backend, LayerFusion) else None
+            attention = {i: self.is_attention(i) for i in self.layers}
+            self._plan = decode_plan(PlanInputs(
+                {i: c.layer_types[i] for i in self.layers}, attention, self._switches, self.own_layers,
+                c.attn_softcap, frozenset(i for i, w in self.layers.items() if w.get("sinks") is not None),
+                c.query_temperature is not None, angles,
+                frozenset(i for i, w in self.layers.items()
+                          if attention[i] and takes_output_mlp(c, w, fusion, self.dtype, self.part.reduce)),
+                self.part.reduce, self.part.embed, self.part.head))
+        return self._plan
+
     # ---- caches ------------------------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
         return self.config.layer_types[layer] == "sliding_attention"
@@ -311,8 +362,7 @@ class DecoderModel(abc.ABC):
         positions or, with ``rope_args=2``, the cosines and sines of :class:`RopeAngles`, none with 0; with
         ``residual``, ``fn(h, m, *rope, *weights)`` adds the last layer's deferred ``m`` to ``h`` in its input norm
         and returns the sum after ``q, k, v``) or :func:`attention_out` (``"out"``, ``fn(h, o, *weights)``, its
-        last residual add deferred: ``(h, m)``) or :func:`attention_out_in` (``"outin"``, ``fn(h, o, *weights,
-        *next_weights)``, names ``(this layer's, the next's)``: ``(q, k, v, h)`` of the next layer)
+        last residual add deferred: ``(h, m)``; as the backend's one operation where the plan says so)
         through ``Backend.compile``, the layer's weights ``names`` passed as
         arguments, so that alike layers share one trace. The traced functions hold the config and the RoPE arguments,
         not the model (no reference cycle keeps a closed model's weights alive)."""
@@ -321,24 +371,14 @@ class DecoderModel(abc.ABC):
         if known is not None:  # one dict lookup per call: this runs twice per layer and decode step
             return known
         lw = self.layers[layer]
-        if kind == "outin":  # this layer's "out" and the next one's "in" (no RoPE): names, for each its own
-            nw = self.layers[self._next_layer[layer]]
-            names = (tuple(k for k in self._BLOCK_WEIGHTS["out"] if lw.get(k) is not None),
-                     tuple(k for k in self._BLOCK_WEIGHTS["in"] if nw.get(k) is not None))
-        else:
-            names = tuple(k for k in self._BLOCK_WEIGHTS[kind] if lw.get(k) is not None)
+        names = tuple(k for k in self._BLOCK_WEIGHTS[kind] if lw.get(k) is not None)
         rope = self._rope(layer) if kind == "in" else None
-        key = (kind, names, rope[:2] if rope else None, rope_args, residual)
+        tail = kind == "out" and self.plan.layers[layer].tail
+        key = (kind, names, rope[:2] if rope else None, rope_args, residual, tail)
         fn = self._compiled.get(key)
         if fn is None:
             c = self.config
-            if kind == "outin":
-                split = len(names[0])
-
-                def block(h: Tensor, o: Tensor, *ws: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-                    return attention_out_in(c, h, o, dict(zip(names[0], ws[:split])),
-                                            dict(zip(names[1], ws[split:])))
-            elif kind == "in" and residual:
+            if kind == "in" and residual:
                 def block(h: Tensor, m: Tensor, *args: Tensor) -> tuple[Tensor, ...]:
                     at = RopeAngles(*args[:2]) if rope_args == 2 else args[0] if rope_args else None
                     w = dict(zip(names, args[rope_args:]))
@@ -349,9 +389,10 @@ class DecoderModel(abc.ABC):
                     return attention_in(c, rope, h, at, dict(zip(names, args[rope_args:])))[:3]
             else:
                 reduce = self.part.reduce
+                fusion = self.backend if tail else None
 
                 def block(h: Tensor, o: Tensor, *ws: Tensor) -> tuple[Tensor, Tensor]:
-                    return attention_out(c, h, o, dict(zip(names, ws)), reduce, defer=True)
+                    return attention_out(c, h, o, dict(zip(names, ws)), reduce, defer=True, fusion=fusion)
             fn = self._compiled[key] = self.backend.compile(block)
         self._block_of[at] = fn, names
         return fn, names
@@ -390,8 +431,10 @@ class DecoderModel(abc.ABC):
         if batch.images and self.images_both_ways:
             cache.set_causal(ctx, [(s, s + rows.shape[0]) for s, rows in batch.images])
         if (len(batch) == 1 and output_layer is None and not hidden_only and batch.embeddings is None
-                and not batch.images and self.compile_decode and self.fuse_attention and self.compile_step):
-            logits = self._run_whole_step(ctx, batch, cache)
+                and not batch.images and self.plan.whole):
+            if self._whole_step is None:
+                self._whole_step = WholeStep(self, self.backend.compile)
+            logits = self._whole_step.run(ctx, batch, cache) if self._whole_step.usable else None
             if logits is not None:
                 return logits
         h = self.run_layers(ctx, batch, self.embed(ctx, batch), cache, output_layer)
@@ -401,16 +444,6 @@ class DecoderModel(abc.ABC):
             return h.rms_norm(self.w["model.norm.weight"], self.config.rms_norm_eps)
         return self.logits(ctx, batch, h)
 
-    def _run_whole_step(self, ctx: Context, batch: Batch, cache: "Cache") -> Tensor | None:
-        """A one-token step through :class:`WholeStep` (None: it cannot run so; run it block by block)."""
-        p = self.part
-        if (p.reduce is not None or not (p.embed and p.head) or not all(self.is_attention(i) for i in self.layers)
-                or self.config.query_temperature is not None):  # a trace would hold one position's temperature
-            return None
-        if self._whole_step is None:
-            self._whole_step = WholeStep(self, self.backend.compile)
-        return self._whole_step.run(ctx, batch, cache) if self._whole_step.usable else None
-
     def run_layers(self, ctx: Context, batch: Batch, h: Tensor, cache: "Cache", output_layer: int | None = None,
                    angles: "dict[tuple, RopeAngles] | None" = None, whole: bool = False,
                    pos_tensor: Tensor | None = None) -> Tensor:
@@ -418,31 +451,28 @@ class DecoderModel(abc.ABC):
         ``cache.start_forward``; returns the new ``h``. ``output_layer``: stop after that layer. ``angles``: the
         RoPE angles per ``(base, scale, id(freqs))``, or ``pos_tensor`` (INT32 ``[1]``) the position of a one-token
         step where the backend makes none, made by the caller; ``whole``: tracing a step compiled whole (raises
-        :class:`NotWholeStep` where a layer's attention cannot take the cache's fused path)."""
+        :class:`NotWholeStep` where the cache's fused attention does not run for this step). A one-token step runs
+        each layer in the form of the decode plan (:attr:`plan`); other batches op by op."""
         c = self.config
         n = h.shape[1]
         positions = rope_positions(ctx, batch)
-        # One token: the per-layer math before and after attention runs as two compiled graphs (Backend.compile).
-        compiled = n == 1 and self.compile_decode and isinstance(positions, int)
-        if compiled and angles is None and pos_tensor is None:
+        step = n == 1 and isinstance(positions, int)  # a one-token step: the plan's forms; else op by op
+        plan = self.plan.layers
+        if step and angles is None and pos_tensor is None:
             pos_tensor = ctx.from_numpy(np.array([positions], np.int32))
         angles = dict(angles or {})  # per distinct RoPE: made once for all its layers
         temperature = self._query_temperature(ctx, batch)
+        fused_cache = cache if isinstance(cache, FusedSteps) else None
+        dims = c.rope_dims or c.head_dim
         # compiled steps: the last layer's final residual term, added to h by the next layer's input norm (one node)
         pending: Tensor | None = None
-        # compiled steps taking the fused attention: this layer's q, k, v, made by the last layer's "outin" block
-        ahead: tuple[Tensor, Tensor, Tensor] | None = None
-
-        def fused_attention(layer: int) -> bool:  # an attention layer that takes the first branch below
-            return (compiled and self.fuse_attention and self.is_attention(layer)
-                    and isinstance(rope_at(layer), RopeAngles))
 
         def rope_at(layer: int) -> "int | Tensor | RopeAngles":
             base, scale, freqs = self._rope(layer)
             key = (base, scale, None if freqs is None else id(freqs))
             if key not in angles:
-                angles[key] = ctx.rope_angles(positions, n, c.rope_dims or c.head_dim, base, scale, freqs, self.dtype)
-            return angles[key] or (pos_tensor if compiled else positions)
+                angles[key] = ctx.rope_angles(positions, n, dims, base, scale, freqs, self.dtype)
+            return angles[key] or (pos_tensor if step else positions)
 
         for i, lw in self.layers.items():
             if output_layer is not None and i > output_layer:
@@ -454,38 +484,32 @@ class DecoderModel(abc.ABC):
                 continue
             cache.set_layer(i)
             at = rope_at(i)
+            form = plan[i].form if step else None
             o = None
             res = () if pending is None else (pending,)
-            fused = compiled and isinstance(at, RopeAngles) and self.fuse_attention
-            if fused:
-                # RoPE, the cache write and attention as one node where the cache and backend can (7 nodes otherwise)
-                if ahead is not None:  # (h is already this layer's input)
-                    (q, k, v), ahead = ahead, None
-                else:
-                    fn, names = self._compiled_block("in", i, 0, bool(res))
-                    q, k, v, *hs = fn(h, *res, *[lw[name] for name in names])
+            if form == FUSED:  # RoPE, the cache write and attention as the cache's one node (7 nodes otherwise)
+                fn, names = self._compiled_block("in", i, 0, bool(res))
+                q, k, v, *hs = fn(h, *res, *[lw[name] for name in names])
                 if temperature is not None:
                     q = q * temperature
-                dims = c.rope_dims or c.head_dim
-                o = cache.attend(ctx, q, k, v, c.query_scale, at, dims, c.rope_traditional)
-                if o is None and whole:
-                    raise NotWholeStep(f"layer {i}'s attention has no fused path here")
+                if fused_cache is not None:
+                    o = fused_cache.attend(ctx, q, k, v, c.query_scale, at, dims, c.rope_traditional)
                 if o is None:
                     q, k = (x.rope(at, dims, traditional=c.rope_traditional) for x in (q, k))
-            elif compiled:
+            elif form in (FUSED_ROTATED, COMPILED):
                 rope_args = (at.cos, at.sin) if isinstance(at, RopeAngles) else (at,)
                 fn, names = self._compiled_block("in", i, len(rope_args), bool(res))
                 q, k, v, *hs = fn(h, *res, *rope_args, *[lw[name] for name in names])
                 if temperature is not None:
                     q = q * temperature
-                if self.fuse_attention and not isinstance(at, RopeAngles):  # rotated: the cache write and attention
-                    o = cache.attend(ctx, q, k, v, c.query_scale, None, c.rope_dims or c.head_dim, c.rope_traditional)
-                if o is None and whole:
-                    raise NotWholeStep(f"layer {i}'s attention has no fused path here")
+                if form == FUSED_ROTATED and fused_cache is not None:  # rotated: the cache write and attention
+                    o = fused_cache.attend(ctx, q, k, v, c.query_scale, None, dims, c.rope_traditional)
             else:
                 q, k, v, _ = attention_in(c, self._rope(i), h, at, lw)
                 if temperature is not None:
                     q = q * temperature
+            if o is None and whole:
+                raise NotWholeStep(f"layer {i}'s attention has no fused path here")
             if res:  # (a compiled step's): h with the last layer's residual term added
                 h, = hs
             if o is None:
@@ -495,15 +519,7 @@ class DecoderModel(abc.ABC):
                 o = (ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
                      if c.attn_softcap is None and sinks is None
                      else ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask, c.attn_softcap, sinks))
-            nxt = self._next_layer.get(i)
-            if (compiled and nxt is not None and (output_layer is None or nxt <= output_layer)
-                    and self.part.reduce is None and fused and fused_attention(nxt)):
-                # this layer's output and MLP and the next one's input norm and projections: one node where two
-                fn, (names, next_names) = self._compiled_block("outin", i)
-                nw = self.layers[nxt]
-                q, k, v, h = fn(h, o, *[lw[name] for name in names], *[nw[name] for name in next_names])
-                ahead = q, k, v
-            elif compiled:
+            if form in (FUSED, FUSED_ROTATED, COMPILED):
                 fn, names = self._compiled_block("out", i)
                 h, pending = fn(h, o, *[lw[name] for name in names])
             else:

@@ -110,6 +110,7 @@ class DeepSeek2(MoEWeights, DecoderModel):
     architecture = "deepseek2"
     half_dtype = DType.BFLOAT16  # trained in bfloat16 (FP8 for V3); its activations are not held to float16's range
     config: MLAConfig
+    own_layers = "multi-head latent attention"
 
     def __init__(self, config: MLAConfig, weights: dict[str, Tensor], backend: Backend,
                  part: ModelPart | None = None):
@@ -118,8 +119,6 @@ class DeepSeek2(MoEWeights, DecoderModel):
         if self.part.reduce is not None:
             raise UnsupportedError("a DeepSeek V2/V3 model is not split over ranks by heads yet (its latent "
                                    "attention); use --parallel pipeline")
-        self.fuse_attention = False  # its own layer: no fused blocks, no whole-step trace
-        self.compile_step = False
 
     # ---- configuration -----------------------------------------------------------------------------------------
     @classmethod

@@ -28,12 +28,6 @@ class Gemma2(DecoderModel):
     # Google ships and Hugging Face runs Gemma 2 in bfloat16; its residual stream outgrows float16, as Gemma 3's.
     half_dtype = DType.BFLOAT16
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        # The cache's fused attention and the whole-step trace have no score cap: attention runs as queries, cache
-        # and scaled_dot_product_attention with the cap.
-        self.fuse_attention = False
-
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
         get = metadata_getter(metadata, "gemma2")

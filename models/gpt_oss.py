@@ -24,8 +24,8 @@ import re
 from typing import Any
 
 from mlx_engine.errors import UnsupportedError, WeightsError
-from mlx_engine.ml import Backend, DType, Tensor
-from mlx_engine.models.base import DecoderModel, ModelPart, hf_names_from_gguf
+from mlx_engine.ml import DType, Tensor
+from mlx_engine.models.base import DecoderModel, hf_names_from_gguf
 from mlx_engine.models.config import (DecoderConfig, check_layer_count, hf_rope_parameters, metadata_getter,
                                       vocab_size_of, yarn_rope)
 from mlx_engine.models.moe import MoEWeights, moe_names_from_gguf
@@ -59,13 +59,6 @@ class GptOss(MoEWeights, DecoderModel):
     architecture = "gpt_oss"
     # OpenAI ships and runs gpt-oss in bfloat16 (its experts in MXFP4).
     half_dtype = DType.BFLOAT16
-
-    def __init__(self, config: DecoderConfig, weights: dict[str, Tensor], backend: Backend,
-                 part: ModelPart | None = None):
-        super().__init__(config, weights, backend, part)
-        # The cache's fused attention and the whole-step trace have no sinks: attention runs as queries, cache and
-        # scaled_dot_product_attention with the sinks.
-        self.fuse_attention = False
 
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:

@@ -1,8 +1,7 @@
 """A decoder layer's math on the ``ml`` interfaces, as functions of the config and the layer's weights (by the names
 of :meth:`mlx_engine.models.base.DecoderModel._layer_weights`): RoPE, the part before attention (input norm,
 projections, query/key norms), the part after it (output projection, residual adds, norms, the gated MLP or the
-experts), and a decode step's boundary between two layers. :class:`DecoderModel` runs them, compiled per block for
-one-token steps. Shapes: hidden states ``[1, N, D]``, attention ``[1, H, N, Dh]``.
+experts). :class:`DecoderModel` runs them, compiled per block for one-token steps. Shapes: hidden states ``[1, N, D]``, attention ``[1, H, N, Dh]``.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from typing import Callable
 import numpy as np
 
 from mlx_engine.batch import Batch
-from mlx_engine.ml import Context, DType, RopeAngles, Tensor
+from mlx_engine.ml import Context, DType, LayerFusion, RopeAngles, Tensor
 from mlx_engine.models.config import DecoderConfig
 from mlx_engine.models.moe import moe_mlp
 
@@ -86,21 +85,20 @@ def attention_in(c: DecoderConfig, rope: tuple[float | None, float, "Tensor | No
 
 
 def attention_out(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None],
-                  reduce: "Callable[[Tensor], Tensor] | None" = None, defer: bool = False
-                  ) -> "Tensor | tuple[Tensor, Tensor]":
+                  reduce: "Callable[[Tensor], Tensor] | None" = None, defer: bool = False,
+                  fusion: "LayerFusion | None" = None) -> "Tensor | tuple[Tensor, Tensor]":
     """One layer after attention: the attention output ``o [1, H, N, Dh]`` through the output projection, the
     residual adds, the norms and the gated MLP; returns the new ``h [1, N, D]`` (``defer``: see
     :func:`feed_forward`). ``reduce`` (tensor parallelism) sums the partial outputs of the two row-sharded
     projections (output and down) over the ranks, before the residual add and the sandwich norms (Megatron-LM's
-    layout, Shoeybi et al. 2019)."""
+    layout, Shoeybi et al. 2019). ``fusion``: the backend runs it all as one operation (one token, a dense gated MLP;
+    the decode plan's choice, :func:`takes_output_mlp`), with the same values."""
     n = h.shape[1]
-    if (n == 1 and reduce is None and w.get("attn_gate") is None and w.get("router") is None
-            and w.get("o_bias") is None and c.residual_scale == 1.0):
-        # one token: the output projection, the norms and the MLP as one operation where the backend can
+    if fusion is not None:
         norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
-        h, m = o.output_mlp(h, w["o"], norm, w["gate"], w["up"], w["down"], c.activation, c.rms_norm_eps,
-                            w["post_attn_norm"] if c.sandwich_norm else None,
-                            w["post_ffn_norm"] if c.sandwich_norm else None)
+        h, m = fusion.output_mlp(o, h, w["o"], norm, w["gate"], w["up"], w["down"], c.activation, c.rms_norm_eps,
+                                 w["post_attn_norm"] if c.sandwich_norm else None,
+                                 w["post_ffn_norm"] if c.sandwich_norm else None)
         return (h, m) if defer else h + m
     o = (o if n == 1 else o.transpose(0, 2, 1, 3)).reshape(1, n, c.num_heads * c.head_dim)
     if w.get("attn_gate") is not None:  # gated attention (Qwen3-Next): the gate reads the layer's normed input
@@ -145,22 +143,14 @@ def feed_forward(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | N
     return (h, m) if defer else h + m
 
 
-def attention_out_in(c: DecoderConfig, h: Tensor, o: Tensor, w: dict[str, Tensor | None],
-                     w_next: dict[str, Tensor | None]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One layer after attention (:func:`attention_out`, weights ``w``) and the next one before it
-    (:func:`attention_in` without RoPE, weights ``w_next``): returns the next layer's ``q, k, v`` and its ``h``. One
-    token: as one operation where the backend can (a decode step's layer boundary: one graph node where there were
-    two); the values are those of the two functions in turn."""
-    if (h.shape[1] == 1 and w.get("attn_gate") is None and w.get("router") is None and w.get("o_bias") is None
-            and c.residual_scale == 1.0
-            and all(w_next.get(b) is None for b in ("q_bias", "k_bias", "v_bias"))):
-        norm = w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]
-        shapes = [(1, c.num_heads, 1, c.head_dim)] + [(1, c.num_kv_heads, 1, c.head_dim)] * 2
-        norms = [w_next["q_norm"], w_next["k_norm"], None] if c.qk_norm else None
-        h, (q, k, v) = o.output_mlp_norm_linear(
-            h, w["o"], norm, w["gate"], w["up"], w["down"], c.activation, c.rms_norm_eps,
-            w["post_attn_norm"] if c.sandwich_norm else None, w["post_ffn_norm"] if c.sandwich_norm else None,
-            w_next["attn_norm"], [w_next["q"], w_next["k"], w_next["v"]], shapes, norms)
-        return q, k, v, h
-    h, m = attention_out(c, h, o, w, defer=True)
-    return attention_in(c, (None, 1.0, None), h, None, w_next, m)
+def takes_output_mlp(c: DecoderConfig, w: dict[str, Tensor | None], fusion: "LayerFusion | None", dtype: DType,
+                     reduce: "Callable[[Tensor], Tensor] | None") -> bool:
+    """Whether a decode step's :func:`attention_out` of the layer of weights ``w`` runs as the backend's one
+    operation (``fusion``): a dense gated MLP with no gate on the attention, no output bias, no residual scale,
+    not split over ranks, and weights the backend takes."""
+    if (fusion is None or reduce is not None or w.get("attn_gate") is not None or w.get("router") is not None
+            or w.get("o_bias") is not None or c.residual_scale != 1.0):
+        return False
+    norms = [w["pre_ffn_norm"] if c.sandwich_norm else w["post_attn_norm"]]
+    norms += [w["post_attn_norm"], w["post_ffn_norm"]] if c.sandwich_norm else []
+    return fusion.takes_output_mlp(dtype, [w["o"], w["gate"], w["up"], w["down"]], norms, c.activation)

@@ -25,6 +25,7 @@ import numpy as np
 
 from mlx_engine.batch import Batch
 from mlx_engine.errors import UnsupportedError, WeightsError
+from mlx_engine.kvcache import EncoderInputs
 from mlx_engine.ml import Context, Tensor
 from mlx_engine.models.config import DecoderConfig
 from mlx_engine.models.llama import Llama
@@ -170,7 +171,7 @@ class Mllama(Llama):
         kept = getattr(self, "_cross_for", None)
         if kept is not None and kept[0] is batch:
             return kept[1]
-        inputs = cache.encoder_inputs()
+        inputs = cache.encoder_inputs() if isinstance(cache, EncoderInputs) else []
         result: tuple[Any, Any] = (None, None)
         if inputs:
             visible, sees = cross_attention_mask(inputs, batch.sequences, batch.positions)

@@ -25,13 +25,12 @@ if TYPE_CHECKING:
 
 class Olmo2(DecoderModel):
     architecture = "olmo2"
+    own_layers = "query and key norms over all heads"
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if self.part.reduce is not None:
             raise UnsupportedError("an OLMo 2 model is not split over ranks: its query/key norms span all heads")
-        self.fuse_attention = False  # its own layer: no fused blocks, no whole-step trace
-        self.compile_step = False
 
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:

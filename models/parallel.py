@@ -28,8 +28,8 @@ from typing import Any, Optional
 import numpy as np
 
 from mlx_engine.batch import Batch
-from mlx_engine.errors import EngineError, UnsupportedError
-from mlx_engine.kvcache import Cache
+from mlx_engine.errors import CacheError, EngineError, UnsupportedError
+from mlx_engine.kvcache import Cache, FusedSteps
 from mlx_engine.group import Group
 from mlx_engine.ml import Backend, Context, DType, Tensor
 from mlx_engine.models.base import DecoderModel
@@ -199,7 +199,7 @@ class DistributedModel:
         return g.send(h, stage_rank(stage + 1, g.size))
 
 
-class MirroredCache(Cache):
+class MirroredCache(Cache, FusedSteps):
     """Rank 0's KV cache, whose every change the other ranks repeat on theirs (each for its own layers or heads).
 
     Reads (``get``, ``can_resume``...) stay local; ``start_forward`` travels with the forward pass's message. A
@@ -225,7 +225,15 @@ class MirroredCache(Cache):
 
     def attend(self, ctx: Context, q: Tensor, key: Tensor, value: Tensor, scale: float, angles: Any, dims: int,
                traditional: bool) -> Optional[Tensor]:
-        return self.inner.attend(ctx, q, key, value, scale, angles, dims, traditional)
+        inner = self.inner
+        return inner.attend(ctx, q, key, value, scale, angles, dims, traditional) if isinstance(inner, FusedSteps) \
+            else None
+
+    def step_tensors(self, ctx: Context, layers: Sequence[int]) -> Optional[tuple[list[Tensor], list[Tensor]]]:
+        return None  # a distributed model's step is never traced whole: its ranks exchange tensors within it
+
+    def load_step_tensors(self, cells: Sequence[Tensor], storage: Sequence[Tensor]) -> None:
+        raise CacheError("a distributed model's cache has no tensors for a decode step compiled whole")
 
     def set_config(self, config: Any) -> None:
         self.inner.set_config(config)

@@ -17,6 +17,7 @@ import numpy as np
 
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheFullError, InvalidRequestError
+from mlx_engine.kvcache import Checkpoints
 from mlx_engine.ml import DType, Tensor
 from mlx_engine.models.base import DecoderModel
 from mlx_engine.models.constraint import Constraint, GrammarTokenizer, ResponseFormat
@@ -243,6 +244,11 @@ class Runner:
         """The text assembly of ``req``: its stop strings, and its thinking kept apart."""
         return TextAssembler(self.tokenizer, req.stop, self.reasoning(req))
 
+    def _checkpoints(self) -> "Checkpoints | None":
+        """The cache, where it keeps checkpoints the runner should ask for (a recurrent state); else None."""
+        cache = self.cache
+        return cache if isinstance(cache, Checkpoints) and cache.keeps_checkpoints else None
+
     # ---- prefill -----------------------------------------------------------------------------------------------
     def chunk_bounds(self, start: int, end: int, spans: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
         """The ``[begin, end)`` ranges in which positions ``start .. end - 1`` of a prompt are prefilled: chunks of
@@ -251,8 +257,9 @@ class Runner:
         the same prompt can be answered again (a regenerated reply, an edited last message) by running one token
         instead of the whole prompt. No chunk ends inside one of ``spans`` (an image's ``[begin, end)``): the cut
         moves to the image's start, or, when the image starts the chunk, to its end."""
-        cuts = {p + 1 for p in self.cache.checkpoint_grid(start, end - 1)}  # chunks end on the checkpoint grid
-        if self.cache.keeps_checkpoints and end - start > 1:
+        ck = self._checkpoints()
+        cuts = {p + 1 for p in ck.checkpoint_grid(start, end - 1)} if ck else set()  # on the checkpoint grid
+        if ck and end - start > 1:
             cuts.add(end - 1)
         bounds, b = [], start
         for e in sorted(cuts | {end}):
@@ -286,17 +293,19 @@ class Runner:
         keys = prompt_keys(tokens, images)
         start = self._reuse(seq, keys, images)
         bounds = self.chunk_bounds(start, len(tokens), [(im.start, im.start + im.count) for im in images])
+        ck = self._checkpoints()
+        states = self.cache if isinstance(self.cache, Checkpoints) else None
 
         def chunks() -> Iterator[Tensor]:
             for begin, end in bounds:
                 chunk = np.asarray(tokens[begin:end], np.int32)
-                if self.cache.keeps_checkpoints and end == len(tokens) - 1:
-                    self.cache.request_checkpoint(seq)
+                if ck and end == len(tokens) - 1:
+                    ck.request_checkpoint(seq)
                 batch = Batch.single(chunk, begin, seq)
                 batch.images = [(im.start - begin, self.model.vision.encode(im.pixels))
                                 for im in images if begin <= im.start < end]
                 logits = self.model.forward(ctx, batch, self.cache)
-                ctx.evaluate(logits, *self.cache.state_tensors())
+                ctx.evaluate(logits, *(states.state_tensors() if states else ()))
                 self._cached.setdefault(seq, []).extend(keys[begin:end])
                 yield logits
         return start, chunks()

@@ -5,7 +5,7 @@ attention, a sizeable share of a small model's step, and on a CPU the host's tim
 device's (both cores run the step's products). Traced whole, the step replays from
 ``Backend.compile``'s cache in one call; what changes from one step to the next goes in as tensors: the token id,
 the RoPE angles of its position (or the position, where the backend rotates from positions: a GPU), and the KV
-cache's cells and storage (``Cache.step_tensors``). A step that the cache cannot give so (several tokens, a wrapped
+cache's cells and storage (``FusedSteps.step_tensors``). A step that the cache cannot give so (several tokens, a wrapped
 sliding-window ring, a quantized cache, storage about to grow) runs block by block, as before, with the same result.
 On a GPU, where a step of a small model is bound by per-operation launches and graph building, the step's attention
 is MLX operations that read the cells from their array (``Context.cached_attention`` with ``angles=None``).
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from mlx_engine.batch import Batch
+from mlx_engine.kvcache import Cache, FusedSteps
 from mlx_engine.ml import Context, RopeAngles, Tensor
 
 if TYPE_CHECKING:
-    from mlx_engine.kvcache import Cache
     from mlx_engine.models.base import DecoderModel
 
 
@@ -52,7 +52,7 @@ class WholeStep:
         stored; ``None`` (nothing computed or stored) where the step cannot run compiled whole."""
         model = self._model()
         layers = list(model.layers)
-        state = cache.step_tensors(ctx, layers)
+        state = cache.step_tensors(ctx, layers) if isinstance(cache, FusedSteps) else None
         if state is None:
             return None
         cells, storage = state

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
-from mlx_engine.ml import ACTIVATIONS, Backend, CacheConfig, Context, DType, RopeAngles
-from mlx_engine.mlx import attention, cpu_kernels, runtime
+from mlx_engine.ml import ACTIVATIONS, Backend, CacheConfig, Context, DType, LayerFusion, RopeAngles
+from mlx_engine.mlx import attention, cpu_kernels, runtime, tensor
 from mlx_engine.mlx.runtime import blas_description, mx, select_device
 from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
 from mlx_engine.weights import QuantizedArray, open_weights
@@ -136,7 +136,7 @@ def _check_activations(activations: str | None, device: str) -> str:
     return activations
 
 
-class MLXBackend(Backend):
+class MLXBackend(Backend, LayerFusion):
     """Weights from a GGUF file, a safetensors file, or a Hugging Face folder, on an MLX device.
 
     Args:
@@ -332,6 +332,12 @@ class MLXBackend(Backend):
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(padding=1, mask_dtype=self._dtype, step=256)
+
+    def takes_output_mlp(self, dtype, weights, norms, activation):
+        return tensor.takes_output_mlp(dtype, weights, norms, activation)
+
+    def output_mlp(self, o, h, o_weight, norm, gate, up, down, activation, eps, o_norm=None, down_norm=None):
+        return tensor.output_mlp(o, h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm)
 
     def set_memory_limit(self, nbytes: int) -> int:
         return mx.set_memory_limit(int(nbytes))

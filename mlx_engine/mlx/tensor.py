@@ -169,38 +169,6 @@ class MLXTensor(Tensor):
                 return MLXTensor(ys[0])
         return super().gated_linear(up, activation, weight, out_norm, eps)
 
-    def _output_mlp_node(self, h, weights, norms, activation) -> bool:
-        """Whether our kernel's output_mlp runs these (on the CPU, every weight quantized, everything float32)."""
-        return (runtime.on_cpu and cpu_kernels.output_mlp is not None and activation in ("silu", "gelu_tanh")
-                and self.a.dtype == mx.float32 and h.a.dtype == mx.float32
-                and all(isinstance(w, MLXQuantizedTensor) for w in weights)
-                and all(t is None or t.a.dtype == mx.float32 for t in norms))
-
-    def output_mlp(self, h, o_weight, norm, gate, up, down, activation, eps, o_norm=None, down_norm=None):
-        # one graph node for the six of the operations apart, where our kernel runs them all
-        weights = (o_weight, gate, up, down)
-        if self._output_mlp_node(h, weights, (norm, o_norm, down_norm), activation):
-            wo, wg, wu, wd = [_weight_arg(w) for w in weights]
-            s, m = cpu_kernels.output_mlp(self.a, h.a, wo, norm.a, wg, wu, wd, activation, eps, raw(o_norm),
-                                          raw(down_norm), o_weight.activations)
-            return MLXTensor(s), MLXTensor(m)
-        return super().output_mlp(h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm)
-
-    def output_mlp_norm_linear(self, h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm, next_norm,
-                               next_weights, shapes=None, out_norms=None):
-        # one graph node for a layer's output_mlp and the next layer's norm_linear (each node of a decode step costs
-        # MLX some of the host's time and some of the stream thread's)
-        weights = (o_weight, gate, up, down, *next_weights)
-        if self._output_mlp_node(h, weights, (norm, o_norm, down_norm, next_norm, *(out_norms or ())), activation):
-            wo, wg, wu, wd, *nxt = [_weight_arg(w) for w in weights]
-            s, *ys = cpu_kernels.output_mlp(
-                self.a, h.a, wo, norm.a, wg, wu, wd, activation, eps, raw(o_norm), raw(down_norm),
-                o_weight.activations, next_norm.a, nxt, None if shapes is None else [list(x) for x in shapes],
-                None if out_norms is None else [raw(t) for t in out_norms])
-            return MLXTensor(s), [MLXTensor(y) for y in ys]
-        return super().output_mlp_norm_linear(h, o_weight, norm, gate, up, down, activation, eps, o_norm, down_norm,
-                                              next_norm, next_weights, shapes, out_norms)
-
     def linear_norm(self, weight, norm, eps):
         ys = self._fused_qmatmul([weight], "none", [], None, [norm], eps)
         return super().linear_norm(weight, norm, eps) if ys is None else MLXTensor(ys[0])
@@ -537,3 +505,19 @@ class MLXQuantizedTensor(MLXTensor):
 
     def __setitem__(self, index, value):
         raise UnsupportedError("a quantized weight cannot be updated in place; dequantize it first")
+
+
+def takes_output_mlp(dtype, weights, norms, activation) -> bool:
+    """:meth:`LayerFusion.takes_output_mlp`: our CPU kernel runs it (on the CPU, every weight quantized, everything
+    float32)."""
+    return (runtime.on_cpu and cpu_kernels.output_mlp is not None and activation in ("silu", "gelu_tanh")
+            and dtype == DType.FLOAT32 and all(isinstance(w, MLXQuantizedTensor) for w in weights)
+            and all(t is None or t.a.dtype == mx.float32 for t in norms))
+
+
+def output_mlp(o, h, o_weight, norm, gate, up, down, activation, eps, o_norm=None, down_norm=None):
+    """:meth:`LayerFusion.output_mlp` by our CPU kernel: one graph node for the six of the operations apart."""
+    wo, wg, wu, wd = [_weight_arg(w) for w in (o_weight, gate, up, down)]
+    s, m = cpu_kernels.output_mlp(o.a, h.a, wo, norm.a, wg, wu, wd, activation, eps, raw(o_norm), raw(down_norm),
+                                  o_weight.activations)
+    return MLXTensor(s), MLXTensor(m)
