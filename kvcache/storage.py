@@ -176,3 +176,13 @@ class KVStorage:
             self._store(ctx, st.k, shift_fn(ctx, layer, self._load(ctx, st.k, read), shift), write)
             touched.extend(st.k)
         ctx.evaluate(*touched)
+
+
+def kv_value_bytes(kv_bits: int | None, item: int) -> float:
+    """Bytes a KV cache of ``kv_bits`` (as :func:`load`'s) keeps per key or value element under a compute dtype of
+    ``item`` bytes (a quantized cache: its bits plus a scale and a bias of the compute dtype per group of 64)."""
+    if kv_bits is None:
+        return item
+    if kv_bits == HALF_KV_BITS:
+        return min(item, 2)
+    return kv_bits / 8 + 2 * item / 64

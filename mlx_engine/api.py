@@ -35,7 +35,7 @@ from typing import Any
 from mlx_engine.embed_api import EmbeddingModel, is_embedding_checkpoint  # noqa: F401 -- the pool's, too
 from mlx_engine.errors import (ChatTemplateError, GenerationInterruptedError,
                                InvalidRequestError, MemoryBudgetError)
-from mlx_engine.kvcache.storage import HALF_KV_BITS, KV_BITS, stored_dtype
+from mlx_engine.kvcache.storage import HALF_KV_BITS, KV_BITS, kv_value_bytes, stored_dtype
 from mlx_engine.image_api import (generate_image, load_image_model, open_init_image, read_image_parameters,
                                   save_image)
 from mlx_engine.ml import DType
@@ -511,16 +511,6 @@ def _check_load_arguments(*, device: Any, dtype: Any, context_length: Any, kv_bi
     if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS + (HALF_KV_BITS,)):
         raise InvalidRequestError(f"kv_bits must be one of {', '.join(map(str, KV_BITS + (HALF_KV_BITS,)))} or None, "
                                   f"not {kv_bits!r}")
-
-
-def kv_value_bytes(kv_bits: int | None, item: int) -> float:
-    """Bytes a KV cache of ``kv_bits`` (as :func:`load`'s) keeps per key or value element under a compute dtype of
-    ``item`` bytes (a quantized cache: its bits plus a scale and a bias of the compute dtype per group of 64)."""
-    if kv_bits is None:
-        return item
-    if kv_bits == HALF_KV_BITS:
-        return min(item, 2)
-    return kv_bits / 8 + 2 * item / 64
 
 
 def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None,

@@ -151,14 +151,13 @@ class Gemma4(DecoderModel):
     architecture = "gemma4"
     # Google ships and Hugging Face runs Gemma 4 in bfloat16; its residual stream outgrows float16, as Gemma 3's.
     half_dtype = DType.BFLOAT16
+    own_layers = "per-layer embeddings and key/value layers shared across layers"
 
     def __init__(self, config: Gemma4Config, *args: Any, **kwargs: Any):
         super().__init__(config, *args, **kwargs)
         if self.part.reduce is not None or any(config.kv_source[i] not in self.layers for i in self.layers):
             raise UnsupportedError("a Gemma 4 model is not split over ranks: its shared layers read earlier layers' "
                                    "keys and values")
-        self.fuse_attention = False  # its own layer: no fused blocks, no whole-step trace
-        self.compile_step = False
         self._global_periods = self.backend.new_context().from_numpy(np.asarray(config.global_periods, np.float32))
 
     # ---- configuration -----------------------------------------------------------------------------------------

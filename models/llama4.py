@@ -84,15 +84,13 @@ class Llama4(MoEWeights, DecoderModel):
     architecture = "llama4"
     shared_expert_gated = False
     config: Llama4Config
+    own_layers = "chunked attention, layers without RoPE and the attention temperature"
 
     def __init__(self, config: Llama4Config, weights: dict[str, Tensor], backend: Backend,
                  part: ModelPart | None = None):
         super().__init__(config, weights, backend, part)
         if self.part.reduce is not None:
             raise UnsupportedError("a Llama 4 model is not split over ranks by heads yet; use --parallel pipeline")
-        self.fuse_attention = False
-        self.compile_step = False
-        self.compile_decode = False
 
     # ---- configuration -----------------------------------------------------------------------------------------
     @classmethod

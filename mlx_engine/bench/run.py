@@ -268,7 +268,7 @@ class EngineSide:
                 add(t)
         add(tm.w.get("model.norm.weight"))
         add(tm.head)
-        from mlx_engine.api import kv_value_bytes
+        from mlx_engine.kvcache.storage import kv_value_bytes
 
         per_value = kv_value_bytes(self.model.kv_bits, tm.dtype.itemsize)
         for i in range(c.num_layers):
