@@ -155,6 +155,20 @@ def reference(model, tokens: list[int]) -> np.ndarray:
         return model(torch.tensor([tokens])).logits[0].float().numpy()
 
 
+def routers_seen(made: Made, routers: dict[int, object]) -> dict[int, tuple]:
+    """``{layer: (input, output)}`` of each router module of ``routers`` (by layer) while transformers runs the
+    made prompt: what the tests of mixtures of experts read to show that routing matters on it."""
+    seen: dict[int, tuple] = {}
+    hooks = [r.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0], out)))
+             for i, r in routers.items()]
+    try:
+        reference(made.model, made.tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
 def reference_greedy(model, tokens: list[int], n: int) -> list[int]:
     """``n`` greedy tokens of transformers after ``tokens`` (its own cache, no end-of-sequence stop)."""
     import torch

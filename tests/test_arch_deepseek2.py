@@ -89,14 +89,8 @@ def test_routing_reaches_every_expert_and_groups_and_bias_matter(made):
     """Routing matters here: transformers' router sends the prompt's tokens to every expert of both MoE layers, and
     its choices differ, for some tokens, from a top-2 without the correction bias and from one without the groups."""
     layers = made.model.model.layers
-    seen: dict[int, tuple] = {}
-    hooks = [layers[i].mlp.gate.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0], out)))
-             for i in range(SIZES["first_k_dense_replace"], len(layers))]
-    try:
-        arch_proof.reference(made.model, made.tokens)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    seen = arch_proof.routers_seen(made, {i: layers[i].mlp.gate
+                                          for i in range(SIZES["first_k_dense_replace"], len(layers))})
     assert len(seen) == 2
     for i, (x, (_, _, chosen)) in seen.items():
         gate = layers[i].mlp.gate

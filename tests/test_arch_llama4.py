@@ -71,15 +71,9 @@ def test_chunks_and_temperature_matter(made):
 
 def test_routing_reaches_every_expert(made):
     layers = made.model.model.layers
-    seen: dict[int, object] = {}
-    hooks = [layers[i].feed_forward.router.register_forward_hook(
-        lambda mod, args, out, i=i: seen.__setitem__(i, out[1])) for i in (1, 3)]
-    try:
-        arch_proof.reference(made.model, made.tokens)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    for i, logits in seen.items():
+    seen = arch_proof.routers_seen(made, {i: layers[i].feed_forward.router for i in (1, 3)})
+    assert len(seen) == 2
+    for i, (_, (_, logits)) in seen.items():
         assert set(logits.argmax(dim=-1).tolist()) == set(range(SIZES["num_local_experts"])), i
 
 
