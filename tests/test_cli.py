@@ -17,6 +17,7 @@ import mlx_engine.cli.main as cli_main
 from mlx_engine.cli.chat import ChatRepl
 from mlx_engine.cli.main import main
 from mlx_engine.errors import InvalidRequestError
+from mlx_engine.models.options import GenerationOptions
 from tests.conftest import link_model
 from tests.test_store import write_ollama_model
 
@@ -202,6 +203,16 @@ class FakeSession:
         return 7 * len(self.messages)
 
 
+class FakePlan:
+    def describe(self):
+        return "decode plan: fake"
+
+
+def parsed(options: dict):
+    """What the API makes of ``options`` given by name: the calls FakeModel records are compared with it."""
+    return GenerationOptions.parse(options)
+
+
 class FakeModel:
     """Records how the CLI calls the API; answers with the prompt reversed (as words) and the options used."""
 
@@ -214,6 +225,7 @@ class FakeModel:
                      "context_length": 8192, "chat_template": "x" if has_chat_template else None,
                      "license": "Apache-2.0", "source": "catalog", "path": "/nowhere"}
         self.calls = []
+        self.decode_plan = FakePlan()
 
     def pieces(self, prompt, options):
         yield "echo:"
@@ -221,7 +233,9 @@ class FakeModel:
             yield " " + w
 
     def stream(self, prompt, **options):
-        self.calls.append((prompt, options))
+        # `run` parses its options once and passes them whole (``options=``); other doors pass them by name
+        parsed = options.get("options") or GenerationOptions.parse({k: v for k, v in options.items() if k != "images"})
+        self.calls.append((prompt, parsed))
         yield from self.pieces(prompt, options)
         yield FakeStats()
 
@@ -250,7 +264,7 @@ def test_run_arguments(fake_load):
     assert r.stdout == "echo: What is the capital of France?\n"
     m = fake_load[-1]
     assert m.name == "smollm2:135m"
-    assert m.calls == [("What is the capital of France?", {"raw": False})]
+    assert m.calls == [("What is the capital of France?", parsed({"raw": False}))]
 
     r = invoke("run", "smollm2", "Why", "is", "the", "sky", "blue?", "--temperature", "0", "--top-k", "40",
                "--top-p", "0.9", "--min-p", "0.05", "--repeat-penalty", "1.1", "--seed", "3", "--max-tokens", "7",
@@ -258,15 +272,15 @@ def test_run_arguments(fake_load):
     assert r.exit_code == 0, r.output
     m = fake_load[-1]
     assert m.name == "smollm2"
-    assert m.calls == [("Why is the sky blue?", {
+    assert m.calls == [("Why is the sky blue?", parsed({
         "raw": False, "temperature": 0.0, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "repeat_penalty": 1.1,
-        "seed": 3, "max_tokens": 7, "stop": ["END", "STOP"], "system": "Be brief."})]
+        "seed": 3, "max_tokens": 7, "stop": ["END", "STOP"], "system": "Be brief."}))]
 
     # base models and --raw: raw completion
     invoke("run", "gemma3:270m", "The capital of France is")
-    assert fake_load[-1].calls == [("The capital of France is", {"raw": True})]
+    assert fake_load[-1].calls == [("The capital of France is", parsed({"raw": True}))]
     invoke("run", "smollm2:135m", "--raw", "Once upon a time")
-    assert fake_load[-1].calls == [("Once upon a time", {"raw": True})]
+    assert fake_load[-1].calls == [("Once upon a time", parsed({"raw": True}))]
     # the KV cache's type: the compute dtype unless asked otherwise
     assert fake_load[-1].load_kw["kv_bits"] == "none"
     invoke("run", "smollm2:135m", "--kv-bits", "16", "Hi")
@@ -281,9 +295,10 @@ def test_run_arguments(fake_load):
 def test_run_prompt_from_stdin_and_verbose(fake_load):
     r = invoke("run", "smollm2:135m", "--verbose", input="Tell me\na joke\n")
     assert r.exit_code == 0, r.output
-    assert fake_load[-1].calls == [("Tell me\na joke\n", {"raw": False})]
+    assert fake_load[-1].calls == [("Tell me\na joke\n", parsed({"raw": False}))]
     assert r.stdout == "echo: Tell me a joke\n"
     assert "smollm2:135m (llama, 135M, Q4_1) on fake cpu (no BLAS)" in r.stderr
+    assert "decode plan: fake" in r.stderr  # --verbose prints how each layer of a decode step runs
     assert "prompt 5 tokens 100.0 tok/s | decode" in r.stderr
     # stdin without a model argument, and an empty prompt
     r = invoke("run", input="Hello there")
