@@ -216,11 +216,43 @@ def rss_bytes(pid: int | None) -> int | None:
         return None
 
 
-def kv_state(url: str, model: str) -> dict:
+def server_status(url: str) -> dict:
+    """The server's ``/status`` ({} when it does not answer)."""
     try:
-        return httpx.get(url + "/status", timeout=30).json()["models"].get(model, {})
-    except (httpx.HTTPError, ValueError, KeyError):
+        return httpx.get(url + "/status", timeout=30).json()
+    except (httpx.HTTPError, ValueError):
         return {}
+
+
+class Monitor(threading.Thread):
+    """Samples the server every ``every`` seconds: its RSS, MLX's active and cache memory (``/status``), and the
+    requests answered so far. ``samples``: (minutes, rss, mlx_active, mlx_cache, requests)."""
+
+    def __init__(self, url: str, pid: int | None, tally: Tally, t0: float, every: float = 60.0):
+        super().__init__(name="soak-monitor", daemon=True)
+        self.url, self.pid, self.tally, self.t0, self.every = url, pid, tally, t0, every
+        self.samples: list[tuple[float, int | None, int | None, int | None, int]] = []
+        self.done = threading.Event()
+
+    def sample(self) -> tuple:
+        mem = server_status(self.url).get("memory", {})
+        with self.tally.lock:
+            n = sum(sum(c.values()) for c in self.tally.counts.values())
+        row = ((time.monotonic() - self.t0) / 60, rss_bytes(self.pid), mem.get("mlx_active"), mem.get("mlx_cache"), n)
+        self.samples.append(row)
+        print(f"  {row[0]:5.1f} min: RSS {fmt(row[1])}, MLX active {fmt(row[2])}, MLX cache {fmt(row[3])}, "
+              f"{row[4]} requests", flush=True)
+        return row
+
+    def run(self) -> None:
+        k = 1
+        while not self.done.wait(max(0.0, self.t0 + k * self.every - time.monotonic())):
+            self.sample()
+            k += 1
+
+    def at(self, minutes: float) -> tuple | None:
+        """The first sample at or after ``minutes``."""
+        return next((r for r in self.samples if r[0] >= minutes - 1e-6), None)
 
 
 def start_server(model: str, args) -> tuple[subprocess.Popen, str, Path]:
@@ -268,34 +300,33 @@ def main() -> int:
         proc, url, log = start_server(args.model, args)
         pid = proc.pid
     print(f"soak: {args.clients} clients for {args.minutes:g} min against {url} (model {args.model})", flush=True)
-    base = kv_state(url, args.model)
     rss_start = rss_bytes(pid)
     tally = Tally()
     t0 = time.monotonic()
     deadline = t0 + args.minutes * 60
+    mark_min = min(args.rss_mark, args.minutes / 2)
+    monitor = Monitor(url, pid, tally, t0, every=min(60.0, args.minutes * 6))
+    monitor.start()
     clients = [Client(i, url, args.model, deadline, args.max_requests, tally, args.timeout)
                for i in range(args.clients)]
     for c in clients:
         c.start()
-    mark_s = min(args.rss_mark * 60, args.minutes * 30)
-    rss_mark = None
     while any(c.is_alive() for c in clients):
-        if rss_mark is None and time.monotonic() - t0 >= mark_s:
-            rss_mark = rss_bytes(pid)
-            print(f"  RSS at {mark_s / 60:.1f} min: {fmt(rss_mark)}", flush=True)
         time.sleep(1.0)
         if time.monotonic() > deadline + args.timeout + 60:
             print("  clients still running past the deadline: reported as errors", flush=True)
             tally.add("run", "error", "a client did not finish within its request timeout after the deadline")
             break
-    if rss_mark is None:
-        rss_mark = rss_bytes(pid)
+    monitor.done.set()
+    last_busy = monitor.samples[-1] if monitor.samples else None  # the last sample taken under traffic
     for _ in range(100):  # let cancelled requests drain
-        end = kv_state(url, args.model)
+        end = server_status(url).get("models", {}).get(args.model, {})
         if not (end.get("decoding") or end.get("prefilling") or end.get("queued")):
             break
         time.sleep(0.1)
-    rss_end = rss_bytes(pid)
+    time.sleep(3.0)  # the server gives freed memory back once idle for half a second
+    idle = monitor.sample()
+    end = server_status(url).get("models", {}).get(args.model, {})
     took = time.monotonic() - t0
 
     print(f"\n{'kind':16} {'requests':>9} {'ok':>7} {'4xx':>7} {'errors':>7}")
@@ -309,18 +340,31 @@ def main() -> int:
           f"   ({sum(total.values()) / took:.1f} requests/s over {took / 60:.1f} min)")
     for e in tally.errors:
         print("  error:", e)
-    growth = f"{(rss_end / rss_mark - 1) * 100:+.1f} %" if rss_end and rss_mark else "n/a"
-    print(f"RSS: start {fmt(rss_start)}, at {mark_s / 60:.1f} min {fmt(rss_mark)}, end {fmt(rss_end)} "
-          f"(growth since the mark {growth})")
+    mark = monitor.at(mark_min)
+    grew = []
+    for label, row in (("under traffic at the last sample", last_busy), ("idle at the end", idle)):
+        if mark and row and mark[1] and row[1] and row is not mark:
+            g = (row[1] / mark[1] - 1) * 100
+            grew.append(g)
+            print(f"RSS growth since {mark[0]:.1f} min ({fmt(mark[1])}), {label} ({row[0]:.1f} min, {fmt(row[1])}): "
+                  f"{g:+.1f} %")
+    after = [r[1] for r in monitor.samples if mark and r[0] >= mark[0] and r[1]]
+    print(f"RSS: start {fmt(rss_start)}; after the mark min {fmt(min(after, default=None))}, max "
+          f"{fmt(max(after, default=None))}; MLX cache at the end {fmt(idle[3])}")
+    judged = args.minutes >= 2 * args.rss_mark  # a plateau needs as long again after the mark as before it
+    memory_bad = judged and any(g >= 5.0 for g in grew)
+    if not judged:
+        print(f"(RSS growth not judged: a run shorter than twice --rss-mark, {args.rss_mark:g} min)")
     left = {k: end.get(k) for k in ("decoding", "prefilling", "queued")}
+    leaked = None
     if end:
-        print(f"KV cells in use: after load {base.get('cells_in_use')}, at the end {end.get('cells_in_use')} "
-              f"(finished conversations kept for the prefix cache, at most {end.get('slots')} slots); "
-              f"requests left: {left}")
+        leaked = end.get("cells_in_use", 0) - end.get("cells_kept", 0)
+        print(f"KV cells in use at the end: {end.get('cells_in_use')}; held by the conversations the prefix cache "
+              f"keeps ({end.get('tokens_kept')} tokens in {end.get('slots')} slots): {end.get('cells_kept')}; "
+              f"leaked: {leaked}; requests left: {left}")
     else:  # the last unload of the run let go of it
-        print(f"KV cells in use: after load {base.get('cells_in_use')}; at the end the model is unloaded (its cache "
-              "freed, no request left)")
-    bad = total["error"] > 0 or any(left.values())
+        print("KV cells at the end: the model is unloaded (its cache freed, no request left)")
+    bad = total["error"] > 0 or any(left.values()) or memory_bad or bool(leaked)
     if proc is not None:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -118,3 +118,28 @@ def watch_thread_exit() -> None:
     The main thread needs none (MLX frees its state in an ``atexit`` hook)."""
     if getattr(_thread_end, "slot", None) is None and threading.current_thread() is not threading.main_thread():
         _thread_end.slot = _ThreadEnd()
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim(0)``); whether it could.
+
+    On Linux MLX's CPU allocator takes its buffers from ``malloc``. glibc raises its mmap threshold each time a large
+    mmapped block is freed (up to 32 MiB), so later buffers of those sizes come from the heap arenas, and their freed
+    pages stay in the process (resident) until trimmed: the server's RSS grew 350 MiB over a soak while MLX's active
+    memory stayed flat. A no-op (False) where the C library has no ``malloc_trim`` (macOS, musl)."""
+    fn = _malloc_trim()
+    return bool(fn is not None and fn(0) is not None)
+
+
+_MALLOC_TRIM: list = []
+
+
+def _malloc_trim():
+    if not _MALLOC_TRIM:
+        try:
+            fn = ctypes.CDLL(None).malloc_trim
+            fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _MALLOC_TRIM.append(fn)
+    return _MALLOC_TRIM[0]
