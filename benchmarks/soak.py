@@ -6,12 +6,16 @@ OpenAI chat streamed and not, ollama generate streamed and not, images on ``shap
 few chunks, bodies dropped halfway, hostile requests (lone surrogates, NUL bytes, huge and NaN ``keep_alive``,
 broken JSON), and now and then an unload (``keep_alive: 0``) while the others run. Every request has a timeout.
 
-It reports, per kind: requests, answers as expected, expected 4xx, and every other outcome as an error (a 5xx, an
-answer cut short, a stream without its finish, a transport error); the server's resident memory (RSS) at
-``--rss-mark`` minutes (5; half the run when shorter) and at the end, and the growth between; the KV cells in use
-(``/status``) after the models loaded and at the end, and whether any request was left running. Exit status 1 when
-there were errors, a request left running, or (a server it started) a traceback or a 500 in the server's log, or an
-exit other than 0 or SIGTERM's (uvicorn re-raises the signal that stopped it).
+While it runs it samples the server six times a minute (its RSS; MLX's active and cache memory from ``/status``) and
+prints a line a minute (RSS min / median / max), so that a plateau can be told from a leak. At the end it reports,
+per kind: requests, answers as expected, expected 4xx, and every other outcome as an error (a 5xx, an answer cut
+short, a stream without its finish, a transport error); the RSS growth: the median of the last 5 minutes against the
+median of the 5 minutes from ``--rss-mark`` (5), and the RSS once the server is idle; the KV cells in use at the end
+against the cells that hold the tokens of the conversations the prefix cache keeps (``/status``: ``cells_in_use``
+and ``cells_kept``; any difference is leaked cells), and whether any request was left running. Exit status 1 when
+there were errors, a request left running, leaked cells, RSS growth of 5 % or more (judged in runs of at least twice
+``--rss-mark``), or (a server it started) a traceback or a 500 in the server's log, or an exit other than 0 or
+SIGTERM's (uvicorn re-raises the signal that stopped it).
 
 Example: python benchmarks/soak.py --minutes 3
 """
@@ -226,11 +230,12 @@ def server_status(url: str) -> dict:
 
 class Monitor(threading.Thread):
     """Samples the server every ``every`` seconds: its RSS, MLX's active and cache memory (``/status``), and the
-    requests answered so far. ``samples``: (minutes, rss, mlx_active, mlx_cache, requests)."""
+    requests answered so far; prints each ``line_every`` seconds' samples as one line (RSS min / median / max).
+    ``samples``: (minutes, rss, mlx_active, mlx_cache, requests)."""
 
-    def __init__(self, url: str, pid: int | None, tally: Tally, t0: float, every: float = 60.0):
+    def __init__(self, url: str, pid: int | None, tally: Tally, t0: float, every: float, line_every: float):
         super().__init__(name="soak-monitor", daemon=True)
-        self.url, self.pid, self.tally, self.t0, self.every = url, pid, tally, t0, every
+        self.url, self.pid, self.tally, self.t0, self.every, self.line_every = url, pid, tally, t0, every, line_every
         self.samples: list[tuple[float, int | None, int | None, int | None, int]] = []
         self.done = threading.Event()
 
@@ -240,19 +245,34 @@ class Monitor(threading.Thread):
             n = sum(sum(c.values()) for c in self.tally.counts.values())
         row = ((time.monotonic() - self.t0) / 60, rss_bytes(self.pid), mem.get("mlx_active"), mem.get("mlx_cache"), n)
         self.samples.append(row)
-        print(f"  {row[0]:5.1f} min: RSS {fmt(row[1])}, MLX active {fmt(row[2])}, MLX cache {fmt(row[3])}, "
-              f"{row[4]} requests", flush=True)
         return row
 
+    def print_window(self, lo: float, hi: float, label: str = "") -> None:
+        rows = [r for r in self.samples if lo <= r[0] < hi]
+        rss = [r[1] for r in rows if r[1]]
+        if rows:
+            print(f"  {label or f'minutes {lo:g}-{hi:g}'}: RSS {fmt(min(rss, default=None))} / "
+                  f"{fmt(median(rss))} / {fmt(max(rss, default=None))} (min / median / max of {len(rows)}), "
+                  f"MLX active {fmt(median([r[2] for r in rows if r[2] is not None]))}, MLX cache max "
+                  f"{fmt(max((r[3] for r in rows if r[3] is not None), default=None))}, {rows[-1][4]} requests",
+                  flush=True)
+
     def run(self) -> None:
-        k = 1
+        k, line = 1, 1
         while not self.done.wait(max(0.0, self.t0 + k * self.every - time.monotonic())):
             self.sample()
             k += 1
+            if k * self.every > line * self.line_every:
+                self.print_window((line - 1) * self.line_every / 60, line * self.line_every / 60)
+                line += 1
 
-    def at(self, minutes: float) -> tuple | None:
-        """The first sample at or after ``minutes``."""
-        return next((r for r in self.samples if r[0] >= minutes - 1e-6), None)
+    def median_rss(self, lo: float, hi: float) -> int | None:
+        """The median RSS of the samples taken from minute ``lo`` to ``hi``."""
+        return median([r[1] for r in self.samples if lo <= r[0] < hi and r[1]])
+
+
+def median(values: list[int]) -> int | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 def start_server(model: str, args) -> tuple[subprocess.Popen, str, Path]:
@@ -289,7 +309,8 @@ def main() -> int:
     ap.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, for its RSS")
     ap.add_argument("--max-requests", type=int, default=100_000, help="per client")
     ap.add_argument("--max-sequences", type=int, default=4, help="of a server this starts")
-    ap.add_argument("--rss-mark", type=float, default=5.0, help="minutes: when the first RSS sample is taken")
+    ap.add_argument("--rss-mark", type=float, default=5.0,
+                    help="minutes: RSS growth is measured from here (half the run when shorter)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds, per request")
     args = ap.parse_args()
 
@@ -304,8 +325,9 @@ def main() -> int:
     tally = Tally()
     t0 = time.monotonic()
     deadline = t0 + args.minutes * 60
-    mark_min = min(args.rss_mark, args.minutes / 2)
-    monitor = Monitor(url, pid, tally, t0, every=min(60.0, args.minutes * 6))
+    mark = min(args.rss_mark, args.minutes / 2)
+    line_s = min(60.0, args.minutes * 6)  # a line a minute (ten lines in a short run), six samples a line
+    monitor = Monitor(url, pid, tally, t0, every=line_s / 6, line_every=line_s)
     monitor.start()
     clients = [Client(i, url, args.model, deadline, args.max_requests, tally, args.timeout)
                for i in range(args.clients)]
@@ -318,7 +340,6 @@ def main() -> int:
             tally.add("run", "error", "a client did not finish within its request timeout after the deadline")
             break
     monitor.done.set()
-    last_busy = monitor.samples[-1] if monitor.samples else None  # the last sample taken under traffic
     for _ in range(100):  # let cancelled requests drain
         end = server_status(url).get("models", {}).get(args.model, {})
         if not (end.get("decoding") or end.get("prefilling") or end.get("queued")):
@@ -340,19 +361,18 @@ def main() -> int:
           f"   ({sum(total.values()) / took:.1f} requests/s over {took / 60:.1f} min)")
     for e in tally.errors:
         print("  error:", e)
-    mark = monitor.at(mark_min)
-    grew = []
-    for label, row in (("under traffic at the last sample", last_busy), ("idle at the end", idle)):
-        if mark and row and mark[1] and row[1] and row is not mark:
-            g = (row[1] / mark[1] - 1) * 100
-            grew.append(g)
-            print(f"RSS growth since {mark[0]:.1f} min ({fmt(mark[1])}), {label} ({row[0]:.1f} min, {fmt(row[1])}): "
-                  f"{g:+.1f} %")
-    after = [r[1] for r in monitor.samples if mark and r[0] >= mark[0] and r[1]]
-    print(f"RSS: start {fmt(rss_start)}; after the mark min {fmt(min(after, default=None))}, max "
-          f"{fmt(max(after, default=None))}; MLX cache at the end {fmt(idle[3])}")
+    # RSS moves by the transient memory of whatever runs at the moment of a sample (an image being denoised, a long
+    # prefill) and by the heap's pages not yet given back: a leak shows as a median that keeps rising.
+    window = min(5.0, (args.minutes - mark) / 2)
+    first, last = monitor.median_rss(mark, mark + window), monitor.median_rss(args.minutes - window, args.minutes)
+    monitor.print_window(mark, mark + window, f"minutes {mark:g}-{mark + window:g}")
+    monitor.print_window(args.minutes - window, args.minutes, f"minutes {args.minutes - window:g}-{args.minutes:g}")
+    growth = (last / first - 1) * 100 if first and last else None
+    print(f"RSS: start {fmt(rss_start)}; median over minutes {mark:g}-{mark + window:g} {fmt(first)}, over the last "
+          f"{window:g} minutes {fmt(last)}: growth {'n/a' if growth is None else f'{growth:+.1f} %'}; idle at the "
+          f"end {fmt(idle[1])} (MLX active {fmt(idle[2])}, MLX cache {fmt(idle[3])})")
     judged = args.minutes >= 2 * args.rss_mark  # a plateau needs as long again after the mark as before it
-    memory_bad = judged and any(g >= 5.0 for g in grew)
+    memory_bad = judged and (growth is None or growth >= 5.0)
     if not judged:
         print(f"(RSS growth not judged: a run shorter than twice --rss-mark, {args.rss_mark:g} min)")
     left = {k: end.get(k) for k in ("decoding", "prefilling", "queued")}

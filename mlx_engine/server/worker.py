@@ -124,7 +124,7 @@ class DeviceWorker:
                 self._wake.clear()
             if self._dirty and (idle or time.monotonic() - released >= _RELEASE_EVERY_S):
                 self._dirty = False
-                api.release_memory()
+                api.release_memory(collect=idle)  # a full garbage collection would stall running answers
                 released = time.monotonic()
         self.cancel_all()
         self._run_calls()
