@@ -25,9 +25,7 @@ A reasoning model's thinking is kept apart from its answer: ``stream`` yields it
 
 from __future__ import annotations
 
-import gc
 import math
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -53,6 +51,7 @@ from mlx_engine.models.runner import GenerationStats, Runner
 from mlx_engine.models.tools import (ToolCall, check_tools, prepare_messages,
                                      tool_choice_format, tool_style)
 from mlx_engine.models.vision import chat_prompt
+from mlx_engine.memory import limit_buffer_cache, memory_in_use, memory_stats, release_memory
 from mlx_engine.parallel import launched_rank, load_sharded
 from mlx_engine.session import ChatSession
 from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
@@ -572,47 +571,6 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
             raise
         loaded.draft = draft
     return loaded
-
-
-def memory_in_use() -> int:
-    """Bytes of device memory the process holds now (MLX's active memory)."""
-    return MLXBackend().active_memory()
-
-
-def memory_stats() -> dict[str, int | None]:
-    """The process's memory now, in bytes: ``resident`` (RSS, from ``/proc``; None where there is none, as on macOS),
-    and MLX's ``mlx_active`` (arrays alive), ``mlx_cache`` (freed buffers kept for reuse) and ``mlx_peak`` (the most
-    active since start)."""
-    b = MLXBackend()
-    return {"resident": _resident_bytes(), "mlx_active": b.active_memory(), "mlx_cache": b.cache_memory(),
-            "mlx_peak": b.peak_memory()}
-
-
-def _resident_bytes() -> int | None:
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def limit_buffer_cache(nbytes: int) -> int:
-    """Keep at most ``nbytes`` of freed buffers for reuse (MLX's cache limit), or MLX's own default where that is
-    lower. Returns the limit now in force, bytes."""
-    b = MLXBackend()
-    default = b.set_cache_limit(nbytes)
-    if default < nbytes:
-        b.set_cache_limit(default)
-    return min(default, nbytes)
-
-
-def release_memory(collect: bool = True) -> None:
-    """Give freed memory back to the system: with ``collect``, Python's unreachable cycles are collected first (arrays
-    they hold are freed; about 0.1 s for a server), then MLX's buffer cache and the heap's free pages are returned
-    (``Backend.clear_cache``)."""
-    if collect:
-        gc.collect()
-    MLXBackend().clear_cache()
 
 
 def _as_model(model: "Model | str") -> Model:

@@ -593,11 +593,3 @@ class Runner:
                 states[i].accept(int(sampled[j].item()))
             active = [i for i in active if not states[i].finish_reason]
         return [st.tokens for st in states]
-
-
-def logits_for(model: DecoderModel, runner: Runner, tokens: Sequence[int], sequence: int = 0) -> np.ndarray:
-    """First-step logits ``[vocab]`` (float32, host) of a prompt: for parity checks against reference models."""
-    with model.backend.new_context() as ctx:
-        runner.reset(sequence)
-        logits, _ = runner.prefill(ctx, sequence, list(tokens))
-        return logits.astype(DType.FLOAT32).numpy()[0]
