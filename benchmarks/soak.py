@@ -6,12 +6,16 @@ OpenAI chat streamed and not, ollama generate streamed and not, images on ``shap
 few chunks, bodies dropped halfway, hostile requests (lone surrogates, NUL bytes, huge and NaN ``keep_alive``,
 broken JSON), and now and then an unload (``keep_alive: 0``) while the others run. Every request has a timeout.
 
-It reports, per kind: requests, answers as expected, expected 4xx, and every other outcome as an error (a 5xx, an
-answer cut short, a stream without its finish, a transport error); the server's resident memory (RSS) at
-``--rss-mark`` minutes (5; half the run when shorter) and at the end, and the growth between; the KV cells in use
-(``/status``) after the models loaded and at the end, and whether any request was left running. Exit status 1 when
-there were errors, a request left running, or (a server it started) a traceback or a 500 in the server's log, or an
-exit other than 0 or SIGTERM's (uvicorn re-raises the signal that stopped it).
+While it runs it samples the server six times a minute (its RSS; MLX's active and cache memory from ``/status``) and
+prints a line a minute (RSS min / median / max), so that a plateau can be told from a leak. At the end it reports,
+per kind: requests, answers as expected, expected 4xx, and every other outcome as an error (a 5xx, an answer cut
+short, a stream without its finish, a transport error); the RSS growth: the median of the last 5 minutes against the
+median of the 5 minutes from ``--rss-mark`` (5), and the RSS once the server is idle; the KV cells in use at the end
+against the cells that hold the tokens of the conversations the prefix cache keeps (``/status``: ``cells_in_use``
+and ``cells_kept``; any difference is leaked cells), and whether any request was left running. Exit status 1 when
+there were errors, a request left running, leaked cells, RSS growth of 5 % or more (judged in runs of at least twice
+``--rss-mark``), or (a server it started) a traceback or a 500 in the server's log, or an exit other than 0 or
+SIGTERM's (uvicorn re-raises the signal that stopped it).
 
 Example: python benchmarks/soak.py --minutes 3
 """
@@ -216,11 +220,59 @@ def rss_bytes(pid: int | None) -> int | None:
         return None
 
 
-def kv_state(url: str, model: str) -> dict:
+def server_status(url: str) -> dict:
+    """The server's ``/status`` ({} when it does not answer)."""
     try:
-        return httpx.get(url + "/status", timeout=30).json()["models"].get(model, {})
-    except (httpx.HTTPError, ValueError, KeyError):
+        return httpx.get(url + "/status", timeout=30).json()
+    except (httpx.HTTPError, ValueError):
         return {}
+
+
+class Monitor(threading.Thread):
+    """Samples the server every ``every`` seconds: its RSS, MLX's active and cache memory (``/status``), and the
+    requests answered so far; prints each ``line_every`` seconds' samples as one line (RSS min / median / max).
+    ``samples``: (minutes, rss, mlx_active, mlx_cache, requests)."""
+
+    def __init__(self, url: str, pid: int | None, tally: Tally, t0: float, every: float, line_every: float):
+        super().__init__(name="soak-monitor", daemon=True)
+        self.url, self.pid, self.tally, self.t0, self.every, self.line_every = url, pid, tally, t0, every, line_every
+        self.samples: list[tuple[float, int | None, int | None, int | None, int]] = []
+        self.done = threading.Event()
+
+    def sample(self) -> tuple:
+        mem = server_status(self.url).get("memory", {})
+        with self.tally.lock:
+            n = sum(sum(c.values()) for c in self.tally.counts.values())
+        row = ((time.monotonic() - self.t0) / 60, rss_bytes(self.pid), mem.get("mlx_active"), mem.get("mlx_cache"), n)
+        self.samples.append(row)
+        return row
+
+    def print_window(self, lo: float, hi: float, label: str = "") -> None:
+        rows = [r for r in self.samples if lo <= r[0] < hi]
+        rss = [r[1] for r in rows if r[1]]
+        if rows:
+            print(f"  {label or f'minutes {lo:g}-{hi:g}'}: RSS {fmt(min(rss, default=None))} / "
+                  f"{fmt(median(rss))} / {fmt(max(rss, default=None))} (min / median / max of {len(rows)}), "
+                  f"MLX active {fmt(median([r[2] for r in rows if r[2] is not None]))}, MLX cache max "
+                  f"{fmt(max((r[3] for r in rows if r[3] is not None), default=None))}, {rows[-1][4]} requests",
+                  flush=True)
+
+    def run(self) -> None:
+        k, line = 1, 1
+        while not self.done.wait(max(0.0, self.t0 + k * self.every - time.monotonic())):
+            self.sample()
+            k += 1
+            if k * self.every > line * self.line_every:
+                self.print_window((line - 1) * self.line_every / 60, line * self.line_every / 60)
+                line += 1
+
+    def median_rss(self, lo: float, hi: float) -> int | None:
+        """The median RSS of the samples taken from minute ``lo`` to ``hi``."""
+        return median([r[1] for r in self.samples if lo <= r[0] < hi and r[1]])
+
+
+def median(values: list[int]) -> int | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 def start_server(model: str, args) -> tuple[subprocess.Popen, str, Path]:
@@ -257,7 +309,8 @@ def main() -> int:
     ap.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, for its RSS")
     ap.add_argument("--max-requests", type=int, default=100_000, help="per client")
     ap.add_argument("--max-sequences", type=int, default=4, help="of a server this starts")
-    ap.add_argument("--rss-mark", type=float, default=5.0, help="minutes: when the first RSS sample is taken")
+    ap.add_argument("--rss-mark", type=float, default=5.0,
+                    help="minutes: RSS growth is measured from here (half the run when shorter)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds, per request")
     args = ap.parse_args()
 
@@ -268,34 +321,33 @@ def main() -> int:
         proc, url, log = start_server(args.model, args)
         pid = proc.pid
     print(f"soak: {args.clients} clients for {args.minutes:g} min against {url} (model {args.model})", flush=True)
-    base = kv_state(url, args.model)
     rss_start = rss_bytes(pid)
     tally = Tally()
     t0 = time.monotonic()
     deadline = t0 + args.minutes * 60
+    mark = min(args.rss_mark, args.minutes / 2)
+    line_s = min(60.0, args.minutes * 6)  # a line a minute (ten lines in a short run), six samples a line
+    monitor = Monitor(url, pid, tally, t0, every=line_s / 6, line_every=line_s)
+    monitor.start()
     clients = [Client(i, url, args.model, deadline, args.max_requests, tally, args.timeout)
                for i in range(args.clients)]
     for c in clients:
         c.start()
-    mark_s = min(args.rss_mark * 60, args.minutes * 30)
-    rss_mark = None
     while any(c.is_alive() for c in clients):
-        if rss_mark is None and time.monotonic() - t0 >= mark_s:
-            rss_mark = rss_bytes(pid)
-            print(f"  RSS at {mark_s / 60:.1f} min: {fmt(rss_mark)}", flush=True)
         time.sleep(1.0)
         if time.monotonic() > deadline + args.timeout + 60:
             print("  clients still running past the deadline: reported as errors", flush=True)
             tally.add("run", "error", "a client did not finish within its request timeout after the deadline")
             break
-    if rss_mark is None:
-        rss_mark = rss_bytes(pid)
+    monitor.done.set()
     for _ in range(100):  # let cancelled requests drain
-        end = kv_state(url, args.model)
+        end = server_status(url).get("models", {}).get(args.model, {})
         if not (end.get("decoding") or end.get("prefilling") or end.get("queued")):
             break
         time.sleep(0.1)
-    rss_end = rss_bytes(pid)
+    time.sleep(3.0)  # the server gives freed memory back once idle for half a second
+    idle = monitor.sample()
+    end = server_status(url).get("models", {}).get(args.model, {})
     took = time.monotonic() - t0
 
     print(f"\n{'kind':16} {'requests':>9} {'ok':>7} {'4xx':>7} {'errors':>7}")
@@ -309,18 +361,30 @@ def main() -> int:
           f"   ({sum(total.values()) / took:.1f} requests/s over {took / 60:.1f} min)")
     for e in tally.errors:
         print("  error:", e)
-    growth = f"{(rss_end / rss_mark - 1) * 100:+.1f} %" if rss_end and rss_mark else "n/a"
-    print(f"RSS: start {fmt(rss_start)}, at {mark_s / 60:.1f} min {fmt(rss_mark)}, end {fmt(rss_end)} "
-          f"(growth since the mark {growth})")
+    # RSS moves by the transient memory of whatever runs at the moment of a sample (an image being denoised, a long
+    # prefill) and by the heap's pages not yet given back: a leak shows as a median that keeps rising.
+    window = min(5.0, (args.minutes - mark) / 2)
+    first, last = monitor.median_rss(mark, mark + window), monitor.median_rss(args.minutes - window, args.minutes)
+    monitor.print_window(mark, mark + window, f"minutes {mark:g}-{mark + window:g}")
+    monitor.print_window(args.minutes - window, args.minutes, f"minutes {args.minutes - window:g}-{args.minutes:g}")
+    growth = (last / first - 1) * 100 if first and last else None
+    print(f"RSS: start {fmt(rss_start)}; median over minutes {mark:g}-{mark + window:g} {fmt(first)}, over the last "
+          f"{window:g} minutes {fmt(last)}: growth {'n/a' if growth is None else f'{growth:+.1f} %'}; idle at the "
+          f"end {fmt(idle[1])} (MLX active {fmt(idle[2])}, MLX cache {fmt(idle[3])})")
+    judged = args.minutes >= 2 * args.rss_mark  # a plateau needs as long again after the mark as before it
+    memory_bad = judged and (growth is None or growth >= 5.0)
+    if not judged:
+        print(f"(RSS growth not judged: a run shorter than twice --rss-mark, {args.rss_mark:g} min)")
     left = {k: end.get(k) for k in ("decoding", "prefilling", "queued")}
+    leaked = None
     if end:
-        print(f"KV cells in use: after load {base.get('cells_in_use')}, at the end {end.get('cells_in_use')} "
-              f"(finished conversations kept for the prefix cache, at most {end.get('slots')} slots); "
-              f"requests left: {left}")
+        leaked = end.get("cells_in_use", 0) - end.get("cells_kept", 0)
+        print(f"KV cells in use at the end: {end.get('cells_in_use')}; held by the conversations the prefix cache "
+              f"keeps ({end.get('tokens_kept')} tokens in {end.get('slots')} slots): {end.get('cells_kept')}; "
+              f"leaked: {leaked}; requests left: {left}")
     else:  # the last unload of the run let go of it
-        print(f"KV cells in use: after load {base.get('cells_in_use')}; at the end the model is unloaded (its cache "
-              "freed, no request left)")
-    bad = total["error"] > 0 or any(left.values())
+        print("KV cells at the end: the model is unloaded (its cache freed, no request left)")
+    bad = total["error"] > 0 or any(left.values()) or memory_bad or bool(leaked)
     if proc is not None:
         proc.send_signal(signal.SIGTERM)
         try:

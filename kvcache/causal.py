@@ -195,6 +195,14 @@ class CausalCache(Cache, FusedSteps):
         """Cells owned by at least one sequence."""
         return self._n_used
 
+    def cells_below(self, lengths: Sequence[int]) -> int:
+        """Cells owned by some sequence ``s`` at a position below ``lengths[s]`` (``lengths``: ``[max_sequences]``
+        ints). Given each sequence's recorded token count, the cells those tokens hold: :meth:`cells_in_use` minus
+        this is the number of cells that no record accounts for (leaked)."""
+        self._check()
+        h, lim = self._hi, np.asarray(lengths, np.int64)
+        return int((self._owners[:h] & (self._pos[:h, None] < lim[None, :])).any(axis=1).sum())
+
     def allocated_cells(self) -> int:
         """The largest number of cells any layer's storage has allocated (0 before the first ``put``)."""
         return self._kv.allocated_cells()

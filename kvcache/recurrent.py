@@ -453,3 +453,7 @@ class RecurrentCache(Cache, Checkpoints):
 
     def cells_in_use(self) -> int:
         return self.kv.cells_in_use()
+
+    def cells_below(self, lengths) -> int:
+        """Cells of the attention part (see :meth:`CausalCache.cells_below`)."""
+        return self.kv.cells_below(lengths)

@@ -51,6 +51,7 @@ from mlx_engine.models.runner import GenerationStats, Runner
 from mlx_engine.models.tools import (ToolCall, check_tools, prepare_messages,
                                      tool_choice_format, tool_style)
 from mlx_engine.models.vision import chat_prompt
+from mlx_engine.memory import limit_buffer_cache, memory_in_use, memory_stats, release_memory
 from mlx_engine.parallel import launched_rank, load_sharded
 from mlx_engine.session import ChatSession
 from mlx_engine.store import DEFAULT_IMAGE_MODEL, DEFAULT_MODEL, Store
@@ -59,7 +60,8 @@ from mlx_engine.store.format import printable
 __all__ = ["load", "generate", "stream", "chat", "Model", "EmbeddingModel", "ChatSession", "ChatReply", "Answer", "Thinking", "ToolCall",
            "GenerationStats", "GenerationOptions",
            "OPTION_NAMES", "DEFAULT_MODEL", "generate_image", "load_image_model", "DEFAULT_IMAGE_MODEL",
-           "open_init_image", "read_image_parameters", "save_image", "memory_in_use", "launched_rank", "load_image",
+           "open_init_image", "read_image_parameters", "save_image", "memory_in_use", "memory_stats",
+           "limit_buffer_cache", "release_memory", "launched_rank", "load_image",
            "IMAGE_SUFFIXES"]
 
 DEFAULT_CONTEXT = 8192  # cap on the cache's capacity unless the caller asks for more
@@ -569,11 +571,6 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
             raise
         loaded.draft = draft
     return loaded
-
-
-def memory_in_use() -> int:
-    """Bytes of device memory the process holds now (MLX's active memory)."""
-    return MLXBackend().active_memory()
 
 
 def _as_model(model: "Model | str") -> Model:

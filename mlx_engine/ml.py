@@ -596,8 +596,12 @@ class Backend(abc.ABC):
     def reset_peak_memory(self) -> None: ...
 
     @abc.abstractmethod
+    def cache_memory(self) -> int:
+        """Bytes of freed buffers the allocator keeps for reuse (what :meth:`clear_cache` gives back)."""
+
+    @abc.abstractmethod
     def clear_cache(self) -> None:
-        """Return the allocator's cached buffers to the system."""
+        """Return the allocator's cached buffers, and the free pages of the heap they came from, to the system."""
 
     def device_memory(self) -> int:
         """Bytes of memory the device has: the machine's physical memory unless the backend knows better (a GPU's

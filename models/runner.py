@@ -381,6 +381,12 @@ class Runner:
         """Cells of the KV cache owned by at least one sequence (summed over the caches of a wrapper)."""
         return sum(c.cells_in_use() for c in getattr(self.cache, "caches", [self.cache]))
 
+    def cells_kept(self) -> int:
+        """Cells that hold the tokens recorded for the sequences (the prefix cache's finished conversations and the
+        running requests). With no forward pass under way it equals :meth:`cells_in_use` unless cells leaked."""
+        lengths = [self.cached_length(s) for s in range(self.max_sequences)]
+        return sum(c.cells_below(lengths) for c in getattr(self.cache, "caches", [self.cache]))
+
     # ---- one request ------------------------------------------------------------------------------------------
     def sequence_state(self, req: Request, ctx, *, text: bool = True, eos: bool = False,
                        top_logprobs: int | None = None) -> SequenceState:
@@ -587,11 +593,3 @@ class Runner:
                 states[i].accept(int(sampled[j].item()))
             active = [i for i in active if not states[i].finish_reason]
         return [st.tokens for st in states]
-
-
-def logits_for(model: DecoderModel, runner: Runner, tokens: Sequence[int], sequence: int = 0) -> np.ndarray:
-    """First-step logits ``[vocab]`` (float32, host) of a prompt: for parity checks against reference models."""
-    with model.backend.new_context() as ctx:
-        runner.reset(sequence)
-        logits, _ = runner.prefill(ctx, sequence, list(tokens))
-        return logits.astype(DType.FLOAT32).numpy()[0]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 # On an NVIDIA GPU cuBLAS rounds float32 matrix products through TF32 (a 10-bit mantissa) unless this is 0: the
@@ -142,3 +143,14 @@ class NoText:
     @staticmethod
     def token_to_id(token: str) -> None:
         return None
+
+
+def logits_for(model, runner, tokens, sequence: int = 0) -> np.ndarray:
+    """First-step logits ``[vocab]`` (float32, host) of a prompt, a prefill through ``runner``: for parity checks
+    against reference models."""
+    from mlx_engine.ml import DType
+
+    with model.backend.new_context() as ctx:
+        runner.reset(sequence)
+        logits, _ = runner.prefill(ctx, sequence, list(tokens))
+        return logits.astype(DType.FLOAT32).numpy()[0]

@@ -13,9 +13,9 @@ from mlx_engine.errors import CacheError
 from mlx_engine.kvcache import RecurrentCache
 from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.registry import load_text_model
-from mlx_engine.models.runner import GenerationStats, Request, Runner, logits_for
+from mlx_engine.models.runner import GenerationStats, Request, Runner
 from mlx_engine.models.sampler import SamplerOptions
-from tests.conftest import NoText
+from tests.conftest import NoText, logits_for
 from tests.hybrid_small import BUILDERS, greedy_reference, lfm2_gguf, qwen3_next_gguf, write_gguf
 
 pytest.importorskip("torch")

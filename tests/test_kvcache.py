@@ -275,6 +275,19 @@ def test_copy_prefix_replaces_destination(backend, ctx):
         cache.copy_prefix(0, 3, 1)
 
 
+def test_cells_below_counts_the_cells_of_recorded_tokens(backend, ctx):
+    """cells_below: the cells that the sequences' recorded token counts account for (a shared prefix once); a cell
+    past a sequence's record (what a leak looks like to the server's /status) is left out."""
+    cache = CausalCache()
+    cache.init(backend, DType.FLOAT32, 3, 16, 16)
+    step(cache, ctx, [0, 0, 0, 1, 1], [0, 1, 2, 0, 1], [1, 2, 3, 7, 8])
+    cache.copy_prefix(0, 2, 2)  # seq 2 shares seq 0's first two cells
+    assert cache.cells_in_use() == 5
+    assert cache.cells_below([3, 2, 2]) == 5
+    assert cache.cells_below([2, 2, 2]) == 4  # seq 0's third cell is not accounted for
+    assert cache.cells_below([1, 0, 2]) == 2 and cache.cells_below([0, 0, 0]) == 0
+
+
 def test_can_resume_chunked_and_causal(backend, ctx):
     cache = ChunkedAttentionCache(4)
     cache.init(backend, DType.FLOAT32, 1, 64, 8)

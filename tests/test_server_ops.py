@@ -17,9 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import mlx_engine
-from mlx_engine.models.runner import logits_for
 from mlx_engine.server import ServerConfig
-from tests.conftest import link_model
+from tests.conftest import link_model, logits_for
 from tests.doc_examples import blocks
 from tests.test_server import RunningServer, free_port
 

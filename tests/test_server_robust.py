@@ -404,6 +404,60 @@ def test_serve_startup_failures_are_one_error_line(store_root):
         assert cases[name][1] in errors[0], (name, errors)
 
 
+# ------------------------------------------------------------------------------------------ memory over time
+
+
+def _status(server) -> dict:
+    r = httpx.get(server.url + "/status", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _settled(server, model: str) -> dict:
+    """/status once no request of ``model`` runs or waits (and the device thread has been idle a second)."""
+    for _ in range(300):
+        m = _status(server)["models"].get(model, {})
+        if not (m.get("decoding") or m.get("prefilling") or m.get("queued")):
+            time.sleep(1.0)
+            return _status(server)
+        time.sleep(0.1)
+    raise AssertionError(f"requests of {model} still running: {m}")
+
+
+def test_dropped_streams_leave_no_cell_outside_the_prefix_cache(server):
+    """Streams dropped after a few chunks and whole answers: afterwards every cell in use holds a token that the
+    prefix cache records for its conversation (cells_in_use == cells_kept), and the cache keeps what it recorded."""
+    def drop(i):
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": f"{i}, " + COUNTING, "max_tokens": 200, "stream": True}) as r:
+            for k, _ in enumerate(r.iter_lines()):
+                if k >= 2 + i:
+                    break
+
+    with ThreadPoolExecutor(5) as ex:
+        list(ex.map(drop, range(3)))
+        list(ex.map(lambda n: _completion(server.url, n), (5, 9)))
+    m = _settled(server, MODEL)["models"][MODEL]
+    assert m["cells_in_use"] > 0 and m["cells_in_use"] == m["cells_kept"], m
+    assert m["cells_kept"] <= m["tokens_kept"], m  # shared prefixes hold one cell for several conversations
+
+
+def test_memory_goes_back_after_an_unload_and_when_idle(server):
+    """/status gives the process's memory; an unload frees the model's MLX arrays, and once the server is idle
+    MLX's buffer cache is empty (given back to the system, not kept for reuse)."""
+    assert _completion(server.url, 8)
+    loaded = _settled(server, MODEL)
+    mem = loaded["memory"]
+    assert mem["resident"] > mem["mlx_active"] > loaded["models"][MODEL]["bytes"] * 0.9, mem
+    assert mem["mlx_cache"] == 0, mem
+    r = httpx.post(server.url + "/api/generate", json={"model": MODEL, "prompt": "", "keep_alive": 0}, timeout=120)
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload"
+    time.sleep(1.0)
+    after = _status(server)
+    assert MODEL not in after["models"] and after["memory"]["mlx_cache"] == 0, after
+    assert after["memory"]["mlx_active"] <= mem["mlx_active"] - loaded["models"][MODEL]["bytes"] * 0.9, (mem, after)
+
+
 def test_the_soak_benchmark_runs(store_root):
     """benchmarks/soak.py, as docs/server-errors.md gives it but for a quarter of a minute with three clients: it
     starts its server, every kind of traffic gets its expected answer, and it exits 0 (its own verdict: no error, no

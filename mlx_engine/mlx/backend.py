@@ -12,7 +12,7 @@ import numpy as np
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
 from mlx_engine.ml import ACTIVATIONS, Backend, CacheConfig, Context, DType, LayerFusion, RopeAngles
 from mlx_engine.mlx import attention, cpu_kernels, runtime, tensor
-from mlx_engine.mlx.runtime import blas_description, mx, select_device
+from mlx_engine.mlx.runtime import blas_description, mx, select_device, trim_heap
 from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
 from mlx_engine.weights import QuantizedArray, open_weights
 from mlx_engine.weights.quant import IQ4_NL_VALUES, codebook_to_affine, regroup
@@ -359,8 +359,12 @@ class MLXBackend(Backend, LayerFusion):
     def reset_peak_memory(self) -> None:
         mx.reset_peak_memory()
 
+    def cache_memory(self) -> int:
+        return mx.get_cache_memory()
+
     def clear_cache(self) -> None:
         mx.clear_cache()
+        trim_heap()  # on CPU MLX's freed buffers went back to malloc, whose heap keeps their pages (see trim_heap)
 
     def device_memory(self) -> int:
         if self._device != "cpu":
@@ -372,4 +376,4 @@ class MLXBackend(Backend, LayerFusion):
 
     def close(self) -> None:
         self._weights.clear()
-        mx.clear_cache()
+        self.clear_cache()

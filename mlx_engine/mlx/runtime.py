@@ -14,6 +14,7 @@ Environment variables:
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -118,3 +119,28 @@ def watch_thread_exit() -> None:
     The main thread needs none (MLX frees its state in an ``atexit`` hook)."""
     if getattr(_thread_end, "slot", None) is None and threading.current_thread() is not threading.main_thread():
         _thread_end.slot = _ThreadEnd()
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim(0)``); whether the C library has it.
+
+    On Linux MLX's CPU allocator takes its buffers from ``malloc``. glibc raises its mmap threshold each time a large
+    mmapped block is freed (up to 32 MiB), so later buffers of those sizes come from the heap arenas, and their freed
+    pages stay in the process (resident) until trimmed: in a 30-minute soak the server's RSS went from 402 to 754 MiB
+    while MLX's active memory stayed flat, with 130-390 MiB free inside glibc's arenas. A no-op (False) where the C
+    library has no ``malloc_trim`` (as macOS's)."""
+    fn = _malloc_trim()
+    if fn is None:
+        return False
+    fn(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from mlx_engine import api
 from mlx_engine.errors import EngineError, InvalidRequestError
 from mlx_engine.ml import ACTIVATIONS
 from mlx_engine.server import anthropic_api, embeddings_api, ollama_api, openai_api, rerank_api, responses_api
@@ -214,7 +215,7 @@ def create_app(config: ServerConfig):
                             **({"kv_cache": m.obj.kv_cache_type, "activations": m.obj.activations}
                                if m.kind == "text" else {}),
                             **(m.scheduler.load() if m.scheduler else {})}
-        return JSONResponse({"memory_budget": pool.memory_budget, "models": models})
+        return JSONResponse({"memory_budget": pool.memory_budget, "memory": api.memory_stats(), "models": models})
 
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)

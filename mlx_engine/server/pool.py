@@ -336,6 +336,7 @@ class ModelPool:
             m.scheduler.close(unloaded=True, reason=reason)
         m.obj.close()
         self.models.pop(m.name, None)
+        self.worker.release_soon()
 
     async def unload(self, key: str, *, force: bool = False, reason: str = "unloaded") -> bool:
         """Unload a model. Whether it was loaded.

@@ -186,12 +186,17 @@ class TextScheduler:
             self._pending.append(job)
 
     def load(self) -> dict[str, int]:
-        """Running, prefilling and queued requests, the cache's cells in use, and speculative decoding's totals
-        (verification passes, draft tokens proposed and accepted) (for status and tests)."""
+        """Running, prefilling and queued requests; the cache's cells in use, the cells holding the tokens recorded
+        for the slots (``cells_kept``: equal to ``cells_in_use`` when no request runs, else cells leaked) and those
+        tokens (``tokens_kept``: the prefix cache's conversations and the running requests); speculative decoding's
+        totals (verification passes, draft tokens proposed and accepted). For status and tests."""
         with self._lock:
             queued = len(self._pending)
+        runner = self.runner
         return {"decoding": len(self._decoding), "prefilling": len(self._prefilling), "queued": queued,
-                "cells_in_use": self.runner.cells_in_use(), "slots": len(self._slots), **self.drafts}
+                "cells_in_use": runner.cells_in_use(), "cells_kept": runner.cells_kept(),
+                "tokens_kept": sum(runner.cached_length(s.seq) for s in self._slots), "slots": len(self._slots),
+                **self.drafts}
 
     def busy(self) -> bool:
         return bool(self._pending or self._prefilling or self._decoding)
