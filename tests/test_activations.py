@@ -16,7 +16,7 @@ import mlx_engine
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
 from mlx_engine.mlx import cpu_kernels
 from mlx_engine.mlx.backend import _check_activations
-from mlx_engine.models.runner import logits_for
+from tests.conftest import logits_for
 from mlx_engine.server.app import ServerConfig
 
 INT8_PROBLEM = cpu_kernels.int8_problem()

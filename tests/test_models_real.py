@@ -202,7 +202,7 @@ def test_16bit_kv_cache_on_a_real_model(smollm2_gguf, record_property):
     within 2e-3 of the largest of the default float32 cache's (each stored element is rounded by at most 2**-11 of
     itself; measured 5.5e-4 after the 30 layers), the greedy answer is the float cache's, and the KV cache's reckoned
     size is half the float one's."""
-    from mlx_engine.models.runner import logits_for
+    from tests.conftest import logits_for
 
     base = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=1024, dtype="float32")
     half = mlx_engine.load(str(smollm2_gguf), progress=False, context_length=1024, kv_bits=16, dtype="float32")
@@ -225,7 +225,7 @@ def test_8bit_kv_cache_on_a_real_model(smollm2_gguf, record_property):
     choice is clear: a margin between the two best logits above twice the bound. (A closer choice may go either way:
     the answer's first token, "The" over "L", leads by 0.3% of the largest logit, and which way the 8-bit cache takes
     it depends on the BLAS's rounding in the prompt's attention: MLX's reference BLAS and OpenBLAS differ there.)"""
-    from mlx_engine.models.runner import logits_for
+    from tests.conftest import logits_for
 
     base = mlx_engine.load(str(smollm2_gguf), progress=False)
     quant = mlx_engine.load(str(smollm2_gguf), progress=False, kv_bits=8)

@@ -172,7 +172,7 @@ def test_gemma3_eight_concurrent_requests_give_what_each_gives_alone(gemma3):
 
 def _smallest_margin(model, tokens, steps):
     """The smallest gap between the top two logits over ``steps`` greedy steps from a fresh cache."""
-    from mlx_engine.models.runner import logits_for
+    from tests.conftest import logits_for
 
     toks, gaps = list(tokens), []
     for _ in range(steps):
