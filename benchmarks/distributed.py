@@ -61,7 +61,7 @@ def _comm(mode: str, hidden: int, layers: int, tokens: int = 200) -> dict:
                 x = g.all_sum(x) * 0.5
             ctx.evaluate(x)
             return
-        # stage s on rank s + 1, the last on rank 0, which embeds and sends to rank 1 (models/sharding.py)
+        # stage s on rank s + 1, the last on rank 0, which embeds and sends to rank 1 (models/layers/sharding.py)
         if g.rank == 0:
             x = g.depends(g.recv((1, 1, hidden), DType.FLOAT32, n - 1), g.send(h + 1.0, 1))
             ctx.evaluate(x)
@@ -74,7 +74,7 @@ def _comm(mode: str, hidden: int, layers: int, tokens: int = 200) -> dict:
     for _ in range(tokens):
         step()
     ms = (time.perf_counter() - t0) / tokens * 1e3
-    control_bytes = 4096  # one broadcast of a fixed 4 KiB buffer (models/parallel.py)
+    control_bytes = 4096  # one broadcast of a fixed 4 KiB buffer (models/layers/parallel.py)
     if mode == "tensor":
         messages = 2 + 2 * layers
         sent = control_bytes + 4 + 2 * layers * hidden * 4
@@ -88,14 +88,14 @@ def _comm(mode: str, hidden: int, layers: int, tokens: int = 200) -> dict:
 def worker(model: str, mode: str, prompt_tokens: int, decode_tokens: int, reps: int, out: str) -> None:
     """One rank of a configuration (``mode`` ``single``: one process)."""
     import mlx_engine
-    from mlx_engine.models.runner import Request
-    from mlx_engine.models.sampler import SamplerOptions
+    from mlx_engine.models.generation.runner import Request
+    from mlx_engine.models.generation.sampler import SamplerOptions
 
     comm = None
     if mode != "single":
         from mlx_engine.store import Store
 
-        from mlx_engine.models.sharding import file_config
+        from mlx_engine.models.layers.sharding import file_config
         from mlx_engine.weights import open_weights
 
         with open_weights(Store().resolve(model, pull=False, progress=False).path) as wf:

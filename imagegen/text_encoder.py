@@ -18,7 +18,7 @@ run. (Were a tokenizer to pad on the left, transformers would place the tokens a
 depends only on position differences, so the result would be the same.)
 
 The text encoder folder is what diffusers saves: a transformers ``Qwen3Model`` (tensor names without the ``model.``
-prefix, no ``lm_head``; :meth:`mlx_engine.models.qwen3.Qwen3.sanitize` adds the prefix) or a ``Qwen3ForCausalLM``.
+prefix, no ``lm_head``; :meth:`mlx_engine.models.arch.qwen3.Qwen3.sanitize` adds the prefix) or a ``Qwen3ForCausalLM``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import numpy as np
 from mlx_engine.batch import Batch
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.ml import Backend, Context, Tensor
-from mlx_engine.models.base import DecoderModel
+from mlx_engine.models.layers.base import DecoderModel
 from mlx_engine.models.registry import load_text_model
-from mlx_engine.models.tokenizer import Tokenizer
+from mlx_engine.models.text.tokenizer import Tokenizer
 
 __all__ = ["TextEncoder"]
 
@@ -41,7 +41,7 @@ class TextEncoder:
     """Prompts -> caption features for the Z-Image transformer.
 
     Attributes:
-        model: the text model (a :class:`mlx_engine.models.base.DecoderModel`, Qwen3 for Z-Image); None after :meth:`close`.
+        model: the text model (a :class:`mlx_engine.models.layers.base.DecoderModel`, Qwen3 for Z-Image); None after :meth:`close`.
         tokenizer: its tokenizer (with the chat template).
         hidden_size: ``D``, the width of the features (the transformer's ``cap_feat_dim``).
         output_layer: the 0-based layer whose output is returned: ``num_layers - 2`` (``hidden_states[-2]``).
@@ -57,7 +57,7 @@ class TextEncoder:
     @classmethod
     def from_backend(cls, backend: Backend, tokenizer: Tokenizer) -> "TextEncoder":
         """Build from a backend loaded on the pipeline's ``text_encoder/`` folder and the tokenizer of its
-        ``tokenizer/`` folder (:meth:`mlx_engine.models.tokenizer.Tokenizer.from_folder`).
+        ``tokenizer/`` folder (:meth:`mlx_engine.models.text.tokenizer.Tokenizer.from_folder`).
 
         Raises:
             WeightsError, UnsupportedError: as :func:`mlx_engine.models.registry.load_text_model`.

@@ -10,30 +10,30 @@ from typing import Any
 
 from mlx_engine.errors import EngineError, UnsupportedError
 from mlx_engine.ml import Backend, DType
-from mlx_engine.models.base import DecoderModel
-from mlx_engine.models.deepseek2 import DeepSeek2
-from mlx_engine.models.bert import ENCODER_ARCHITECTURES
-from mlx_engine.models.gemma2 import Gemma2
-from mlx_engine.models.gemma3 import Gemma3
-from mlx_engine.models.gemma4 import Gemma4
-from mlx_engine.models.glm4_moe import Glm4MoE
-from mlx_engine.models.gpt_oss import GptOss
-from mlx_engine.models.granite import Granite
-from mlx_engine.models.granite_hybrid import GraniteHybrid
-from mlx_engine.models.lfm2 import LFM2
-from mlx_engine.models.llama import Llama
-from mlx_engine.models.llama4 import Llama4
-from mlx_engine.models.mistral3 import Mistral3
-from mlx_engine.models.mllama import Mllama
-from mlx_engine.models.olmo2 import Olmo2
-from mlx_engine.models.qwen2 import Qwen2
-from mlx_engine.models.phi3 import Phi3
-from mlx_engine.models.qwen3 import Qwen3
-from mlx_engine.models.qwen3_5 import Qwen35, Qwen35MoE
-from mlx_engine.models.qwen3_next import Qwen3Next
-from mlx_engine.models.qwen_moe import Qwen2MoE, Qwen3MoE
-from mlx_engine.models.smollm3 import SmolLM3
-from mlx_engine.models.tokenizer import Tokenizer
+from mlx_engine.models.layers.base import DecoderModel
+from mlx_engine.models.arch.deepseek2 import DeepSeek2
+from mlx_engine.models.arch.bert import ENCODER_ARCHITECTURES
+from mlx_engine.models.arch.gemma2 import Gemma2
+from mlx_engine.models.arch.gemma3 import Gemma3
+from mlx_engine.models.arch.gemma4 import Gemma4
+from mlx_engine.models.arch.glm4_moe import Glm4MoE
+from mlx_engine.models.arch.gpt_oss import GptOss
+from mlx_engine.models.arch.granite import Granite
+from mlx_engine.models.arch.granite_hybrid import GraniteHybrid
+from mlx_engine.models.arch.lfm2 import LFM2
+from mlx_engine.models.arch.llama import Llama
+from mlx_engine.models.arch.llama4 import Llama4
+from mlx_engine.models.arch.mistral3 import Mistral3
+from mlx_engine.models.arch.mllama import Mllama
+from mlx_engine.models.arch.olmo2 import Olmo2
+from mlx_engine.models.arch.qwen2 import Qwen2
+from mlx_engine.models.arch.phi3 import Phi3
+from mlx_engine.models.arch.qwen3 import Qwen3
+from mlx_engine.models.arch.qwen3_5 import Qwen35, Qwen35MoE
+from mlx_engine.models.arch.qwen3_next import Qwen3Next
+from mlx_engine.models.arch.qwen_moe import Qwen2MoE, Qwen3MoE
+from mlx_engine.models.arch.smollm3 import SmolLM3
+from mlx_engine.models.text.tokenizer import Tokenizer
 
 # Names as GGUF's general.architecture and Hugging Face's model_type spell them.
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
@@ -138,8 +138,8 @@ def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
         WeightsError: a corrupt or incomplete checkpoint or tokenizer. UnsupportedError: an architecture we do not
         run. KeyError: a tensor the architecture needs is missing (callers name their folder in the message).
     """
-    from mlx_engine.models.mllama_vision import MllamaVision
-    from mlx_engine.models.vision import Gemma3Vision
+    from mlx_engine.models.vision.mllama_vision import MllamaVision
+    from mlx_engine.models.vision.vision import Gemma3Vision
 
     path = Path(path)
     backend = make_backend(path)

@@ -18,8 +18,8 @@ from mlx_engine.batch import Batch
 from mlx_engine.ml import DType
 from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.registry import load_text_model
-from mlx_engine.models.runner import GenerationStats, Request, Runner
-from mlx_engine.models.sampler import SamplerOptions
+from mlx_engine.models.generation.runner import GenerationStats, Request, Runner
+from mlx_engine.models.generation.sampler import SamplerOptions
 from tests.conftest import NoText
 from tests.hf_gguf import convert, llama_cpp_logits, peaked, quantize, save_tokenizer, spread
 
@@ -42,7 +42,7 @@ class Made:
 def smollm2_tokenizer(smollm2_gguf: Path) -> Callable[[Path], list[int]]:
     """A tokenizer writer for :func:`make`: smollm2's real BPE tokenizer (vocabulary 49152); returns the prompt."""
     def write(folder: Path) -> list[int]:
-        from mlx_engine.models.tokenizer import Tokenizer
+        from mlx_engine.models.text.tokenizer import Tokenizer
 
         save_tokenizer(smollm2_gguf, folder)
         return Tokenizer.from_folder(folder).encode(TEXT, add_bos=False)

@@ -15,8 +15,8 @@ import sys
 import numpy as np
 
 import mlx_engine
-from mlx_engine.models.runner import Request
-from mlx_engine.models.sampler import SamplerOptions
+from mlx_engine.models.generation.runner import Request
+from mlx_engine.models.generation.sampler import SamplerOptions
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, " * 40]
 TURNS = ["Hello! Who are you?", "Name a color."]  # the second turn prefills only what is new

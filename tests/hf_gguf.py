@@ -260,7 +260,7 @@ def save_tokenizer(gguf_path: "str | Path", folder: "str | Path") -> None:
     ``tokenizer.json``, ``tokenizer_config.json``), as our GGUF vocabulary reader rebuilds it. For smollm2 it
     tokenizes llama.cpp's pre-tokenizer check text exactly as SmolLM's own ``tokenizer.json`` does (the converter
     recognises it as ``smollm``); transformers' own GGUF tokenizer conversion does not."""
-    from mlx_engine.models.tokenizer import Tokenizer
+    from mlx_engine.models.text.tokenizer import Tokenizer
     from mlx_engine.weights import open_weights
 
     with open_weights(gguf_path) as wf:

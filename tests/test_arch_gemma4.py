@@ -79,7 +79,7 @@ def test_gguf_matches_transformers(made, kind):
 
 def test_gguf_tokenizer_matches_the_folders(made):
     """The converter's ``gemma4`` vocabulary (BPE merges in the file) tokenizes as the folder's tokenizer.json."""
-    from mlx_engine.models.tokenizer import Tokenizer
+    from mlx_engine.models.text.tokenizer import Tokenizer
     from mlx_engine.weights import open_weights
 
     with open_weights(made.gguf["F32"]) as wf:

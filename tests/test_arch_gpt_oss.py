@@ -136,7 +136,7 @@ def test_yarn_as_transformers():
     from transformers import GptOssConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from mlx_engine.models.gpt_oss import GptOss
+    from mlx_engine.models.arch.gpt_oss import GptOss
 
     hf = GptOssConfig()
     ours = GptOss.config_from_hf(hf.to_dict())

@@ -17,7 +17,7 @@ import mlx_engine.cli.main as cli_main
 from mlx_engine.cli.chat import ChatRepl
 from mlx_engine.cli.main import main
 from mlx_engine.errors import InvalidRequestError
-from mlx_engine.models.options import GenerationOptions
+from mlx_engine.models.generation.options import GenerationOptions
 from tests.conftest import link_model
 from tests.test_store import write_ollama_model
 

@@ -142,7 +142,8 @@ def test_request_errors(folder, workdir, args, message):
 
 
 def test_model_errors(folder, workdir, tmp_path, monkeypatch):
-    from mlx_engine import api, image_api
+    from mlx_engine import api
+    from mlx_engine.api import image as image_api
 
     monkeypatch.setattr(api, "DEFAULT_IMAGE_MODEL", None)  # what the CLI names
     monkeypatch.setattr(image_api, "DEFAULT_IMAGE_MODEL", None)  # what loading falls back to

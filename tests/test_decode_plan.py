@@ -1,4 +1,4 @@
-"""The decode plan (``models/plan.py``): which form each layer of a one-token step takes, decided once per loaded
+"""The decode plan (``models/layers/plan.py``): which form each layer of a one-token step takes, decided once per loaded
 model, and the reason where a layer does not fuse: smollm2 and gemma3 as pulled (every layer fused, the step
 compiled whole), a soft-capped Gemma 2 and gpt-oss with attention sinks (made small by transformers: their
 attention apart, the step layer by layer), and the plan the steps then take (the cache's fused attention called for
@@ -11,7 +11,7 @@ import pytest
 
 from mlx_engine.batch import Batch
 from mlx_engine.mlx import MLXBackend, cpu_kernels
-from mlx_engine.models import plan as plans
+from mlx_engine.models.layers import plan as plans
 from mlx_engine.models.registry import load_text_model
 
 # our CPU kernels make the step's RoPE angles (the cache's attention rotates) and run the MLP in one node

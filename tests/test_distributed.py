@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
-from mlx_engine.models.config import DecoderConfig
-from mlx_engine.models.sharding import _split_heads, _stages, plan
+from mlx_engine.models.layers.config import DecoderConfig
+from mlx_engine.models.layers.sharding import _split_heads, _stages, plan
 from mlx_engine.weights import QuantizedArray, open_weights
 from mlx_engine.weights.quant import quantize_affine
 
@@ -403,8 +403,8 @@ def test_a_control_message_that_never_completes_ends_rank_0_with_a_clear_message
     disarms it, however long the process then idles)."""
     code = """if True:
         import threading, time
-        from mlx_engine.models.parallel import DistributedModel
-        from mlx_engine.parallel import _peer_watch
+        from mlx_engine.models.layers.parallel import DistributedModel
+        from mlx_engine.api.parallel import _peer_watch
 
         class Group:  # the first message goes through, the second never completes
             rank, size, calls = 0, 2, 0

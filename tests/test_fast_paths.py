@@ -105,11 +105,11 @@ def test_fused_decode_attention_gives_the_bits_of_the_steps_apart(kind, kv_bits,
 @pytest.mark.parametrize("kv_bits", [None, 16])
 @pytest.mark.parametrize("kind", ["llama3", "gemma3"])
 def test_a_decode_step_compiled_whole_gives_the_bits_of_the_blocks(kind, kv_bits, tmp_path, monkeypatch):
-    """``models/step.py``: the decode step traced whole (its cells, angles and cache storage as inputs) against the
+    """``models/layers/step.py``: the decode step traced whole (its cells, angles and cache storage as inputs) against the
     same step block by block: the same logits to the bit over 240 steps, from one trace per storage shape (not one
     per position), gemma3's sliding window of 8 before and after its ring wraps. Dropping the model frees it at
     once (no cycle through the trace)."""
-    from mlx_engine.models import step
+    from mlx_engine.models.layers import step
 
     folder, _, _ = _make_folder(tmp_path, kind)
     backend = MLXBackend(folder, device="cpu", dtype="float32")  # CPU kernels
@@ -142,7 +142,7 @@ def test_a_whole_step_without_our_kernels_reads_its_cells_from_an_array(kind, kv
     logits against the steps apart (RoPE, put, get and attention over the used cells): within float32 rounding
     over 120 steps, the same greedy tokens; and against the same attention block by block, to the bit."""
     from mlx_engine.mlx import cpu_kernels
-    from mlx_engine.models import step
+    from mlx_engine.models.layers import step
 
     for name in ("rope_apply", "attend_cached", "attend"):
         monkeypatch.setattr(cpu_kernels, name, None)

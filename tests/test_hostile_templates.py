@@ -17,8 +17,8 @@ import time
 import pytest
 
 from mlx_engine.errors import ChatTemplateError, InvalidRequestError
-from mlx_engine.models import template_sandbox
-from mlx_engine.models.chat_template import render_chat_template
+from mlx_engine.models.text import template_sandbox
+from mlx_engine.models.text.chat_template import render_chat_template
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -90,8 +90,8 @@ def test_a_template_error_is_an_invalid_request_naming_the_model(smollm2_model):
 FUZZ_CHILD = r"""
 import json, random, resource, sys, time
 from mlx_engine.errors import ChatTemplateError
-from mlx_engine.models import template_sandbox
-from mlx_engine.models.chat_template import render_chat_template
+from mlx_engine.models.text import template_sandbox
+from mlx_engine.models.text.chat_template import render_chat_template
 
 template_sandbox.TIME_LIMIT_S = float(sys.argv[3])
 rng = random.Random(int(sys.argv[1]))

@@ -13,8 +13,8 @@ from mlx_engine.errors import CacheError
 from mlx_engine.kvcache import RecurrentCache
 from mlx_engine.mlx import MLXBackend
 from mlx_engine.models.registry import load_text_model
-from mlx_engine.models.runner import GenerationStats, Request, Runner
-from mlx_engine.models.sampler import SamplerOptions
+from mlx_engine.models.generation.runner import GenerationStats, Request, Runner
+from mlx_engine.models.generation.sampler import SamplerOptions
 from tests.conftest import NoText, logits_for
 from tests.hybrid_small import BUILDERS, greedy_reference, lfm2_gguf, qwen3_next_gguf, write_gguf
 
@@ -325,7 +325,7 @@ def test_a_gguf_with_inconsistent_hybrid_keys_is_refused(hybrid, tmp_path):
 
 def test_a_hybrid_model_is_not_split_over_ranks(hybrid):
     from mlx_engine.errors import UnsupportedError
-    from mlx_engine.models.sharding import plan
+    from mlx_engine.models.layers.sharding import plan
     from mlx_engine.weights import open_weights
 
     folder, _ = hybrid
@@ -336,7 +336,7 @@ def test_a_hybrid_model_is_not_split_over_ranks(hybrid):
 
 
 def test_the_chunked_delta_rule_equals_the_token_by_token_one():
-    from mlx_engine.models.qwen3_next import delta_rule, delta_rule_chunked
+    from mlx_engine.models.arch.qwen3_next import delta_rule, delta_rule_chunked
 
     rng = np.random.default_rng(3)
     s, n, h, dk, dv = 2, 150, 3, 8, 5  # 150 tokens: two chunks of 64 and a padded third

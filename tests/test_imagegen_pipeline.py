@@ -18,7 +18,8 @@ pytest.importorskip("torch")
 import mlx_engine  # noqa: E402
 from mlx_engine.imagegen.metadata import png_info, read_png_parameters  # noqa: E402
 from mlx_engine.imagegen.zimage import ZImagePipeline  # noqa: E402
-from mlx_engine import api, image_api  # noqa: E402
+from mlx_engine import api  # noqa: E402
+from mlx_engine.api import image as image_api  # noqa: E402
 from mlx_engine.errors import InvalidRequestError, ModelNotFoundError, UnsupportedError, WeightsError  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402
 from tests.zimage_small import (build_folder, copy_folder, noise, reference_image_to_image,  # noqa: E402

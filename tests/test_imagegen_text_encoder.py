@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config  # 
 from mlx_engine.imagegen.text_encoder import TextEncoder  # noqa: E402
 from mlx_engine.errors import InvalidRequestError  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402
-from mlx_engine.models.tokenizer import Tokenizer  # noqa: E402
+from mlx_engine.models.text.tokenizer import Tokenizer  # noqa: E402
 
 # The parts of Qwen3's template that _encode_prompt exercises: ChatML turns, and an empty think block after the
 # generation prompt only when enable_thinking is false (the pipeline passes true).

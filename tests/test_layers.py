@@ -54,7 +54,7 @@ def test_the_wheel_installs_only_mlx_engine(wheel):
         names = z.namelist()
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"mlx_engine", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, tops
-    for f in ("mlx_engine/kvcache/causal.py", "mlx_engine/models/llama.py", "mlx_engine/imagegen/zimage.py",
+    for f in ("mlx_engine/kvcache/causal.py", "mlx_engine/models/arch/llama.py", "mlx_engine/imagegen/zimage.py",
               "mlx_engine/cli/main.py", "mlx_engine/store/catalog.py", "mlx_engine/bench/mlx_lm_peer.py",
               "mlx_engine/server/app.py", "mlx_engine/assets/shapes-64/model_index.json"):
         assert f in names, f
@@ -80,8 +80,8 @@ def test_the_layer_contracts_hold(installed):
 
 @pytest.mark.parametrize("file, line, contract", [
     ("kvcache/base.py", "from mlx_engine import api", "Layers"),           # an upward import
-    ("models/base.py", "import mlx.core", "Only the MLX backend"),          # mlx outside the backend
-    ("api.py", "import mlx_lm", "mlx_lm only in the bench"),
+    ("models/layers/base.py", "import mlx.core", "Only the MLX backend"),          # mlx outside the backend
+    ("api/__init__.py", "import mlx_lm", "mlx_lm only in the bench"),
     ("bench/run.py", "import llama_cpp", "llama_cpp only in the bench's llama.cpp peer"),
     ("cli/image.py", "from mlx_engine.imagegen import zimage", "The CLI goes through the API"),
     ("server/app.py", "from mlx_engine import bench", "Layers"),         # server and bench are independent rooms

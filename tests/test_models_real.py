@@ -11,8 +11,8 @@ from mlx_engine.errors import InvalidRequestError, UnsupportedError
 from mlx_engine.ml import DType
 from mlx_engine.mlx import cpu_kernels
 from mlx_engine.mlx.tensor import MLXQuantizedTensor
-from mlx_engine.models.runner import Request
-from mlx_engine.models.sampler import SamplerOptions
+from mlx_engine.models.generation.runner import Request
+from mlx_engine.models.generation.sampler import SamplerOptions
 from tests.reference import mlx_lm_greedy, mlx_lm_model
 
 
@@ -402,7 +402,7 @@ def test_gemma3_computes_in_bfloat16_where_float16_overflows(gemma3_gguf, smollm
     from mlx_engine.ml import DType
     from mlx_engine.mlx import MLXBackend
     from mlx_engine.models.registry import half_dtype, load_text_model
-    from mlx_engine.models.runner import Runner
+    from mlx_engine.models.generation.runner import Runner
 
     assert half_dtype(gemma3_gguf) == DType.BFLOAT16 and half_dtype(smollm2_gguf) == DType.FLOAT16
     with pytest.raises(InvalidRequestError, match="float16.*bfloat16"):

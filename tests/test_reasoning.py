@@ -22,10 +22,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from mlx_engine.errors import InvalidOptionError, InvalidRequestError
-from mlx_engine.models.constraint import parse_response_format
-from mlx_engine.models.reasoning import (HARMONY, HarmonyParser, ReasoningParser, ThinkMarkers, Thinking,
+from mlx_engine.models.text.constraint import parse_response_format
+from mlx_engine.models.text.reasoning import (HARMONY, HarmonyParser, ReasoningParser, ThinkMarkers, Thinking,
                                          prompt_opens_span, think_markers, think_template_vars)
-from mlx_engine.models.runner import Request
+from mlx_engine.models.generation.runner import Request
 
 REPO = Path(__file__).resolve().parents[1]
 MLX_ENGINE = Path(sys.executable).parent / "mlx-engine"
@@ -101,7 +101,7 @@ def test_harmony_cases():
 def test_the_gpt_oss_template_renders_and_selects_harmony():
     """gpt-oss's own chat template (llama.cpp's copy of the released one) renders in our sandbox, with the
     reasoning effort and an earlier answer, ends with the assistant's header, and selects :data:`HARMONY`."""
-    from mlx_engine.models.chat_template import render_chat_template
+    from mlx_engine.models.text.chat_template import render_chat_template
     from tests.hf_gguf import llama_cpp_source
 
     source = (llama_cpp_source() / "models" / "templates" / "openai-gpt-oss-120b.jinja").read_text()
@@ -137,7 +137,7 @@ SCRIPT = ["Ċ", "<think>", "Let", "Ġme", "Ġthink", "</think>", "ĊĊ", "Hi", "
 def _tokenizer_json() -> tuple[str, dict[str, int]]:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from mlx_engine.models.tokenizer import bytes_to_unicode
+    from mlx_engine.models.text.tokenizer import bytes_to_unicode
 
     vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
     merges = []

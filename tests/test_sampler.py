@@ -10,7 +10,7 @@ import pytest
 
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.ml import DType
-from mlx_engine.models.sampler import Sampler, SamplerOptions, apply_penalties
+from mlx_engine.models.generation.sampler import Sampler, SamplerOptions, apply_penalties
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 import mlx_engine
-from mlx_engine.models.tools import check_tools
+from mlx_engine.models.text.tools import check_tools
 from mlx_engine.server import ServerConfig
 from tests.conftest import link_model
 from tests.doc_examples import blocks

@@ -12,7 +12,7 @@ import pytest
 
 import mlx_engine
 from mlx_engine.errors import InvalidRequestError, ServerBusyError
-from mlx_engine.models.options import GenerationOptions
+from mlx_engine.models.generation.options import GenerationOptions
 from mlx_engine.server.scheduler import TextJob, TextScheduler
 
 QUESTIONS = [

@@ -12,10 +12,10 @@ import pytest
 import mlx_engine
 from mlx_engine.errors import InvalidOptionError, InvalidRequestError
 from mlx_engine.kvcache import CausalCache, RecurrentCache
-from mlx_engine.models.options import GenerationOptions
-from mlx_engine.models.runner import GenerationStats, Request, Runner
-from mlx_engine.models.sampler import SamplerOptions
-from mlx_engine.models.speculative import DraftLength, PromptLookup, verify_token
+from mlx_engine.models.generation.options import GenerationOptions
+from mlx_engine.models.generation.runner import GenerationStats, Request, Runner
+from mlx_engine.models.generation.sampler import SamplerOptions
+from mlx_engine.models.generation.speculative import DraftLength, PromptLookup, verify_token
 
 PARAGRAPH = ("The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its keeper "
              "climbed the narrow spiral stairs, trimmed the wick, polished the great lens and watched the beam sweep "

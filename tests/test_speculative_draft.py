@@ -15,8 +15,8 @@ import pytest
 
 import mlx_engine
 from mlx_engine.errors import InvalidRequestError
-from mlx_engine.models.runner import GenerationStats, Request
-from mlx_engine.models.sampler import SamplerOptions
+from mlx_engine.models.generation.runner import GenerationStats, Request
+from mlx_engine.models.generation.sampler import SamplerOptions
 from mlx_engine.server import ServerConfig
 from mlx_engine.server.scheduler import TextScheduler
 from tests.hf_gguf import peaked, save_tokenizer

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from benchmarks.structured_output import SCHEMAS, run, validates
 from mlx_engine.errors import IncompleteOutputError, InvalidRequestError
-from mlx_engine.models.constraint import ResponseFormat, parse_response_format
+from mlx_engine.models.text.constraint import ResponseFormat, parse_response_format
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
-from mlx_engine.models.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE
-from mlx_engine.models.tokenizer import Tokenizer, bytes_to_unicode
+from mlx_engine.models.text.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE
+from mlx_engine.models.text.tokenizer import Tokenizer, bytes_to_unicode
 
 # ---- test strings --------------------------------------------------------------------------------------------------
 
@@ -450,7 +450,7 @@ def test_gemma3_default_turn_format(gemma3_tok):
 
 
 def test_default_template_choice_and_template_features():
-    from mlx_engine.models.chat_template import default_template, render_chat_template
+    from mlx_engine.models.text.chat_template import default_template, render_chat_template
 
     assert default_template("gemma3", {}) is GEMMA_TEMPLATE
     assert default_template("llama", {"<|start_header_id|>": 1}) is LLAMA3_TEMPLATE
@@ -470,7 +470,7 @@ def test_default_template_choice_and_template_features():
 def test_chat_template_errors(smollm2_tok):
     with pytest.raises(InvalidRequestError, match="empty"):
         smollm2_tok.apply_chat_template([])
-    from mlx_engine.models.chat_template import render_chat_template
+    from mlx_engine.models.text.chat_template import render_chat_template
 
     with pytest.raises(InvalidRequestError, match="alternate"):
         render_chat_template("{{ raise_exception('roles must alternate') }}", [{"role": "user", "content": "x"}])

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from mlx_engine.errors import InvalidRequestError
-from mlx_engine.models.tools import (ToolStyle, check_tools, parse_tool_calls, prepare_messages, tool_choice_format,
+from mlx_engine.models.text.tools import (ToolStyle, check_tools, parse_tool_calls, prepare_messages, tool_choice_format,
                                      tool_style)
 
 WEATHER = {"type": "function", "function": {
@@ -161,8 +161,8 @@ def test_server_tool_round_trip_with_the_real_clients(smollm2_server):
 
 
 def test_a_streamed_call_after_plain_text_is_held_and_parsed():
-    from mlx_engine.models.answer import ToolPrompt
-    from mlx_engine.models.tools import ToolStyle
+    from mlx_engine.models.generation.answer import ToolPrompt
+    from mlx_engine.models.text.tools import ToolStyle
     from mlx_engine.server.tool_stream import ToolStream
 
     prompt = ToolPrompt([], None, ToolStyle("hermes", True), {"get_weather"})

@@ -11,8 +11,8 @@ import pytest
 
 import mlx_engine
 from mlx_engine.errors import InvalidRequestError
-from mlx_engine.models.images import ImageProcessor, load_image
-from mlx_engine.models.runner import prompt_keys
+from mlx_engine.models.vision.images import ImageProcessor, load_image
+from mlx_engine.models.generation.runner import prompt_keys
 from tests.hybrid_small import write_gguf
 from tests.vision_small import IMAGE_SIZE, build_gemma3_vision, engine_logits_and_tokens, photo, reference_pixels
 
@@ -283,7 +283,7 @@ def _png(tmp_path, seed: int):
 
 def test_ollamas_vision_tensors_read_like_the_folder(gemma3v, model, tmp_path):
     from mlx_engine.mlx import MLXBackend
-    from mlx_engine.models.vision import Gemma3Vision
+    from mlx_engine.models.vision.vision import Gemma3Vision
     from tests.vision_small import ollama_vision_gguf
 
     _, ref = gemma3v

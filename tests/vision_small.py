@@ -175,8 +175,8 @@ def ollama_vision_gguf(model, path: Path) -> Path:
 def engine_logits_and_tokens(model, tokens, placed, n):
     """Our first-step logits (a fresh prefill of sequence 0) and ``n`` greedy tokens for ``tokens`` with the images
     ``placed`` (``PromptImage``), through the model's runner: what the parity tests compare with transformers."""
-    from mlx_engine.models.runner import GenerationStats, Request
-    from mlx_engine.models.sampler import SamplerOptions
+    from mlx_engine.models.generation.runner import GenerationStats, Request
+    from mlx_engine.models.generation.sampler import SamplerOptions
 
     runner = model.runner
     runner.reset()

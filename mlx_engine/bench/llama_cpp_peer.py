@@ -129,7 +129,7 @@ def serve() -> None:
     import llama_cpp
     import numpy as np
 
-    from mlx_engine.models.scoring import sum_nll
+    from mlx_engine.models.generation.scoring import sum_nll
 
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever llama.cpp prints goes to standard error

@@ -17,7 +17,7 @@ import numpy as np
 
 from mlx_engine.bench.float_reference import dequantized
 from mlx_engine.mlx.runtime import mx  # loads OpenBLAS before mlx on Linux
-from mlx_engine.models.scoring import sum_nll
+from mlx_engine.models.generation.scoring import sum_nll
 
 _NAMES = [
     (r"token_embd\.weight", "model.embed_tokens.weight"),

@@ -157,7 +157,7 @@ class EngineSide:
         self.backend = model.backend
 
     def _runner(self, max_sequences: int = 1) -> Any:
-        from mlx_engine.models.runner import Runner
+        from mlx_engine.models.generation.runner import Runner
 
         m = self.model
         return Runner(m.text_model, m.tokenizer, context_length=m.context_length, max_sequences=max_sequences,
@@ -165,7 +165,7 @@ class EngineSide:
 
     def run(self, tokens: list[int], max_tokens: int) -> dict[str, float]:
         """Same contract as :meth:`mlx_engine.bench.mlx_lm_peer.MLXLMPeer.run`."""
-        from mlx_engine.models.runner import Request
+        from mlx_engine.models.generation.runner import Request
 
         runner = self._runner()
         others = self.backend.active_memory() - self.backend.weights_nbytes()
@@ -196,7 +196,7 @@ class EngineSide:
     def decode_at_context(self, prompt: list[int], tokens: int, reps: int) -> float:
         """Median decode tokens/s of ``tokens`` tokens after ``prompt``: the prompt is prefilled once, and every
         repetition rewinds to its end (the runner reuses the cached prompt) and decodes again."""
-        from mlx_engine.models.runner import GenerationStats, Request
+        from mlx_engine.models.generation.runner import GenerationStats, Request
 
         runner = self._runner()
         rates = []
@@ -213,7 +213,7 @@ class EngineSide:
         """Median decode tokens/s of ``tokens`` tokens after ``prompt``, free and under a JSON Schema that cannot
         end sooner (an array of at least ``tokens`` integers), alternating; the prompt is prefilled once."""
         from mlx_engine.api import GenerationOptions
-        from mlx_engine.models.runner import GenerationStats, Request
+        from mlx_engine.models.generation.runner import GenerationStats, Request
 
         fmt = GenerationOptions.parse({"json_schema": {"type": "array", "items": {"type": "integer"},
                                                        "minItems": tokens}}).response_format

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlx_engine.models.tools import ToolCall
+from mlx_engine.models.text.tools import ToolCall
 from mlx_engine.server.chat_core import ChatJob, chat_answer, chat_events, join_parts, prepare_chat
 from mlx_engine.server.guard import anthropic_error
 from mlx_engine.server.http import HTTPProblem, ServerState, note, problem_from, read_json, validate

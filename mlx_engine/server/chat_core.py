@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mlx_engine.api import ToolPrompt
-from mlx_engine.models.options import GenerationOptions
-from mlx_engine.models.tools import ToolCall
+from mlx_engine.models.generation.options import GenerationOptions
+from mlx_engine.models.text.tools import ToolCall
 from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, group_events, remaining_context,
                                     whole_answers)
 from mlx_engine.server.pool import Loaded

@@ -1,7 +1,7 @@
 """Embedding routes: OpenAI's ``POST /v1/embeddings`` and ollama's ``POST /api/embed`` and older ``/api/embeddings``.
 
 Each request's inputs run together in padded forward passes on the device thread, between the text models' steps
-(:class:`mlx_engine.models.embedding.Embedder`). Semantics, with the differences stated:
+(:class:`mlx_engine.models.embedding.embedder.Embedder`). Semantics, with the differences stated:
 
 - ``/v1/embeddings`` (OpenAI's API reference): ``input`` a string, a list of strings, a list of token ids or a list of
   such lists (token ids run as given, no special tokens added); ``dimensions`` keeps the first components and

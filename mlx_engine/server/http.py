@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from mlx_engine.errors import (EngineError, GenerationInterruptedError, InvalidRequestError, MemoryBudgetError,
                                ModelNotFoundError, ServerBusyError, UnsupportedError)
-from mlx_engine.models.options import GenerationOptions
+from mlx_engine.models.generation.options import GenerationOptions
 from mlx_engine.server.metrics import Metrics
 from mlx_engine.server.pool import Loaded, ModelPool
 from mlx_engine.server.scheduler import JobStats, TextJob

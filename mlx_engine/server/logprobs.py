@@ -1,5 +1,5 @@
 """Token log-probabilities in each API's shape, from the scheduler's ``(token, logprob, top)`` entries
-(:attr:`mlx_engine.models.generation.SequenceState.logprob`: natural logs of the distribution the token was drawn
+(:attr:`mlx_engine.models.generation.core.SequenceState.logprob`: natural logs of the distribution the token was drawn
 from, ``top`` most likely first).
 
 - OpenAI Chat Completions: ``choices[].logprobs.content[]`` of ``{token, logprob, bytes, top_logprobs}``;

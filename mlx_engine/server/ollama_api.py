@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlx_engine.errors import ModelNotFoundError
-from mlx_engine.models.reasoning import think_markers
+from mlx_engine.models.text.reasoning import think_markers
 from mlx_engine.server.http import (HTTPProblem, ServerState, generation_options, inline_images, problem_from,
                                     read_json, text_events, validate, whole_answers)
 from mlx_engine.server import logprobs as lp_shapes

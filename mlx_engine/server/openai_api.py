@@ -11,7 +11,7 @@ min-p filters (a filtered token: -9999), and at temperature 0 the model's own di
 :mod:`mlx_engine.server.logprobs` shapes them; ``response_format`` (``json_object``, ``json_schema``; also ``regex`` and ``grammar``) is
 enforced by a grammar on every token, ``strict`` or not; ``tools`` and ``tool_choice`` (``auto``, ``none``,
 ``required``, a named function: the last two forced by a grammar) with ``tool`` messages and assistant ``tool_calls``
-going back into the template (:mod:`mlx_engine.models.tools`); ``image_url`` content parts with ``data:`` URLs go
+going back into the template (:mod:`mlx_engine.models.text.tools`); ``image_url`` content parts with ``data:`` URLs go
 to a model that reads images (URLs are not fetched); what the engine cannot do yet (``echo``, ``suffix``) is refused
 with a 400, never ignored. OpenAI's Responses API is :mod:`mlx_engine.server.responses_api`, on the same chat core
 (:mod:`mlx_engine.server.chat_core`).

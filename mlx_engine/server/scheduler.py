@@ -17,7 +17,7 @@ design). Each call of :meth:`TextScheduler.step`, on the device thread:
    output (the masks are computed on the host while the device runs the step). A request with speculative decoding
    (``speculative``, or the server's ``--speculative`` default) puts its last token and its draft in the same pass
    (every sequence's drafts verified together); its verified tokens are fed to its state one by one and the
-   rejected cells removed from its sequence (:mod:`~mlx_engine.models.speculative`).
+   rejected cells removed from its sequence (:mod:`~mlx_engine.models.generation.speculative`).
 
 A finished request's slot keeps its tokens for reuse until the slot is needed (least recently used first): the cache
 was reserved at load for ``max_sequences`` full contexts, and that reserved pool is the prefix cache's byte budget.
@@ -39,12 +39,12 @@ import numpy as np
 from mlx_engine.errors import (CacheFullError, EngineError, GenerationInterruptedError, InvalidRequestError,
                                ServerBusyError)
 from mlx_engine.ml import DType
-from mlx_engine.models.generation import SequenceState
-from mlx_engine.models.options import GenerationOptions
-from mlx_engine.models.reasoning import THINKING
-from mlx_engine.models.runner import Runner, prompt_keys
-from mlx_engine.models.speculative import DraftLength, judge, plan, record
-from mlx_engine.parallel import serving_peer_lost
+from mlx_engine.models.generation.core import SequenceState
+from mlx_engine.models.generation.options import GenerationOptions
+from mlx_engine.models.text.reasoning import THINKING
+from mlx_engine.models.generation.runner import Runner, prompt_keys
+from mlx_engine.models.generation.speculative import DraftLength, judge, plan, record
+from mlx_engine.api.parallel import serving_peer_lost
 
 log = logging.getLogger("mlx_engine.server")
 

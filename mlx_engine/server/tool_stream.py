@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_engine.models.tools import ToolCall, call_start, may_be_tool_call
+from mlx_engine.models.text.tools import ToolCall, call_start, may_be_tool_call
 
 
 class ToolStream:
-    """One streamed answer; ``prompt`` is the request's :class:`mlx_engine.models.answer.ToolPrompt`, or None (no tools)."""
+    """One streamed answer; ``prompt`` is the request's :class:`mlx_engine.models.generation.answer.ToolPrompt`, or None (no tools)."""
 
     def __init__(self, prompt: Any):
         self.prompt = prompt

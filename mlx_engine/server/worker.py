@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_engine import api
-from mlx_engine.parallel import serving_peer_lost
+from mlx_engine.api.parallel import serving_peer_lost
 from mlx_engine.server.scheduler import TextScheduler
 
 log = logging.getLogger("mlx_engine.server")

@@ -1,0 +1,62 @@
+"""Qwen2 / Qwen2.5 dense models (and their distillations: DeepSeek-R1-Distill-Qwen, QwQ): Llama's layout with biases
+on the query, key and value projections, RoPE on rotated halves (llama.cpp's NEOX order, so GGUF Q/K rows are not
+permuted), tied output head in the small ones; optional sliding-window attention on the layers from
+``max_window_layers`` on (``use_sliding_window``, off in every released config).
+
+Reference: transformers' ``models/qwen2/modeling_qwen2.py``; mlx-lm's ``models/arch/qwen2.py``; llama.cpp's
+``src/models/qwen2.cpp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_engine.ml import Tensor
+from mlx_engine.models.layers.base import DecoderModel
+from mlx_engine.models.layers.config import (DecoderConfig, check_layer_count, check_rope_scaling, hf_rope_parameters,
+                                      metadata_getter, vocab_size_of)
+
+
+class Qwen2(DecoderModel):
+    architecture = "qwen2"
+
+    @classmethod
+    def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
+        get = metadata_getter(metadata, "qwen2")
+        heads = get("attention.head_count", positive=True)
+        hidden = get("embedding_length", positive=True)
+        scaling = get("rope.scaling.type", None)
+        check_rope_scaling(scaling, "qwen2")
+        factor = float(get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        return DecoderConfig(
+            architecture="qwen2", vocab_size=vocab_size_of(weights, metadata, "qwen2"), hidden_size=hidden,
+            num_layers=int(get("block_count")), num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=int(get("attention.key_length", hidden // heads)),
+            intermediate_size=int(get("feed_forward_length")),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            context_length=int(get("context_length", 32768)), rope_theta=float(get("rope.freq_base", 1000000.0)),
+            rope_scale=1.0 / factor, attention_bias=True,
+        )
+
+    @classmethod
+    def config_from_hf(cls, config: Any) -> DecoderConfig:
+        heads = int(config["num_attention_heads"])
+        layers = check_layer_count(config["num_hidden_layers"])
+        theta, scaling = hf_rope_parameters(config)
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        check_rope_scaling(kind, "qwen2")
+        window = config.get("sliding_window") if config.get("use_sliding_window") else None
+        types = config.get("layer_types") if window else None
+        if window and not types:  # transformers' rule: the layers from max_window_layers on slide
+            first = int(config.get("max_window_layers", layers))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        return DecoderConfig(
+            architecture="qwen2", vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+            num_layers=layers, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            intermediate_size=int(config["intermediate_size"]), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            context_length=int(config.get("max_position_embeddings", 32768)), rope_theta=theta,
+            rope_scale=1.0 / float(scaling["factor"]) if kind == "linear" else 1.0, attention_bias=True,
+            sliding_window=int(window) - 1 if window else None, layer_types=list(types or []),
+        )

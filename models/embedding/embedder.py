@@ -1,0 +1,268 @@
+"""Embeddings: an encoder (``models/arch/bert.py``) or a decoder embedder (``models/embedding/decoder_embedding.py``), its tokenizer and the sentence-transformers pipeline around it
+(pooling, normalization, prompts, Matryoshka truncation), read from a folder in sentence-transformers' layout or from a
+GGUF file as llama.cpp's converter writes it.
+
+What is read, and from where:
+
+- A folder: ``modules.json`` (the modules in order: ``Transformer``, ``Pooling``, ``Normalize``; a ``Dense`` or other
+  module we do not run is refused), the Pooling module's ``config.json`` (``pooling_mode_cls_token``,
+  ``pooling_mode_mean_tokens``, ``pooling_mode_lasttoken``, or ``pooling_mode``), ``sentence_bert_config.json``
+  (``max_seq_length``), ``config_sentence_transformers.json`` (``prompts``, ``default_prompt_name``). A folder without
+  ``modules.json`` pools by mean, as sentence-transformers does for a plain transformers model.
+- A GGUF file: ``{arch}.pooling_type`` (1 mean, 2 CLS, 3 last; llama.cpp's ``enum llama_pooling_type``; 0, none, is
+  refused: no one vector per text) and ``{arch}.attention.causal`` (false for encoders; a decoder embedder, such as
+  Qwen3-Embedding's ``qwen3``, attends causally as llama.cpp's default).
+
+The pipeline follows sentence-transformers (``SentenceTransformer.encode``, ``models/Pooling.py``,
+``models/Normalize.py``): token ids with the tokenizer's special tokens, inputs longer than ``max_seq_length`` cut
+there (the special tokens kept), the pooled vector L2-normalized.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
+from mlx_engine.ml import Backend
+from mlx_engine.models.arch.bert import ENCODER_ARCHITECTURES, BertEncoder
+from mlx_engine.models.embedding.decoder_embedding import DecoderEncoder
+from mlx_engine.models.text.tokenizer import Tokenizer
+
+#: llama.cpp's ``enum llama_pooling_type`` values that give one vector per text.
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+@dataclass
+class EmbeddingSpec:
+    """How an encoder's hidden states become one vector per text.
+
+    Attributes:
+        pooling: ``mean``, ``cls`` or ``last``. normalize: the model's pipeline ends in L2 normalization.
+        max_tokens: the most tokens of one input (``max_seq_length``, else the model's context).
+        prompts: named prompts prepended to a text (``{"query": "search_query: "}``); default_prompt: the name
+            applied when none is given, or None.
+    """
+
+    pooling: str = "mean"
+    normalize: bool = True
+    max_tokens: int = 512
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt: str | None = None
+
+
+def is_embedder(metadata: Any, path: Path) -> bool:
+    """Whether the checkpoint at ``path`` (its metadata: GGUF keys or ``config.json``) is one we embed with: an
+    encoder architecture; a GGUF whose ``{arch}.pooling_type`` pools (1, 2, 3: llama.cpp's converter writes it from
+    the sentence-transformers folder it converts); a folder whose ``modules.json`` lists a Pooling module."""
+    arch = str(metadata.get("general.architecture", metadata.get("model_type")))
+    if arch in ENCODER_ARCHITECTURES:
+        return True
+    if "general.architecture" in metadata:
+        return metadata.get(f"{arch}.pooling_type") in GGUF_POOLING
+    try:
+        modules = json.loads((Path(path) / "modules.json").read_text(encoding="utf-8"))
+        return any(str(m.get("type", "")).endswith("Pooling") for m in modules)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{path}: cannot read it as JSON ({e})") from None
+
+
+def spec_from_folder(folder: Path, context_length: int) -> EmbeddingSpec:
+    """The pipeline of a sentence-transformers folder. Raises WeightsError (a bad file, named) or UnsupportedError
+    (a module or pooling mode we do not run)."""
+    spec = EmbeddingSpec(pooling="mean", normalize=False, max_tokens=context_length)
+    modules = _json(folder / "modules.json") if (folder / "modules.json").is_file() else []
+    if not isinstance(modules, list):
+        raise WeightsError(f"{folder / 'modules.json'}: a list of modules is expected")
+    for m in modules:
+        kind = str(m.get("type", "")).rsplit(".", 1)[-1] if isinstance(m, dict) else ""
+        if kind not in _ST_MODULES:
+            raise UnsupportedError(f"{folder / 'modules.json'} lists a {kind or m!r} module; we run "
+                                   f"{', '.join(_ST_MODULES)} only")
+        if kind == "Transformer" and m.get("path", "") not in ("", "."):
+            raise UnsupportedError(f"{folder}: the transformer is in {m['path']}/; give that folder's parent a "
+                                   "config.json and weights at its top (sentence-transformers' current layout)")
+        if kind == "Pooling":
+            spec.pooling = _pooling_mode(_json(folder / m.get("path", "") / "config.json"), folder)
+        if kind == "Normalize":
+            spec.normalize = True
+    if (folder / "sentence_bert_config.json").is_file():
+        limit = _json(folder / "sentence_bert_config.json").get("max_seq_length")
+        if isinstance(limit, int) and limit > 0:
+            spec.max_tokens = min(limit, context_length)
+    if (folder / "config_sentence_transformers.json").is_file():
+        st = _json(folder / "config_sentence_transformers.json")
+        prompts = st.get("prompts") or {}
+        spec.prompts = {str(k): str(v) for k, v in prompts.items() if isinstance(v, str)}
+        spec.default_prompt = st.get("default_prompt_name") or None
+    return spec
+
+
+def _pooling_mode(config: Any, folder: Path) -> str:
+    if not isinstance(config, dict):
+        raise WeightsError(f"{folder}: the pooling module's config.json is not an object")
+    if config.get("pooling_mode_mean_tokens"):
+        return "mean"
+    if config.get("pooling_mode_cls_token"):
+        return "cls"
+    if config.get("pooling_mode_lasttoken"):
+        return "last"
+    mode = {"lasttoken": "last"}.get(config.get("pooling_mode"), config.get("pooling_mode"))
+    if mode in ("mean", "cls", "last"):
+        return mode
+    raise UnsupportedError(f"{folder}: the pooling module asks for {config!r}; we pool by mean, CLS or last token")
+
+
+def spec_from_gguf(metadata: Any, context_length: int) -> EmbeddingSpec:
+    """The pipeline of a GGUF file (llama.cpp normalizes embeddings by default: ``embd_normalize`` 2). Raises
+    UnsupportedError for a pooling type that gives no one vector per text."""
+    arch = str(metadata["general.architecture"])
+    kind = int(metadata.get(f"{arch}.pooling_type", 0))
+    if kind not in GGUF_POOLING:
+        raise UnsupportedError(f"the GGUF's {arch}.pooling_type is {kind}; we pool by mean (1), CLS (2) or last "
+                               "token (3)")
+    encoder = arch in ENCODER_ARCHITECTURES
+    if bool(metadata.get(f"{arch}.attention.causal", not encoder)) != (not encoder):
+        raise UnsupportedError(f"the GGUF's {arch}.attention.causal is {not encoder}; "
+                               f"{'encoders attend both ways' if encoder else 'we run decoders causally'}")
+    return EmbeddingSpec(pooling=GGUF_POOLING[kind], normalize=True, max_tokens=context_length)
+
+
+def _gguf_specials(metadata: Any, tokenizer: Tokenizer) -> tuple[list[int], list[int]] | None:
+    """The token ids llama.cpp puts before and after a text of a byte-level or SentencePiece GGUF vocabulary
+    (``tokenizer.ggml.add_bos_token``, ``add_eos_token``: ``llama_vocab::impl::tokenize``); None for a WordPiece one,
+    whose tokenizer adds [CLS] and [SEP] itself."""
+    if metadata.get("tokenizer.ggml.model") == "bert":
+        return None
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    first = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    last = [int(eos)] if bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos is not None else []
+    return first, last
+
+
+class Embedder:
+    """An encoder, its tokenizer and its pipeline: texts or token ids to float32 vectors.
+
+    Attributes: encoder (:class:`BertEncoder` or :class:`DecoderEncoder`), tokenizer, spec
+    (:class:`EmbeddingSpec`), dim (the vector width), ranks (a cross-encoder), gguf (read from a GGUF file).
+    """
+
+    def __init__(self, backend: Backend, path: Path):
+        gguf = path.is_file()
+        self.backend = backend
+        arch = backend.metadata.get("general.architecture", backend.metadata.get("model_type"))
+        self.encoder: "BertEncoder | DecoderEncoder" = (
+            BertEncoder.from_backend(backend, "gguf" if gguf else "hf") if str(arch) in ENCODER_ARCHITECTURES
+            else DecoderEncoder.from_backend(backend))
+        ctx_len = self.encoder.config.context_length
+        self.tokenizer = Tokenizer.from_gguf(backend.metadata) if gguf else Tokenizer.from_folder(path)
+        # a tokenizer.json may pad every text to a fixed length and cut it (all-MiniLM-L6-v2's pads to 128 with
+        # [PAD]): the padded batches and :meth:`fit` do that here, with a mask
+        self.tokenizer.backend.no_padding()
+        self.tokenizer.backend.no_truncation()
+        #: a cross-encoder (a classification head): it reranks (models/embedding/rerank.py) and gives no embeddings
+        self.ranks = isinstance(self.encoder, BertEncoder) and self.encoder.has_rank_head
+        if self.ranks:
+            self.spec = EmbeddingSpec(pooling="cls", normalize=False, max_tokens=ctx_len)
+        else:
+            self.spec = spec_from_gguf(backend.metadata, ctx_len) if gguf else spec_from_folder(path, ctx_len)
+        self.gguf = gguf
+        self.dim = self.encoder.config.hidden_size
+        self._around = _gguf_specials(backend.metadata, self.tokenizer) if gguf else None
+        mask = self.tokenizer.backend.encode("a", add_special_tokens=True).special_tokens_mask
+        # the special tokens after a text ([SEP], <|endoftext|>), kept when it is cut
+        self._tail = (len(self._around[1]) if self._around is not None
+                      else next((i for i, m in enumerate(reversed(mask)) if not m), 0))
+
+    def tokenize(self, texts: Sequence[str], *, prompt_name: str | None = None, truncate: bool = True,
+                 fit: bool = True) -> list[list[int]]:
+        """Token ids of each text (the model's prompt prepended, the tokenizer's special tokens around it).
+
+        An input longer than ``spec.max_tokens`` is cut to it, its trailing special tokens kept (as the tokenizer's
+        own truncation does); with ``truncate=False`` it is refused; with ``fit=False`` it is returned whole (the
+        server flags the inputs it then cuts with :meth:`fit`).
+
+        Raises:
+            InvalidRequestError: a text that is not a string or is empty; an unknown ``prompt_name``; an input too
+                long with ``truncate=False`` (the message gives both lengths).
+        """
+        name = prompt_name if prompt_name is not None else self.spec.default_prompt
+        if name is not None and name not in self.spec.prompts:
+            raise InvalidRequestError(f"prompt_name {name!r} is not one of this model's prompts "
+                                      f"({', '.join(self.spec.prompts) or 'it has none'})")
+        prefix = self.spec.prompts.get(name, "") if name is not None else ""
+        out = []
+        for i, text in enumerate(texts):
+            if not isinstance(text, str) or not text:
+                raise InvalidRequestError(f"input {i} must be a non-empty string, not {text!r:.60}")
+            if self._around is None:
+                ids = self.tokenizer.backend.encode(prefix + text, add_special_tokens=True).ids
+            else:
+                first, last = self._around
+                ids = first + self.tokenizer.backend.encode(prefix + text, add_special_tokens=False).ids + last
+            out.append(self.fit(ids, truncate, i) if fit else ids)
+        return out
+
+    def fit(self, ids: list[int], truncate: bool, index: int = 0) -> list[int]:
+        """``ids`` within ``spec.max_tokens`` (cut before the trailing special tokens), or InvalidRequestError when
+        they exceed it and ``truncate`` is False."""
+        limit = self.spec.max_tokens
+        if len(ids) <= limit:
+            return list(ids)
+        if not truncate:
+            raise InvalidRequestError(f"input {index} has {len(ids)} tokens, more than the model's {limit}; shorten "
+                                      "it or let it be truncated (truncate: true)")
+        tail = ids[len(ids) - self._tail:] if self._tail else []
+        return list(ids[:limit - len(tail)]) + tail
+
+    def embed_ids(self, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None,
+                  normalize: bool = True) -> np.ndarray:
+        """Float32 vectors ``[len(inputs), dimensions or dim]`` of token-id inputs, in one or more forward passes
+        (inputs sorted by length, at most the encoder's ``batch_tokens`` token rows each).
+
+        ``dimensions``: keep the first ``dimensions`` components (Matryoshka), then normalize. ``normalize``: divide
+        each vector by its L2 norm (sentence-transformers' ``Normalize``; llama.cpp's default); False: as pooled.
+
+        Raises:
+            InvalidRequestError: an empty input or token ids outside the vocabulary; ``dimensions`` not in
+                ``1..dim``.
+        """
+        if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
+                                       or not 0 < dimensions <= self.dim):
+            raise InvalidRequestError(f"dimensions must be an integer from 1 to {self.dim}, not {dimensions!r}")
+        vocab = self.encoder.config.vocab_size
+        for i, ids in enumerate(inputs):
+            if not len(ids) or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab
+                                   for t in ids):
+                raise InvalidRequestError(f"input {i} must be a non-empty list of token ids from 0 to {vocab - 1}")
+        out = np.zeros((len(inputs), self.dim), np.float32)
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+        start, budget = 0, self.encoder.batch_tokens
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end + 1 - start) * len(inputs[order[end]]) <= budget:
+                end += 1
+            rows = order[start:end]
+            out[rows] = self._forward([inputs[i] for i in rows])
+            start = end
+        if dimensions is not None:
+            out = out[:, :dimensions].copy()
+        if normalize:
+            out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)  # torch's F.normalize eps
+        return out
+
+    def _forward(self, inputs: list[Sequence[int]]) -> np.ndarray:
+        with self.backend.new_context() as ctx:
+            return self.encoder.pooled(ctx, inputs, self.spec.pooling)

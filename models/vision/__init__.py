@@ -1,0 +1,1 @@
+"""Images in prompts: reading them, and the vision encoders (SigLIP, Mllama's) that turn them into embeddings."""
