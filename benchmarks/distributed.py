@@ -95,7 +95,7 @@ def worker(model: str, mode: str, prompt_tokens: int, decode_tokens: int, reps: 
     if mode != "single":
         from mlx_engine.store import Store
 
-        from mlx_engine.models.layers.sharding import file_config
+        from mlx_engine.models.registry import file_config
         from mlx_engine.weights import open_weights
 
         with open_weights(Store().resolve(model, pull=False, progress=False).path) as wf:

@@ -8,9 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mlx_engine.errors import EngineError, UnsupportedError
 from mlx_engine.ml import Backend, DType
 from mlx_engine.models.layers.base import DecoderModel
+from mlx_engine.models.layers.config import DecoderConfig
 from mlx_engine.models.arch.deepseek2 import DeepSeek2
 from mlx_engine.models.arch.bert import ENCODER_ARCHITECTURES
 from mlx_engine.models.arch.gemma2 import Gemma2
@@ -164,3 +167,39 @@ def load_text_checkpoint(path: Path, make_backend: Callable[[Path], Backend], *,
         backend.close()
         raise
     return TextCheckpoint(backend, model, tokenizer)
+
+
+class _FileTensors:
+    """A weight file's tensors as far as reading a config needs them: shapes, and the data of small ones."""
+
+    def __init__(self, wf: Any):
+        self.wf = wf
+        self.names = set(wf.names())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self.names else default
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.names:
+            raise KeyError(name)
+        wf = self.wf
+
+        class _T:
+            shape = wf.shape(name)
+
+            @staticmethod
+            def numpy() -> np.ndarray:
+                return np.asarray(wf.load(name))
+        return _T()
+
+
+def file_config(wf: Any) -> DecoderConfig:
+    """The model config of an open weight file, read before any large tensor is (raises like loading does); what
+    :func:`mlx_engine.models.layers.sharding.plan` divides among the ranks."""
+    cls, source = architecture_class(wf)
+    if source == "gguf":
+        return cls.config_from_gguf(wf.metadata, _FileTensors(wf))
+    return cls.config_from_hf(wf.metadata)

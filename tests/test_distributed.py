@@ -23,6 +23,7 @@ import pytest
 from mlx_engine.errors import InvalidRequestError, UnsupportedError
 from mlx_engine.models.layers.config import DecoderConfig
 from mlx_engine.models.layers.sharding import _split_heads, _stages, plan
+from mlx_engine.models.registry import file_config
 from mlx_engine.weights import QuantizedArray, open_weights
 from mlx_engine.weights.quant import quantize_affine
 
@@ -91,7 +92,7 @@ def test_quantized_slices_equal_slices_of_the_dequantized_weight(bits):
 def test_plans_of_the_real_files_share_out_every_tensor(smollm2_gguf, gemma3_gguf, mode, size):
     for path in (smollm2_gguf, gemma3_gguf):
         with open_weights(path) as wf:
-            plans = [plan(wf, mode, r, size) for r in range(size)]
+            plans = [plan(wf, file_config(wf), mode, r, size) for r in range(size)]
             cuts = [p.tensors(wf) for p in plans]
             layer_names = [n for n in wf.names() if n.startswith("blk.")]
             if mode == "pipeline":  # every layer tensor on exactly one rank, whole
@@ -107,7 +108,7 @@ def test_plans_of_the_real_files_share_out_every_tensor(smollm2_gguf, gemma3_ggu
                 assert [i for r in cols for i in r] == list(range(wf.shape(down)[1]))
                 assert all(c[down][0] == 1 and c["blk.0.attn_output.weight"][0] == 1 for c in cuts)
         with pytest.raises(InvalidRequestError, match="unknown parallel mode"):
-            plan(wf, "data", 0, size)
+            plan(wf, file_config(wf), "data", 0, size)
 
 
 def test_fingerprints_tell_files_apart(smollm2_gguf, gemma3_gguf):

@@ -326,13 +326,14 @@ def test_a_gguf_with_inconsistent_hybrid_keys_is_refused(hybrid, tmp_path):
 def test_a_hybrid_model_is_not_split_over_ranks(hybrid):
     from mlx_engine.errors import UnsupportedError
     from mlx_engine.models.layers.sharding import plan
+    from mlx_engine.models.registry import file_config
     from mlx_engine.weights import open_weights
 
     folder, _ = hybrid
     with open_weights(folder) as wf:
         for mode in ("pipeline", "tensor"):
             with pytest.raises(UnsupportedError, match="hybrid model .* one machine only"):
-                plan(wf, mode, 0, 2)
+                plan(wf, file_config(wf), mode, 0, 2)
 
 
 def test_the_chunked_delta_rule_equals_the_token_by_token_one():

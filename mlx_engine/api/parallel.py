@@ -20,8 +20,8 @@ from mlx_engine.errors import InvalidRequestError, WeightsError
 from mlx_engine.group import Group
 from mlx_engine.mlx.distributed import init_group
 from mlx_engine.models.layers.parallel import DistributedModel, PeerLostError, follow, peer_lost
-from mlx_engine.models.registry import TextCheckpoint, load_text_checkpoint
-from mlx_engine.models.layers.sharding import MODES, file_config, plan
+from mlx_engine.models.registry import TextCheckpoint, file_config, load_text_checkpoint
+from mlx_engine.models.layers.sharding import MODES, plan
 
 __all__ = ["MODES", "load_sharded", "launched_rank", "PeerLostError", "peer_lost", "serving_peer_lost"]
 
@@ -146,8 +146,8 @@ def load_sharded(path: Path, make_backend: Callable[..., Any], parallel: str, tr
             _handshake(group, wf, {"parallel": parallel, "size": group.size, **(settings or {})})
         finally:
             watchdog.close()
-        holder["plan"] = plan(wf, parallel, group.rank, group.size)
         holder["config"] = file_config(wf)
+        holder["plan"] = plan(wf, holder["config"], parallel, group.rank, group.size)
         return holder["plan"].tensors(wf)
 
     def part(config: Any) -> Any:

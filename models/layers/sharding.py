@@ -26,7 +26,7 @@ from mlx_engine.errors import InvalidRequestError, UnsupportedError
 from mlx_engine.models.layers.base import ModelPart
 from mlx_engine.models.layers.config import ATTENTION_TYPES, DecoderConfig
 
-__all__ = ["MODES", "Plan", "plan", "stage_rank", "file_config"]
+__all__ = ["MODES", "Plan", "plan", "stage_rank"]
 
 MODES = ("pipeline", "tensor")
 
@@ -139,43 +139,6 @@ class Plan:
         return out
 
 
-class _FileTensors:
-    """A weight file's tensors as far as reading a config needs them: shapes, and the data of small ones."""
-
-    def __init__(self, wf: Any):
-        self.wf = wf
-        self.names = set(wf.names())
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.names
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self[name] if name in self.names else default
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self.names:
-            raise KeyError(name)
-        wf = self.wf
-
-        class _T:
-            shape = wf.shape(name)
-
-            @staticmethod
-            def numpy() -> np.ndarray:
-                return np.asarray(wf.load(name))
-        return _T()
-
-
-def file_config(wf: Any) -> DecoderConfig:
-    """The model config of an open weight file, read before any large tensor is (raises like loading does)."""
-    from mlx_engine.models.registry import architecture_class
-
-    cls, source = architecture_class(wf)
-    if source == "gguf":
-        return cls.config_from_gguf(wf.metadata, _FileTensors(wf))
-    return cls.config_from_hf(wf.metadata)
-
-
 def _stages(layer_bytes: list[int], last_extra: int, size: int) -> list[range]:
     """Cut the layers into ``size`` consecutive non-empty stages minimising the largest stage's bytes (the last
     stage also holds ``last_extra`` bytes): a small dynamic programme over cut points."""
@@ -220,8 +183,9 @@ def _split_heads(c: DecoderConfig, rank: int, size: int) -> tuple[tuple[int, int
     return (group * rep + a, group * rep + b), (group, group + 1)
 
 
-def plan(wf: Any, mode: str, rank: int, size: int) -> Plan:
-    """This rank's :class:`Plan` for the open weight file ``wf``.
+def plan(wf: Any, c: DecoderConfig, mode: str, rank: int, size: int) -> Plan:
+    """This rank's :class:`Plan` for the open weight file ``wf`` whose config is ``c``
+    (:func:`mlx_engine.models.registry.file_config`).
 
     Raises:
         UnsupportedError: a hybrid model (recurrent layers), fewer layers than ranks (pipeline), fewer heads or MLP column blocks than ranks (tensor).
@@ -229,7 +193,6 @@ def plan(wf: Any, mode: str, rank: int, size: int) -> Plan:
     """
     if mode not in MODES:
         raise InvalidRequestError(f"unknown parallel mode {mode!r}; use pipeline or tensor")
-    c = file_config(wf)
     layers = c.num_layers
     if not set(c.layer_types) <= ATTENTION_TYPES:
         raise UnsupportedError(f"{c.architecture} is a hybrid model (layers with a recurrent state); it runs on one "

@@ -14,7 +14,7 @@ is MLX operations that read the cells from their array (``Context.cached_attenti
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -22,8 +22,23 @@ from mlx_engine.batch import Batch
 from mlx_engine.kvcache import Cache, FusedSteps
 from mlx_engine.ml import Context, RopeAngles, Tensor
 
-if TYPE_CHECKING:
-    from mlx_engine.models.layers.base import DecoderModel
+
+
+class SteppedModel(Protocol):
+    """What a whole step reads of its model (:class:`mlx_engine.models.layers.base.DecoderModel` is one; named so,
+    rather than imported, because the model imports this module)."""
+
+    layers: Mapping[int, Any]  # layer index -> its weights
+    config: Any  # a DecoderConfig: rope_dims, head_dim
+    dtype: Any
+
+    def _rope(self, layer: int) -> tuple[float, float, Any]: ...
+
+    def embed(self, ctx: Context, batch: Batch) -> Tensor: ...
+
+    def run_layers(self, ctx: Context, batch: Batch, h: Tensor, cache: Cache, **kw: Any) -> Tensor: ...
+
+    def logits(self, ctx: Context, batch: Batch, h: Tensor) -> Tensor: ...
 
 
 class NotWholeStep(Exception):
@@ -35,7 +50,7 @@ class WholeStep:
     """The compiled decode step of one model (held by it; it holds the model weakly, so no cycle keeps a closed
     model's weights alive through the trace, which holds them as constants)."""
 
-    def __init__(self, model: "DecoderModel", compile: Callable[[Callable[..., Any]], Callable[..., Any]]):
+    def __init__(self, model: SteppedModel, compile: Callable[[Callable[..., Any]], Callable[..., Any]]):
         self._model = weakref.ref(model)
         me = weakref.ref(self)  # the traced function holds this weakly too: no cycle keeps the trace's constants
 
