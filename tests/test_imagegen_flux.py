@@ -175,7 +175,8 @@ def test_true_cfg_matches_diffusers(folders):
 
 
 def test_kontext_edit_matches_diffusers(folders, edit_png):
-    """One input image (56x40: its latents 6x4 tokens beside the output's 6x4... at ids (1, row, col))."""
+    """One input image (56x40, cut to 48x32 as Kontext cuts it: 6 packed tokens at ids (1, row, col) after the
+    output's 6 at (0, row, col)); the same call without it differs, and two images are refused."""
     from PIL import Image
 
     image = Image.open(edit_png).convert("RGB")
