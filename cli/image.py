@@ -1,10 +1,10 @@
-"""The ``image`` command: text to image (and image to image) with a diffusers Z-Image folder.
+"""The ``image`` command: text to image (and image to image, and image editing) with a diffusers folder.
 
 ``mlx-engine image "a red circle on a blue background" --model path/to/z-image`` writes ``image-0001.png`` (the next
 free number in the current folder, so an existing file is never overwritten), with the prompt, negative prompt, seed
-(also when it was drawn at random), steps, guidance, size, model, strength and init image, and the engine version in
-the PNG's text chunks; ``--from-metadata FILE.png`` reads them back and makes the same image again (options given on
-the command line win over the file's). The image is written to a hidden temporary file in the target folder and moved
+(also when it was drawn at random), steps, guidance, size, model, strength, init and edit images (paths and sha256),
+and the engine version in the PNG's text chunks; ``--from-metadata FILE.png`` reads them back and makes the same
+image again (options given on the command line win over the file's). The image is written to a hidden temporary file in the target folder and moved
 into place at the end, so Ctrl-C (exit status 130) leaves no partial file.
 """
 
@@ -79,6 +79,8 @@ def _is_path(name: str) -> bool:
 @click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None,
               help="Noise seed (default: a random one, written into the PNG).")
 @click.option("--image", "init_image", default=None, metavar="FILE", help="Init image for image-to-image.")
+@click.option("--edit", "edit_images", multiple=True, metavar="FILE",
+              help="An image to edit, for a model that edits images (FLUX.1 Kontext); repeat for several.")
 @click.option("--strength", type=click.FloatRange(0, 1), default=None,
               help="Image-to-image: how much to change the init image, 0..1 (default 0.6).")
 @click.option("--output", "-o", default=None, metavar="FILE",
@@ -93,8 +95,8 @@ def _is_path(name: str) -> bool:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary; print only the file name.")
 def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | None, width: int | None,
           height: int | None, steps: int | None, guidance: float | None, seed: int | None, init_image: str | None,
-          strength: float | None, output: str | None, quantize: str | None, from_metadata: str | None,
-          device: str | None, quiet: bool) -> None:
+          edit_images: tuple[str, ...], strength: float | None, output: str | None, quantize: str | None,
+          from_metadata: str | None, device: str | None, quiet: bool) -> None:
     """Generate an image from PROMPT and write it as a PNG (its path is printed on stdout).
 
     \b
@@ -103,6 +105,7 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
       mlx-engine image --from-metadata image-0001.png                   # the same image again
       mlx-engine image "a lighthouse at dusk" -m ./z-image --width 768 --height 512   # a Z-Image folder
       mlx-engine image "a watercolour of the same scene" -m ./z-image --image photo.png --strength 0.6
+      mlx-engine image "make the sky stormy" -m ./flux-kontext --edit photo.png         # edit an image
     """
     from mlx_engine import api
 
@@ -118,6 +121,13 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
                     settings.pop("init_image_sha256", None)
                 click.echo(f"Note: the metadata names {key.replace('_', ' ')} {printable(named)!r}; files named in "
                            f"a PNG are not read unless you give them again ({flag} {printable(named)}).", err=True)
+        named = settings.get("edit_images")
+        if named and not edit_images:  # as the init image: files a PNG names are read only when given again
+            settings.pop("edit_images")
+            settings.pop("edit_images_sha256", None)
+            shown = " ".join(f"--edit {printable(str(n))}" for n in named)
+            click.echo(f"Note: the metadata names edit images; files named in a PNG are not read unless you give them "
+                       f"again ({shown}).", err=True)
     given = {"model": model, "negative_prompt": negative_prompt, "width": width, "height": height,
              "steps": steps, "guidance": guidance, "seed": seed, "strength": strength,
              "quantize": int(quantize) if quantize else None}
@@ -126,6 +136,9 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
     if init_image is not None:
         given["init_image"] = init_image
         settings.pop("init_image_sha256", None)
+    if edit_images:
+        given["edit_images"] = list(edit_images)
+        settings.pop("edit_images_sha256", None)
     for k, v in given.items():
         if v is not None:
             settings[k] = v
@@ -143,6 +156,14 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
         if want and want != init.sha256:
             click.echo(f"Warning: {init.path} differs from the init image the metadata describes "
                        "(sha256 mismatch); the result will differ.", err=True)
+
+    edits = None
+    if settings.get("edit_images"):
+        edits = [api.open_init_image(f) for f in settings["edit_images"]]  # each read and hashed once
+        for e, want in zip(edits, settings.get("edit_images_sha256") or []):
+            if want and want != e.sha256:
+                click.echo(f"Warning: {e.path} differs from the edit image the metadata describes (sha256 "
+                           "mismatch); the result will differ.", err=True)
 
     # where the image goes (checked before the model is loaded)
     explicit = None
@@ -190,7 +211,7 @@ def image(prompt: tuple[str, ...], model: str | None, negative_prompt: str | Non
                                  width=settings.get("width"), height=settings.get("height"),
                                  steps=settings.get("steps"), guidance=settings.get("guidance"),
                                  seed=settings.get("seed"), image=init, strength=settings.get("strength"),
-                                 callback=on_step)
+                                 callback=on_step, edit_images=edits)
         if bar is not None:
             bar.close()
             bar = None

@@ -24,10 +24,10 @@ __all__ = ["METADATA_KEYS", "GeneratedImage", "InitImageFile", "image_parameters
 
 @dataclass(frozen=True)
 class InitImageFile:
-    """An init image read from a file: ``path`` (absolute), ``sha256`` of its bytes (hex) and the decoded
-    ``image`` (a PIL image)."""
+    """An init (or edit) image read from a file: ``path`` (absolute; None for bytes given in memory), ``sha256`` of
+    its bytes (hex) and the decoded ``image`` (a PIL image)."""
 
-    path: Path
+    path: Path | None
     sha256: str
     image: Image.Image
 
@@ -45,35 +45,52 @@ class InitImageFile:
             raise InvalidRequestError(f"{path}: no such init image file") from None
         except OSError as e:
             raise InvalidRequestError(f"{path}: cannot read the init image: {e}") from None
+        return cls.from_bytes(data, p.resolve())
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: "Path | None" = None) -> "InitImageFile":
+        """An image given as the bytes of its file (an upload: ``path`` None) and hashed.
+
+        Raises:
+            InvalidRequestError: not an image PIL can read.
+        """
         try:
             with Image.open(io.BytesIO(data)) as im:
                 im.load()
                 image = im.copy()
         except (OSError, Image.DecompressionBombError) as e:
-            raise InvalidRequestError(f"{path}: cannot read the init image: {e}") from None
-        return cls(p.resolve(), hashlib.sha256(data).hexdigest(), image)
+            raise InvalidRequestError(f"{path or 'the uploaded image'}: cannot read the image: {e}") from None
+        return cls(path, hashlib.sha256(data).hexdigest(), image)
 
 
 def image_parameters(parameters: dict[str, Any], *, model: str, negative_prompt: str | None = None,
-                     init: InitImageFile | None = None, quantize: int | None = None) -> dict[str, Any]:
+                     init: InitImageFile | None = None, quantize: int | None = None,
+                     edits: "list[InitImageFile | None] | None" = None) -> dict[str, Any]:
     """The metadata of one generated image: a pipeline result's ``parameters`` with the model's name (or its
-    folder), the negative prompt as the caller gave it, the init image's path and sha256, and the quantization."""
+    folder), the negative prompt as the caller gave it, the init image's path and sha256, the edit images' paths
+    and sha256 (lists in their order; None for an image given in memory), and the quantization."""
     p = parameters
+    edited = {}
+    if edits:
+        edited = {"edit_images": [str(e.path) if e is not None and e.path is not None else None for e in edits],
+                  "edit_images_sha256": [e.sha256 if e is not None else None for e in edits]}
     return {
         "prompt": p["prompt"], "negative_prompt": negative_prompt if negative_prompt is not None
         else p.get("negative_prompt"), "seed": p["seed"], "steps": p["steps"], "guidance": p["guidance"],
         "width": p["width"], "height": p["height"], "model": model, "strength": p.get("strength"),
         "init_image": str(init.path) if init is not None else None,
         "init_image_sha256": init.sha256 if init is not None else None, "quantize": quantize,
+        **({"true_cfg": p["true_cfg"]} if p.get("true_cfg") is not None else {}), **edited,
     }
 
 
 #: the PNG text keys written by :func:`png_info`, one per setting (plus ``mlx_engine``: all of them as JSON).
 METADATA_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height", "model", "strength",
-                 "init_image", "init_image_sha256", "quantize", "engine", "engine_version")
+                 "init_image", "init_image_sha256", "edit_images", "edit_images_sha256", "true_cfg", "quantize",
+                 "engine", "engine_version")
 _JSON_KEY = "mlx_engine"
 _INT_KEYS = ("seed", "steps", "width", "height", "quantize")
-_FLOAT_KEYS = ("guidance", "strength")
+_FLOAT_KEYS = ("guidance", "strength", "true_cfg")
 
 
 def png_info(parameters: dict[str, Any]):

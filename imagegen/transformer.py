@@ -49,7 +49,7 @@ import numpy as np
 from mlx_engine.errors import UnsupportedError, WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
 
-__all__ = ["ZImageConfig", "ZImageTransformer", "ADALN_EMBED_DIM", "SEQ_MULTI_OF"]
+__all__ = ["ZImageConfig", "ZImageTransformer", "ADALN_EMBED_DIM", "SEQ_MULTI_OF", "rotate_pairs", "timestep_features"]
 
 #: Width of the timestep embedding fed to the adaLN layers is ``min(dim, ADALN_EMBED_DIM)`` (diffusers' constant).
 ADALN_EMBED_DIM = 256
@@ -542,13 +542,18 @@ class ZImageTransformer:
 
     @staticmethod
     def _rope(ctx: Context, x: Tensor, stage: _Stage) -> Tensor:
-        """Rotate interleaved pairs of ``x [B, L, H, Dh]`` by the stage's angles (in float32, as diffusers'
-        ``apply_rotary_emb``): ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)``."""
-        bsz, n, heads, hd = x.shape
-        dt = x.dtype
-        y = x if dt == DType.FLOAT32 else x.astype(DType.FLOAT32)
-        y = y.reshape(bsz, n, heads, hd // 2, 2)
-        x0, x1 = y[..., 0], y[..., 1]
-        cos, sin = stage.cos, stage.sin
-        out = ctx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(bsz, n, heads, hd)
-        return out if dt == DType.FLOAT32 else out.astype(dt)
+        """:func:`rotate_pairs` by the stage's angles."""
+        return rotate_pairs(ctx, x, stage.cos, stage.sin)
+
+
+def rotate_pairs(ctx: Context, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate interleaved pairs of ``x [B, L, H, Dh]`` by angles whose ``cos, sin`` (float32, broadcastable to
+    ``[B, L, H, Dh / 2]``) are given, in float32 as diffusers' ``apply_rotary_emb``:
+    ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)``. Returns ``x``'s shape and dtype."""
+    bsz, n, heads, hd = x.shape
+    dt = x.dtype
+    y = x if dt == DType.FLOAT32 else x.astype(DType.FLOAT32)
+    y = y.reshape(bsz, n, heads, hd // 2, 2)
+    x0, x1 = y[..., 0], y[..., 1]
+    out = ctx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(bsz, n, heads, hd)
+    return out if dt == DType.FLOAT32 else out.astype(dt)

@@ -4,6 +4,7 @@ Z-Image folder), generate, save with the parameters in the PNG, read them back. 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,9 @@ def _image_model_label(model: "str | Path | None") -> str:
 def load_image_model(model: "str | Path | None" = None, *, quantize: int | None = None, device: str | None = None,
                      dtype: str | None = None, keep_text_encoder: bool = False):
     """Load a text-to-image model: a diffusers folder whose ``model_index.json`` names a pipeline this engine runs
-    (:mod:`mlx_engine.imagegen.registry`; Z-Image today), or a packaged model (``shapes:64``, the default). Returns
-    the pipeline (``.generate(prompt, ...)`` -> ``ImageResult`` with images, stats and the parameters that reproduce
-    them; ``.memory()``, ``.close()``).
+    (:mod:`mlx_engine.imagegen.registry`: Z-Image, FLUX.1, FLUX.1 Kontext), or a packaged model (``shapes:64``,
+    the default). Returns the pipeline (``.generate(prompt, ...)`` -> ``ImageResult`` with images, stats and the
+    parameters that reproduce them; ``.memory()``, ``.close()``).
 
     Args:
         quantize: quantize the diffusion transformer to 8 or 4 bits at load (None: as stored).
@@ -85,7 +86,7 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
                    width: int | None = None, height: int | None = None, steps: int | None = None,
                    guidance: float | None = None, seed: int | None = None, image: Any = None,
                    strength: float | None = None, callback: Any = None, quantize: int | None = None,
-                   device: str | None = None):
+                   device: str | None = None, edit_images: "Sequence[Any] | None" = None):
     """Generate one image from a prompt (text-to-image), or from a prompt and an init image (image-to-image): the
     one front door for images, which ``mlx-engine image`` uses too.
 
@@ -105,34 +106,57 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
             result) and how much of the schedule to run, in [0, 1] (default 0.6).
         callback: ``callback(step, total, latents, elapsed_seconds)`` after each denoising step.
         quantize: quantize the transformer to 8 or 4 bits (only when ``model`` is a name or folder).
+        edit_images: images to edit (paths, encoded file bytes, PIL images, uint8 arrays or
+            :func:`open_init_image`'s results), for a model that edits images (FLUX.1 Kontext takes one); the path
+            and sha256 of each file (the sha256 of bytes) go in the metadata.
 
     Returns:
         a ``PIL.Image.Image`` (RGB) whose ``save`` to a PNG writes its metadata; ``info["parameters"]`` holds
         the metadata that reproduces it (``prompt``, ``seed``, ``steps``, ``guidance``, ``width``, ``height``,
-        ``model``, ``strength``, ``init_image`` and its ``init_image_sha256``, ``quantize``), the seed also as
+        ``model``, ``strength``, ``init_image`` and its ``init_image_sha256``, ``edit_images`` and their
+        ``edit_images_sha256``, ``quantize``), the seed also as
         ``info["seed"]``, and the generation statistics (times, peak memory) as ``info["stats"]``.
 
     Raises:
         ModelNotFoundError, WeightsError: see :func:`load_image_model`. InvalidRequestError: an unsupported size
-        (the message lists the allowed ones), steps < 1, a strength outside [0, 1], an unreadable init image.
+        (the message lists the allowed ones), steps < 1, a strength outside [0, 1], an unreadable init image,
+        edit images for a model that does not edit images (or more than it takes).
     """
+    from mlx_engine.errors import InvalidRequestError
     from mlx_engine.imagegen.metadata import GeneratedImage, InitImageFile, image_parameters
 
     init = open_init_image(image) if isinstance(image, (str, Path)) else image
+    edits = None
+    if edit_images is not None:
+        if not isinstance(edit_images, (list, tuple)):
+            edit_images = [edit_images]
+        edits = [open_init_image(e) if isinstance(e, (str, Path)) else
+                 InitImageFile.from_bytes(bytes(e)) if isinstance(e, (bytes, bytearray)) else e for e in edit_images]
     owned = not hasattr(model, "generate")
     pipe = load_image_model(model, quantize=quantize, device=device) if owned else model
     try:
+        extra = {}
+        if edits:
+            takes = getattr(pipe, "max_edit_images", 0)
+            label = getattr(pipe, "name", model)
+            if not takes:
+                raise InvalidRequestError(f"{label}: this model does not edit images; use one that does (FLUX.1 "
+                                          "Kontext)")
+            if len(edits) > takes:
+                raise InvalidRequestError(f"{label}: this model takes at most {takes} edit image(s), got {len(edits)}")
+            extra["edit_images"] = [e.image if isinstance(e, InitImageFile) else e for e in edits]
         result = pipe.generate(prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
                                guidance=guidance, seed=seed,
                                image=init.image if isinstance(init, InitImageFile) else init, strength=strength,
-                               callback=callback)
+                               callback=callback, **extra)
     finally:
         if owned:
             pipe.close()
     out = GeneratedImage.adopt(result.images[0])  # img.save("x.png") keeps the metadata too
     out.info["parameters"] = image_parameters(
         result.parameters, model=str(getattr(pipe, "name", model)), negative_prompt=negative_prompt,
-        init=init if isinstance(init, InitImageFile) else None, quantize=getattr(pipe, "quantize", None))
+        init=init if isinstance(init, InitImageFile) else None, quantize=getattr(pipe, "quantize", None),
+        edits=[e if isinstance(e, InitImageFile) else None for e in edits] if edits else None)
     out.info["seed"] = result.stats.seed
     out.info["stats"] = result.stats
     return out

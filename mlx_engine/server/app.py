@@ -27,7 +27,8 @@ from starlette.routing import Route
 from mlx_engine import api
 from mlx_engine.errors import EngineError, InvalidRequestError
 from mlx_engine.ml import ACTIVATIONS
-from mlx_engine.server import anthropic_api, embeddings_api, ollama_api, openai_api, rerank_api, responses_api
+from mlx_engine.server import (anthropic_api, embeddings_api, image_edits, ollama_api, openai_api, rerank_api,
+                               responses_api)
 from mlx_engine.server.guard import BrowserGuard, check_hosts, check_origins, error_response, split_list
 from mlx_engine.server.http import DEFAULT_MAX_BODY, HTTPProblem, ServerState
 from mlx_engine.server.metrics import CONTENT_TYPE, Metrics
@@ -235,7 +236,7 @@ def create_app(config: ServerConfig):
               Route("/status", status, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
               *openai_api.routes(state), *responses_api.routes(state), *anthropic_api.routes(state),
               *ollama_api.routes(state), *embeddings_api.routes(state),
-              *rerank_api.routes(state)]
+              *rerank_api.routes(state), *image_edits.routes(state)]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: not_found, HTTPProblem: not_found,
                                         Exception: internal})

@@ -13,6 +13,8 @@ ollama's server makes them (``server/routes.go``: ``allowedHostsMiddleware`` and
   answers to allowed origins carry ``Access-Control-Allow-Origin``.
 - **Content-Type**: ``text/plain``, form and multipart bodies are the ones a page may send cross-origin without a
   preflight (the Fetch standard's CORS-safelisted request headers); a JSON route takes a JSON type or none (415).
+  The one form route, ``/v1/images/edits`` (OpenAI's API takes its images as ``multipart/form-data``), takes that
+  type too; a browser's cross-origin POST carries an ``Origin``, so the origin check above still guards it.
 
 Refusals come in the route family's error shape: ollama's ``{"error": "..."}`` under ``/api/``, Anthropic's
 ``{"type": "error", "error": {"type", "message"}}`` under ``/v1/messages``, OpenAI's
@@ -37,6 +39,8 @@ DEFAULT_ORIGINS = tuple(f"{scheme}://{host}{port}" for host in ("localhost", "12
                         for scheme in ("http", "https") for port in ("", ":*")) + (
     "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*")
 ALLOW_METHODS = "GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS"
+#: routes whose body is a ``multipart/form-data`` form (OpenAI's image edits).
+FORM_PATHS = ("/v1/images/edits",)
 #: What browser clients of the OpenAI, Anthropic and ollama APIs send (ollama's list plus Anthropic's and x-api-key).
 ALLOW_HEADERS = ", ".join((
     "Authorization", "Content-Type", "User-Agent", "Accept", "X-Requested-With", "x-api-key", "anthropic-version",
@@ -230,7 +234,9 @@ class BrowserGuard:
                 **cors, "Access-Control-Allow-Methods": ALLOW_METHODS, "Access-Control-Allow-Headers": ALLOW_HEADERS,
                 "Access-Control-Max-Age": PREFLIGHT_MAX_AGE})(scope, receive, send)
         has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
-        if method in _BODY_METHODS and has_body and not self.json_or_none(headers.get("content-type")):
+        ctype = headers.get("content-type")
+        if method in _BODY_METHODS and has_body and not self.json_or_none(ctype) and not (
+                path in FORM_PATHS and ctype.split(";")[0].strip().lower() == "multipart/form-data"):
             return await refuse(415, f"unsupported Content-Type {headers['content-type']!r}: send the body as JSON "
                                      "with 'Content-Type: application/json' (curl: -H 'Content-Type: "
                                      "application/json')", "invalid_request_error", cors)

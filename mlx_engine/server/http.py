@@ -81,8 +81,8 @@ def problem_from(exc: BaseException) -> HTTPProblem:
                        kind="server_error")
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object, read at most ``limit`` bytes. Raises :class:`HTTPProblem` (413, 400)."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, read at most ``limit`` bytes. Raises :class:`HTTPProblem` (413, 499, 400 when empty)."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise HTTPProblem(413, f"the request body is larger than the server's limit of {limit} bytes")
@@ -97,6 +97,12 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise HTTPProblem(499, "the client disconnected while sending the request body") from None
     if not body:
         raise HTTPProblem(400, "the request has no body; send a JSON object")
+    return bytes(body)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object, read at most ``limit`` bytes. Raises :class:`HTTPProblem` (413, 400)."""
+    body = await read_body(request, limit)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:

@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-``/v1/images/generations``. Errors in OpenAI's ``{"error": {"message", "type", "param", "code"}}`` form.
+``/v1/images/generations`` (``/v1/images/edits`` is :mod:`mlx_engine.server.image_edits`). Errors in OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` form.
 
 Field semantics follow OpenAI's API reference. Differences, stated rather than hidden: sampling is greedy unless
 ``temperature`` is given (the engine's default); a chat answer may run to the end of the context unless
@@ -380,22 +381,13 @@ def routes(state: ServerState) -> list[Route]:
     async def images(request: Request) -> Response:
         try:
             req = validate(ImageRequest, await read_json(request, state.max_body_bytes))
-            if req.response_format != "b64_json":
-                raise HTTPProblem(400, "only response_format \"b64_json\" is supported (this server keeps no image "
-                                       "files to link to)", param="response_format")
-            width = height = None
-            if req.size and req.size != "auto":
-                mo = re.fullmatch(r"(\d{1,5})x(\d{1,5})", req.size)
-                if not mo:
-                    raise HTTPProblem(400, f"size must be WIDTHxHEIGHT (for example 64x64), not {req.size!r}",
-                                      param="size")
-                width, height = int(mo.group(1)), int(mo.group(2))
+            width, height = image_size(req)
             loaded = await state.pool.image(req.model)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        job = _ImageJob()
+        job = ImageJob()
         try:
-            data = await until_done_or_disconnect(request, _images(state, loaded, req, width, height, job))
+            data = await until_done_or_disconnect(request, generate_images(state, loaded, req, width, height, job))
         except asyncio.CancelledError:
             job.cancelled = True
             return Response(status_code=499)
@@ -410,7 +402,23 @@ def routes(state: ServerState) -> list[Route]:
             Route("/v1/images/generations", images, methods=["POST"])]
 
 
-class _ImageJob:
+def image_size(req: ImageRequest) -> tuple[int | None, int | None]:
+    """``(width, height)`` of an image request's ``size`` (None for ``auto`` or none), after checking its
+    ``response_format``. Raises :class:`HTTPProblem` (400)."""
+    if req.response_format != "b64_json":
+        raise HTTPProblem(400, "only response_format \"b64_json\" is supported (this server keeps no image "
+                               "files to link to)", param="response_format")
+    if not req.size or req.size == "auto":
+        return None, None
+    mo = re.fullmatch(r"(\d{1,5})x(\d{1,5})", req.size)
+    if not mo:
+        raise HTTPProblem(400, f"size must be WIDTHxHEIGHT (for example 64x64), not {req.size!r}", param="size")
+    return int(mo.group(1)), int(mo.group(2))
+
+
+class ImageJob:
+    """An image request in flight: ``cancelled`` is set when its client goes away."""
+
     cancelled = False
 
 
@@ -418,7 +426,10 @@ class ImageCancelled(Exception):
     """The client went away while its image was being denoised."""
 
 
-async def _images(state: ServerState, loaded, req: ImageRequest, width, height, job: _ImageJob) -> list[dict]:
+async def generate_images(state: ServerState, loaded, req: ImageRequest, width, height, job: ImageJob,
+                          edit_images: "list[bytes] | None" = None) -> list[dict]:
+    """The ``data`` entries of ``/v1/images/generations`` (and ``/v1/images/edits``, with the uploaded
+    ``edit_images``): ``req.n`` PNGs, seeds ``seed, seed + 1, ...``, made on the device thread."""
     seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
     out = []
     loaded.in_flight += 1
@@ -431,7 +442,7 @@ async def _images(state: ServerState, loaded, req: ImageRequest, width, height, 
                     state.worker.step_text()
                 img = api.generate_image(req.prompt, model=loaded.obj, negative_prompt=req.negative_prompt,
                                          width=width, height=height, steps=req.steps, guidance=req.guidance,
-                                         seed=seed, callback=step)
+                                         seed=seed, callback=step, edit_images=edit_images)
                 buf = io.BytesIO()
                 api.save_image(img, buf)
                 return buf.getvalue(), img.info["parameters"]
