@@ -1,11 +1,15 @@
-"""BERT-family encoders for embeddings: BERT (all-MiniLM, bge-*, mxbai-embed-large) and nomic-bert (nomic-embed-text:
-RoPE and a SwiGLU MLP), run with bidirectional attention over a padded batch and no KV cache.
+"""BERT-family encoders for embeddings: BERT (all-MiniLM, bge-*, mxbai-embed-large), XLM-RoBERTa (bge-m3,
+bge-reranker-v2-m3) and nomic-bert (nomic-embed-text: RoPE and a SwiGLU MLP), run with bidirectional attention over a
+padded batch and no KV cache.
 
 References: transformers' ``models/bert/modeling_bert.py`` (``BertModel``: post-norm layers, learned absolute
-positions, token type 0, exact-erf GELU); llama.cpp's ``src/models/bert.cpp`` (the same graph for ``bert`` and
-``nomic-bert``: nomic rotates queries and keys with NeoX-style RoPE, has no position table and an MLP
-``down(silu(gate(x)) * up(x))``) and ``conversion/bert.py`` (the GGUF tensor names). Tensors are held under llama.cpp's
-names whatever the source; a Hugging Face folder's are mapped onto them.
+positions, token type 0, exact-erf GELU) and ``models/xlm_roberta/modeling_xlm_roberta.py`` (the same layers; positions
+counted from ``pad_token_id + 1``, fairseq's ``make_positions``, so llama.cpp's converter drops the table's first
+``pad_token_id + 1`` rows, as we do; a classification head ``out_proj(tanh(dense(x)))`` on the first token);
+llama.cpp's ``src/models/bert.cpp`` (the same graph for ``bert`` and ``nomic-bert``: nomic rotates queries and keys
+with NeoX-style RoPE, has no position table and an MLP ``down(silu(gate(x)) * up(x))``) and ``conversion/bert.py``
+(the GGUF tensor names). Tensors are held under llama.cpp's names whatever the source; a Hugging Face folder's are
+mapped onto them.
 
 Shapes: token ids ``[B, L]`` (rows padded on the right), hidden states ``[B, L, D]``, attention ``[B, H, L, Dh]``.
 """
@@ -23,7 +27,7 @@ from mlx_engine.ml import Backend, Context, DType, Tensor
 from mlx_engine.models.layers.config import check_layer_count, metadata_getter
 
 #: Architectures as GGUF's ``general.architecture`` and Hugging Face's ``model_type`` spell them.
-ENCODER_ARCHITECTURES = frozenset({"bert", "nomic-bert", "nomic_bert"})
+ENCODER_ARCHITECTURES = frozenset({"bert", "nomic-bert", "nomic_bert", "xlm-roberta", "xlm_roberta"})
 
 # transformers' BertModel names to llama.cpp's (conversion/bert.py after its "bert." prefix is dropped)
 _HF_NAMES = [
@@ -43,6 +47,9 @@ _HF_NAMES = [
     # same graph (cls, tanh, cls.output) though its converter drops the pooler
     (r"pooler\.dense\.(weight|bias)", r"cls.\1"),
     (r"classifier\.(weight|bias)", r"cls.output.\1"),
+    # XLMRobertaForSequenceClassification's head: out_proj(tanh(dense(CLS))), the same graph under other names
+    (r"classifier\.dense\.(weight|bias)", r"cls.\1"),
+    (r"classifier\.out_proj\.(weight|bias)", r"cls.output.\1"),
 ]
 _HF_RE = [(re.compile(p + "$"), r) for p, r in _HF_NAMES]
 
@@ -52,9 +59,10 @@ class EncoderConfig:
     """Hyper-parameters of a BERT-family encoder.
 
     Attributes:
-        architecture: ``bert`` or ``nomic-bert``. context_length: the most tokens of one input (the position
-            table's rows for BERT). norm_eps: the layer norms' epsilon. rope_theta: nomic-bert's RoPE base (None:
-            learned absolute positions, BERT). gated: the MLP is SwiGLU (nomic-bert), else ``down(gelu(up(x)))``.
+        architecture: ``bert``, ``xlm-roberta`` or ``nomic-bert``. context_length: the most tokens of one input
+            (the position table's rows for BERT, after XLM-RoBERTa's offset). norm_eps: the layer norms' epsilon.
+            rope_theta: nomic-bert's RoPE base (None: learned absolute positions, BERT). gated: the MLP is SwiGLU
+            (nomic-bert), else ``down(gelu(up(x)))``.
     """
 
     architecture: str
@@ -86,22 +94,32 @@ class EncoderConfig:
         return self.hidden_size // self.num_heads
 
 
+def position_offset(config: Any) -> int:
+    """The rows of a ``config.json``'s position table before position 0: ``pad_token_id + 1`` for XLM-RoBERTa (its
+    positions start after the padding index), 0 for BERT."""
+    if str(config.get("model_type", "bert")).replace("_", "-") != "xlm-roberta":
+        return 0
+    pad = config.get("pad_token_id", 1)
+    return int(pad) + 1 if isinstance(pad, int) and pad >= 0 else 0
+
+
 def config_from_hf(config: Any) -> EncoderConfig:
-    """From a ``config.json`` (transformers' ``BertConfig``). Raises WeightsError naming a missing or bad key."""
+    """From a ``config.json`` (transformers' ``BertConfig`` or ``XLMRobertaConfig``). Raises WeightsError naming a
+    missing or bad key."""
     try:
         arch = str(config.get("model_type", "bert")).replace("_", "-")
-        if arch != "bert":
-            raise WeightsError(f"config.json's model_type is {arch!r}: folders of BERT models are read (nomic-bert "
-                               "runs from its GGUF file, as llama.cpp's converter writes it)")
+        if arch not in ("bert", "xlm-roberta"):
+            raise WeightsError(f"config.json's model_type is {arch!r}: folders of BERT and XLM-RoBERTa models are "
+                               "read (nomic-bert runs from its GGUF file, as llama.cpp's converter writes it)")
         act = config.get("hidden_act", "gelu")
         if act != "gelu":
             raise WeightsError(f"config.json's hidden_act is {act!r}; BERT models with 'gelu' are read")
         if config.get("position_embedding_type", "absolute") != "absolute":
             raise WeightsError("config.json's position_embedding_type is not 'absolute', which is what we run")
-        return EncoderConfig("bert", int(config["vocab_size"]), int(config["hidden_size"]),
+        return EncoderConfig(arch, int(config["vocab_size"]), int(config["hidden_size"]),
                              int(config["num_hidden_layers"]), int(config["num_attention_heads"]),
                              int(config["intermediate_size"]), float(config.get("layer_norm_eps", 1e-12)),
-                             int(config.get("max_position_embeddings", 512)))
+                             int(config.get("max_position_embeddings", 512)) - position_offset(config))
     except KeyError as e:
         raise WeightsError(f"config.json lacks {e}; is it a complete BERT model?") from None
 
@@ -122,16 +140,19 @@ def config_from_gguf(metadata: Any, weights: dict[str, Tensor]) -> EncoderConfig
                          float(get("rope.freq_base", 1000.0)) if nomic else None, gated=nomic)
 
 
-def llama_cpp_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A Hugging Face BERT checkpoint's tensors under llama.cpp's names (a ``bert.`` prefix dropped; the pooler and
-    the masked-LM head, which embeddings do not use, left out)."""
+def llama_cpp_names(weights: dict[str, Tensor], offset: int = 0) -> dict[str, Tensor]:
+    """A Hugging Face BERT or XLM-RoBERTa checkpoint's tensors under llama.cpp's names (a ``bert.`` or ``roberta.``
+    prefix dropped; the masked-LM head, which embeddings do not use, left out); the position table without its first
+    ``offset`` rows (:func:`position_offset`), as llama.cpp's converter writes it."""
     out = {}
     for name, t in weights.items():
-        name = name.removeprefix("bert.")
+        name = name.removeprefix("bert.").removeprefix("roberta.")
         for rx, repl in _HF_RE:
             if rx.match(name):
                 out[rx.sub(repl, name)] = t
                 break
+    if offset and "position_embd.weight" in out:
+        out["position_embd.weight"] = out["position_embd.weight"][offset:]
     return out
 
 
@@ -163,7 +184,7 @@ class BertEncoder:
             config = config_from_gguf(backend.metadata, weights)
         else:
             config = config_from_hf(backend.metadata)
-            weights = llama_cpp_names(weights)
+            weights = llama_cpp_names(weights, position_offset(backend.metadata))
         return cls(config, weights, backend)
 
     def _check(self) -> None:
@@ -230,7 +251,8 @@ class BertEncoder:
         b, n = ids.shape
         flat = ctx.from_numpy(np.ascontiguousarray(ids, np.int32).reshape(-1))
         h = w["token_embd.weight"].take(flat, axis=0).reshape(b, n, c.hidden_size).astype(self.dtype)
-        if types is not None and "token_types.weight" in w:
+        # XLM-RoBERTa's table has one row (type_vocab_size 1): every token is type 0 whatever the tokenizer says
+        if types is not None and "token_types.weight" in w and w["token_types.weight"].shape[0] > 1:
             rows = ctx.from_numpy(np.ascontiguousarray(types, np.int32).reshape(-1))
             h = h + w["token_types.weight"].take(rows, axis=0).reshape(b, n, c.hidden_size).astype(self.dtype)
         elif self._type_row is not None:

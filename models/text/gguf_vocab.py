@@ -1,5 +1,6 @@
-"""GGUF vocabularies (llama.cpp's ``tokenizer.ggml.*`` keys) rebuilt as ``tokenizers`` objects: byte-level BPE and
-SentencePiece, and BERT's WordPiece (see :mod:`mlx_engine.models.text.tokenizer` for the rules followed and where they differ)."""
+"""GGUF vocabularies (llama.cpp's ``tokenizer.ggml.*`` keys) rebuilt as ``tokenizers`` objects: byte-level BPE,
+SentencePiece BPE and Unigram, and BERT's WordPiece (see :mod:`mlx_engine.models.text.tokenizer` for the rules followed
+and where they differ)."""
 
 from __future__ import annotations
 
@@ -251,3 +252,37 @@ def build_wordpiece(tokens: list[str], types: list[int], md: Mapping[str, Any]
 
 
 # ---- decoding plans ----------------------------------------------------------------------------------------------
+
+
+def build_unigram(tokens: list[str], types: list[int], md: Mapping[str, Any]) -> tuple[_HFTokenizer, dict[str, int]]:
+    """SentencePiece Unigram (``tokenizer.ggml.model == "t5"``: T5's and XLM-RoBERTa's vocabularies, bge-m3's), as
+    llama.cpp's UGM tokenizer reads it (``llm_tokenizer_ugm_session`` in ``llama-vocab.cpp``) and transformers'
+    ``SpmConverter`` builds it: the SentencePiece normalizer's precompiled character map
+    (``tokenizer.ggml.precompiled_charsmap``), runs of spaces made one (``remove_extra_whitespaces``, default true),
+    a ``▁`` put before every word (``add_space_prefix``, default true), then the segmentation of highest total score
+    (``tokenizer.ggml.scores``: Viterbi) with ``tokenizer.ggml.unknown_token_id`` (llama.cpp's default 2) for what no
+    piece covers.
+
+    Raises:
+        WeightsError: no scores, or a count that disagrees with the tokens; an unknown id outside the vocabulary.
+    """
+    scores = meta(md, "tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise WeightsError("GGUF tokenizer 't5' needs tokenizer.ggml.scores, one per token")
+    unk = int(meta(md, "tokenizer.ggml.unknown_token_id", 2))
+    if not 0 <= unk < len(tokens):
+        raise WeightsError(f"tokenizer.ggml.unknown_token_id {unk} is out of the vocabulary of {len(tokens)}")
+    tk = _HFTokenizer(models.Unigram([(t, float(s)) for t, s in zip(tokens, scores)], unk_id=unk,
+                                     byte_fallback=False))
+    steps = []
+    charsmap = meta(md, "tokenizer.ggml.precompiled_charsmap")
+    if charsmap is not None and len(charsmap):  # a GGUF array of int8: the map's raw bytes
+        steps.append(normalizers.Precompiled(bytes(int(b) & 0xFF for b in charsmap)))
+    if bool(meta(md, "tokenizer.ggml.remove_extra_whitespaces", True)):
+        steps.append(normalizers.Replace(Regex(" {2,}"), " "))
+    tk.normalizer = normalizers.Sequence(steps)
+    scheme = "always" if bool(meta(md, "tokenizer.ggml.add_space_prefix", True)) else "never"
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme)])
+    tk.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    return tk, {t: i for i, t in enumerate(tokens)}

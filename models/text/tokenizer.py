@@ -41,8 +41,8 @@ from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsErro
 from mlx_engine.models.text.chat_template import default_template, render_chat_template
 from mlx_engine.models.text.detokenizer import DecodePlan, Detokenizer, WindowDetokenizer, decoder_spec
 from mlx_engine.models.text.gguf_vocab import (BYTE_TO_CHAR, CONTROL, EOG_TOKEN_TEXTS, GEMMA_ARCHS, NORMAL,
-                                          USER_DEFINED, build_byte_level, build_sentencepiece, build_wordpiece,
-                                          bytes_to_unicode, meta)
+                                          USER_DEFINED, build_byte_level, build_sentencepiece, build_unigram,
+                                          build_wordpiece, bytes_to_unicode, meta)
 
 __all__ = ["Tokenizer", "Detokenizer", "bytes_to_unicode"]
 
@@ -101,7 +101,8 @@ class Tokenizer:
 
         Raises:
             WeightsError: the tokenizer keys are missing or inconsistent.
-            UnsupportedError: a ``tokenizer.ggml.model`` other than ``gpt2``, ``llama``, ``gemma4`` and ``bert``.
+            UnsupportedError: a ``tokenizer.ggml.model`` other than ``gpt2``, ``llama``, ``gemma4``, ``bert`` and
+                ``t5``.
         """
         try:
             return cls._from_gguf(metadata, architecture)
@@ -131,9 +132,12 @@ class Tokenizer:
         elif kind == "bert":
             tk, vocab = build_wordpiece(tokens, types, md)
             default_add_bos = False  # its post-processor adds [CLS] and [SEP] (models/embedding/embedder.py)
+        elif kind == "t5":
+            tk, vocab = build_unigram(tokens, types, md)
+            default_add_bos = False  # llama.cpp's UGM default (XLM-RoBERTa files say true)
         else:
             raise UnsupportedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2', 'llama', "
-                                   "'gemma4' and 'bert')")
+                                   "'gemma4', 'bert' and 't5')")
 
         control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == CONTROL]
         user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
