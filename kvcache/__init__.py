@@ -3,6 +3,7 @@
 - :class:`CausalCache`: every earlier position of the token's own sequence.
 - :class:`SlidingWindowCache`, :class:`SlidingWindowMemoryCache`: positions ``p - W .. p``, bounded storage.
 - :class:`ChunkedAttentionCache`: positions of the token's chunk.
+- :class:`LatentCache`: a causal cache of multi-head latent attention's latents (values within the keys).
 - :class:`EncoderCache`: cross-attention keys and values of an encoder output.
 - :class:`WrapperCache`: one of the above per layer type.
 - :class:`RecurrentCache`: a KV cache plus per-sequence recurrent state and checkpoints (hybrid models).
@@ -16,9 +17,11 @@ fused attention and compiled-step tensors; :class:`Checkpoints`: recurrent state
 from mlx_engine.kvcache.base import Cache, Checkpoints, EncoderInputs, FusedSteps, LayerShape, ShiftFn
 from mlx_engine.kvcache.causal import CausalCache
 from mlx_engine.kvcache.encoder import EncoderCache
+from mlx_engine.kvcache.latent import LatentCache
 from mlx_engine.kvcache.recurrent import RecurrentCache
 from mlx_engine.kvcache.windowed import ChunkedAttentionCache, SlidingWindowCache, SlidingWindowMemoryCache
 from mlx_engine.kvcache.wrapper import WrapperCache
 
 __all__ = ["Cache", "CausalCache", "Checkpoints", "ChunkedAttentionCache", "EncoderCache", "EncoderInputs", "FusedSteps",
-           "LayerShape", "RecurrentCache", "ShiftFn", "SlidingWindowCache", "SlidingWindowMemoryCache", "WrapperCache"]
+           "LatentCache", "LayerShape", "RecurrentCache", "ShiftFn", "SlidingWindowCache", "SlidingWindowMemoryCache",
+           "WrapperCache"]

@@ -68,13 +68,14 @@ class Cache(abc.ABC):
         """Select the layer that the next :meth:`put` and :meth:`get` work on (0-based)."""
 
     @abc.abstractmethod
-    def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
+    def put(self, ctx: Context, key: Tensor, value: Optional[Tensor]) -> None:
         """Store the keys and values of the current batch for the current layer.
 
         Args:
             key: ``[1, H_kv, N, Dk]``, ``N = len(batch)`` of the last :meth:`start_forward`, token ``i`` of the batch at
                 index ``i`` of axis 2.
-            value: ``[1, H_kv, N, Dv]`` (``Dv`` may differ from ``Dk``).
+            value: ``[1, H_kv, N, Dv]`` (``Dv`` may differ from ``Dk``); None for a cache whose values are the keys'
+                last features (:class:`~mlx_engine.kvcache.LatentCache`).
 
         The layer's storage is allocated on the first ``put`` (in the dtype given to :meth:`init`; inputs of another
         dtype are cast). Raises ``ValueError`` when the shapes do not match the batch or the layer's earlier shapes.

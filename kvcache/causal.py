@@ -88,13 +88,20 @@ class CausalCache(Cache, FusedSteps):
         window: sliding window ``W`` (the token at ``p`` sees ``p - W .. p``), or ``None``.
         memory: positions kept before the lowest batch position of a sequence (``>= window``); default ``window``.
         chunk: chunked attention ``C`` (the token at ``p`` sees ``floor(p / C) * C .. p``), or ``None``.
+        values_in_keys: ``Dv``: the values are the keys' last ``Dv`` features and are not stored apart (multi-head
+            latent attention: :class:`~mlx_engine.kvcache.LatentCache`); ``put`` then takes ``value=None``.
 
     Raises ``ValueError`` for an invalid combination (memory without window, window and chunk together, ...).
     """
 
     def __init__(self, shift_fn: Optional[ShiftFn] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-                 *, window: Optional[int] = None, memory: Optional[int] = None, chunk: Optional[int] = None):
-        self._kv = KVStorage(kv_bits, kv_group_size)  # raises for a kv_bits or group size it cannot keep
+                 *, window: Optional[int] = None, memory: Optional[int] = None, chunk: Optional[int] = None,
+                 values_in_keys: Optional[int] = None):
+        if values_in_keys is not None and values_in_keys < 1:
+            raise ValueError(f"values_in_keys must be >= 1, not {values_in_keys}")
+        self.values_in_keys = values_in_keys
+        # raises for a kv_bits or group size it cannot keep
+        self._kv = KVStorage(kv_bits, kv_group_size, shared_values=values_in_keys is not None)
         if window is not None and window < 0:
             raise ValueError(f"window must be >= 0, not {window}")
         if memory is not None:
@@ -420,11 +427,19 @@ class CausalCache(Cache, FusedSteps):
         """The current layer's storage, allocated or grown to at least ``need`` cells."""
         return self._kv.layer(ctx, self._layer, shape, need, self.num_cells, self._config.step)
 
-    def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
+    def put(self, ctx: Context, key: Tensor, value: Optional[Tensor]) -> None:
         fwd = self._fwd
         if fwd is None:
             raise CacheError("put before start_forward")
-        ks, vs = key.shape, value.shape
+        ks = key.shape
+        if self.values_in_keys is not None:
+            if value is not None or len(ks) != 4 or ks[0] != 1 or ks[2] != fwd.n or ks[3] < self.values_in_keys:
+                raise ValueError(f"put expects key [1, H_kv, {fwd.n}, Dk >= {self.values_in_keys}] and no value (the "
+                                 f"values are the keys' last {self.values_in_keys} features), got {list(ks)} and "
+                                 f"{None if value is None else list(value.shape)}")
+            vs = (1, ks[1], fwd.n, self.values_in_keys)
+        else:
+            vs = value.shape
         if len(ks) != 4 or len(vs) != 4 or ks[0] != 1 or vs[0] != 1 or ks[1] != vs[1] or ks[2] != fwd.n \
                 or vs[2] != fwd.n:
             raise ValueError(f"put expects key [1, H_kv, {fwd.n}, Dk] and value [1, H_kv, {fwd.n}, Dv] for a batch of "
@@ -443,6 +458,8 @@ class CausalCache(Cache, FusedSteps):
         fwd = self._fwd
         if fwd is None:
             raise CacheError("attend before start_forward")
+        if self.values_in_keys is not None:
+            return None  # the fused kernel writes values apart
         ks, vs = key.shape, value.shape
         # float storage, the batch's cells in one run, inputs in the cache's dtype; anything else goes apart
         if (fwd.reserve or fwd.span is None or self._kv.quantized or key.dtype != self.dtype
@@ -459,7 +476,8 @@ class CausalCache(Cache, FusedSteps):
 
     def step_tensors(self, ctx: Context, layers: Sequence[int]) -> Optional[tuple[list[Tensor], list[Tensor]]]:
         fwd = self._fwd
-        if fwd is None or fwd.reserve or fwd.n != 1 or fwd.span is None or self._kv.quantized:
+        if (fwd is None or fwd.reserve or fwd.n != 1 or fwd.span is None or self._kv.quantized
+                or self.values_in_keys is not None):
             return None
         stored = [self._kv.layers.get(i) for i in layers]
         if fwd.attended()[1] is not None or any(st is None or st.size < fwd.used for st in stored):

@@ -11,6 +11,9 @@ write and grown a few cells at a time, in one of three forms:
   scales and biases in the compute dtype); ``Dk`` and ``Dv`` must be multiples of the group size.
 
 Reads return keys and values in the compute dtype (dequantized or widened).
+
+With ``shared_values`` (multi-head latent attention's cache) no value is stored: a layer's values are the last ``Dv``
+features of its keys, read as a slice of them (DeepSeek's latent is both the key's content part and the value).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ def stored_dtype(kv_bits: Optional[int], dtype: DType) -> DType:
 
 
 class LayerStorage:
-    """Device storage of one layer: ``k`` and ``v`` are ``[tensor]`` (float) or ``[packed, scales, biases]``;
-    ``size`` cells; ``shape`` ``(H_kv, Dk, Dv)``."""
+    """Device storage of one layer: ``k`` and ``v`` are ``[tensor]`` (float) or ``[packed, scales, biases]`` (``v``
+    ``[]`` where the values are the keys' last features); ``size`` cells; ``shape`` ``(H_kv, Dk, Dv)``."""
 
     __slots__ = ("k", "v", "size", "shape")
 
@@ -62,16 +65,17 @@ class KVStorage:
     Args:
         kv_bits: None (float), 16 (16-bit floats) or one of :data:`KV_BITS` (quantized).
         kv_group_size: elements per quantization group (32, 64 or 128).
+        shared_values: store keys only; a layer's values are its keys' last ``Dv`` features (module docstring).
 
     Raises ``ValueError`` for any other ``kv_bits`` or group size.
     """
 
-    def __init__(self, kv_bits: Optional[int], kv_group_size: int):
+    def __init__(self, kv_bits: Optional[int], kv_group_size: int, shared_values: bool = False):
         if kv_bits is not None and kv_bits not in KV_BITS + (HALF_KV_BITS,):
             raise ValueError(f"kv_bits must be one of {KV_BITS + (HALF_KV_BITS,)} or None, not {kv_bits!r}")
         if kv_group_size not in (32, 64, 128):
             raise ValueError(f"kv_group_size must be 32, 64 or 128, not {kv_group_size!r}")
-        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.kv_bits, self.kv_group_size, self.shared_values = kv_bits, kv_group_size, shared_values
         self.quantized = kv_bits is not None and kv_bits != HALF_KV_BITS
         self.layers: dict[int, LayerStorage] = {}
         self.dtype = self.store_dtype = DType.FLOAT32
@@ -93,10 +97,15 @@ class KVStorage:
 
     def _alloc(self, ctx: Context, shape: tuple[int, int, int], size: int) -> tuple[list[Tensor], list[Tensor]]:
         hk, dk, dv = shape
+        if self.shared_values:
+            if dv > dk:
+                raise ValueError(f"values that are the keys' last features need Dv <= Dk, not {dv} > {dk}")
+            dv = 0  # nothing stored apart
         if not self.quantized:
-            return ([ctx.zeros((1, hk, size, dk), self.store_dtype)], [ctx.zeros((1, hk, size, dv), self.store_dtype)])
+            return ([ctx.zeros((1, hk, size, dk), self.store_dtype)],
+                    [ctx.zeros((1, hk, size, dv), self.store_dtype)] if dv else [])
         b, g = self.kv_bits, self.kv_group_size
-        for name, d in (("key", dk), ("value", dv)):
+        for name, d in (("key", dk), ("value", dv)) if dv else (("key", dk),):
             if d % g or (d * b) % 32:
                 raise ValueError(f"a {b}-bit KV cache with group size {g} needs a {name} head size that is a multiple "
                                  f"of {g}, not {d}")
@@ -104,7 +113,7 @@ class KVStorage:
         def q(d: int) -> list[Tensor]:
             return [ctx.zeros((1, hk, size, d * b // 32), DType.UINT32), ctx.zeros((1, hk, size, d // g), self.dtype),
                     ctx.zeros((1, hk, size, d // g), self.dtype)]
-        return q(dk), q(dv)
+        return q(dk), q(dv) if dv else []
 
     def layer(self, ctx: Context, layer: int, shape: tuple[int, int, int], need: int, cells: int,
               step: int) -> LayerStorage:
@@ -135,10 +144,12 @@ class KVStorage:
         for t, part in zip(dst, ctx.quantize(x, self.kv_group_size, self.kv_bits)):
             write(t, part)
 
-    def write(self, ctx: Context, st: LayerStorage, key: Tensor, value: Tensor, write: RowWriter) -> None:
-        """Key and value rows ``[1, H_kv, n, D]`` (compute dtype) put into ``st`` in its form by ``write``."""
+    def write(self, ctx: Context, st: LayerStorage, key: Tensor, value: Optional[Tensor], write: RowWriter) -> None:
+        """Key and value rows ``[1, H_kv, n, D]`` (compute dtype) put into ``st`` in its form by ``write`` (``value``
+        None and unused with ``shared_values``)."""
         self._store(ctx, st.k, key, write)
-        self._store(ctx, st.v, value, write)
+        if st.v:
+            self._store(ctx, st.v, value, write)
 
     def _load(self, ctx: Context, parts: list[Tensor], read: Callable[[Tensor], Tensor]) -> Tensor:
         if self.quantized:
@@ -147,10 +158,12 @@ class KVStorage:
         return x if x.dtype == self.dtype else x.astype(self.dtype)
 
     def read(self, ctx: Context, st: LayerStorage, used: int) -> tuple[Tensor, Tensor]:
-        """Keys and values of cells ``[0, used)`` in the compute dtype (a slice of the storage where it is float)."""
+        """Keys and values of cells ``[0, used)`` in the compute dtype (a slice of the storage where it is float; the
+        values a slice of the keys with ``shared_values``)."""
         def cells(t: Tensor) -> Tensor:
             return t if used == st.size and not self.quantized else t[:, :, :used, :]
-        return self._load(ctx, st.k, cells), self._load(ctx, st.v, cells)
+        k = self._load(ctx, st.k, cells)
+        return k, (self._load(ctx, st.v, cells) if st.v else k[:, :, :, st.shape[1] - st.shape[2]:])
 
     def shift_keys(self, ctx: Context, idx: np.ndarray, delta: int, shift_fn: ShiftFn) -> None:
         """Keys of cells ``idx`` (ascending) of every layer re-rotated by ``delta`` positions with ``shift_fn``, read

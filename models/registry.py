@@ -20,6 +20,7 @@ from mlx_engine.models.arch.gemma2 import Gemma2
 from mlx_engine.models.arch.gemma3 import Gemma3
 from mlx_engine.models.arch.gemma4 import Gemma4
 from mlx_engine.models.arch.glm4_moe import Glm4MoE
+from mlx_engine.models.arch.glm4_moe_lite import Glm4MoeLite
 from mlx_engine.models.arch.gpt_oss import GptOss
 from mlx_engine.models.arch.granite import Granite
 from mlx_engine.models.arch.granite_hybrid import GraniteHybrid
@@ -50,6 +51,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "qwen3_5": Qwen35, "qwen3_5_text": Qwen35, "qwen35": Qwen35,
     "qwen3_5_moe": Qwen35MoE, "qwen3_5_moe_text": Qwen35MoE, "qwen35moe": Qwen35MoE,
     "gpt_oss": GptOss, "gpt-oss": GptOss, "glm4_moe": Glm4MoE, "glm4moe": Glm4MoE,
+    "glm4_moe_lite": Glm4MoeLite,
     "llama4": Llama4, "llama4_text": Llama4,
     "granitemoehybrid": GraniteHybrid, "granitehybrid": GraniteHybrid,
 }

@@ -4,7 +4,8 @@ transformers ``DeepseekV3ForCausalLM`` with multi-head latent attention (queries
 MoE layers (8 routed experts in 4 groups of which 2 are kept, top-2, sigmoid router with a correction bias,
 renormalised and scaled, one shared expert); its folder, llama.cpp's F32 / Q8_0 / Q4_K_M GGUF files (``kv_b_proj``
 split into ``attn_k_b`` / ``attn_v_b``), against transformers (on the dequantized weights for the quantized files)
-and against llama.cpp."""
+and against llama.cpp. The compressed cache (the latent and the RoPE key per token; absorbed decode steps) against
+transformers over a prefill and 32 decode steps, its bytes per token, and the server's scheduler on it."""
 
 from __future__ import annotations
 
@@ -141,3 +142,75 @@ def test_an_ollama_name_loads(made, home, tmp_path, monkeypatch):
 
 def test_a_bad_config_is_refused_with_a_clear_error(made, tmp_path):
     arch_proof.check_refused(made, tmp_path / "bad", {"n_group": 3}, "8 experts in 3 groups")
+
+
+def _decoded(path: Path, prompt: list[int], follow: list[int], chunk: int | None = None):
+    """Our logits ``[len(prompt) + len(follow), vocab]``: the prompt prefilled (in passes of ``chunk`` tokens), then
+    ``follow`` one token per forward pass (decode steps); and the runner."""
+    from mlx_engine.batch import Batch
+    from mlx_engine.ml import DType
+
+    tokens = prompt + follow
+    r = arch_proof.runner(path)
+    cuts = list(range(0, len(prompt), chunk or len(prompt))) + list(range(len(prompt), len(tokens) + 1))
+    rows = []
+    with r.backend.new_context() as ctx:
+        r.reset(0)
+        for a, b in zip(cuts, cuts[1:]):
+            idx = np.arange(a, b)
+            batch = Batch(np.asarray(tokens[a:b], np.int32), idx, np.zeros(len(idx), np.int32), np.arange(len(idx)))
+            rows.append(r.model.forward(ctx, batch, r.cache).astype(DType.FLOAT32).numpy())
+    return np.concatenate(rows), r
+
+
+def test_latent_cache_prefill_and_32_decode_steps_match_transformers(made):
+    """The cache holds each token's latent and RoPE key (48 numbers a layer here); decode steps attend in the
+    absorbed form, the prompt's one pass in the expanded form, a prefill in passes of 8 tokens absorbed under a mask.
+    Their logits at every position of the prompt and 32 greedy tokens of transformers (fed back, one per step)
+    against transformers' on the whole sequence and against our own one pass over it (the expanded, uncompressed
+    computation), both within 1e-4 of the spread: the float32 bound of every file here, the two forms being the same
+    sums in another order (absorbed: ``(W_UK^T q) . c``; expanded: ``q . (W_UK c)``)."""
+    follow = arch_proof.reference_greedy(made.model, made.tokens, 32)
+    tokens = made.tokens + follow
+    ref = arch_proof.reference(made.model, tokens)
+    path = made.gguf["F32"]
+    whole, r = _decoded(path, tokens, [])
+    model = r.model
+    assert not model.absorbed(len(tokens)) and model.absorbed(8) and model.absorbed(1)
+    d_whole = arch_proof.distance(whole, ref)
+    for chunk in (None, 8):
+        got, r = _decoded(path, made.tokens, follow, chunk)
+        d, d_self = arch_proof.distance(got, ref), arch_proof.distance(got, whole)
+        print(f"deepseek2 latent cache, prefill chunk {chunk}, 32 decode steps: vs transformers {d:.2e}, vs one "
+              f"expanded pass {d_self:.2e} (that pass vs transformers {d_whole:.2e})")
+        assert d <= 1e-4 and d_self <= 1e-4, (chunk, d, d_self)
+    c = model.config
+    per_cell = r.cache.nbytes() / r.cache.allocated_cells()
+    assert per_cell == c.num_layers * (c.rope_dims + c.kv_lora_rank) * 4  # float32: the latent and the RoPE key
+    assert per_cell * 40960 / 576 > 70 * per_cell  # (DeepSeek-V3's shape: 71 times fewer than expanded)
+
+
+def test_scheduler_batches_and_shares_prefixes_on_the_latent_cache(made):
+    """Continuous batching and the prefix cache on the latent cache: four prompts decoded together give the tokens
+    each gives alone (greedy), and a prompt sharing a long prefix with a finished one takes it from the cache."""
+    import mlx_engine
+    from mlx_engine.server.scheduler import TextScheduler
+    from tests.test_server_scheduler import alone, run_until, submit
+
+    model = mlx_engine.Model("deepseek-tiny", made.gguf["F32"], context_length=256, max_sequences=4,
+                             prefill_chunk=16)
+    words = arch_proof.TEXT.split()
+    prompts = [model.text_tokens(" ".join(words[i:i + 12])) for i in (0, 5, 10, 15)]
+    want = [alone(model, p, 12) for p in prompts]
+    sched = TextScheduler(model.runner)
+    got = [submit(sched, p, 12)[1] for p in prompts]
+    run_until(sched, lambda: all(c.done for c in got))
+    assert [c.answer for c in got] == want and len(set(want)) > 2
+    longer = model.text_tokens(" ".join(words[:12] + words[20:26]))
+    want_b = alone(model, longer, 12)
+    _, ca = submit(sched, prompts[0], 4)
+    run_until(sched, lambda: ca.done)
+    _, cb = submit(sched, longer, 12)
+    run_until(sched, lambda: cb.done)
+    assert cb.answer == want_b and cb.stats.cached_tokens >= 10
+    model.close()

@@ -14,8 +14,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from mlx_engine.kvcache import (CausalCache, ChunkedAttentionCache, EncoderCache, SlidingWindowCache, SlidingWindowMemoryCache,
-                     WrapperCache)
+from mlx_engine.kvcache import (CausalCache, ChunkedAttentionCache, EncoderCache, LatentCache, SlidingWindowCache,
+                                SlidingWindowMemoryCache, WrapperCache)
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError, CacheFullError
 from mlx_engine.ml import CacheConfig, DType
@@ -260,6 +260,37 @@ def test_remove_re_rotates_keys_with_rope(backend, ctx):
         got = k.numpy()[:, :, cells]
         np.testing.assert_allclose(got, want, atol=2e-5)
         np.testing.assert_array_equal(v.numpy()[:, :, cells], kept)
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_latent_cache_keeps_keys_only_and_reads_values_from_them(backend, ctx, kv_bits):
+    """LatentCache: one key row per token ``[rope + latent]``; the values are its last ``latent`` features (a view),
+    nothing stored for them (bytes: the keys' alone); a value passed to ``put`` is refused; a removal re-rotates
+    the key rows through the shift function as a causal cache does. The 8-bit form dequantizes within its step."""
+    rope, latent, n = 16, 48, 6
+    shifted = []
+
+    def shift(ctx, layer, keys, delta):
+        shifted.append(keys.shape)
+        return keys
+
+    cache = LatentCache(latent, shift_fn=shift, kv_bits=kv_bits, kv_group_size=64)
+    cache.init(backend, DType.FLOAT32, 1, 32, 8)
+    cache.set_config(CacheConfig(padding=1, step=8))
+    raw = np.random.default_rng(1).standard_normal((1, 1, n, rope + latent)).astype(np.float32)
+    cache.start_forward(ctx, batch([0] * n, range(n)))
+    cache.set_layer(0)
+    with pytest.raises(ValueError, match="no value"):
+        cache.put(ctx, ctx.from_numpy(raw), ctx.from_numpy(raw[..., rope:]))
+    cache.put(ctx, ctx.from_numpy(raw), None)
+    k, v, mask = cache.get(ctx)
+    tol = 0 if kv_bits is None else 2 * np.abs(raw).max() / 255  # 8 bits over a group's range
+    np.testing.assert_allclose(k.numpy()[:, :, :n], raw, atol=tol)
+    np.testing.assert_array_equal(v.numpy(), k.numpy()[..., rope:])
+    per_cell = (rope + latent) * (4 if kv_bits is None else 1 + 2 * 4 / 64)  # 8-bit: a scale and bias per 64
+    assert cache.nbytes() == per_cell * cache.allocated_cells()
+    cache.remove(0, 1, 2)
+    assert shifted == [(1, 1, n - 2, rope + latent)]
 
 
 def test_copy_prefix_replaces_destination(backend, ctx):

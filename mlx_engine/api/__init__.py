@@ -181,14 +181,14 @@ class Model:
         """
         c = self.text_model.config
         per_value = kv_value_bytes(kv_bits, self.text_model.dtype.itemsize)
-        cells = 0
-        for kind in c.layer_types:
+        numbers = 0  # per sequence, every layer's cells times the numbers a cell holds
+        for i, kind in enumerate(c.layer_types):
             if kind not in ATTENTION_TYPES:
                 continue  # a recurrent layer's state is counted below
             window = c.sliding_window if kind == "sliding_attention" else None
-            cells += ctx_len if window is None else min(ctx_len, window + 256 + prefill_chunk)
-        need = int(max_sequences * (cells * 2 * c.num_kv_heads * c.head_dim * per_value
-                                    + self.text_model.state_bytes()))
+            cells = ctx_len if window is None else min(ctx_len, window + 256 + prefill_chunk)
+            numbers += cells * self.text_model.kv_width(i)
+        need = int(max_sequences * (numbers * per_value + self.text_model.state_bytes()))
         have = self.backend.device_memory()
         free = have - self.weights_bytes
         if need > free:

@@ -273,7 +273,7 @@ class EngineSide:
         per_value = kv_value_bytes(self.model.kv_bits, tm.dtype.itemsize)
         for i in range(c.num_layers):
             visible = min(context, c.sliding_window + 1) if tm.is_sliding(i) and c.sliding_window else context
-            total += 2 * c.num_kv_heads * c.head_dim * visible * per_value
+            total += tm.kv_width(i) * visible * per_value
         return int(total)
 
     def copy_bandwidth(self, nbytes: int, reps: int = 5) -> float:

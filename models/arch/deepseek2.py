@@ -7,8 +7,8 @@
   ``kv_b_proj`` expands ``c`` to each head's ``k_nope [qk_nope_head_dim]`` and value ``[v_head_dim]``. A head's key
   is ``(k_nope, k_rot)``, its query ``(q_nope, q_rot)``, RoPE on the ``rot`` parts only, in the interleaved-pairs
   layout (transformers' ``rope_interleave``, llama.cpp's ``LLAMA_ROPE_TYPE_NORM``; the converter does not permute).
-  We store ``(rot, nope)`` (RoPE part first, so that the cache's RoPE shift rotates the first features; the scores
-  are unchanged: queries and keys are reordered alike).
+  We put the RoPE part first (in the cache's key and in the queries alike, which leaves the scores unchanged), so
+  that the cache's RoPE shift rotates the first features.
 - **YaRN** (Peng et al. 2023) with DeepSeek's softmax scale: ``qk_head_dim ** -0.5 * mscale(factor,
   mscale_all_dim) ** 2`` with ``mscale(s, m) = 0.1 m ln s + 1``; the RoPE attention factor ``mscale(s, mscale) /
   mscale(s, mscale_all_dim)`` multiplies the rotated features of queries and keys (its square is folded into the
@@ -19,9 +19,12 @@
   experts in ``n_group`` groups, a group scored by its two best experts, the ``topk_group`` best groups kept; the
   ``top_k`` best experts of those, weighed by their scores (without the bias), renormalised with ``norm_topk_prob``,
   times ``routed_scaling_factor``.
-- **Cache**: the simple way: each head's key and value, expanded from the latent, go into the causal KV cache
-  (``H * (qk_head_dim + v_head_dim)`` numbers per token and layer; DeepSeek-V3: 128 * (192 + 128) = 40960, where
-  llama.cpp's absorbed form caches the latent and the RoPE key, 512 + 64 = 576, 71 times fewer).
+- **Cache**: compressed (:class:`~mlx_engine.kvcache.LatentCache`): per token and layer the rotated RoPE key and the
+  latent, ``qk_rope_head_dim + kv_lora_rank`` numbers (DeepSeek-V3: 64 + 512 = 576, where every head's expanded key
+  and value would take 128 * (192 + 128) = 40960, 71 times more), as llama.cpp and mlx-lm keep it. Small batches
+  (every decode step) attend in the absorbed form, the query taken through ``W_UK`` into the latent's space and the
+  output through ``W_UV``; a long prefill chunk expands the cached latents into each head's keys and values
+  (:meth:`DeepSeek2.absorbed` picks the form of fewer multiply-adds).
 
 llama.cpp's GGUF (``conversion/deepseek.py``) splits ``kv_b_proj`` per head into ``attn_k_b [H, kv_lora_rank,
 qk_nope]`` (transposed, for the absorbed product) and ``attn_v_b [H, v_head_dim, kv_lora_rank]``; older files keep
@@ -320,12 +323,32 @@ class DeepSeek2(MoEWeights, DecoderModel):
         w.update({k: self.w.get(a + v) for k, v in _MLA_NAMES.items()})
         return w
 
+    def make_cache(self, kv_bits: int | None = None) -> "Cache":
+        """The compressed cache: per token and layer the RoPE key and the latent (:class:`LatentCache`)."""
+        from mlx_engine.kvcache import LatentCache
+
+        return LatentCache(self.config.kv_lora_rank, shift_fn=self.shift, kv_bits=kv_bits)
+
     def layer_kv_shapes(self) -> list[tuple[int, int, int]]:
         c = self.config
-        return [(c.num_heads, c.head_dim, c.v_head_dim) if i in self.part.layers else None
+        return [(1, c.rope_dims + c.kv_lora_rank, c.kv_lora_rank) if i in self.part.layers else None
                 for i in range(c.num_layers)]
 
+    def kv_width(self, layer: int) -> int:
+        """``rope + kv_lora_rank``: the latent cache's numbers per token (the values are within the keys)."""
+        return self.config.rope_dims + self.config.kv_lora_rank
+
     # ---- forward -----------------------------------------------------------------------------------------------
+    def absorbed(self, n: int) -> bool:
+        """Whether a forward pass of ``n`` tokens attends in the absorbed form (below) rather than expanding the
+        cached latents into every head's keys and values: the form of fewer multiply-adds. Over ``S`` cached tokens
+        the absorbed form costs ``H n S (rope + 2 rank)``, the expanded one ``H S (rank (nope + v) + n (rope + nope +
+        v))``; absorbed wins while ``n (2 rank - nope - v) < rank (nope + v)`` (DeepSeek-V3: n < 171, so every decode
+        step; mlx-lm absorbs for one token, expands for more)."""
+        c = self.config
+        return n * (2 * c.kv_lora_rank - c.qk_nope_dim - c.v_head_dim) < c.kv_lora_rank * (c.qk_nope_dim
+                                                                                              + c.v_head_dim)
+
     def run_layers(self, ctx: Context, batch: Batch, h: Tensor, cache: "Cache", output_layer: int | None = None,
                    angles: Any = None, whole: bool = False, pos_tensor: Tensor | None = None) -> Tensor:
         """The layers on ``h [1, N, D]`` (see :meth:`DecoderModel.run_layers`; op by op, ``angles`` unused).
@@ -335,14 +358,12 @@ class DeepSeek2(MoEWeights, DecoderModel):
         c = self.config
         eps, n = c.rms_norm_eps, h.shape[1]
         positions = rope_positions(ctx, batch)
+        absorbed = self.absorbed(n)
         for i, lw in self.layers.items():
             if output_layer is not None and i > output_layer:
                 break
             cache.set_layer(i)
-            q, k, v = self._attention_in(ctx, h.rms_norm(lw["attn_norm"], eps), lw, positions, i)
-            cache.put(ctx, k, v)
-            keys, values, mask = cache.get(ctx)
-            o = ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask)
+            o = self._attention(ctx, h.rms_norm(lw["attn_norm"], eps), lw, positions, i, cache, absorbed)
             h = h + o.transpose(0, 2, 1, 3).reshape(1, n, c.num_heads * c.v_head_dim).linear(lw["o"])
             x = h.rms_norm(lw["post_attn_norm"], eps)
             if lw.get("router") is not None:
@@ -354,25 +375,37 @@ class DeepSeek2(MoEWeights, DecoderModel):
             h = h + m
         return h
 
-    def _attention_in(self, ctx: Context, x: Tensor, w: dict[str, Tensor | None], positions: "int | Tensor",
-                      layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """MLA on the normed ``x [1, N, D]``: queries and keys ``[1, H, N, rope + nope]`` (RoPE part first,
-        rotated), values ``[1, H, N, v_head_dim]``."""
+    def _attention(self, ctx: Context, x: Tensor, w: dict[str, Tensor | None], positions: "int | Tensor",
+                   layer: int, cache: "Cache", absorbed: bool) -> Tensor:
+        """MLA on the normed ``x [1, N, D]``, its latent and RoPE key stored in the :class:`LatentCache`; returns
+        the heads' outputs ``[1, H, N, v_head_dim]``.
+
+        Scores are ``q_rot . k_rot + q_nope . k_nope`` with ``k_nope = W_UK c`` per head, so ``q_nope . (W_UK c) =
+        (W_UK^T q_nope) . c``: the absorbed form attends with the query ``(q_rot, W_UK^T q_nope) [rope + rank]`` over
+        the cached ``(k_rot, c)`` as one key head, and the output ``W_UV (sum_j p_j c_j)`` is the latent's weighted
+        sum through ``W_UV`` (DeepSeek-V2's paper, section 2.1.2; llama.cpp's ``deepseek2.cpp``, mlx-lm's
+        ``deepseek_v3.py`` for one token). The expanded form makes each cached token's ``k_nope`` and value."""
         c = self.config
-        eps, n, h, r, nope = c.rms_norm_eps, x.shape[1], c.num_heads, c.rope_dims, c.qk_nope_dim
+        eps, n, h, r, nope, rank = c.rms_norm_eps, x.shape[1], c.num_heads, c.rope_dims, c.qk_nope_dim, c.kv_lora_rank
         q = (x.linear(w["q_a"]).rms_norm(w["q_a_norm"], eps).linear(w["q_b"]) if w.get("q_a") is not None
              else x.linear(w["q"]))
         q = q.reshape(1, n, h, nope + r).transpose(0, 2, 1, 3)
         kv = x.linear(w["kv_a"])  # [1, N, rank + rope]: the latent, then the shared RoPE key
-        latent = kv[:, :, :c.kv_lora_rank].rms_norm(w["kv_a_norm"], eps)
-        k_nope = latent.linear(w["k_b"]).reshape(1, n, h, nope).transpose(0, 2, 1, 3)
-        v = latent.linear(w["v_b"]).reshape(1, n, h, c.v_head_dim).transpose(0, 2, 1, 3)
+        latent = kv[:, :, :rank].rms_norm(w["kv_a_norm"], eps).reshape(1, 1, n, rank)
         base, scale, freqs = self._rope(layer)
         q_rot = apply_rope(q[:, :, :, nope:], positions, r, base, scale, c.rope_traditional, freqs)
-        k_rot = apply_rope(kv[:, :, c.kv_lora_rank:].reshape(1, 1, n, r), positions, r, base, scale,
-                           c.rope_traditional, freqs)
+        k_rot = apply_rope(kv[:, :, rank:].reshape(1, 1, n, r), positions, r, base, scale, c.rope_traditional, freqs)
         if c.rope_attention_factor != 1.0:  # YaRN's factor on queries' and keys' rotated features, both on q
             q_rot = q_rot * (c.rope_attention_factor ** 2)
-        q = ctx.concatenate([q_rot, q[:, :, :, :nope]], axis=-1)
-        k = ctx.concatenate([k_rot + ctx.zeros((1, h, 1, r), k_rot.dtype), k_nope], axis=-1)
-        return q, k, v
+        cache.put(ctx, ctx.concatenate([k_rot, latent], axis=-1), None)
+        keys, values, mask = cache.get(ctx)  # [1, 1, S, rope + rank], [1, 1, S, rank]
+        k_b, v_b = w["k_b"].reshape(h, nope, rank), w["v_b"].reshape(h, c.v_head_dim, rank)
+        if absorbed:
+            q = ctx.concatenate([q_rot, q[:, :, :, :nope] @ k_b], axis=-1)  # [1, H, N, rope + rank]
+            return ctx.scaled_dot_product_attention(q, keys, values, c.query_scale, mask) @ v_b.transpose(0, 2, 1)
+        s = keys.shape[2]
+        k_nope = values.linear(w["k_b"]).reshape(1, s, h, nope).transpose(0, 2, 1, 3)
+        v = values.linear(w["v_b"]).reshape(1, s, h, c.v_head_dim).transpose(0, 2, 1, 3)
+        k = ctx.concatenate([keys[:, :, :, :r] + ctx.zeros((1, h, 1, r), keys.dtype), k_nope], axis=-1)
+        return ctx.scaled_dot_product_attention(ctx.concatenate([q_rot, q[:, :, :, :nope]], axis=-1), k, v,
+                                                c.query_scale, mask)

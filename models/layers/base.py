@@ -319,6 +319,10 @@ class DecoderModel(abc.ABC):
         a model without recurrent layers."""
         return 0
 
+    def kv_width(self, layer: int) -> int:
+        """Numbers the KV cache keeps per token for ``layer``: every key/value head's key and value."""
+        return 2 * self.config.num_kv_heads * self.config.head_dim
+
     def layer_kv_shapes(self) -> list[tuple[int, int, int]]:
         c = self.config
         return [(c.num_kv_heads, c.head_dim, c.head_dim) if i in self.part.layers and self.is_attention(i) else None

@@ -15,10 +15,15 @@ gpt-oss's harmony format is read by :class:`HarmonyParser` (the same ``feed`` / 
 :meth:`mlx_engine.models.generation.runner.Runner.reasoning` makes one per request): each message of the output is a header
 (``<|start|>assistant<|channel|>NAME<|message|>``) and a body up to ``<|end|>``, ``<|return|>`` or ``<|call|>``; the
 ``analysis`` channel's bodies are the thinking, the others' (``final``, ``commentary``) the answer (OpenAI's harmony
-format, as the ``openai-harmony`` package and llama.cpp's ``common/chat.cpp`` read it).
+format, as the ``openai-harmony`` package and llama.cpp's ``common/chat.cpp`` read it). A message to a recipient (a
+tool call: ``to=functions.NAME`` in its header, before or after the channel) passes into the answer whole, in one
+form, ``<|start|>assistant to=functions.NAME<|channel|>commentary<|message|>ARGS<|call|>``, for the tool-call parser
+(:mod:`mlx_engine.models.text.tools`).
 """
 
 from __future__ import annotations
+
+import re
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -163,8 +168,12 @@ class ReasoningParser:
         return []
 
 
-_HEADERS = ("<|start|>", "<|channel|>")
+# a header opens with these (after the prompt's ``<|start|>assistant``, a recipient may come first: `` to=...``)
+_HEADERS = ("<|start|>", "<|channel|>", "to=")
 _ENDS = ("<|end|>", "<|return|>", "<|call|>")
+_RECIPIENT = re.compile(r"(?:^|\s)to=([^\s<]+)")
+#: how a message to a recipient (a tool call) passes into the answer: its opening, then the body and :data:`CALL_END`
+CALL_OPEN, CALL_END = "<|start|>assistant to={}<|channel|>commentary<|message|>", "<|call|>"
 #: a header longer than this is not one (the text is held no further)
 _MAX_HEADER = 256
 
@@ -181,6 +190,7 @@ class HarmonyParser:
     def __init__(self, inside: bool = False):
         self._in_body = inside
         self._kind = THINKING if inside else ANSWER
+        self._call = False  # the body is a message to a recipient (a tool call)
         self._held = ""
 
     def feed(self, text: str) -> list[tuple[str, str]]:
@@ -198,7 +208,11 @@ class HarmonyParser:
                         break
                     if i >= 0:
                         channel = head[:i].partition("<|channel|>")[2].split("<|")[0].split(" ")[0].strip()
-                        self._kind = THINKING if channel == "analysis" else ANSWER
+                        to = _RECIPIENT.search(head[:i])
+                        self._call = to is not None and to.group(1) != "assistant"
+                        self._kind = THINKING if channel == "analysis" and not self._call else ANSWER
+                        if self._call:
+                            out.append((ANSWER, CALL_OPEN.format(to.group(1))))
                         text = head[i + len("<|message|>"):]
                     self._in_body = True
                     continue
@@ -212,7 +226,9 @@ class HarmonyParser:
                 i, end = min(ends)
                 if text[:i]:
                     out.append((self._kind, text[:i]))
-                text, self._in_body = text[i + len(end):], False
+                if self._call:
+                    out.append((ANSWER, CALL_END))
+                text, self._in_body, self._call = text[i + len(end):], False, False
                 continue
             keep = max(_partial_suffix(text, e) for e in _ENDS)
             self._held = text[len(text) - keep:]
@@ -222,9 +238,14 @@ class HarmonyParser:
         return _merged(out)
 
     def flush(self) -> list[tuple[str, str]]:
-        """At the end of the output: a held partial marker in a body is text; an unfinished header is dropped."""
+        """At the end of the output: a held partial marker in a body is text; an unfinished header is dropped; a tool
+        call cut off (or ended by ``<|call|>`` as a stop token, its text not given) is closed."""
         held, self._held = self._held, ""
-        return [(self._kind, held)] if self._in_body and held else []
+        out = [(self._kind, held)] if self._in_body and held else []
+        if self._in_body and self._call:
+            out.append((ANSWER, CALL_END))
+            self._call = False
+        return _merged(out)
 
 
 def _merged(pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:

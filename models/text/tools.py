@@ -7,6 +7,12 @@ Two forms of call, chosen by the model's chat template:
   template asks for this form (as Qwen2.5's and NousResearch's Hermes do).
 - ``llama3``: a JSON object ``{"name": ..., "parameters": {...}}`` as the whole answer, optionally after
   ``<|python_tag|>``: what Llama 3.1 / 3.2's templates ask for.
+- ``harmony`` (gpt-oss): a message to ``functions.NAME`` on the ``commentary`` channel whose body is the arguments'
+  JSON, ended by ``<|call|>``; :class:`~mlx_engine.models.text.reasoning.HarmonyParser` passes it into the answer in
+  one form (``<|start|>assistant to=functions.NAME<|channel|>commentary<|message|>{...}<|call|>``). The template
+  renders one call per assistant message and names each ``tool`` result after the call before it, so an assistant
+  message of several calls is written as one message per call, each followed by its result (matched by
+  ``tool_call_id``, else in order), as the harmony format writes them.
 
 A template that handles ``tools`` itself (it mentions them) gets them as transformers passes them
 (``tools=[{"type": "function", "function": {...}}]``) and renders assistant ``tool_calls`` and ``tool`` messages its
@@ -26,18 +32,23 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.models.text.constraint import ResponseFormat, parse_response_format
+from mlx_engine.models.text.reasoning import CALL_END, CALL_OPEN
 
 __all__ = ["ToolCall", "ToolStyle", "check_tools", "tool_style", "prepare_messages", "parse_tool_calls",
            "tool_choice_format", "may_be_tool_call"]
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+_HERMES_CALL = re.compile(re.escape(_HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(_HERMES_CLOSE) + r"|$)", re.S)
+_HARMONY_OPEN = CALL_OPEN.split("{}")[0]  # "<|start|>assistant to="
+_HARMONY_CALL = re.compile(re.escape(_HARMONY_OPEN) + r"functions\.([^<\s]+)<\|channel\|>[^<]*<\|message\|>(.*?)"
+                           + re.escape(CALL_END), re.S)
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
@@ -69,6 +80,8 @@ def tool_style(template: str | None) -> ToolStyle:
     """The tool style of a chat template's source (None: a model without one)."""
     if not template or "tools" not in template:
         return ToolStyle("hermes", False)
+    if "<|channel|>" in template and "<|call|>" in template:
+        return ToolStyle("harmony", True)
     if _HERMES_OPEN in template:
         return ToolStyle("hermes", True)
     if '"parameters"' in template or "ipython" in template or _PYTHON_TAG in template:
@@ -160,7 +173,9 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]], tools: list[dict[str
             raise InvalidRequestError("a tool message's content must be a string (the tool's result)")
         if style.native:
             if calls:
-                m["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+                m["tool_calls"] = [{"type": "function", "function": c, **({"id": t["id"]} if isinstance(t, Mapping)
+                                                                          and "id" in t else {})}
+                                   for c, t in zip(calls, m["tool_calls"])]
                 m["content"] = m.get("content") or ""
             out.append(m)
             continue
@@ -175,6 +190,8 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]], tools: list[dict[str
                 continue
             m = {"role": "user", "content": block, "_tool": True}
         out.append(m)
+    if style.form == "harmony":
+        out = _one_call_each(out)
     for m in out:
         m.pop("_tool", None)
     if tools and not style.native:
@@ -186,13 +203,45 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]], tools: list[dict[str
     return out
 
 
+def _one_call_each(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message of several calls as one message per call (the text and thinking on the first), each
+    followed by its ``tool`` result among the messages after it (by ``tool_call_id``, else in order)."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        calls = m.get("tool_calls") or []
+        i += 1
+        if m.get("role") != "assistant" or len(calls) < 2:
+            out.append(m)
+            continue
+        results = []
+        while i < len(messages) and messages[i].get("role") == "tool":
+            results.append(messages[i])
+            i += 1
+        by_id = {r.get("tool_call_id"): r for r in results if r.get("tool_call_id") is not None}
+        rest = [r for r in results if r.get("tool_call_id") not in by_id or r.get("tool_call_id") is None]
+        for k, call in enumerate(calls):
+            out.append({**(m if k == 0 else {"role": "assistant", "content": ""}), "tool_calls": [call]})
+            result = by_id.pop(call.get("id"), None) if call.get("id") in by_id else (rest.pop(0) if rest else None)
+            if result is not None:
+                out.append(result)
+        out.extend(list(by_id.values()) + rest)
+    return out
+
+
+def _opener(style: ToolStyle) -> str:
+    return _HARMONY_OPEN if style.form == "harmony" else _HERMES_OPEN
+
+
 def may_be_tool_call(text: str, style: ToolStyle) -> bool:
     """Whether an answer beginning with ``text`` may still turn out to be a tool call (a streaming server holds such
     text back until it knows)."""
     head = text.lstrip()
     if style.form == "llama3":
         return head == "" or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head)
-    return head == "" or head.startswith(_HERMES_OPEN) or _HERMES_OPEN.startswith(head)
+    opener = _opener(style)
+    return head == "" or head.startswith(opener) or opener.startswith(head)
 
 
 def call_start(text: str, style: ToolStyle) -> int | None:
@@ -201,11 +250,12 @@ def call_start(text: str, style: ToolStyle) -> int | None:
     call after text: None."""
     if style.form == "llama3":
         return None
-    i = text.find(_HERMES_OPEN)
+    opener = _opener(style)
+    i = text.find(opener)
     if i >= 0:
         return i
-    for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
-        if _HERMES_OPEN.startswith(text[-k:]):
+    for k in range(min(len(opener) - 1, len(text)), 0, -1):
+        if opener.startswith(text[-k:]):
             return len(text) - k
     return None
 
@@ -242,13 +292,21 @@ def parse_tool_calls(text: str, style: ToolStyle,
             if found and all(found):
                 return "", found
         return text, []
+    def found() -> Iterator[tuple[re.Match, Any]]:
+        """Each call-shaped block and the object it holds (a block that is not JSON: skipped)."""
+        if style.form == "harmony":
+            for mo in _HARMONY_CALL.finditer(text):
+                yield mo, {"name": mo.group(1), "arguments": mo.group(2)}
+            return
+        for mo in _HERMES_CALL.finditer(text):
+            try:
+                yield mo, json.loads(mo.group(1))
+            except ValueError:
+                continue
+
     rest, pos = [], 0
-    for mo in re.finditer(re.escape(_HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(_HERMES_CLOSE) + r"|$)", text,
-                          re.S):
-        try:
-            c = call(json.loads(mo.group(1)))
-        except ValueError:
-            c = None
+    for mo, obj in found():
+        c = call(obj)
         if c is None:
             continue
         rest.append(text[pos:mo.start()])
@@ -256,6 +314,16 @@ def parse_tool_calls(text: str, style: ToolStyle,
         calls.append(c)
     rest.append(text[pos:])
     return "".join(rest).strip() if calls else text, calls
+
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # JSON without free whitespace: a model that may pad, pads
+
+
+def _strict(params: dict[str, Any]) -> dict[str, Any]:
+    # the arguments are the declared parameters (OpenAI's strict mode): a small model left free to add properties
+    # adds them until max_tokens
+    if "properties" in params and "additionalProperties" not in params:
+        return {**params, "additionalProperties": False}
+    return params
 
 
 def tool_choice_format(tools: list[dict[str, Any]], choice: Any, style: ToolStyle) -> ResponseFormat | None:
@@ -275,19 +343,19 @@ def tool_choice_format(tools: list[dict[str, Any]], choice: Any, style: ToolStyl
         if not chosen:
             raise InvalidRequestError(f"tool_choice must be 'auto', 'none', 'required' or a function among the "
                                       f"tools, got {choice!r:.120}")
+    if style.form == "harmony":
+        # the header's special tokens as tokens (llguidance's <|...|>), the arguments as the function's JSON
+        calls = " | ".join(f"c{i}" for i in range(len(chosen)))
+        rules = "".join(f'c{i}: <|channel|> "commentary to=functions.{t["function"]["name"]} " <|constrain|> "json" '
+                        f'<|message|> %json {json.dumps({**_strict(t["function"]["parameters"]), **_COMPACT})}\n'
+                        for i, t in enumerate(chosen))
+        return parse_response_format({"type": "grammar", "grammar": f"start: {calls}\n{rules}"})
     args_key = "parameters" if style.form == "llama3" else "arguments"
-
-    def strict(params: dict[str, Any]) -> dict[str, Any]:
-        # the arguments are the declared parameters (OpenAI's strict mode): a small model left free to add
-        # properties adds them until max_tokens
-        if "properties" in params and "additionalProperties" not in params:
-            return {**params, "additionalProperties": False}
-        return params
 
     schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
                          "properties": {"name": {"const": t["function"]["name"]},
-                                        args_key: strict(t["function"]["parameters"])}} for t in chosen],
-              "x-guidance": {"whitespace_flexible": False}}
+                                        args_key: _strict(t["function"]["parameters"])}} for t in chosen],
+              **_COMPACT}
     if style.form == "llama3":
         lark = f"start: call\ncall: %json {json.dumps(schema)}\n"
     else:

@@ -1,0 +1,124 @@
+"""gpt-oss's tool calls in the harmony format (a message to ``functions.NAME`` on the ``commentary`` channel, ended
+by ``<|call|>``), at every door: the parser, the Python API and the server's chat completions with the real
+``openai`` client, and the call's result rendered back through gpt-oss's own chat template (llama.cpp's copy of the
+released one).
+
+The model is a tiny random transformers ``GptOss`` folder holding smollm2's tokenizer with harmony's special tokens
+added and gpt-oss's template. Its output is forced by ``tool_choice`` (a grammar over harmony's special tokens and the
+function's JSON Schema), so the text it writes is known to be a well-formed call; what is checked is what each door
+makes of it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlx_engine.models.text.reasoning import HarmonyParser
+from mlx_engine.models.text.tools import ToolStyle, parse_tool_calls, prepare_messages, tool_style
+
+torch = pytest.importorskip("torch")
+
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+HARMONY = ToolStyle("harmony", True)
+
+
+def _template() -> str:
+    from tests.hf_gguf import llama_cpp_source
+
+    return (llama_cpp_source() / "models" / "templates" / "openai-gpt-oss-120b.jinja").read_text()
+
+
+def _parse(chunks):
+    p = HarmonyParser()
+    out = [x for c in chunks for x in p.feed(c)] + p.flush()
+    answer = "".join(t for k, t in out if k == "answer")
+    return "".join(t for k, t in out if k == "thinking"), parse_tool_calls(answer, HARMONY, {"get_weather"})
+
+
+def test_a_call_is_parsed_wherever_the_stream_is_cut():
+    """Both places harmony puts the recipient (after the channel, as gpt-oss writes it; in the role, as the
+    template renders it), a preamble before, the thinking apart, and ``<|call|>`` given or not (a stop token)."""
+    for raw in ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+                '<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions.get_weather'
+                '<|channel|>commentary json<|message|>{"city": "Paris"}'):
+        for i in range(0, len(raw) + 1, 3):
+            thinking, (text, calls) = _parse([raw[:i], raw[i:]])
+            assert thinking == "Need the weather." and text == "", (raw, i)
+            assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})], (raw, i)
+    thinking, (text, calls) = _parse(["<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant "
+                                      "to=functions.nope<|channel|>commentary<|message|>{}<|call|>"])
+    assert calls == [] and text.startswith("Checking.<|start|>assistant to=functions.nope")  # not offered: text
+
+
+def test_the_template_renders_each_call_and_its_result():
+    """Two calls in one assistant message and their results (in the other order) go to gpt-oss's template as one
+    call each followed by its result, which the template names after that call."""
+    from mlx_engine.models.text.chat_template import render_chat_template
+
+    source = _template()
+    assert tool_style(source) == HARMONY
+    calls = [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    messages = ASK + [{"role": "assistant", "content": "", "tool_calls": calls},
+                      {"role": "tool", "tool_call_id": "b", "content": "12:00"},
+                      {"role": "tool", "tool_call_id": "a", "content": "sunny"}]
+    text = render_chat_template(source, prepare_messages(messages, [WEATHER], HARMONY), tools=[WEATHER],
+                                add_generation_prompt=True)
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+            '<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
+            '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>'
+            '<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"12:00"<|end|>') in text
+    assert "get_weather" in text.split("<|start|>user")[0]  # the tools offered in the developer message
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, smollm2_gguf) -> Path:
+    """The tiny gpt-oss folder (module docstring)."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from tests import arch_proof
+    from tests.hf_gguf import peaked
+
+    root = tmp_path_factory.mktemp("gpt_oss_tools") / "hf"
+    config = GptOssConfig(vocab_size=49160, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2,
+                          num_experts_per_tok=1, sliding_window=8, layer_types=["full_attention"],
+                          max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    peaked(model, seed=0)
+    model.save_pretrained(root)
+    arch_proof.smollm2_tokenizer(smollm2_gguf)(root)
+    tok = json.loads((root / "tokenizer.json").read_text())
+    tok["added_tokens"] += [{"id": 49152 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for i, t in enumerate(HARMONY_TOKENS)]
+    (root / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((root / "tokenizer_config.json").read_text())
+    (root / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": _template(),
+                                                            "eos_token": "<|return|>", "add_bos_token": False}))
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [49157, 49158]}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    import mlx_engine
+
+    m = mlx_engine.load(str(folder), progress=False, context_length=1024)
+    yield m
+    m.close()
+
+
+def test_the_api_returns_the_forced_call(model):
+    reply = model.respond(ASK, tools=[WEATHER], tool_choice="required", max_tokens=40)
+    assert reply.finish_reason == "tool_calls" and reply.content == ""
+    assert [c.name for c in reply.tool_calls] == ["get_weather"]
+    assert set(reply.tool_calls[0].arguments) == {"city"} and isinstance(reply.tool_calls[0].arguments["city"], str)
