@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mlx_engine.errors import InvalidRequestError, WeightsError
-from mlx_engine.imagegen.pipeline import MAX_SIDE, DenoiseJob, ImageResult, ImageGenerationStats, StepCallback
+from mlx_engine.errors import InvalidRequestError
+from mlx_engine.imagegen.pipeline import MAX_SIDE, DenoiseJob, ImageGenerationStats, ImageResult, StepCallback
 from mlx_engine.imagegen.zimage import ZImagePipeline
 from mlx_engine.ml import DType, Tensor
 

@@ -170,9 +170,9 @@ class QwenImageTransformer:
         if missing:
             raise WeightsError(f"the Qwen-Image transformer checkpoint lacks {len(missing)} tensors, e.g. "
                                f"{', '.join(missing[:3])}; is it a complete QwenImageTransformer2DModel?")
-        # per-axis inverse frequencies, float32 as QwenEmbedRope.rope_params computes them
-        self._inv_freqs = [(np.float32(1.0) / (ROPE_THETA ** (np.arange(0, d, 2, dtype=np.float64) / d))
-                            .astype(np.float32)).astype(np.float32) for d in config.axes_dims_rope]
+        # per-axis inverse frequencies 1 / theta ** (2i / d), float32 as QwenEmbedRope.rope_params keeps them
+        self._inv_freqs = [(1.0 / ROPE_THETA ** (np.arange(0, d, 2, dtype=np.float64) / d)).astype(np.float32)
+                           for d in config.axes_dims_rope]
         self._tables: "OrderedDict[Any, _Tables]" = OrderedDict()
 
     @classmethod
