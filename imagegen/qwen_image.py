@@ -256,8 +256,9 @@ class QwenImagePipeline(ZImagePipeline):
             ctx.close()
             raise
         return DenoiseJob(ctx=ctx, batch=batch, channels=channels, lh=lh, lw=lw, width=width, height=height,
-                          steps=steps, first=0, guidance=guidance, do_cfg=do_cfg, cfg_normalization=True,
-                          cfg_truncation=None, vae_tiling=vae_tiling, pos_embeds=embeds[:batch],
+                          steps=steps, first=0, guidance=guidance, do_cfg=do_cfg,
+                          cfg_normalization=False, cfg_truncation=None,  # Z-Image's options; not read here
+                          vae_tiling=vae_tiling, pos_embeds=embeds[:batch],
                           neg_embeds=embeds[batch:], latents=latents, stats=stats, parameters=parameters,
                           started=started)
 

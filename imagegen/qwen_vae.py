@@ -154,17 +154,15 @@ class _Loader:
                                "from the VAE config")
         return t
 
-    def _dense(self, name: str, cout: int, cin: int, k: int, three_d: bool) -> np.ndarray:
-        shape = (cout, cin, k, k, k) if three_d else (cout, cin, k, k)
-        w = self.get(name, shape).numpy()
+    def conv(self, prefix: str, cin: int, cout: int, k: int, *, three_d: bool = True, stride: int = 1) -> _Conv:
+        """A (causal 3D, or 2D) convolution's weights as a 2D channels-last ``_Conv``; ``stride`` 2 takes no padding
+        (``Downsample``'s zero pad comes first), the others pad ``k // 2`` on every side."""
+        t = self.get(prefix + ".weight", (cout, cin, k, k, k) if three_d else (cout, cin, k, k))
+        w = t.numpy()
         if three_d:
             w = w[:, :, -1]  # causal padding: only the last time slice meets the one frame
-        return np.ascontiguousarray(w.transpose(0, 2, 3, 1))
-
-    def conv(self, prefix: str, cin: int, cout: int, k: int, *, three_d: bool = True, stride: int = 1) -> _Conv:
-        dtype = self.weights[prefix + ".weight"].dtype if prefix + ".weight" in self.weights else DType.FLOAT32
-        w = self._dense(prefix + ".weight", cout, cin, k, three_d)
-        return _Conv(self.ctx.from_numpy(w, dtype), self.get(prefix + ".bias", (cout,)), stride,
+        w = np.ascontiguousarray(w.transpose(0, 2, 3, 1))
+        return _Conv(self.ctx.from_numpy(w, t.dtype), self.get(prefix + ".bias", (cout,)), stride,
                      0 if stride == 2 else k // 2)
 
     def linear(self, prefix: str, cin: int, cout: int) -> tuple[Tensor, Tensor]:

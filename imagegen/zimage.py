@@ -96,9 +96,8 @@ class ZImagePipeline:
         UnsupportedError: another pipeline class, or a component this engine does not implement.
         InvalidRequestError: ``quantize`` other than None, 4 or 8.
 
-    Another diffusers family reuses the loading, memory and size checks by subclassing: it sets the class attributes
-    below and overrides the hooks ``_set_geometry``, ``_default_side``, ``_load_transformer``, ``_load_vae`` and
-    ``_text_encoder_options`` (and the steps: ``prepare``, ``denoise``, ``decode``).
+    A subclass (another diffusers family) sets the class attributes below and overrides the hooks ``_set_geometry``,
+    ``_default_side``, ``_load_transformer``, ``_load_vae``, ``_text_encoder_options`` and the steps.
     """
 
     #: the ``_class_name`` values of ``model_index.json`` this class loads, and the family's name in messages.
