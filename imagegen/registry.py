@@ -12,6 +12,8 @@ from mlx_engine.errors import UnsupportedError
 from mlx_engine.imagegen.flux import KONTEXT_CLASSES, PIPELINE_CLASSES as _FLUX_CLASSES
 from mlx_engine.imagegen.flux import FluxKontextPipeline, FluxPipeline
 from mlx_engine.imagegen.pipeline import read_model_index
+from mlx_engine.imagegen.qwen_image import PIPELINE_CLASSES as _QWEN_IMAGE_CLASSES
+from mlx_engine.imagegen.qwen_image import QwenImagePipeline
 from mlx_engine.imagegen.zimage import PIPELINE_CLASSES as _ZIMAGE_CLASSES
 from mlx_engine.imagegen.zimage import ZImagePipeline
 from mlx_engine.ml import Backend
@@ -19,7 +21,8 @@ from mlx_engine.ml import Backend
 #: ``_class_name`` -> the pipeline class that loads such a folder.
 PIPELINES: dict[str, type] = {**{name: ZImagePipeline for name in _ZIMAGE_CLASSES},
                                **{name: FluxPipeline for name in _FLUX_CLASSES},
-                               **{name: FluxKontextPipeline for name in KONTEXT_CLASSES}}
+                               **{name: FluxKontextPipeline for name in KONTEXT_CLASSES},
+                               **{name: QwenImagePipeline for name in _QWEN_IMAGE_CLASSES}}
 
 
 def load_pipeline(folder: "str | os.PathLike[str]", make_backend: Callable[[Path], Backend], **options: Any):

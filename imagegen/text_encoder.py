@@ -1,4 +1,6 @@
-"""The Z-Image text encoder: Qwen3 from ``models/``, read as diffusers' ``ZImagePipeline._encode_prompt`` reads it.
+"""The text encoder of the image pipelines: a ``models/`` text model read as the diffusers pipelines read theirs
+(Z-Image: Qwen3, as ``ZImagePipeline._encode_prompt``; Qwen-Image: Qwen2.5-VL's language model, as
+``QwenImagePipeline._get_qwen_prompt_embeds``, see the options of :class:`TextEncoder`).
 
 Reference: diffusers 0.42 ``pipelines/z_image/pipeline_z_image.py`` (``_encode_prompt``)::
 
@@ -19,6 +21,11 @@ depends only on position differences, so the result would be the same.)
 
 The text encoder folder is what diffusers saves: a transformers ``Qwen3Model`` (tensor names without the ``model.``
 prefix, no ``lm_head``; :meth:`mlx_engine.models.arch.qwen3.Qwen3.sanitize` adds the prefix) or a ``Qwen3ForCausalLM``.
+
+Qwen-Image (diffusers ``pipelines/qwenimage/pipeline_qwenimage.py``) formats the prompt into a fixed template, keeps
+``hidden_states[-1]`` (the final-normed output) of the real tokens and drops the template's first 34 tokens; the
+same per-sequence reasoning holds (Qwen2.5-VL's M-RoPE gives text tokens positions ``0 .. L - 1`` on all three
+sections, which is Qwen2's RoPE).
 """
 
 from __future__ import annotations
@@ -38,21 +45,35 @@ __all__ = ["TextEncoder"]
 
 
 class TextEncoder:
-    """Prompts -> caption features for the Z-Image transformer.
+    """Prompts -> caption features for a diffusion transformer.
+
+    Args:
+        model, tokenizer, backend: the text model, its tokenizer and backend.
+        hidden_state: which of transformers' ``hidden_states`` to return: ``-2`` (Z-Image: the output of layer
+            ``num_layers - 2``, not normed) or ``-1`` (Qwen-Image: the final-normed output of the last layer).
+        template: a ``str.format`` template with one ``{}`` for the prompt (Qwen-Image's); None applies the chat
+            template (one user message, ``add_generation_prompt``, ``enable_thinking``: Z-Image's).
+        drop: leading tokens of the templated prompt whose features are dropped (Qwen-Image: 34).
 
     Attributes:
-        model: the text model (a :class:`mlx_engine.models.layers.base.DecoderModel`, Qwen3 for Z-Image); None after :meth:`close`.
+        model: the text model (a :class:`mlx_engine.models.layers.base.DecoderModel`); None after :meth:`close`.
         tokenizer: its tokenizer (with the chat template).
         hidden_size: ``D``, the width of the features (the transformer's ``cap_feat_dim``).
-        output_layer: the 0-based layer whose output is returned: ``num_layers - 2`` (``hidden_states[-2]``).
+        output_layer: the 0-based layer whose output is returned (``num_layers - 2``), or None for the final-normed
+            output.
     """
 
-    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, backend: Backend):
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, backend: Backend, *, hidden_state: int = -2,
+                 template: str | None = None, drop: int = 0):
+        if hidden_state not in (-1, -2):
+            raise ValueError(f"hidden_state must be -1 or -2, got {hidden_state}")
         self.model: DecoderModel | None = model
         self.tokenizer = tokenizer
         self.backend = backend
         self.hidden_size = model.config.hidden_size
-        self.output_layer = model.config.num_layers - 2
+        self.output_layer = None if hidden_state == -1 else model.config.num_layers - 2
+        self.template = template
+        self.drop = int(drop)
 
     @classmethod
     def from_backend(cls, backend: Backend, tokenizer: Tokenizer) -> "TextEncoder":
@@ -65,14 +86,18 @@ class TextEncoder:
         return cls(load_text_model(backend), tokenizer, backend)
 
     def prompt_text(self, prompt: str) -> str:
-        """The prompt in the chat template, as ``_encode_prompt`` renders it: one user message,
-        ``add_generation_prompt=True``, ``enable_thinking=True`` (for Qwen3's template: no empty think block)."""
+        """The prompt in the encoder's template, or in the chat template as Z-Image's ``_encode_prompt`` renders it:
+        one user message, ``add_generation_prompt=True``, ``enable_thinking=True`` (for Qwen3's template: no empty
+        think block)."""
+        if self.template is not None:
+            return self.template.format(prompt)
         return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                   enable_thinking=True)
 
     def token_ids(self, prompt: str, max_sequence_length: int = 512) -> list[int]:
-        """Token ids of the templated prompt, cut to ``max_sequence_length`` (the tokenizer's ``truncation=True``)."""
-        return self.tokenizer.encode(self.prompt_text(prompt))[:max_sequence_length]
+        """Token ids of the templated prompt, cut to ``drop + max_sequence_length`` (the tokenizer's
+        ``truncation=True``; the features of the first ``drop`` are dropped later)."""
+        return self.tokenizer.encode(self.prompt_text(prompt))[:self.drop + max_sequence_length]
 
     def encode(self, ctx: Context, prompts: Sequence[str], max_sequence_length: int = 512) -> list[Tensor]:
         """Caption features of each prompt.
@@ -85,12 +110,13 @@ class TextEncoder:
 
         Returns:
             one tensor ``[L_i, D]`` per prompt in the backend's compute dtype: the hidden states after layer
-            ``num_layers - 2`` (not normed) of its ``L_i`` tokens. A prompt given more than once is encoded once
+            ``num_layers - 2`` (not normed), or the final-normed ones, of its ``L_i`` tokens after the first
+            ``drop``. A prompt given more than once is encoded once
             (a batch's repeated prompts, and the empty negative prompt of each image): its entries share a tensor.
 
         Raises:
-            InvalidRequestError: no prompts, a prompt that is not a string, ``max_sequence_length < 1``, or the
-                encoder was closed.
+            InvalidRequestError: no prompts, a prompt that is not a string, ``max_sequence_length < 1``, a templated
+                prompt no longer than ``drop`` tokens, or the encoder was closed.
         """
         if self.model is None:
             raise InvalidRequestError("the text encoder was closed")
@@ -106,19 +132,23 @@ class TextEncoder:
         unique = list(dict.fromkeys(prompts))
         ids = [self.token_ids(p, max_sequence_length) for p in unique]
         lens = [len(i) for i in ids]
+        if min(lens) <= self.drop:
+            raise InvalidRequestError(f"the prompt template gives {min(lens)} tokens; this text encoder drops the "
+                                      f"first {self.drop} (is the tokenizer the model's own?)")
         batch = Batch(np.concatenate([np.asarray(i, np.int32) for i in ids]),
                       np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
                       np.concatenate([np.full(n, s, np.int32) for s, n in enumerate(lens)]))
         cache = self.model.make_cache()
         cache.init(self.backend, self.model.dtype, len(prompts), max(lens), len(batch))
         try:
-            h = self.model.forward(ctx, batch, cache, output_layer=self.output_layer)[0]  # [N, D]
+            h = self.model.forward(ctx, batch, cache, hidden_only=self.output_layer is None,
+                                   output_layer=self.output_layer)[0]  # [N, D]
             ctx.evaluate(h)
         finally:
             cache.close()
         rows, start = {}, 0
         for p, n in zip(unique, lens):
-            rows[p] = h[start:start + n]
+            rows[p] = h[start + self.drop:start + n]
             start += n
         return [rows[p] for p in prompts]
 

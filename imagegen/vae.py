@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Mapping
 
 import numpy as np
@@ -31,7 +32,7 @@ import numpy as np
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
 
-__all__ = ["AutoencoderKL", "VAEConfig"]
+__all__ = ["AutoencoderKL", "VAEConfig", "decode_in_tiles", "pad_right_bottom"]
 
 _HALF = (DType.FLOAT16, DType.BFLOAT16)
 _ACTIVATIONS = ("silu", "swish")  # diffusers get_activation: both are nn.SiLU
@@ -178,7 +179,7 @@ class _MidBlock:
         return self.resnets[1](x)
 
 
-def _pad_right_bottom(ctx: Context, x: Tensor) -> Tensor:
+def pad_right_bottom(ctx: Context, x: Tensor) -> Tensor:
     """``F.pad(x, (0, 1, 0, 1))`` of ``Downsample2D`` (padding 0), channels last: one zero column on the right and
     one zero row at the bottom."""
     b, h, w, c = x.shape
@@ -196,7 +197,7 @@ class _Encoder:
             for r in resnets:
                 x = r(x)
             if down is not None:
-                x = down(_pad_right_bottom(ctx, x))
+                x = down(pad_right_bottom(ctx, x))
         x = self.mid(ctx, x)
         return self.conv_out(self.norm_out(x).silu())
 
@@ -445,34 +446,54 @@ class AutoencoderKL:
         Raises:
             InvalidRequestError: ``tile <= overlap``, ``overlap < 0``, or bad ``latents``.
         """
-        if overlap < 0 or tile <= overlap:
-            raise InvalidRequestError(f"tiled decode needs 0 <= overlap < tile, got tile={tile}, overlap={overlap}")
         z = self._check(latents, self.latent_channels, "latents")
-        _, h, w, _ = z.shape
-        if h <= tile and w <= tile:
-            return self.decode(ctx, z)
-        stride = tile - overlap
-        blend = overlap * self.downscale
-        keep = stride * self.downscale
-        rows: list[list[Tensor]] = []
-        for i in range(0, h, stride):
-            row = []
-            for j in range(0, w, stride):
-                t = self.decode(ctx, z[:, i:i + tile, j:j + tile, :])
-                ctx.evaluate(t)
-                row.append(t)
-            rows.append(row)
-        out_rows = []
-        for i, row in enumerate(rows):
-            for j in range(len(row)):
-                t = row[j]
-                if i > 0:
-                    t = _blend(ctx, rows[i - 1][j], t, blend, axis=1)
-                if j > 0:
-                    t = _blend(ctx, row[j - 1], t, blend, axis=2)
-                row[j] = t  # diffusers blends in place: later tiles see this blended tile
-            out_rows.append(ctx.concatenate([t[:, :keep, :keep, :] for t in row], axis=2))
-        return ctx.concatenate(out_rows, axis=1)
+        return decode_in_tiles(ctx, z, lambda part: self.decode(ctx, part), self.downscale, tile, overlap)
+
+
+def decode_in_tiles(ctx: Context, z: Tensor, decode: Callable[[Tensor], Tensor], downscale: int, tile: int,
+                    overlap: int, whole: Callable[[], Tensor] | None = None) -> Tensor:
+    """The tile loop of diffusers' ``tiled_decode`` (``AutoencoderKL``'s and ``AutoencoderKLQwenImage``'s, which
+    agree): tiles of ``tile`` latent pixels start every ``tile - overlap``; each is decoded alone by ``decode`` and
+    evaluated before the next (peak memory is one tile's); a tile's top and left ``overlap * downscale`` pixels are
+    blended with the tile above and the tile to the left (weights ``y / extent`` ramping up, in diffusers' order,
+    each blend using the neighbours' already blended pixels), and each tile keeps its first
+    ``(tile - overlap) * downscale`` rows and columns. Latents no larger than one tile go whole to ``whole()`` (or
+    ``decode``), as diffusers' ``decode`` does.
+
+    Args:
+        z: ``[B, h, w, C]`` latents as ``decode`` takes them.
+        decode: ``decode(tile_latents) -> images [B, th * downscale, tw * downscale, 3]``.
+
+    Raises:
+        InvalidRequestError: ``tile <= overlap`` or ``overlap < 0``.
+    """
+    if overlap < 0 or tile <= overlap:
+        raise InvalidRequestError(f"tiled decode needs 0 <= overlap < tile, got tile={tile}, overlap={overlap}")
+    _, h, w, _ = z.shape
+    if h <= tile and w <= tile:
+        return whole() if whole is not None else decode(z)
+    stride = tile - overlap
+    blend = overlap * downscale
+    keep = stride * downscale
+    rows: list[list[Tensor]] = []
+    for i in range(0, h, stride):
+        row = []
+        for j in range(0, w, stride):
+            t = decode(z[:, i:i + tile, j:j + tile, :])
+            ctx.evaluate(t)
+            row.append(t)
+        rows.append(row)
+    out_rows = []
+    for i, row in enumerate(rows):
+        for j in range(len(row)):
+            t = row[j]
+            if i > 0:
+                t = _blend(ctx, rows[i - 1][j], t, blend, axis=1)
+            if j > 0:
+                t = _blend(ctx, row[j - 1], t, blend, axis=2)
+            row[j] = t  # diffusers blends in place: later tiles see this blended tile
+        out_rows.append(ctx.concatenate([t[:, :keep, :keep, :] for t in row], axis=2))
+    return ctx.concatenate(out_rows, axis=1)
 
 
 def _blend(ctx: Context, a: Tensor, b: Tensor, extent: int, axis: int) -> Tensor:

@@ -95,7 +95,19 @@ class ZImagePipeline:
             (the message names the file).
         UnsupportedError: another pipeline class, or a component this engine does not implement.
         InvalidRequestError: ``quantize`` other than None, 4 or 8.
+
+    A subclass (another diffusers family) sets the class attributes below and overrides the hooks ``_set_geometry``,
+    ``_default_side``, ``_load_transformer``, ``_load_vae``, ``_text_encoder_options`` and the steps.
     """
+
+    #: the ``_class_name`` values of ``model_index.json`` this class loads, and the family's name in messages.
+    pipeline_classes: tuple[str, ...] = PIPELINE_CLASSES
+    family = "Z-Image"
+    #: the diffusers class each component must be (when ``model_index.json`` names one).
+    component_classes = {"transformer": "ZImageTransformer2DModel", "vae": "AutoencoderKL",
+                         "scheduler": "FlowMatchEulerDiscreteScheduler"}
+    #: the model's recommended settings (``width`` and ``height`` come from :meth:`_default_side`).
+    builtin_defaults = BUILTIN_DEFAULTS
 
     def __init__(self, folder: "str | os.PathLike[str]", make_backend: Callable[[Path], Backend], *,
                  quantize: int | None = None, keep_text_encoder: bool = False,
@@ -129,7 +141,22 @@ class ZImagePipeline:
         self._text_encoder = None
         self._text_backend: Backend | None = None
         self._closed = False
+        self._set_geometry()
+        self.defaults = self._read_defaults()
 
+        try:
+            self.transformer = self._load_transformer()
+            self.vae = self._load_vae()
+            if keep_text_encoder:
+                self._load_text_encoder()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- loading ------------------------------------------------------------------------------------------------
+    def _set_geometry(self) -> None:
+        """The sizes the model takes: ``vae_scale_factor``, ``patch_size``, ``size_multiple``, ``min_side``,
+        ``max_width`` / ``max_height`` / ``max_side``, ``max_sequence_length``, and the VAE tiling settings."""
         blocks = self.vae_config.get("block_out_channels") or [0, 0, 0, 0]
         self.vae_scale_factor = 2 ** (len(blocks) - 1)  # diffusers ZImagePipeline.__init__
         patch = self.transformer_config.get("all_patch_size") or [2]
@@ -144,31 +171,18 @@ class ZImagePipeline:
         self.max_sequence_length = max(SEQ_MULTIPLE, min(512, (int(axes_lens[0]) - 2) // SEQ_MULTIPLE * SEQ_MULTIPLE))
         self.tile_above_pixels = 1024 * 1024
         self.vae_tile, self.vae_tile_overlap = 64, 16  # latent pixels (512-pixel tiles, 128-pixel blends)
-        self.defaults = self._read_defaults()
 
-        try:
-            self.transformer = self._load_transformer()
-            self.vae = self._load_vae()
-            if keep_text_encoder:
-                self._load_text_encoder()
-        except BaseException:
-            self.close()
-            raise
-
-    # ---- loading ------------------------------------------------------------------------------------------------
     def _read_model_index(self) -> dict:
         f = self.folder
         index = read_model_index(f)
         name = index.get("_class_name")
-        if name not in PIPELINE_CLASSES:
-            raise UnsupportedError(f"{f}: pipeline {name!r} is not supported by the Z-Image pipeline, which runs "
-                                   f"{' and '.join(PIPELINE_CLASSES)} folders")
+        if name not in self.pipeline_classes:
+            raise UnsupportedError(f"{f}: pipeline {name!r} is not supported by the {self.family} pipeline, which "
+                                   f"runs {' and '.join(self.pipeline_classes)} folders")
         for comp in COMPONENTS:
             if comp not in index:
                 raise WeightsError(f"{f / 'model_index.json'}: no {comp!r} component listed")
-        expected = {"transformer": "ZImageTransformer2DModel", "vae": "AutoencoderKL",
-                    "scheduler": "FlowMatchEulerDiscreteScheduler"}
-        for comp, cls in expected.items():
+        for comp, cls in self.component_classes.items():
             entry = index.get(comp)
             got = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
             if got is not None and got != cls:
@@ -186,10 +200,14 @@ class ZImagePipeline:
         if not (p / "tokenizer.json").is_file():
             raise WeightsError(f"{p}: no tokenizer.json in the tokenizer folder")
 
+    def _default_side(self) -> int:
+        """The default width and height (pixels) before clamping to the model's range."""
+        return int(self.vae_config.get("sample_size") or 1024)  # the FLUX VAE says 1024; small models say less
+
     def _read_defaults(self) -> dict[str, Any]:
-        side = int(self.vae_config.get("sample_size") or 1024)  # the FLUX VAE says 1024; small models say less
+        side = self._default_side()
         side = max(self.min_side, min(self.max_side, side - side % self.size_multiple))
-        return read_defaults(self.folder, {**BUILTIN_DEFAULTS, "width": side, "height": side})
+        return read_defaults(self.folder, {**self.builtin_defaults, "width": side, "height": side})
 
     def _backend(self, name: str) -> Backend:
         return self._make_backend(self._component_folder(name))
@@ -230,9 +248,13 @@ class ZImagePipeline:
             text = load_text_checkpoint(path, self._make_backend, tokenizer_folder=tokenizer_folder)
         except KeyError as e:
             raise WeightsError(f"{self.folder / 'text_encoder'}: missing tensor {e}") from None
-        self._text_encoder = TextEncoder(text.model, text.tokenizer, text.backend)
+        self._text_encoder = TextEncoder(text.model, text.tokenizer, text.backend, **self._text_encoder_options())
         self._text_backend = text.backend
         return self._text_encoder
+
+    def _text_encoder_options(self) -> dict[str, Any]:
+        """Keyword options of :class:`~mlx_engine.imagegen.text_encoder.TextEncoder` (Z-Image: its defaults)."""
+        return {}
 
     def free_text_encoder(self) -> None:
         """Close the text encoder and drop its weights (it is loaded again by the next generation)."""

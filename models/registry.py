@@ -30,7 +30,7 @@ from mlx_engine.models.arch.llama4 import Llama4
 from mlx_engine.models.arch.mistral3 import Mistral3
 from mlx_engine.models.arch.mllama import Mllama
 from mlx_engine.models.arch.olmo2 import Olmo2
-from mlx_engine.models.arch.qwen2 import Qwen2
+from mlx_engine.models.arch.qwen2 import Qwen2, Qwen25VL
 from mlx_engine.models.arch.phi3 import Phi3
 from mlx_engine.models.arch.qwen3 import Qwen3
 from mlx_engine.models.arch.qwen3_5 import Qwen35, Qwen35MoE
@@ -42,6 +42,7 @@ from mlx_engine.models.text.tokenizer import Tokenizer
 # Names as GGUF's general.architecture and Hugging Face's model_type spell them.
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": Llama, "mistral": Llama, "qwen2": Qwen2, "gemma2": Gemma2, "gemma3": Gemma3, "gemma3_text": Gemma3,
+    "qwen2_5_vl": Qwen25VL,
     "gemma4": Gemma4, "gemma4_text": Gemma4,
     "qwen3": Qwen3, "lfm2": LFM2, "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,
     "olmo2": Olmo2, "smollm3": SmolLM3,

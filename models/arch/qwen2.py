@@ -9,6 +9,7 @@ Reference: transformers' ``models/qwen2/modeling_qwen2.py``; mlx-lm's ``models/a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mlx_engine.ml import Tensor
@@ -60,3 +61,39 @@ class Qwen2(DecoderModel):
             rope_scale=1.0 / float(scaling["factor"]) if kind == "linear" else 1.0, attention_bias=True,
             sliding_window=int(window) - 1 if window else None, layer_types=list(types or []),
         )
+
+
+class Qwen25VL(Qwen2):
+    """Qwen2.5-VL's language model (``Qwen2_5_VLForConditionalGeneration``, ``model_type`` ``qwen2_5_vl``; Qwen-Image's
+    text encoder): Qwen2's decoder, read from the ``text_config`` (or the top level of older configs) and the
+    ``model.language_model.`` (or ``model.``) names; the vision tower (``visual.``) is not loaded, so prompts are text.
+
+    M-RoPE (``mrope_section``) gives the three sections of the rotary pairs (time, height, width) their own position
+    ids; for text without images transformers' ``get_rope_index`` gives all three the token's index, so the rotation
+    is Qwen2's and the config's ``mrope`` / ``default`` scaling entry is read as none.
+
+    Reference: transformers' ``models/qwen2_5_vl/modeling_qwen2_5_vl.py`` (``get_rope_index``,
+    ``apply_multimodal_rotary_pos_emb``) and ``configuration_qwen2_5_vl.py``.
+    """
+
+    architecture = "qwen2_5_vl"
+
+    @classmethod
+    def config_from_hf(cls, config: Any) -> DecoderConfig:
+        text = {**config, **(config.get("text_config") or {})}
+        for key in ("rope_scaling", "rope_parameters"):
+            entry = text.get(key) or {}
+            if entry.get("rope_type", entry.get("type")) in ("mrope", "default"):
+                text[key] = {k: v for k, v in entry.items() if k == "rope_theta"} or None
+        return dataclasses.replace(super().config_from_hf(text), architecture="qwen2_5_vl")
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, Tensor], config: DecoderConfig, source: str) -> dict[str, Tensor]:
+        """The language model's names as Qwen2's (``model.language_model.`` -> ``model.``); the vision tower
+        (``visual.``, ``model.visual.``) dropped."""
+        out = {}
+        for name, t in weights.items():
+            name = name.replace("model.language_model.", "model.")
+            if not name.startswith(("visual.", "model.visual.")):
+                out[name] = t
+        return super().sanitize(out, config, source)
