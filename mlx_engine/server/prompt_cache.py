@@ -279,8 +279,13 @@ class PromptDiskCache:
         if layout is None:
             log.info("prompt cache: %s's KV cache cannot be saved (cross-attention); not cached on disk", name)
             return None
-        view = ModelPromptCache(self, model_key(name), model_identity(name, path),
-                                json.dumps(layout, sort_keys=True, separators=(",", ":")))
+        try:
+            identity = model_identity(name, path)
+        except OSError as e:
+            log.warning("prompt cache: %s's files cannot be read (%s); not cached on disk", name, e)
+            return None
+        view = ModelPromptCache(self, model_key(name), identity, json.dumps(layout, sort_keys=True,
+                                                                             separators=(",", ":")))
         with self._lock:
             mine = [e for e in self.entries.values() if e.key == view.key]
         for e in mine:
@@ -331,6 +336,7 @@ class PromptDiskCache:
                         and all(new.restore_point(q) == q for q in e.resume_points)):
                     e.path.unlink(missing_ok=True)
                     self.entries.pop(e.path, None)
+                    self.counts["deleted"] += 1
             self._evict()
 
     def flush(self, timeout: float = 30.0) -> bool:

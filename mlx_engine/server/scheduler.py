@@ -21,6 +21,9 @@ design). Each call of :meth:`TextScheduler.step`, on the device thread:
 
 A finished request's slot keeps its tokens for reuse until the slot is needed (least recently used first): the cache
 was reserved at load for ``max_sequences`` full contexts, and that reserved pool is the prefix cache's byte budget.
+With a prompt cache on disk (:mod:`~mlx_engine.server.prompt_cache`) a finished conversation is also copied to the
+host and queued for writing, and a request whose prompt starts with a saved prefix longer than any slot's gets it
+put into its slot from the file before its prefill.
 """
 
 from __future__ import annotations
