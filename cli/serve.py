@@ -18,6 +18,13 @@ def _size(value: str | None) -> int | None:
     return None if value is None else parse_bytes(value)
 
 
+def _option_size(value: str, option: str) -> int:
+    try:
+        return _size(value)
+    except InvalidRequestError as e:
+        raise click.BadParameter(str(e), param_hint=option) from None
+
+
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. Anything but loopback needs --api-key.")
@@ -65,12 +72,18 @@ def _size(value: str | None) -> int | None:
 @click.option("--speculative", type=click.Choice(["off", "lookup"]), default="off", show_default=True,
               help="Speculative decoding for requests that do not set it: lookup drafts tokens from the prompt and "
                    "output, and each step checks every sequence's draft in one pass (same output).")
+@click.option("--prompt-cache-dir", default=None, metavar="DIR",
+              help="Save the KV cache of finished conversations in this folder (written in the background) and "
+                   "find them again by their tokens, after a restart too: a next turn prefills only its new tokens.")
+@click.option("--prompt-cache-size", default="20GB", show_default=True, metavar="SIZE",
+              help="The most the --prompt-cache-dir files may take together; least recently used go first.")
 @ACTIVATIONS_OPTION
 def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, context_length: int, keep_alive: str,
           memory_budget: str | None, api_key: str | None, kv_bits: str | None, max_queue: int,
           prefill_chunk: int, parallel: str | None, transport: str, activations: str | None,
           allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...], models_dirs: tuple[str, ...],
-          no_pull: bool, read_timeout: float, speculative: str) -> None:
+          no_pull: bool, read_timeout: float, speculative: str, prompt_cache_dir: str | None,
+          prompt_cache_size: str) -> None:
     """Serve text and image models over HTTP: the OpenAI API (/v1/...) and the ollama API (/api/...).
 
     \b
@@ -92,7 +105,8 @@ def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, con
                           prefill_chunk=prefill_chunk, parallel=parallel, transport=transport,
                           activations=activations, allowed_hosts=list(allowed_hosts),
                           allowed_origins=list(allowed_origins), models_dirs=list(models_dirs), pull=not no_pull,
-                          read_timeout=read_timeout, speculative=speculative)
+                          read_timeout=read_timeout, speculative=speculative, prompt_cache_dir=prompt_cache_dir,
+                          prompt_cache_size=_option_size(prompt_cache_size, "--prompt-cache-size"))
     config.check()
     if parallel is not None:
         from mlx_engine import api

@@ -18,6 +18,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -33,6 +34,7 @@ from mlx_engine.server.guard import BrowserGuard, check_hosts, check_origins, er
 from mlx_engine.server.http import DEFAULT_MAX_BODY, HTTPProblem, ServerState
 from mlx_engine.server.metrics import CONTENT_TYPE, Metrics
 from mlx_engine.server.pool import ModelPool
+from mlx_engine.server.prompt_cache import PromptDiskCache
 from mlx_engine.server.worker import DeviceWorker
 from mlx_engine.store import Store
 
@@ -68,6 +70,8 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)  # origins answered besides ollama's defaults
     models_dirs: list[str] = field(default_factory=list)  # folders whose model files requests may name
     pull: bool = True  # False: /api/pull is refused (--no-pull)
+    prompt_cache_dir: str | None = None  # the prompt cache on disk (prompt_cache.py), or None: off
+    prompt_cache_size: int = 20 * 2**30  # bytes its files may take together
 
     def check(self) -> None:
         """Raises InvalidRequestError for a value the server cannot run with."""
@@ -94,6 +98,17 @@ class ServerConfig:
         for d in self.models_dirs:
             if not os.path.isdir(os.path.expanduser(d)):
                 raise InvalidRequestError(f"--models-dir {d}: no such folder; give a folder that holds model files")
+        if self.prompt_cache_size < 1:
+            raise InvalidRequestError("--prompt-cache-size must be at least 1 byte, e.g. 20GB")
+        if self.prompt_cache_dir is not None:
+            d = Path(self.prompt_cache_dir).expanduser()
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise InvalidRequestError(f"--prompt-cache-dir {d}: cannot make the folder ({e.strerror or e})") \
+                    from None
+            if not os.access(d, os.W_OK | os.X_OK):
+                raise InvalidRequestError(f"--prompt-cache-dir {d}: the folder is not writable")
         if not is_loopback(self.host) and not self.api_key:
             raise InvalidRequestError(
                 f"binding {self.host} exposes the server beyond this machine: set an API key with --api-key or "
@@ -165,12 +180,14 @@ class _Auth:
 def create_app(config: ServerConfig):
     """The ASGI app. The device thread starts with the app's lifespan and the ``config.models`` load then."""
     worker = DeviceWorker()
+    disk = (PromptDiskCache(config.prompt_cache_dir, config.prompt_cache_size)
+            if config.prompt_cache_dir is not None else None)
     pool = ModelPool(worker, context_length=config.context_length, max_sequences=config.max_sequences,
                      kv_bits=config.kv_bits, prefill_chunk=config.prefill_chunk, memory_budget=config.memory_budget,
                      keep_alive=config.keep_alive, max_queue=config.max_queue, store=Store(config.store_root),
                      speculative=config.speculative,
                      parallel=config.parallel, transport=config.transport, activations=config.activations,
-                     models_dirs=config.models_dirs, pull=config.pull)
+                     models_dirs=config.models_dirs, pull=config.pull, prompt_cache=disk)
     state = ServerState(worker, pool, max_body_bytes=config.max_body_bytes)
 
     async def expire_loop():
@@ -198,6 +215,8 @@ def create_app(config: ServerConfig):
         except BaseException as e:
             state.startup_error = e  # serve() reports it as one "Error:" line
             worker.stop(timeout=config.shutdown_timeout)
+            if disk is not None:
+                disk.close()
             raise
         expiry = asyncio.ensure_future(expire_loop())
         try:
@@ -205,6 +224,8 @@ def create_app(config: ServerConfig):
         finally:
             expiry.cancel()
             worker.stop(timeout=config.shutdown_timeout)
+            if disk is not None:
+                disk.close()  # the conversations that ended last are written before the process goes
 
     async def root(request: Request) -> Response:
         return PlainTextResponse("mlx-engine is running")
@@ -216,7 +237,8 @@ def create_app(config: ServerConfig):
                             **({"kv_cache": m.obj.kv_cache_type, "activations": m.obj.activations}
                                if m.kind == "text" else {}),
                             **(m.scheduler.load() if m.scheduler else {})}
-        return JSONResponse({"memory_budget": pool.memory_budget, "memory": api.memory_stats(), "models": models})
+        return JSONResponse({"memory_budget": pool.memory_budget, "memory": api.memory_stats(), "models": models,
+                             **({"prompt_cache": disk.stats()} if disk is not None else {})})
 
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -28,6 +28,7 @@ from typing import Any
 
 from mlx_engine import api
 from mlx_engine.errors import InvalidRequestError, MemoryBudgetError, ModelNotFoundError
+from mlx_engine.server.prompt_cache import PromptDiskCache
 from mlx_engine.server.scheduler import TextScheduler
 from mlx_engine.server.worker import DeviceWorker
 from mlx_engine.store import Store, image_model_path, parse_registry_name
@@ -146,8 +147,10 @@ class ModelPool:
                  kv_bits: int | None = None, prefill_chunk: int = 512, memory_budget: int | None = None,
                  keep_alive: float = 300.0, max_queue: int = 64, store: Store | None = None,
                  parallel: str | None = None, transport: str = "any", activations: str | None = None,
-                 models_dirs: "list[str] | tuple[str, ...]" = (), pull: bool = True, speculative: str = "off"):
+                 models_dirs: "list[str] | tuple[str, ...]" = (), pull: bool = True, speculative: str = "off",
+                 prompt_cache: PromptDiskCache | None = None):
         self.worker = worker
+        self.prompt_cache = prompt_cache  # the prompt cache on disk, shared by the text models (None: off)
         #: the folders whose files requests may name (resolved), the paths the operator loaded, whether pulls run
         self.models_dirs = tuple(Path(d).expanduser().resolve() for d in models_dirs)
         self.operator_paths: set[Path] = set()
@@ -308,7 +311,10 @@ class ModelPool:
             raise
         m = Loaded(key, kind, obj, need, float("inf") if pinned else self.keep_alive, path=path, pinned=pinned)
         if kind == "text":
-            m.scheduler = TextScheduler(obj.runner, max_queue=self.max_queue, speculative=self.speculative)
+            disk = (self.prompt_cache.for_model(key, path, obj.runner.cache)
+                    if self.prompt_cache is not None and not pinned else None)
+            m.scheduler = TextScheduler(obj.runner, max_queue=self.max_queue, speculative=self.speculative,
+                                        prompt_cache=disk)
             self.worker.add_scheduler(m.scheduler)
         return m
 

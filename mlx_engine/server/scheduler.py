@@ -21,6 +21,9 @@ design). Each call of :meth:`TextScheduler.step`, on the device thread:
 
 A finished request's slot keeps its tokens for reuse until the slot is needed (least recently used first): the cache
 was reserved at load for ``max_sequences`` full contexts, and that reserved pool is the prefix cache's byte budget.
+With a prompt cache on disk (:mod:`~mlx_engine.server.prompt_cache`) a finished conversation is also copied to the
+host and queued for writing, and a request whose prompt starts with a saved prefix longer than any slot's gets it
+put into its slot from the file before its prefill.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from mlx_engine.models.text.reasoning import THINKING
 from mlx_engine.models.generation.runner import Runner, prompt_keys
 from mlx_engine.models.generation.speculative import DraftLength, judge, plan, record
 from mlx_engine.api.parallel import serving_peer_lost
+from mlx_engine.server.prompt_cache import ModelPromptCache
 
 log = logging.getLogger("mlx_engine.server")
 
@@ -151,8 +155,10 @@ class TextScheduler:
         speculative: the ``speculative`` mode of requests that do not set one (``off``, ``lookup``, ``draft``).
     """
 
-    def __init__(self, runner: Runner, *, max_queue: int = 64, speculative: str = "off"):
+    def __init__(self, runner: Runner, *, max_queue: int = 64, speculative: str = "off",
+                 prompt_cache: "ModelPromptCache | None" = None):
         self.runner = runner
+        self.prompt_cache = prompt_cache  # the prompt cache on disk (--prompt-cache-dir), or None
         self.speculative = speculative
         self.drafts = {"verify_steps": 0, "draft_proposed": 0, "draft_accepted": 0}  # totals, for /status
         self.backend = runner.backend
@@ -251,7 +257,12 @@ class TextScheduler:
             k = min(runner.common_prefix(s.seq, job.keys), len(tokens) - 1)
             if k > n:
                 best, n = s, k
-        if best is not None and best.job is None:
+        found = self.prompt_cache.find(job.keys, n) if self.prompt_cache is not None else None
+        if found is not None:  # the disk holds a longer prefix: put it into a free slot, prefill from there
+            dst = min(free, key=lambda s: (runner.cached_length(s.seq) > 0, s.last_used))
+            if not self.prompt_cache.restore(runner, dst.seq, found[0]) and best is not None and best is not dst:
+                runner.share_prefix(best.seq, dst.seq, job.keys)  # the file failed: what memory holds
+        elif best is not None and best.job is None:
             dst = best  # a finished conversation continues: trimmed to the common prefix by prefill_chunks
         else:
             # an empty slot first, else the least recently used finished one
@@ -442,6 +453,11 @@ class TextScheduler:
         st.decode_s = now - job.t_first if job.t_first else 0.0
         st.total_s = now - job.t_submit
         job.emit("done", st)
+        if self.prompt_cache is not None and reason != "cancelled" and job.seq >= 0:
+            try:  # the writer thread saves it; here only the copy of its cells to the host
+                self.prompt_cache.save_sequence(self.runner, job.seq)
+            except Exception:  # noqa: BLE001 -- the answer is given; a snapshot that fails is only not saved
+                log.exception("prompt cache: taking a snapshot failed")
 
     def _fail(self, job: TextJob, error: Exception) -> None:
         self._release(job, drop_cells=True)  # the cache may hold a partial chunk: start this slot afresh

@@ -170,6 +170,10 @@ class Runner:
                 self.cache.remove(seq, 0, None)
             self._cached.pop(seq, None)
 
+    def adopt(self, sequence: int, keys: Sequence[int]) -> None:
+        """Record ``keys`` as what the cache holds for ``sequence`` (its cells were put in from a snapshot)."""
+        self._cached[sequence] = [int(k) for k in keys]
+
     def _check_request(self, req: Request) -> None:
         if len(req.tokens) == 0:
             raise InvalidRequestError("the prompt is empty; give at least one token of text")
