@@ -9,13 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from mlx_engine.errors import UnsupportedError
+from mlx_engine.imagegen.flux2 import PIPELINE_CLASSES as _FLUX2_CLASSES
+from mlx_engine.imagegen.flux2 import Flux2Pipeline
 from mlx_engine.imagegen.pipeline import read_model_index
 from mlx_engine.imagegen.zimage import PIPELINE_CLASSES as _ZIMAGE_CLASSES
 from mlx_engine.imagegen.zimage import ZImagePipeline
 from mlx_engine.ml import Backend
 
 #: ``_class_name`` -> the pipeline class that loads such a folder.
-PIPELINES: dict[str, type] = {name: ZImagePipeline for name in _ZIMAGE_CLASSES}
+PIPELINES: dict[str, type] = {**{name: ZImagePipeline for name in _ZIMAGE_CLASSES},
+                               **{name: Flux2Pipeline for name in _FLUX2_CLASSES}}
 
 
 def load_pipeline(folder: "str | os.PathLike[str]", make_backend: Callable[[Path], Backend], **options: Any):

@@ -49,7 +49,8 @@ import numpy as np
 from mlx_engine.errors import UnsupportedError, WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
 
-__all__ = ["ZImageConfig", "ZImageTransformer", "ADALN_EMBED_DIM", "SEQ_MULTI_OF"]
+__all__ = ["ZImageConfig", "ZImageTransformer", "ADALN_EMBED_DIM", "SEQ_MULTI_OF", "quantize_weights",
+           "rotate_interleaved", "timestep_features"]
 
 #: Width of the timestep embedding fed to the adaLN layers is ``min(dim, ADALN_EMBED_DIM)`` (diffusers' constant).
 ADALN_EMBED_DIM = 256
@@ -147,6 +148,46 @@ def timestep_features(t: np.ndarray, dim: int = FREQUENCY_EMBEDDING_SIZE, max_pe
     if dim % 2:
         emb = np.concatenate([emb, np.zeros_like(emb[:, :1])], axis=-1)
     return emb
+
+
+def rotate_interleaved(ctx: Context, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on interleaved pairs of ``x [B, L, H, Dh]`` by per-token angles, in float32 (as diffusers'
+    ``apply_rotary_emb`` with ``use_real_unbind_dim=-1`` and Z-Image's complex rotation): ``(x0, x1) -> (x0 cos -
+    x1 sin, x0 sin + x1 cos)`` for the features ``(2k, 2k + 1)``. ``cos, sin``: float32, broadcastable to
+    ``[B, L, H, Dh / 2]`` (e.g. ``[B, L, 1, Dh / 2]``). Returns ``x``'s shape and dtype."""
+    bsz, n, heads, hd = x.shape
+    dt = x.dtype
+    y = x if dt == DType.FLOAT32 else x.astype(DType.FLOAT32)
+    y = y.reshape(bsz, n, heads, hd // 2, 2)
+    x0, x1 = y[..., 0], y[..., 1]
+    out = ctx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(bsz, n, heads, hd)
+    return out if dt == DType.FLOAT32 else out.astype(dt)
+
+
+def quantize_weights(backend: Backend, float_prefixes: tuple[str, ...], bits: int | None,
+                     group_size: int = 64) -> dict[str, Tensor]:
+    """A diffusion transformer's weights (``backend.weights``, copied into a new dict), with the 2-D ``*.weight``
+    tensors whose names do not start with ``float_prefixes`` quantized to ``bits`` (affine, ``group_size`` elements per
+    group; a weight whose input width is not a multiple of it, or with one row, stays float). The quantized tensors
+    replace the float ones in ``backend.weights`` too, so that the float copies are freed. ``bits=None``: no change.
+
+    Raises:
+        ValueError: ``bits`` not in (None, 4, 8) or ``group_size`` not in (32, 64, 128).
+    """
+    weights = dict(backend.weights)
+    if bits is None:
+        return weights
+    if bits not in (4, 8):
+        raise ValueError(f"quantize_bits must be 4 or 8, got {bits}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
+    for name, t in list(weights.items()):
+        if (name.endswith(".weight") and t.ndim == 2 and not t.is_quantized and not name.startswith(float_prefixes)
+                and t.shape[1] % group_size == 0 and t.shape[0] > 1):
+            q = t.quantize_weight(group_size, bits)
+            weights[name] = q
+            backend.weights[name] = q  # the float copy is freed
+    return weights
 
 
 class _Layout:
@@ -263,19 +304,7 @@ class ZImageTransformer:
         config = ZImageConfig.from_dict(backend.metadata)
         if config.siglip_feat_dim is not None:
             raise UnsupportedError("Z-Image Omni (SigLIP features) is not supported; only the text-to-image model")
-        weights = dict(backend.weights)
-        if quantize_bits is not None:
-            if quantize_bits not in (4, 8):
-                raise ValueError(f"quantize_bits must be 4 or 8, got {quantize_bits}")
-            if group_size not in (32, 64, 128):
-                raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
-            for name, t in list(weights.items()):
-                if (name.endswith(".weight") and t.ndim == 2 and not t.is_quantized
-                        and not name.startswith(cls.FLOAT_PREFIXES) and t.shape[1] % group_size == 0
-                        and t.shape[0] > 1):
-                    q = t.quantize_weight(group_size, quantize_bits)
-                    weights[name] = q
-                    backend.weights[name] = q  # the float copy is freed
+        weights = quantize_weights(backend, cls.FLOAT_PREFIXES, quantize_bits, group_size)
         return cls(config, weights, backend)
 
     def _check_weights(self) -> None:
@@ -534,21 +563,8 @@ class ZImageTransformer:
         if b["q_norm"] is not None:
             q = q.rms_norm(b["q_norm"], QK_NORM_EPS)
             k = k.rms_norm(b["k_norm"], QK_NORM_EPS)
-        q = self._rope(ctx, q, stage).transpose(0, 2, 1, 3)
-        k = self._rope(ctx, k, stage).transpose(0, 2, 1, 3)
+        q = rotate_interleaved(ctx, q, stage.cos, stage.sin).transpose(0, 2, 1, 3)
+        k = rotate_interleaved(ctx, k, stage.cos, stage.sin).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
         o = ctx.scaled_dot_product_attention(q, k, v, hd ** -0.5, stage.mask)
         return o.transpose(0, 2, 1, 3).reshape(bsz, n, c.dim).linear(b["o"])
-
-    @staticmethod
-    def _rope(ctx: Context, x: Tensor, stage: _Stage) -> Tensor:
-        """Rotate interleaved pairs of ``x [B, L, H, Dh]`` by the stage's angles (in float32, as diffusers'
-        ``apply_rotary_emb``): ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)``."""
-        bsz, n, heads, hd = x.shape
-        dt = x.dtype
-        y = x if dt == DType.FLOAT32 else x.astype(DType.FLOAT32)
-        y = y.reshape(bsz, n, heads, hd // 2, 2)
-        x0, x1 = y[..., 0], y[..., 1]
-        cos, sin = stage.cos, stage.sin
-        out = ctx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(bsz, n, heads, hd)
-        return out if dt == DType.FLOAT32 else out.astype(dt)
