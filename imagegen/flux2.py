@@ -164,7 +164,9 @@ class Flux2Pipeline:
         self.transformer_config = read_json(component_folder(self.folder, "transformer") / "config.json",
                                             "the transformer config")
         self.vae_config = read_json(component_folder(self.folder, "vae") / "config.json", "the VAE config")
-        component_folder(self.folder, "text_encoder")
+        text_config = read_json(component_folder(self.folder, "text_encoder") / "config.json",
+                                "the text encoder config")
+        self.text_config = text_config.get("text_config") or text_config  # Mistral3ForConditionalGeneration's
         if not (component_folder(self.folder, "tokenizer") / "tokenizer.json").is_file():
             raise WeightsError(f"{self.folder / 'tokenizer'}: no tokenizer.json in the tokenizer folder")
         self.scheduler = FlowMatchEulerScheduler.from_folder(self.folder / "scheduler")
@@ -469,13 +471,19 @@ class Flux2Pipeline:
                         started=started, ref_tokens=ref_tokens, ref_ids=ref_ids)
 
     def _text_layers(self, layers: Sequence[int] | None) -> tuple[int, ...]:
+        """The hidden states to stack, checked against the text encoder's config (``0 .. num_hidden_layers``) and
+        the transformer's (``len(layers) * hidden_size == joint_attention_dim``)."""
         layers = TEXT_LAYERS[self.kind] if layers is None else tuple(layers)
         joint = int(self.transformer_config.get("joint_attention_dim", 15360))
+        width, depth = self.text_config.get("hidden_size"), self.text_config.get("num_hidden_layers")
         if not layers or not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in layers):
             raise InvalidRequestError(f"text_encoder_out_layers must be layer indices, got {layers!r}")
-        if joint % len(layers):
-            raise InvalidRequestError(f"{len(layers)} text encoder layers cannot make the transformer's "
-                                      f"joint_attention_dim {joint}")
+        if isinstance(depth, int) and not all(0 <= k <= depth for k in layers):
+            raise InvalidRequestError(f"text_encoder_out_layers {list(layers)} must be in 0..{depth} (the text "
+                                      "encoder's hidden_states indices)")
+        if isinstance(width, int) and len(layers) * width != joint:
+            raise InvalidRequestError(f"{len(layers)} text encoder layers of width {width} do not make the "
+                                      f"transformer's joint_attention_dim {joint}")
         return tuple(int(k) for k in layers)
 
     def _encode_references(self, ctx: Context, refs: list[np.ndarray], batch: int) -> tuple[Tensor | None, Any]:
