@@ -37,8 +37,8 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -331,8 +331,8 @@ class Flux2Pipeline:
             steps: denoising steps (>= 1). guidance: dev: the embedded guidance scale; klein: the CFG scale (on above
                 1 unless the model is step-distilled).
             seed: the noise seed (one ``Context.random_normal`` draw of ``[B, 128, H/16, W/16]``); None draws one.
-            edit_images: reference images for editing (PIL images, paths or uint8 arrays; one or more, shared by the
-                batch): each is encoded by the VAE and its tokens, with their own positions, join every step.
+            edit_images: reference images for editing (PIL images, paths or uint8 arrays; one, or a list, shared by
+                the batch): each is encoded by the VAE and its tokens, with their own positions, join every step.
             image, strength: image-to-image with an init image is not what FLUX.2 does (refused; use
                 ``edit_images``).
             noise: the initial noise, float32 ``[B, 128, H/16, W/16]`` (parity tests), instead of the seeded draw.
@@ -414,6 +414,8 @@ class Flux2Pipeline:
             raise InvalidRequestError(f"max_sequence_length must be an integer in 1..4096, got {max_len!r}")
         layers = self._text_layers(text_encoder_out_layers)
 
+        if isinstance(edit_images, (Image.Image, np.ndarray, str, os.PathLike)):
+            edit_images = [edit_images]  # one image
         refs = [edit_image_pixels(im, self.size_multiple) for im in (edit_images or [])]
         if refs and width is None and height is None:
             height, width = refs[0].shape[1:3]  # diffusers: height = height or image_height (the first image's)

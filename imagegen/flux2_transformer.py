@@ -35,7 +35,7 @@ import numpy as np
 
 from mlx_engine.errors import UnsupportedError, WeightsError
 from mlx_engine.imagegen.transformer import quantize_weights, rotate_interleaved, timestep_features
-from mlx_engine.ml import Backend, Context, DType, Tensor
+from mlx_engine.ml import Backend, Context, Tensor
 
 __all__ = ["Flux2Config", "Flux2Transformer", "rope_tables"]
 

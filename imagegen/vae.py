@@ -84,7 +84,8 @@ class VAEConfig:
                 kw[f] = cfg[f]
         if cfg.get("shift_factor") is None:
             kw["shift_factor"] = None
-        for key in ("block_out_channels", "decoder_block_out_channels", "down_block_types", "up_block_types", "latents_mean", "latents_std"):
+        for key in ("block_out_channels", "decoder_block_out_channels", "down_block_types", "up_block_types",
+                    "latents_mean", "latents_std"):
             if key in kw:
                 kw[key] = tuple(kw[key])
         c = cls(**kw, extra={k: v for k, v in cfg.items() if k not in cls.__dataclass_fields__})

@@ -23,6 +23,7 @@ from PIL import Image  # noqa: E402
 from mlx_engine.errors import InvalidRequestError, UnsupportedError  # noqa: E402
 from mlx_engine.imagegen.flux2 import Flux2Pipeline  # noqa: E402
 from mlx_engine.imagegen.flux2_text import SYSTEM_MESSAGE  # noqa: E402
+from mlx_engine.imagegen.flux2_transformer import Flux2Transformer  # noqa: E402
 from mlx_engine.imagegen.registry import load_pipeline  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402
 from tests import flux2_small as small  # noqa: E402
@@ -69,11 +70,9 @@ def _images():
 # ---------------------------------------------------------------------------------------------------- components
 
 
-@pytest.mark.parametrize("kind", ["dev", "klein"])
-def test_transformer_matches_diffusers(refs, pipes, kind):
-    """A batch of two, noisy tokens on a 4x4 grid and 8 reference tokens at time id 10, distinct timesteps and (dev)
-    guidance scales."""
-    ref = refs[kind].transformer
+def _transformer_inputs():
+    """A batch of two: noisy tokens on a 4x4 grid and 8 reference tokens at time id 10, 12 text tokens, distinct
+    timesteps and guidance scales."""
     rng = np.random.default_rng(0)
     b, lt = 2, 12
     x = rng.standard_normal((b, 16 + 8, 16)).astype(np.float32)
@@ -84,17 +83,48 @@ def test_transformer_matches_diffusers(refs, pipes, kind):
         np.stack([np.zeros(16), y.ravel(), xx.ravel(), np.zeros(16)], -1),
         np.stack([np.full(8, 10), ry.ravel(), rx.ravel(), np.zeros(8)], -1)]).astype(np.int64)
     txt_ids = np.stack([np.zeros(lt)] * 3 + [np.arange(lt)], -1).astype(np.int64)
-    t = np.array([0.7, 0.3], np.float32)
-    g = np.array([4.0, 2.5], np.float32) if kind == "dev" else None
+    return x, img_ids, txt, txt_ids, np.array([0.7, 0.3], np.float32), np.array([4.0, 2.5], np.float32)
+
+
+def _reference_transformer(model, x, img_ids, txt, txt_ids, t, g):
     with torch.no_grad():
-        want = ref(hidden_states=torch.from_numpy(x), encoder_hidden_states=torch.from_numpy(txt),
-                   timestep=torch.from_numpy(t), img_ids=torch.from_numpy(img_ids)[None],
-                   txt_ids=torch.from_numpy(txt_ids)[None], guidance=None if g is None else torch.from_numpy(g),
-                   return_dict=False)[0].numpy()
-    tr = pipes[kind].transformer
+        return model(hidden_states=torch.from_numpy(x), encoder_hidden_states=torch.from_numpy(txt),
+                     timestep=torch.from_numpy(t), img_ids=torch.from_numpy(img_ids)[None],
+                     txt_ids=torch.from_numpy(txt_ids)[None], guidance=None if g is None else torch.from_numpy(g),
+                     return_dict=False)[0].numpy()
+
+
+def _our_transformer(tr, x, img_ids, txt, txt_ids, t, g):
     with tr.backend.new_context() as ctx:
-        got = tr(ctx, ctx.from_numpy(x), img_ids, ctx.from_numpy(txt), txt_ids, t, g).numpy()
+        return tr(ctx, ctx.from_numpy(x), img_ids, ctx.from_numpy(txt), txt_ids, t, g).numpy()
+
+
+@pytest.mark.parametrize("kind", ["dev", "klein"])
+def test_transformer_matches_diffusers(refs, pipes, kind):
+    x, img_ids, txt, txt_ids, t, g = _transformer_inputs()
+    g = g if kind == "dev" else None  # klein has no guidance embedder
+    want = _reference_transformer(refs[kind].transformer, x, img_ids, txt, txt_ids, t, g)
+    got = _our_transformer(pipes[kind].transformer, x, img_ids, txt, txt_ids, t, g)
     assert np.abs(got - want).max() <= COMPONENT_TOL
+
+
+def test_quantized_transformer_matches_diffusers_on_its_weights(folders, refs):
+    """8-bit blocks (groups of 32): equal within 1e-4 to diffusers on the dequantized weights (the quantized matmul
+    computes what it claims); the embedders, modulations and output layers stay float."""
+    import copy
+
+    q = Flux2Transformer.from_backend(F32(folders["dev"] / "transformer"), quantize_bits=8, group_size=32)
+    quantized = {n for n, w in q.w.items() if w.is_quantized}
+    assert {"transformer_blocks.0.attn.to_q.weight", "single_transformer_blocks.1.attn.to_out.weight"} <= quantized
+    assert not any(n.startswith(Flux2Transformer.FLOAT_PREFIXES) for n in quantized)
+    model = copy.deepcopy(refs["dev"].transformer)
+    state = model.state_dict()
+    with torch.no_grad():
+        for n in quantized:
+            state[n].copy_(torch.from_numpy(q.w[n].dequantize().numpy()))
+    x, img_ids, txt, txt_ids, t, g = _transformer_inputs()
+    want = _reference_transformer(model, x, img_ids, txt, txt_ids, t, g)
+    assert np.abs(_our_transformer(q, x, img_ids, txt, txt_ids, t, g) - want).max() <= COMPONENT_TOL
 
 
 @pytest.mark.parametrize("kind", ["dev", "klein"])
@@ -164,6 +194,10 @@ def test_generate_matches_diffusers(refs, pipes, kind, edits):
     got_u8 = np.asarray(result.images[0]).astype(np.int16)
     assert np.abs(got_u8 - (want_px[0] * 255).round().astype(np.int16)).max() <= PIXEL_TOL
     assert result.parameters["edit_images"] == edits
+    if edits == 1:  # one image needs no list
+        again = pipes[kind].generate(PROMPT, steps=2, guidance=4.0, noise=init, edit_images=images[0],
+                                     max_sequence_length=MAX_LEN[kind], text_encoder_out_layers=small.TEXT_LAYERS)
+        assert np.array_equal(again.latents, result.latents)
 
 
 def test_distilled_klein_runs_without_guidance(folders, refs, tmp_path):
