@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.errors import UnsupportedError, WeightsError
-from mlx_engine.imagegen.transformer import quantize_weights, rotate_interleaved, timestep_features
+from mlx_engine.imagegen.transformer import quantize_linears, rotate_pairs, timestep_features
 from mlx_engine.ml import Backend, Context, Tensor
 
 __all__ = ["Flux2Config", "Flux2Transformer", "rope_tables"]
@@ -165,7 +165,7 @@ class Flux2Transformer:
 
         Args:
             quantize_bits: None, 8 or 4: quantize the blocks' linear weights (as
-                :func:`mlx_engine.imagegen.transformer.quantize_weights`), keeping :attr:`FLOAT_PREFIXES` float.
+                :func:`mlx_engine.imagegen.transformer.quantize_linears`), keeping :attr:`FLOAT_PREFIXES` float.
             group_size: elements per quantization group.
 
         Raises:
@@ -174,7 +174,9 @@ class Flux2Transformer:
             ValueError: ``quantize_bits`` or ``group_size`` out of range.
         """
         config = Flux2Config.from_dict(backend.metadata)
-        weights = quantize_weights(backend, cls.FLOAT_PREFIXES, quantize_bits, group_size)
+        weights = dict(backend.weights)
+        if quantize_bits is not None:
+            weights = quantize_linears(backend, weights, quantize_bits, group_size, cls.FLOAT_PREFIXES)
         return cls(config, weights, backend)
 
     def _named(self, prefix: str, names: dict[str, str]) -> dict[str, Tensor]:
@@ -328,8 +330,8 @@ class Flux2Transformer:
         """RoPE on ``q, k [B, S, H, Dh]``, then unmasked attention (scale ``Dh^-1/2``); ``[B, S, H * Dh]``."""
         c = self.config
         b, s = q.shape[:2]
-        q = rotate_interleaved(ctx, q, *rope).transpose(0, 2, 1, 3)
-        k = rotate_interleaved(ctx, k, *rope).transpose(0, 2, 1, 3)
+        q = rotate_pairs(ctx, q, *rope).transpose(0, 2, 1, 3)
+        k = rotate_pairs(ctx, k, *rope).transpose(0, 2, 1, 3)
         o = ctx.scaled_dot_product_attention(q, k, v.transpose(0, 2, 1, 3), c.attention_head_dim ** -0.5)
         return o.transpose(0, 2, 1, 3).reshape(b, s, c.dim)
 

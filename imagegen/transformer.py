@@ -49,8 +49,7 @@ import numpy as np
 from mlx_engine.errors import UnsupportedError, WeightsError
 from mlx_engine.ml import Backend, Context, DType, Tensor
 
-__all__ = ["ZImageConfig", "ZImageTransformer", "ADALN_EMBED_DIM", "SEQ_MULTI_OF", "quantize_weights",
-           "rotate_interleaved", "timestep_features"]
+__all__ = ["ZImageConfig", "ZImageTransformer", "ADALN_EMBED_DIM", "SEQ_MULTI_OF", "rotate_pairs", "timestep_features"]
 
 #: Width of the timestep embedding fed to the adaLN layers is ``min(dim, ADALN_EMBED_DIM)`` (diffusers' constant).
 ADALN_EMBED_DIM = 256
@@ -137,24 +136,33 @@ class ZImageConfig:
         return c
 
 
-def timestep_features(t: np.ndarray, dim: int = FREQUENCY_EMBEDDING_SIZE, max_period: float = 10000.0) -> np.ndarray:
-    """Sinusoidal timestep features ``[B, dim]`` float32: ``[cos(t * f), sin(t * f)]`` with
-    ``f_i = exp(-ln(max_period) * i / (dim/2))`` (diffusers' ``TimestepEmbedder.timestep_embedding``, in float32 as
-    it computes them). ``t`` is float32 ``[B]``, already multiplied by ``t_scale``."""
+def timestep_features(t: np.ndarray, dim: int = FREQUENCY_EMBEDDING_SIZE, max_period: float = 10000.0,
+                      scale: float = 1.0) -> np.ndarray:
+    """Sinusoidal timestep features ``[B, dim]`` float32: ``[cos(a), sin(a)]`` with ``a = t * f * scale`` and
+    ``f_i = exp(-ln(max_period) * i / (dim/2))`` (diffusers' ``TimestepEmbedder.timestep_embedding`` and
+    ``embeddings.get_timestep_embedding`` with ``flip_sin_to_cos=True``, ``downscale_freq_shift=0``, in float32 as
+    they compute them). ``t`` is float32 ``[B]``: Z-Image passes it already multiplied by ``t_scale`` (``scale``
+    1); Qwen-Image's ``Timesteps(scale=1000)`` multiplies after the product, as ``scale`` does here."""
     half = dim // 2
     freqs = np.exp(np.float32(-math.log(max_period)) * np.arange(0, half, dtype=np.float32) / np.float32(half))
     args = t.astype(np.float32)[:, None] * freqs[None].astype(np.float32)
+    if scale != 1.0:
+        args = (np.float32(scale) * args).astype(np.float32)
     emb = np.concatenate([np.cos(args), np.sin(args)], axis=-1).astype(np.float32)
     if dim % 2:
         emb = np.concatenate([emb, np.zeros_like(emb[:, :1])], axis=-1)
     return emb
 
 
-def rotate_interleaved(ctx: Context, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on interleaved pairs of ``x [B, L, H, Dh]`` by per-token angles, in float32 (as diffusers'
-    ``apply_rotary_emb`` with ``use_real_unbind_dim=-1`` and Z-Image's complex rotation): ``(x0, x1) -> (x0 cos -
-    x1 sin, x0 sin + x1 cos)`` for the features ``(2k, 2k + 1)``. ``cos, sin``: float32, broadcastable to
-    ``[B, L, H, Dh / 2]`` (e.g. ``[B, L, 1, Dh / 2]``). Returns ``x``'s shape and dtype."""
+def rotate_pairs(ctx: Context, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on interleaved pairs (diffusers' ``apply_rotary_emb`` with ``use_real=False``: the features ``(2k,
+    2k + 1)`` of a head as one complex number times ``cos + i sin`` of pair ``k``), in float32:
+    ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)``.
+
+    Args:
+        x: ``[B, L, H, Dh]`` in any float dtype (returned in it).
+        cos, sin: float32 ``[B or 1, L, 1, Dh / 2]``.
+    """
     bsz, n, heads, hd = x.shape
     dt = x.dtype
     y = x if dt == DType.FLOAT32 else x.astype(DType.FLOAT32)
@@ -164,30 +172,27 @@ def rotate_interleaved(ctx: Context, x: Tensor, cos: Tensor, sin: Tensor) -> Ten
     return out if dt == DType.FLOAT32 else out.astype(dt)
 
 
-def quantize_weights(backend: Backend, float_prefixes: tuple[str, ...], bits: int | None,
-                     group_size: int = 64) -> dict[str, Tensor]:
-    """A diffusion transformer's weights (``backend.weights``, copied into a new dict), with the 2-D ``*.weight``
-    tensors whose names do not start with ``float_prefixes`` quantized to ``bits`` (affine, ``group_size`` elements per
-    group; a weight whose input width is not a multiple of it, or with one row, stays float). The quantized tensors
-    replace the float ones in ``backend.weights`` too, so that the float copies are freed. ``bits=None``: no change.
+def quantize_linears(backend: Backend, weights: dict[str, Tensor], bits: int, group_size: int,
+                     keep_float: tuple[str, ...]) -> dict[str, Tensor]:
+    """A diffusion transformer's linear weights affine-quantized at load (:meth:`Tensor.quantize_weight`):
+    every 2-D ``*.weight`` whose input width is a multiple of ``group_size``, except names starting with one of
+    ``keep_float``. The float copies are dropped from ``backend.weights`` (freed). Returns the new name -> tensor map.
 
     Raises:
-        ValueError: ``bits`` not in (None, 4, 8) or ``group_size`` not in (32, 64, 128).
+        ValueError: ``bits`` not 4 or 8, or ``group_size`` not 32, 64 or 128.
     """
-    weights = dict(backend.weights)
-    if bits is None:
-        return weights
     if bits not in (4, 8):
         raise ValueError(f"quantize_bits must be 4 or 8, got {bits}")
     if group_size not in (32, 64, 128):
         raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
-    for name, t in list(weights.items()):
-        if (name.endswith(".weight") and t.ndim == 2 and not t.is_quantized and not name.startswith(float_prefixes)
+    out = dict(weights)
+    for name, t in weights.items():
+        if (name.endswith(".weight") and t.ndim == 2 and not t.is_quantized and not name.startswith(keep_float)
                 and t.shape[1] % group_size == 0 and t.shape[0] > 1):
             q = t.quantize_weight(group_size, bits)
-            weights[name] = q
+            out[name] = q
             backend.weights[name] = q  # the float copy is freed
-    return weights
+    return out
 
 
 class _Layout:
@@ -304,7 +309,9 @@ class ZImageTransformer:
         config = ZImageConfig.from_dict(backend.metadata)
         if config.siglip_feat_dim is not None:
             raise UnsupportedError("Z-Image Omni (SigLIP features) is not supported; only the text-to-image model")
-        weights = quantize_weights(backend, cls.FLOAT_PREFIXES, quantize_bits, group_size)
+        weights = dict(backend.weights)
+        if quantize_bits is not None:
+            weights = quantize_linears(backend, weights, quantize_bits, group_size, cls.FLOAT_PREFIXES)
         return cls(config, weights, backend)
 
     def _check_weights(self) -> None:
@@ -563,8 +570,13 @@ class ZImageTransformer:
         if b["q_norm"] is not None:
             q = q.rms_norm(b["q_norm"], QK_NORM_EPS)
             k = k.rms_norm(b["k_norm"], QK_NORM_EPS)
-        q = rotate_interleaved(ctx, q, stage.cos, stage.sin).transpose(0, 2, 1, 3)
-        k = rotate_interleaved(ctx, k, stage.cos, stage.sin).transpose(0, 2, 1, 3)
+        q = self._rope(ctx, q, stage).transpose(0, 2, 1, 3)
+        k = self._rope(ctx, k, stage).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
         o = ctx.scaled_dot_product_attention(q, k, v, hd ** -0.5, stage.mask)
         return o.transpose(0, 2, 1, 3).reshape(bsz, n, c.dim).linear(b["o"])
+
+    @staticmethod
+    def _rope(ctx: Context, x: Tensor, stage: _Stage) -> Tensor:
+        """Rotate interleaved pairs of ``x [B, L, H, Dh]`` by the stage's angles (:func:`rotate_pairs`)."""
+        return rotate_pairs(ctx, x, stage.cos, stage.sin)
