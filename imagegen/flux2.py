@@ -62,6 +62,9 @@ BUILTIN_DEFAULTS = {"steps": 50, "guidance": 4.0, "negative_prompt": None}
 DISTILLED_DEFAULTS = {"steps": 4, "guidance": 1.0, "negative_prompt": None}
 #: an edit image above this many pixels is scaled down to it first (``Flux2Pipeline.__call__``).
 EDIT_MAX_AREA = 1024 * 1024
+#: the most edit images per generation: Black Forest Labs' documented limits (FLUX.2 [dev]: 6 recommended at most;
+#: [klein]: up to 4). diffusers sets none.
+MAX_EDIT_IMAGES = {"Flux2Pipeline": 6, "Flux2KleinPipeline": 4}
 #: the reference images' time ids are ``REF_T_SCALE * (1 + i)`` (``_prepare_image_ids(scale=10)``).
 REF_T_SCALE = 10
 
@@ -138,6 +141,7 @@ class Flux2Pipeline:
 
     Attributes:
         kind: the ``_class_name`` (``Flux2Pipeline`` or ``Flux2KleinPipeline``). is_distilled: klein's flag (no CFG).
+        max_edit_images: the most edit images a generation takes (:data:`MAX_EDIT_IMAGES`).
         size_multiple: width and height must be multiples of it (16: the VAE's 8 times the 2x2 packing).
         defaults: width, height, steps, guidance, negative_prompt.
 
@@ -160,6 +164,7 @@ class Flux2Pipeline:
         self.model_index = self._read_model_index()
         self.kind = self.model_index["_class_name"]
         self.is_distilled = bool(self.model_index.get("is_distilled", False))
+        self.max_edit_images = MAX_EDIT_IMAGES[self.kind]
         self.name = str(self.folder)
         self.transformer_config = read_json(component_folder(self.folder, "transformer") / "config.json",
                                             "the transformer config")
@@ -416,6 +421,9 @@ class Flux2Pipeline:
 
         if isinstance(edit_images, (Image.Image, np.ndarray, str, os.PathLike)):
             edit_images = [edit_images]  # one image
+        if edit_images is not None and len(edit_images) > self.max_edit_images:
+            raise InvalidRequestError(f"{self.name}: {self.kind} takes at most {self.max_edit_images} edit images, "
+                                      f"got {len(edit_images)}")
         refs = [edit_image_pixels(im, self.size_multiple) for im in (edit_images or [])]
         if refs and width is None and height is None:
             height, width = refs[0].shape[1:3]  # diffusers: height = height or image_height (the first image's)
@@ -444,7 +452,7 @@ class Flux2Pipeline:
                                      steps=steps, steps_run=steps, guidance=guidance)
         parameters = {"prompt": prompt, "negative_prompt": negative_prompt if do_cfg else None, "seed": stats.seed,
                       "steps": steps, "guidance": guidance, "width": width, "height": height, "strength": None,
-                      "max_sequence_length": int(max_len), "edit_images": len(refs)}
+                      "max_sequence_length": int(max_len)}
 
         t0 = time.perf_counter()
         try:
