@@ -11,6 +11,8 @@ from typing import Any
 from mlx_engine.errors import UnsupportedError
 from mlx_engine.imagegen.flux import KONTEXT_CLASSES, PIPELINE_CLASSES as _FLUX_CLASSES
 from mlx_engine.imagegen.flux import FluxKontextPipeline, FluxPipeline
+from mlx_engine.imagegen.flux2 import PIPELINE_CLASSES as _FLUX2_CLASSES
+from mlx_engine.imagegen.flux2 import Flux2Pipeline
 from mlx_engine.imagegen.pipeline import read_model_index
 from mlx_engine.imagegen.qwen_image import PIPELINE_CLASSES as _QWEN_IMAGE_CLASSES
 from mlx_engine.imagegen.qwen_image import QwenImagePipeline
@@ -22,7 +24,8 @@ from mlx_engine.ml import Backend
 PIPELINES: dict[str, type] = {**{name: ZImagePipeline for name in _ZIMAGE_CLASSES},
                                **{name: FluxPipeline for name in _FLUX_CLASSES},
                                **{name: FluxKontextPipeline for name in KONTEXT_CLASSES},
-                               **{name: QwenImagePipeline for name in _QWEN_IMAGE_CLASSES}}
+                               **{name: QwenImagePipeline for name in _QWEN_IMAGE_CLASSES},
+                               **{name: Flux2Pipeline for name in _FLUX2_CLASSES}}
 
 
 def load_pipeline(folder: "str | os.PathLike[str]", make_backend: Callable[[Path], Backend], **options: Any):

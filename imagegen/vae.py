@@ -1,4 +1,5 @@
-"""The FLUX ``AutoencoderKL`` (16 latent channels), decoder and encoder, on the ml interfaces.
+"""The FLUX ``AutoencoderKL`` (16 latent channels) and FLUX.2's ``AutoencoderKLFlux2`` (32), decoder and encoder, on
+the ml interfaces.
 
 Source: diffusers 0.42 ``models/autoencoders/autoencoder_kl.py`` (``AutoencoderKL``: ``encode``, ``decode``,
 ``tiled_decode``, ``blend_v`` / ``blend_h``), ``models/autoencoders/vae.py`` (``Encoder``, ``Decoder``,
@@ -37,6 +38,7 @@ __all__ = ["AutoencoderKL", "VAEConfig", "decode_in_tiles", "pad_right_bottom"]
 _HALF = (DType.FLOAT16, DType.BFLOAT16)
 _ACTIVATIONS = ("silu", "swish")  # diffusers get_activation: both are nn.SiLU
 _EPS = 1e-6  # resnet_eps and the output norms of diffusers' Encoder / Decoder
+_CLASS_NAMES = ("AutoencoderKL", "AutoencoderKLFlux2")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class VAEConfig:
     in_channels: int = 3
     out_channels: int = 3
     block_out_channels: tuple[int, ...] = (64,)
+    decoder_block_out_channels: tuple[int, ...] | None = None
     layers_per_block: int = 1
     latent_channels: int = 4
     norm_num_groups: int = 32
@@ -63,7 +66,9 @@ class VAEConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], where: str = "config.json") -> "VAEConfig":
-        """Read the config, diffusers' defaults for missing keys.
+        """Read the config, diffusers' defaults for missing keys. ``AutoencoderKLFlux2`` (FLUX.2's VAE) is the same
+        network with an optional decoder width of its own (``decoder_block_out_channels``); its BatchNorm
+        statistics are the pipeline's business (``batch_norm_eps`` stays in :attr:`extra`).
 
         Raises:
             UnsupportedError: another ``_class_name``, block types other than ``DownEncoderBlock2D`` /
@@ -71,15 +76,17 @@ class VAEConfig:
                 the message names the key.
         """
         name = cfg.get("_class_name")
-        if name is not None and name != "AutoencoderKL":
-            raise UnsupportedError(f"{where}: _class_name {name!r} is not supported; expected 'AutoencoderKL'")
+        if name is not None and name not in _CLASS_NAMES:
+            raise UnsupportedError(f"{where}: _class_name {name!r} is not supported; expected one of "
+                                   f"{', '.join(_CLASS_NAMES)}")
         kw: dict[str, Any] = {}
         for f in cls.__dataclass_fields__:
             if f != "extra" and f in cfg and cfg[f] is not None:
                 kw[f] = cfg[f]
         if cfg.get("shift_factor") is None:
             kw["shift_factor"] = None
-        for key in ("block_out_channels", "down_block_types", "up_block_types", "latents_mean", "latents_std"):
+        for key in ("block_out_channels", "decoder_block_out_channels", "down_block_types", "up_block_types",
+                    "latents_mean", "latents_std"):
             if key in kw:
                 kw[key] = tuple(kw[key])
         c = cls(**kw, extra={k: v for k, v in cfg.items() if k not in cls.__dataclass_fields__})
@@ -94,7 +101,10 @@ class VAEConfig:
                                    f"{n} x 'UpDecoderBlock2D'")
         if c.act_fn not in _ACTIVATIONS:
             raise UnsupportedError(f"{where}: act_fn {c.act_fn!r} is not supported; expected 'silu'")
-        for ch in c.block_out_channels:
+        if c.decoder_block_out_channels is not None and len(c.decoder_block_out_channels) != n:
+            raise UnsupportedError(f"{where}: decoder_block_out_channels {list(c.decoder_block_out_channels)} must "
+                                   f"have {n} entries, as block_out_channels")
+        for ch in c.block_out_channels + (c.decoder_block_out_channels or ()):
             if ch % c.norm_num_groups:
                 raise UnsupportedError(f"{where}: norm_num_groups {c.norm_num_groups} does not divide "
                                        f"block_out_channels entry {ch}")
@@ -282,7 +292,7 @@ class _Loader:
 
 
 class AutoencoderKL:
-    """The FLUX VAE (diffusers ``AutoencoderKL``), channels last.
+    """The FLUX VAE (diffusers ``AutoencoderKL``, or FLUX.2's ``AutoencoderKLFlux2``), channels last.
 
     Attributes:
         config: the :class:`VAEConfig` read from the folder's ``config.json``.
@@ -345,7 +355,8 @@ class AutoencoderKL:
                            ld.conv("encoder.conv_out", ch[-1], 2 * cfg.latent_channels, 3, 1, 1))
 
         # Decoder (diffusers vae.py Decoder): conv_in, mid, UpDecoderBlock2D x n (layers_per_block + 1 resnets),
-        # norm, SiLU, conv_out.
+        # norm, SiLU, conv_out; AutoencoderKLFlux2 may give the decoder widths of its own.
+        ch = cfg.decoder_block_out_channels or ch
         rch = list(reversed(ch))
         blocks = []
         cout = rch[0]

@@ -141,7 +141,7 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
             label = getattr(pipe, "name", model)
             if not takes:
                 raise InvalidRequestError(f"{label}: this model does not edit images; use one that does (FLUX.1 "
-                                          "Kontext)")
+                                          "Kontext, FLUX.2)")
             if len(edits) > takes:
                 raise InvalidRequestError(f"{label}: this model takes at most {takes} edit image(s), got {len(edits)}")
             extra["edit_images"] = [e.image if isinstance(e, InitImageFile) else e for e in edits]
