@@ -80,7 +80,7 @@ def _is_path(name: str) -> bool:
               help="Noise seed (default: a random one, written into the PNG).")
 @click.option("--image", "init_image", default=None, metavar="FILE", help="Init image for image-to-image.")
 @click.option("--edit", "edit_images", multiple=True, metavar="FILE",
-              help="An image to edit, for a model that edits images (FLUX.1 Kontext); repeat for several.")
+              help="An image to edit, for a model that edits images (FLUX.1 Kontext, FLUX.2); repeat for several.")
 @click.option("--strength", type=click.FloatRange(0, 1), default=None,
               help="Image-to-image: how much to change the init image, 0..1 (default 0.6).")
 @click.option("--output", "-o", default=None, metavar="FILE",

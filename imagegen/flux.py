@@ -311,7 +311,7 @@ class FluxPipeline:
         if len(edit_images) > self.max_edit_images:
             if not self.max_edit_images:
                 raise InvalidRequestError(f"{self.name}: this {type(self).__name__} model does not edit images; use "
-                                          "a model that does (FLUX.1 Kontext)")
+                                          "a model that does (FLUX.1 Kontext, FLUX.2)")
             raise InvalidRequestError(f"{self.name}: {type(self).__name__} takes at most {self.max_edit_images} edit "
                                       f"image(s), got {len(edit_images)}")
         out = []

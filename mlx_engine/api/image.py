@@ -39,7 +39,7 @@ def _image_model_label(model: "str | Path | None") -> str:
 def load_image_model(model: "str | Path | None" = None, *, quantize: int | None = None, device: str | None = None,
                      dtype: str | None = None, keep_text_encoder: bool = False):
     """Load a text-to-image model: a diffusers folder whose ``model_index.json`` names a pipeline this engine runs
-    (:mod:`mlx_engine.imagegen.registry`: Z-Image, FLUX.1, FLUX.1 Kontext), or a packaged model (``shapes:64``,
+    (:mod:`mlx_engine.imagegen.registry`: Z-Image, Qwen-Image, FLUX.1, FLUX.1 Kontext, FLUX.2), or a packaged model (``shapes:64``,
     the default). Returns the pipeline (``.generate(prompt, ...)`` -> ``ImageResult`` with images, stats and the
     parameters that reproduce them; ``.memory()``, ``.close()``).
 
