@@ -28,9 +28,10 @@ import sys
 import time
 from typing import Any
 
-PARAGRAPH = ("The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its keeper "
-             "climbed the narrow spiral stairs, trimmed the wick, polished the great lens and watched the beam sweep "
-             "across the dark water. Ships passing in the storm relied on that light to find the harbour safely.")
+from mlx_engine.bench.text import PERPLEXITY_TEXT
+
+#: the Gettysburg Address, from the bench's perplexity text
+PARAGRAPH = PERPLEXITY_TEXT[PERPLEXITY_TEXT.index("Four score"):PERPLEXITY_TEXT.index(" We the People")]
 PROMPTS = {"copy": "Repeat this paragraph exactly, word for word:\n\n" + PARAGRAPH,
            "free": "Write a short story about a dragon who learns to bake bread."}
 
@@ -57,10 +58,13 @@ def _ours(model: Any, tokens: list[int], n: int, mode: str, k: int) -> tuple[dic
 
 
 def measure(model_name: str, *, draft_model: str | None = None, compare: bool = False, rounds: int = 3,
-            tokens: int = 128, draft_tokens: int = 8, say=lambda _msg: None) -> list[dict[str, Any]]:
-    """The rows of the table (see the module docstring): one per prompt and mode, with ``decode_tps`` (median),
-    ``runs`` (each round's tokens/s), ``accepted`` / ``proposed`` (summed over the rounds), ``per_pass``,
-    ``vs_plain`` and ``vs_llama_cpp`` (medians of per-round ratios; None where there is none) and ``same``."""
+            tokens: int = 128, draft_tokens: int = 8, warm_up: bool = True, threads: int | None = None,
+            say=lambda _msg: None) -> list[dict[str, Any]]:
+    """The rows of the table (see the module docstring), after a round that warms up (unless not ``warm_up``),
+    llama.cpp on ``threads`` threads (default: as many as ours). One row per prompt and mode, with ``decode_tps``
+    (median), ``runs`` (each round's tokens/s), ``accepted`` / ``proposed`` (summed over the rounds),
+    ``per_pass``, ``vs_plain`` and ``vs_llama_cpp`` (medians of per-round ratios; None where there is none) and
+    ``same``."""
     import mlx_engine
     from mlx_engine.bench.llama_cpp_peer import LlamaCppPeer
     from mlx_engine.bench.run import cpu_threads
@@ -73,11 +77,12 @@ def measure(model_name: str, *, draft_model: str | None = None, compare: bool = 
     try:
         if compare:
             for name, lookup in (("llama.cpp off", 0), ("llama.cpp lookup", draft_tokens)):
-                peers.append(LlamaCppPeer(model.path, 1024, threads=cpu_threads(), lookup=lookup))
+                peers.append(LlamaCppPeer(model.path, 1024, threads=threads or cpu_threads(), lookup=lookup))
+                say(f"{name}: llama.cpp {peers[-1].version}, repacked weights {'on' if peers[-1].repack else 'off'}")
                 modes[name] = (lambda t, peer=peers[-1]: peer.generate(t, tokens))
         prompts = {k: model.chat_tokens([{"role": "user", "content": p}]) for k, p in PROMPTS.items()}
         runs: dict[tuple[str, str], list[tuple[dict[str, float], list[int]]]] = {}
-        for r in range(rounds + 1):  # round 0 warms up
+        for r in range(0 if warm_up else 1, rounds + 1):  # round 0 warms up
             say("warm-up" if r == 0 else f"round {r} of {rounds}")
             names = list(modes) if r % 2 == 0 else list(modes)[::-1]
             for key, prompt in prompts.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import subprocess
@@ -25,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("mlx_engine.bench")
 
 # The child: llama.cpp first, then this module's serve() (which imports NumPy and the scorer).
 _CHILD = "import llama_cpp  # noqa: F401\nfrom mlx_engine.bench.llama_cpp_peer import serve\nserve()\n"
@@ -41,6 +44,11 @@ class LlamaCppPeer:
     in a child process. ``weights_bytes`` is llama.cpp's own count of the model's tensor bytes. ``lookup``: above 0,
     llama-cpp-python's prompt-lookup speculative decoding (``LlamaPromptLookupDecoding``, its default n-grams of up
     to 2 tokens) drafting that many tokens per pass.
+
+    ``repack``: whether llama.cpp's extra buffer types (weights repacked for its CPU kernels, AMX tiles among them)
+    are on. They are, unless a first prefill with them kills llama.cpp's process: its AMX path faulted on a prefill (a general
+    protection fault at ``ldtilecfg``) on a virtual machine whose CPU reports AMX; the peer then runs without them,
+    and says so here.
 
     Raises:
         RuntimeError: llama-cpp-python is not installed (the message says how to install it), or llama.cpp's
@@ -59,15 +67,19 @@ class LlamaCppPeer:
         self.threads = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                    else os.cpu_count() or 1)
         self.gpu_layers = gpu_layers
-        self._log = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._log, text=True)
-        try:
-            info = self._ask(op="open", path=self.path, n_ctx=n_ctx, threads=self.threads, gpu_layers=gpu_layers,
-                             lookup=lookup)
-        except RuntimeError:
-            self.close()  # the child and its log go with the failed load
-            raise
+        for self.repack in (True, False):
+            self._log = tempfile.TemporaryFile()
+            self._proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=self._log, text=True)
+            try:
+                info = self._ask(op="open", path=self.path, n_ctx=n_ctx, threads=self.threads,
+                                 gpu_layers=gpu_layers, lookup=lookup, repack=self.repack)
+                break
+            except RuntimeError as e:
+                self.close()  # the child and its log go with the failed load
+                if not self.repack or self._proc.returncode >= 0:
+                    raise
+                log.warning("llama.cpp died on its first prefill (%s); running it without repacked weights", e)
         self.weights_bytes = float(info["weights_bytes"])
         self.version = info["version"]
 
@@ -154,9 +166,13 @@ def serve() -> None:
                 before_load = _proc_status_bytes("VmRSS")
                 lookup = (llama_cpp.llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=request["lookup"])
                           if request["lookup"] else None)
+                if not request["repack"]:
+                    _without_repacking(llama_cpp.llama_cpp)
                 llm = llama_cpp.Llama(request["path"], n_ctx=request["n_ctx"], n_batch=512,
                                       n_threads=request["threads"], n_threads_batch=request["threads"],
                                       n_gpu_layers=request["gpu_layers"], draft_model=lookup, verbose=False)
+                llm.eval(llm.tokenize(b"Hello " * 64))  # a first prefill: it dies here if its kernels do
+                llm.reset()
                 reply = {"weights_bytes": float(llama_cpp.llama_model_size(llm.model)),
                          "version": getattr(llama_cpp, "__version__", "?")}
             elif op == "run":
@@ -193,6 +209,20 @@ def serve() -> None:
         out.flush()
     if llm is not None:
         llm.close()
+
+
+def _without_repacking(bindings: Any) -> None:
+    """Make llama-cpp-python's models load without llama.cpp's extra buffer types (``use_extra_bufts``: repacked
+    weights, AMX): its ``Llama`` takes its model parameters from ``llama_model_default_params`` and offers no
+    argument for that one."""
+    default = bindings.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    bindings.llama_model_default_params = params
 
 
 def _proc_status_bytes(field: str) -> int | None:
