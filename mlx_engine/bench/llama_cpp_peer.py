@@ -147,7 +147,6 @@ def serve() -> None:
     """The child's loop: one JSON request per line on standard input, one JSON reply per line (``{"error": ...}``
     for a failed request) until ``close`` or the end of input."""
     import llama_cpp
-    import llama_cpp.llama_speculative
     import numpy as np
 
     from mlx_engine.models.generation.scoring import sum_nll
@@ -164,10 +163,15 @@ def serve() -> None:
             if op == "open":
                 opened = request
                 before_load = _proc_status_bytes("VmRSS")
-                lookup = (llama_cpp.llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=request["lookup"])
-                          if request["lookup"] else None)
+                lookup = None
+                if request["lookup"]:
+                    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+                    lookup = LlamaPromptLookupDecoding(num_pred_tokens=request["lookup"])
                 if not request["repack"]:
-                    _without_repacking(llama_cpp.llama_cpp)
+                    from llama_cpp import llama_cpp as bindings
+
+                    _without_repacking(bindings)
                 llm = llama_cpp.Llama(request["path"], n_ctx=request["n_ctx"], n_batch=512,
                                       n_threads=request["threads"], n_threads_batch=request["threads"],
                                       n_gpu_layers=request["gpu_layers"], draft_model=lookup, verbose=False)
