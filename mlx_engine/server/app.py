@@ -100,7 +100,6 @@ class ServerConfig:
                 f"binding {self.host} exposes the server beyond this machine: set an API key with --api-key or "
                 f"${API_KEY_ENV} (clients then send 'Authorization: Bearer KEY')")
 
-
     def draft_pairs(self) -> list[tuple[str, str]]:
         """``(target, draft)`` of each ``--draft-model``: ``TARGET=DRAFT`` as given, a bare ``DRAFT`` for every
         ``--model`` (image models are passed over when the pairs are used). Raises ``InvalidRequestError`` for a
