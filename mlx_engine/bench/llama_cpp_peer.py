@@ -46,9 +46,9 @@ class LlamaCppPeer:
     to 2 tokens) drafting that many tokens per pass.
 
     ``repack``: whether llama.cpp's extra buffer types (weights repacked for its CPU kernels, AMX tiles among them)
-    are on. They are, unless a first prefill with them kills llama.cpp's process: its AMX path faulted on a prefill (a general
-    protection fault at ``ldtilecfg``) on a virtual machine whose CPU reports AMX; the peer then runs without them,
-    and says so here.
+    are on. They are, unless a first prefill with them kills llama.cpp's process: its AMX path faulted on a prefill
+    (a general protection fault at ``ldtilecfg``) on a virtual machine whose CPU reports AMX; the peer then runs
+    without them, and says so here.
 
     Raises:
         RuntimeError: llama-cpp-python is not installed (the message says how to install it), or llama.cpp's
