@@ -69,9 +69,13 @@ def _option_size(value: str, option: str) -> int:
 @click.option("--read-timeout", default=30.0, show_default=True, type=float, metavar="SECONDS",
               help="Close a connection whose request headers take longer than this to arrive, or whose body pauses "
                    "longer than this (slow or stalled clients).")
-@click.option("--speculative", type=click.Choice(["off", "lookup"]), default="off", show_default=True,
+@click.option("--speculative", type=click.Choice(["off", "lookup", "draft"]), default=None,
               help="Speculative decoding for requests that do not set it: lookup drafts tokens from the prompt and "
-                   "output, and each step checks every sequence's draft in one pass (same output).")
+                   "output, draft by the model's --draft-model, and each step checks every sequence's draft in one "
+                   "pass (same output).  [default: draft for a model with a draft model, else off]")
+@click.option("--draft-model", "draft_models", multiple=True, metavar="[TARGET=]DRAFT",
+              help="A smaller model of the same vocabulary that drafts for TARGET (without TARGET=: for every "
+                   "--model), loaded beside it with the same context length and sequences (repeatable).")
 @click.option("--prompt-cache-dir", default=None, metavar="DIR",
               help="Save the KV cache of finished conversations in this folder (written in the background) and "
                    "find them again by their tokens, after a restart too: a next turn prefills only its new tokens.")
@@ -82,8 +86,8 @@ def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, con
           memory_budget: str | None, api_key: str | None, kv_bits: str | None, max_queue: int,
           prefill_chunk: int, parallel: str | None, transport: str, activations: str | None,
           allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...], models_dirs: tuple[str, ...],
-          no_pull: bool, read_timeout: float, speculative: str, prompt_cache_dir: str | None,
-          prompt_cache_size: str) -> None:
+          no_pull: bool, read_timeout: float, speculative: str | None, draft_models: tuple[str, ...],
+          prompt_cache_dir: str | None, prompt_cache_size: str) -> None:
     """Serve text and image models over HTTP: the OpenAI API (/v1/...) and the ollama API (/api/...).
 
     \b
@@ -105,7 +109,8 @@ def serve(host: str, port: int, models: tuple[str, ...], max_sequences: int, con
                           prefill_chunk=prefill_chunk, parallel=parallel, transport=transport,
                           activations=activations, allowed_hosts=list(allowed_hosts),
                           allowed_origins=list(allowed_origins), models_dirs=list(models_dirs), pull=not no_pull,
-                          read_timeout=read_timeout, speculative=speculative, prompt_cache_dir=prompt_cache_dir,
+                          read_timeout=read_timeout, speculative=speculative, draft_models=list(draft_models),
+                          prompt_cache_dir=prompt_cache_dir,
                           prompt_cache_size=_option_size(prompt_cache_size, "--prompt-cache-size"))
     config.check()
     if parallel is not None:

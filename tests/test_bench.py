@@ -135,7 +135,7 @@ def test_bench_rejects_an_unknown_peer():
 
 
 _FAKE_LLAMA_CPP = """
-import json, os
+import json, os, signal
 __version__ = "fake"
 class Llama:
     def __init__(self, path, **kw):
@@ -144,6 +144,14 @@ class Llama:
         if os.environ.get("FAKE_LLAMA_FAIL") == "open":
             raise ValueError("cannot read the model")
         self.model = self.ctx = None
+    def tokenize(self, text, add_bos=True):
+        return [1] * len(text.split())
+    def eval(self, tokens):
+        from llama_cpp import llama_cpp as bindings
+        if os.environ.get("FAKE_LLAMA_FAIL") == "amx" and bindings.llama_model_default_params().use_extra_bufts:
+            os.kill(os.getpid(), signal.SIGSEGV)  # what llama.cpp's AMX path does on some virtual machines
+    def reset(self):
+        pass
     def generate(self, tokens, temp=0.0, reset=True):
         print("llama.cpp chatter on standard output")
         if os.environ.get("FAKE_LLAMA_FAIL") == "crash":
@@ -166,6 +174,8 @@ def fake_llama_cpp(tmp_path, monkeypatch):
     writes its arguments to."""
     (tmp_path / "llama_cpp").mkdir()
     (tmp_path / "llama_cpp" / "__init__.py").write_text(_FAKE_LLAMA_CPP)
+    (tmp_path / "llama_cpp" / "llama_cpp.py").write_text(  # the bindings: the model's default parameters
+        "class Params:\n    use_extra_bufts = True\ndef llama_model_default_params():\n    return Params()\n")
     path = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
     monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "calls.jsonl"))
@@ -221,6 +231,19 @@ def test_bandwidth_passes_split_the_array_over_the_engines_threads(monkeypatch):
     assert len(seen) == 3 * 3  # one untimed pass and two timed, 3 slices each
     assert sorted(seen[:3]) == [(0, 333), (333, 666), (666, 1000)] and sorted(seen[3:6]) == sorted(seen[:3])
     assert 1 <= len(threads) <= 3
+
+
+def test_llama_cpp_whose_first_prefill_dies_runs_without_repacked_weights(fake_llama_cpp, monkeypatch):
+    """llama.cpp killed by a signal on its first prefill (its AMX kernels faulted on a virtual machine) is started
+    again without its extra buffer types, and says so."""
+    from mlx_engine.bench.llama_cpp_peer import LlamaCppPeer
+
+    monkeypatch.setenv("FAKE_LLAMA_FAIL", "amx")
+    peer = LlamaCppPeer("model.gguf", 256)
+    try:
+        assert peer.repack is False and peer.run([1, 2], 2)["tokens"] == 2.0
+    finally:
+        peer.close()
 
 
 @pytest.mark.parametrize("fail", ["open", "crash"])

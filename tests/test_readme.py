@@ -65,6 +65,9 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^mlx-engine serve --model \./no-such-model\.gguf", "here:test_server_errors_examples"),
     (r"^python benchmarks/soak\.py ", "elsewhere:tests/test_server_robust.py::test_the_soak_benchmark_runs (the same "
                                       "script for a quarter of a minute; the documented run takes 30 minutes)"),
+    (r"^python -m benchmarks\.speculative ", "elsewhere:tests/test_bench_speculative.py::"
+                                             "test_the_speculative_bench_beside_llama_cpp (the same measurement at "
+                                             "tiny sizes; the documented run takes most of an hour here)"),
     (r"^(MLX_ENGINE_API_KEY=\S+ )?mlx-engine serve\b", "here:test_serve_examples"),
     (r"^curl http://127\.0\.0\.1:11435/", "here:test_serve_examples"),
     (r"^mlx-engine bench --quick$", "here:test_bench_quick"),

@@ -457,6 +457,20 @@ class Model:
         seq = self._free_sequences.pop(0) if self._free_sequences else 0
         return ChatSession(self, seq, system, options)
 
+    def attach_draft(self, draft: Any) -> None:
+        """Speculate with ``draft`` (a :class:`Model` of the same vocabulary, loaded with at least this model's
+        sequences and its context length), which this model then owns (:meth:`close` closes it). Raises
+        ``InvalidRequestError`` for an embedding model, another vocabulary or fewer sequences; ``draft`` is closed
+        then."""
+        try:
+            if not isinstance(draft, Model):
+                raise InvalidRequestError(f"the draft model {draft.name} is an embedding model, not a text model")
+            self.runner.attach_draft(draft.runner, self.name, draft.name)
+        except BaseException:
+            draft.close()
+            raise
+        self.draft = draft
+
     def close(self) -> None:
         """Let go of the weights and the KV cache. A generation running in another thread stops before its next
         token and raises :class:`~mlx_engine.errors.GenerationInterruptedError`; later calls raise
@@ -559,17 +573,12 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
                    dtype=dtype, context_length=context_length, kv_bits=kv_bits, requantize=requantize,
                    parallel=parallel, transport=transport, mmproj=mmproj, activations=activations)
     if draft_model is not None:
-        draft = load(draft_model, device=device, dtype=dtype, context_length=loaded.context_length, pull=pull,
-                     progress=progress, kv_bits=kv_bits, activations=activations)
         try:
-            if not isinstance(draft, Model):
-                raise InvalidRequestError(f"the draft model {draft_model} is an embedding model, not a text model")
-            loaded.runner.attach_draft(draft.runner, loaded.name, draft.name)
+            loaded.attach_draft(load(draft_model, device=device, dtype=dtype, context_length=loaded.context_length,
+                                     pull=pull, progress=progress, kv_bits=kv_bits, activations=activations))
         except BaseException:
-            draft.close()
             loaded.close()
             raise
-        loaded.draft = draft
     return loaded
 
 

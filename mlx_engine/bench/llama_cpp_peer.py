@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import subprocess
@@ -25,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("mlx_engine.bench")
 
 # The child: llama.cpp first, then this module's serve() (which imports NumPy and the scorer).
 _CHILD = "import llama_cpp  # noqa: F401\nfrom mlx_engine.bench.llama_cpp_peer import serve\nserve()\n"
@@ -38,7 +41,14 @@ PEAK_COUNTS = {"resident": "its process's resident memory (high-water mark since
 class LlamaCppPeer:
     """One llama.cpp context on ``path`` with ``n_ctx`` cells and ``threads`` threads (default: the CPUs this
     process may use), ``gpu_layers`` layers offloaded to a GPU build's device (-1: all; 0, the default: the CPU),
-    in a child process. ``weights_bytes`` is llama.cpp's own count of the model's tensor bytes.
+    in a child process. ``weights_bytes`` is llama.cpp's own count of the model's tensor bytes. ``lookup``: above 0,
+    llama-cpp-python's prompt-lookup speculative decoding (``LlamaPromptLookupDecoding``, its default n-grams of up
+    to 2 tokens) drafting that many tokens per pass.
+
+    ``repack``: whether llama.cpp's extra buffer types (weights repacked for its CPU kernels, AMX tiles among them)
+    are on. They are, unless a first prefill with them kills llama.cpp's process: its AMX path faulted on a prefill
+    (a general protection fault at ``ldtilecfg``) on a virtual machine whose CPU reports AMX; the peer then runs
+    without them, and says so here.
 
     Raises:
         RuntimeError: llama-cpp-python is not installed (the message says how to install it), or llama.cpp's
@@ -48,7 +58,8 @@ class LlamaCppPeer:
     name = "llama.cpp"
     peak_counts = "not measured yet"
 
-    def __init__(self, path: "str | Path", n_ctx: int, threads: int | None = None, gpu_layers: int = 0):
+    def __init__(self, path: "str | Path", n_ctx: int, threads: int | None = None, gpu_layers: int = 0,
+                 lookup: int = 0):
         if importlib.util.find_spec("llama_cpp") is None:
             raise RuntimeError("llama.cpp is not installed; pip install 'mlx-engine[bench]' (it builds llama.cpp "
                                "from the llama-cpp-python source distribution, ~15 minutes on 2 cores)")
@@ -56,14 +67,19 @@ class LlamaCppPeer:
         self.threads = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                    else os.cpu_count() or 1)
         self.gpu_layers = gpu_layers
-        self._log = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._log, text=True)
-        try:
-            info = self._ask(op="open", path=self.path, n_ctx=n_ctx, threads=self.threads, gpu_layers=gpu_layers)
-        except RuntimeError:
-            self.close()  # the child and its log go with the failed load
-            raise
+        for self.repack in (True, False):
+            self._log = tempfile.TemporaryFile()
+            self._proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=self._log, text=True)
+            try:
+                info = self._ask(op="open", path=self.path, n_ctx=n_ctx, threads=self.threads,
+                                 gpu_layers=gpu_layers, lookup=lookup, repack=self.repack)
+                break
+            except RuntimeError as e:
+                self.close()  # the child and its log go with the failed load
+                if not self.repack or self._proc.returncode >= 0:
+                    raise
+                log.warning("llama.cpp died on its first prefill (%s); running it without repacked weights", e)
         self.weights_bytes = float(info["weights_bytes"])
         self.version = info["version"]
 
@@ -92,9 +108,13 @@ class LlamaCppPeer:
         for gemma3's 262144-token vocabulary at 512 tokens, most of it never written). Elsewhere (a GPU's memory,
         or no ``/proc``): its weights plus its context state (KV cache and logits, as ``llama_state_get_size``
         counts them), its compute buffers uncounted. The peer's ``peak_counts`` then says which it was."""
-        result = self._ask(op="run", tokens=[int(t) for t in tokens], max_tokens=int(max_tokens))["result"]
-        self.peak_counts = PEAK_COUNTS[result.pop("peak_counts")]
-        return result
+        return self.generate(tokens, max_tokens)[0]
+
+    def generate(self, tokens: list[int], max_tokens: int) -> tuple[dict[str, float], list[int]]:
+        """:meth:`run`, and the generated token ids."""
+        reply = self._ask(op="run", tokens=[int(t) for t in tokens], max_tokens=int(max_tokens))
+        self.peak_counts = PEAK_COUNTS[reply["result"].pop("peak_counts")]
+        return reply["result"], reply["ids"]
 
     def decode_at_context(self, prompt: list[int], tokens: int, reps: int) -> float:
         """Median decode tokens/s of ``tokens`` greedy tokens after ``prompt``, as
@@ -143,14 +163,26 @@ def serve() -> None:
             if op == "open":
                 opened = request
                 before_load = _proc_status_bytes("VmRSS")
+                lookup = None
+                if request["lookup"]:
+                    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+                    lookup = LlamaPromptLookupDecoding(num_pred_tokens=request["lookup"])
+                if not request["repack"]:
+                    from llama_cpp import llama_cpp as bindings
+
+                    _without_repacking(bindings)
                 llm = llama_cpp.Llama(request["path"], n_ctx=request["n_ctx"], n_batch=512,
                                       n_threads=request["threads"], n_threads_batch=request["threads"],
-                                      n_gpu_layers=request["gpu_layers"], verbose=False)
+                                      n_gpu_layers=request["gpu_layers"], draft_model=lookup, verbose=False)
+                llm.eval(llm.tokenize(b"Hello " * 64))  # a first prefill: it dies here if its kernels do
+                llm.reset()
                 reply = {"weights_bytes": float(llama_cpp.llama_model_size(llm.model)),
                          "version": getattr(llama_cpp, "__version__", "?")}
             elif op == "run":
                 resident = opened["gpu_layers"] == 0 and before_load is not None and _reset_peak()
-                reply = {"result": _timed_run(llm, request["tokens"], request["max_tokens"])}
+                ids: list[int] = []
+                reply = {"result": _timed_run(llm, request["tokens"], request["max_tokens"], ids), "ids": ids}
                 if resident:
                     peak = _proc_status_bytes("VmHWM") - before_load
                 else:
@@ -183,6 +215,20 @@ def serve() -> None:
         llm.close()
 
 
+def _without_repacking(bindings: Any) -> None:
+    """Make llama-cpp-python's models load without llama.cpp's extra buffer types (``use_extra_bufts``: repacked
+    weights, AMX): its ``Llama`` takes its model parameters from ``llama_model_default_params`` and offers no
+    argument for that one."""
+    default = bindings.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    bindings.llama_model_default_params = params
+
+
 def _proc_status_bytes(field: str) -> int | None:
     """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes; None where there is none."""
     try:
@@ -206,11 +252,14 @@ def _reset_peak() -> bool:
         return False
 
 
-def _timed_run(llm: Any, tokens: list[int], max_tokens: int) -> dict[str, float]:
+def _timed_run(llm: Any, tokens: list[int], max_tokens: int, ids: "list[int] | None" = None) -> dict[str, float]:
+    """Greedy ``max_tokens`` tokens after ``tokens`` on a fresh cache, timed; the tokens appended to ``ids``."""
     t0 = time.perf_counter()
     first = None
     n = 0
-    for _ in llm.generate(list(tokens), temp=0.0, reset=True):
+    for t in llm.generate(list(tokens), temp=0.0, reset=True):
+        if ids is not None:
+            ids.append(int(t))
         n += 1
         if first is None:
             first = time.perf_counter()

@@ -59,7 +59,8 @@ class ServerConfig:
     activations: str | None = None  # what the CPU's quantized products do with x (mlx_engine.load's activations)
     prefill_chunk: int = 512
     max_queue: int = 64
-    speculative: str = "off"  # the speculative mode of requests that set none (off, lookup)
+    speculative: str | None = None  # the speculative mode of requests that set none (None: draft with a draft model)
+    draft_models: list[str] = field(default_factory=list)  # DRAFT (for every --model) or TARGET=DRAFT
     max_body_bytes: int = DEFAULT_MAX_BODY
     shutdown_timeout: float = 5.0
     read_timeout: float = 30.0  # seconds for a request's headers, and the longest pause inside its body
@@ -88,6 +89,7 @@ class ServerConfig:
         if self.activations is not None and self.activations not in ACTIVATIONS:
             raise InvalidRequestError(
                 f"--activations must be one of {', '.join(ACTIVATIONS)}, not {self.activations!r}")
+        self.draft_pairs()
         if self.parallel is not None and len(self.models) != 1:
             raise InvalidRequestError("--parallel needs exactly one --model: the model split over the ranks")
         try:
@@ -113,6 +115,21 @@ class ServerConfig:
             raise InvalidRequestError(
                 f"binding {self.host} exposes the server beyond this machine: set an API key with --api-key or "
                 f"${API_KEY_ENV} (clients then send 'Authorization: Bearer KEY')")
+
+    def draft_pairs(self) -> list[tuple[str, str]]:
+        """``(target, draft)`` of each ``--draft-model``: ``TARGET=DRAFT`` as given, a bare ``DRAFT`` for every
+        ``--model`` (image models are passed over when the pairs are used). Raises ``InvalidRequestError`` for a
+        bare one without ``--model``, or one with an empty side."""
+        pairs = []
+        for value in self.draft_models:
+            target, sep, draft = value.rpartition("=") if not os.path.exists(value) else ("", "", value)
+            if sep and not (target.strip() and draft.strip()):
+                raise InvalidRequestError(f"--draft-model {value!r}: give DRAFT or TARGET=DRAFT (model names or paths)")
+            if not sep and not self.models:
+                raise InvalidRequestError(f"--draft-model {value}: which model does it draft for? Give --model "
+                                          f"TARGET, or --draft-model TARGET={value}")
+            pairs += [(target.strip(), draft.strip())] if sep else [(m, value) for m in self.models]
+        return pairs
 
 
 def is_loopback(host: str) -> bool:
@@ -202,6 +219,9 @@ def create_app(config: ServerConfig):
     async def lifespan(app):
         worker.start()
         try:
+            for target, draft in config.draft_pairs():
+                if pool.image_path(target) is None:
+                    await asyncio.to_thread(pool.add_draft, target, draft)
             for name in config.models:
                 pool.permit(name)  # the operator chose it: requests may name its path too
                 if pool.image_path(name) is not None:
@@ -234,7 +254,8 @@ def create_app(config: ServerConfig):
         models = {}
         for name, m in list(pool.models.items()):
             models[name] = {"kind": m.kind, "bytes": m.nbytes, "in_flight": m.in_flight,
-                            **({"kv_cache": m.obj.kv_cache_type, "activations": m.obj.activations}
+                            **({"kv_cache": m.obj.kv_cache_type, "activations": m.obj.activations,
+                                "draft_model": m.obj.draft.name if m.obj.draft is not None else None}
                                if m.kind == "text" else {}),
                             **(m.scheduler.load() if m.scheduler else {})}
         return JSONResponse({"memory_budget": pool.memory_budget, "memory": api.memory_stats(), "models": models,

@@ -307,10 +307,15 @@ async def whole_answers(request: Request, state: ServerState, loaded: Loaded, to
 
 
 def note(request: Request, model: str, stats: JobStats | None = None) -> None:
-    """What the access log line of ``request`` says after its status: the model, and the tokens once known."""
+    """What the access log line of ``request`` says after its status: the model, and the tokens once known; with
+    speculative decoding the draft tokens accepted of those proposed and the tokens per verification pass."""
+    spec = ""
+    if stats and stats.verify_steps:
+        spec = (f" drafts={stats.draft_accepted}/{stats.draft_proposed} "
+                f"tokens/pass={(stats.draft_accepted + stats.verify_steps) / stats.verify_steps:.2f}")
     request.scope.setdefault("state", {})["log"] = (
         f"model={model}" + (f" prompt={stats.prompt_tokens} cached={stats.cached_tokens} "
-                            f"completion={stats.completion_tokens}" if stats else ""))
+                            f"completion={stats.completion_tokens}{spec}" if stats else ""))
 
 
 def remaining_context(loaded: Loaded, tokens: list[int]) -> int:

@@ -11,6 +11,10 @@ under the operator's ``--models-dir`` folders (after symbolic links and ``..`` a
 loaded with ``--model``. Any other path is answered exactly as an unknown name is, so that the answer never tells
 whether the path exists.
 
+A text model may have a draft model (``serve --draft-model``): a smaller model of its vocabulary, loaded beside it
+with the same context length, sequences and KV cache type, counted in its memory and unloaded with it; its
+requests speculate with it by default (:mod:`~mlx_engine.server.scheduler`).
+
 ``keep_alive`` follows ollama: a duration (``"5m"``, ``"30s"``, ``"1h"``, or a number of seconds); 0 unloads the model
 as soon as its requests are done; a negative value keeps it loaded until the server stops.
 """
@@ -147,7 +151,7 @@ class ModelPool:
                  kv_bits: int | None = None, prefill_chunk: int = 512, memory_budget: int | None = None,
                  keep_alive: float = 300.0, max_queue: int = 64, store: Store | None = None,
                  parallel: str | None = None, transport: str = "any", activations: str | None = None,
-                 models_dirs: "list[str] | tuple[str, ...]" = (), pull: bool = True, speculative: str = "off",
+                 models_dirs: "list[str] | tuple[str, ...]" = (), pull: bool = True, speculative: str | None = None,
                  prompt_cache: PromptDiskCache | None = None):
         self.worker = worker
         self.prompt_cache = prompt_cache  # the prompt cache on disk, shared by the text models (None: off)
@@ -167,6 +171,7 @@ class ModelPool:
         self.keep_alive = keep_alive
         self.max_queue = max_queue
         self.speculative = speculative
+        self.drafts: dict[str, Any] = {}  # a text model's name: its draft model's ResolvedModel (add_draft)
         self.store = store or Store()
         self.models: dict[str, Loaded] = {}
         self._load_lock = asyncio.Lock()
@@ -241,6 +246,24 @@ class ModelPool:
             return None
         return p if (p / "model_index.json").is_file() else None
 
+    def add_draft(self, target: str, draft: str) -> str:
+        """Serve the text model ``target`` with the draft model ``draft`` (names or paths the operator gave; both
+        resolved now, catalog models pulled as ``--model`` is). Its vocabulary is checked when ``target`` loads.
+        Returns the target's name. Device-free; call it off the event loop.
+
+        Raises:
+            ModelNotFoundError: either resolves to nothing. InvalidRequestError: ``draft`` is an embedding model.
+        """
+        resolved = {}
+        for name in (target, draft):
+            self.permit(name)  # the operator chose it: requests may name its path too
+            resolved[name] = self.store.resolve(name, pull=True, progress=False)
+            self.permit(resolved[name].name)
+        if api.is_embedding_checkpoint(resolved[draft].path):
+            raise InvalidRequestError(f"--draft-model {draft} is an embedding model, not a text model")
+        self.drafts[resolved[target].name] = resolved[draft]
+        return resolved[target].name
+
     # ---- loading -------------------------------------------------------------------------------------------------
     async def text(self, name: str, keep_alive: float | None = None) -> Loaded:
         """The loaded text model for ``name``, loading it on first use."""
@@ -291,11 +314,13 @@ class ModelPool:
         before = api.memory_in_use()
         pinned = kind == "text" and key == self.parallel_model
         if kind == "text":
-            obj = api.Model(what.name, what.path, source=what.source, license=what.license,
-                            context_length=self.context_length, kv_bits=self.kv_bits,
-                            max_sequences=self.max_sequences, prefill_chunk=self.prefill_chunk, reserve=True,
-                            parallel=self.parallel if pinned else None, transport=self.transport,
-                            activations=self.activations)
+            obj = self._text_model(what, self.context_length, pinned)
+            if (draft := self.drafts.get(key)) is not None:
+                try:
+                    obj.attach_draft(self._text_model(draft, obj.context_length, False))
+                except BaseException:
+                    obj.close()
+                    raise
             path = str(what.path)
         elif kind == "embed":
             obj = api.EmbeddingModel(what.name, what.path, source=what.source, license=what.license)
@@ -317,6 +342,12 @@ class ModelPool:
                                         prompt_cache=disk)
             self.worker.add_scheduler(m.scheduler)
         return m
+
+    def _text_model(self, what: Any, context_length: int | None, pinned: bool) -> "api.Model":
+        return api.Model(what.name, what.path, source=what.source, license=what.license,
+                         context_length=context_length, kv_bits=self.kv_bits, max_sequences=self.max_sequences,
+                         prefill_chunk=self.prefill_chunk, reserve=True, parallel=self.parallel if pinned else None,
+                         transport=self.transport, activations=self.activations)
 
     def _make_room(self, key: str, need: int) -> None:
         free = self.memory_budget - self._used()

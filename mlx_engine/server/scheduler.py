@@ -17,7 +17,11 @@ design). Each call of :meth:`TextScheduler.step`, on the device thread:
    output (the masks are computed on the host while the device runs the step). A request with speculative decoding
    (``speculative``, or the server's ``--speculative`` default) puts its last token and its draft in the same pass
    (every sequence's drafts verified together); its verified tokens are fed to its state one by one and the
-   rejected cells removed from its sequence (:mod:`~mlx_engine.models.generation.speculative`).
+   rejected cells removed from its sequence (:mod:`~mlx_engine.models.generation.speculative`). With a draft model
+   (the runner's ``draft``) each sequence has its own sequence of the draft model's cache, and the sequences'
+   drafts are drafted together, one draft-model pass per draft token; a new prompt reaches the draft model one
+   prefill chunk per step (the sequence decodes plainly until then). Each sequence's draft length adapts to its
+   own acceptance (:class:`~mlx_engine.models.generation.speculative.DraftLength`).
 
 A finished request's slot keeps its tokens for reuse until the slot is needed (least recently used first): the cache
 was reserved at load for ``max_sequences`` full contexts, and that reserved pool is the prefix cache's byte budget.
@@ -46,7 +50,7 @@ from mlx_engine.models.generation.core import SequenceState
 from mlx_engine.models.generation.options import GenerationOptions
 from mlx_engine.models.text.reasoning import THINKING
 from mlx_engine.models.generation.runner import Runner, prompt_keys
-from mlx_engine.models.generation.speculative import DraftLength, judge, plan, record
+from mlx_engine.models.generation.speculative import DraftLength, judge, plan_all, record
 from mlx_engine.api.parallel import serving_peer_lost
 from mlx_engine.server.prompt_cache import ModelPromptCache
 
@@ -152,10 +156,12 @@ class TextScheduler:
     Args:
         runner: the model's runner (its cache holds ``runner.max_sequences`` slots).
         max_queue: requests that may wait for a slot; beyond that :meth:`submit` raises ``ServerBusyError``.
-        speculative: the ``speculative`` mode of requests that do not set one (``off``, ``lookup``, ``draft``).
+        speculative: the ``speculative`` mode of requests that do not set one (``off``, ``lookup``, ``draft``); None:
+            ``draft`` when the runner has a draft model, else ``off``. Where the default cannot run (``draft``
+            without a draft model, a recurrent model) a request that did not choose decodes plainly.
     """
 
-    def __init__(self, runner: Runner, *, max_queue: int = 64, speculative: str = "off",
+    def __init__(self, runner: Runner, *, max_queue: int = 64, speculative: str | None = None,
                  prompt_cache: "ModelPromptCache | None" = None):
         self.runner = runner
         self.prompt_cache = prompt_cache  # the prompt cache on disk (--prompt-cache-dir), or None
@@ -195,14 +201,20 @@ class TextScheduler:
         """Running, prefilling and queued requests; the cache's cells in use, the cells holding the tokens recorded
         for the slots (``cells_kept``: equal to ``cells_in_use`` when no request runs, else cells leaked) and those
         tokens (``tokens_kept``: the prefix cache's conversations and the running requests); speculative decoding's
-        totals (verification passes, draft tokens proposed and accepted). For status and tests."""
+        totals (verification passes, draft tokens proposed and accepted), with ``acceptance_rate`` (accepted over
+        proposed) and ``tokens_per_verification`` (the tokens a pass gave: the accepted draft tokens and the model's
+        own) once a pass ran. For status and tests."""
         with self._lock:
             queued = len(self._pending)
-        runner = self.runner
+        runner, d = self.runner, self.drafts
+        rates = {}
+        if d["verify_steps"]:
+            rates = {"acceptance_rate": d["draft_accepted"] / d["draft_proposed"] if d["draft_proposed"] else 0.0,
+                     "tokens_per_verification": (d["draft_accepted"] + d["verify_steps"]) / d["verify_steps"]}
         return {"decoding": len(self._decoding), "prefilling": len(self._prefilling), "queued": queued,
                 "cells_in_use": runner.cells_in_use(), "cells_kept": runner.cells_kept(),
                 "tokens_kept": sum(runner.cached_length(s.seq) for s in self._slots), "slots": len(self._slots),
-                **self.drafts}
+                **d, **rates}
 
     def busy(self) -> bool:
         return bool(self._pending or self._prefilling or self._decoding)
@@ -269,6 +281,8 @@ class TextScheduler:
             dst = min(free, key=lambda s: (runner.cached_length(s.seq) > 0, s.last_used))
             if best is not None:
                 runner.share_prefix(best.seq, dst.seq, job.keys)
+                if runner.draft is not None:  # the draft model's cache follows: the prefix need not run on it
+                    runner.draft.share_prefix(best.seq, dst.seq, tokens)
         dst.job, job.seq = job, dst.seq
         req.sequence = dst.seq
         try:
@@ -357,8 +371,10 @@ class TextScheduler:
         state and its rejected cells removed. A cache without room for the drafts runs one token each."""
         ctx = self.backend.new_context()
         try:
-            runs = [plan(j.state, j.tokens, j.drafter, j.length) if j.drafter is not None else ([j.next_token], j.pos)
-                    for j in jobs]
+            drafting = [j for j in jobs if j.drafter is not None]
+            planned = dict(zip(drafting, plan_all([(j.state, j.tokens, j.drafter, j.length) for j in drafting],
+                                                  catch_up=True)))
+            runs = [planned.get(j, ([j.next_token], j.pos)) for j in jobs]
             try:
                 logits = self.runner.verify(ctx, [(j.seq, ids, pos) for j, (ids, pos) in zip(jobs, runs)])
             except CacheFullError:

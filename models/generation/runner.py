@@ -194,9 +194,10 @@ class Runner:
                 raise InvalidRequestError(f"an image at tokens {im.start}..{im.start + im.count - 1} of a prompt of "
                                           f"{len(req.tokens)}")
 
-    def _reuse(self, seq: int, tokens: Sequence[int], images: Sequence[PromptImage] = ()) -> int:
+    def rewind(self, seq: int, tokens: Sequence[int], images: Sequence[PromptImage] = ()) -> int:
         """Drop what the cache holds for ``seq`` beyond its common prefix with ``tokens`` (cache keys: see
-        :func:`prompt_keys`); return that length."""
+        :func:`prompt_keys`; at most ``len(tokens) - 1``, whole images; a recurrent state: back to its nearest
+        checkpoint); return that length: ``tokens`` from there on are what ``seq`` must run next."""
         cached = self._cached.get(seq, [])
         n = min(_common_prefix(cached, tokens), len(tokens) - 1)  # at least one token must run to give logits
         n = min([im.start for im in images if im.start < n < im.start + im.count], default=n)  # whole images
@@ -296,7 +297,7 @@ class Runner:
         ``tokens``; each runs through the vision encoder (in a context of its own) when its chunk comes.
         """
         keys = prompt_keys(tokens, images)
-        start = self._reuse(seq, keys, images)
+        start = self.rewind(seq, keys, images)
         bounds = self.chunk_bounds(start, len(tokens), [(im.start, im.start + im.count) for im in images])
         ck = self._checkpoints()
         states = self.cache if isinstance(self.cache, Checkpoints) else None
@@ -513,15 +514,17 @@ class Runner:
                              lambda ids, pos: self.verify(ctx, [(seq, ids, pos)]), keep,
                              np.random.default_rng(seed), stats)
 
-    def verify(self, ctx, drafts: Sequence[tuple[int, Sequence[int], int]]) -> Tensor:
+    def verify(self, ctx, drafts: Sequence[tuple[int, Sequence[int], int]], *, last: bool = False) -> Tensor:
         """One forward pass over several sequences' runs of tokens: ``(sequence, ids, pos)`` puts ``ids`` at
         positions ``pos ..`` of ``sequence`` (each sequence at most once). Returns logits ``[sum of len(ids),
-        vocab]`` (lazy), every row, in that order, and records the tokens as cached (:meth:`truncate` takes back a
-        rejected draft). Raises ``CacheFullError`` with the cache unchanged when it has no room."""
+        vocab]`` (lazy), every row, in that order (with ``last``: ``[len(drafts), vocab]``, the row of each run's
+        last token), and records the tokens as cached (:meth:`truncate` takes back a rejected draft). Raises
+        ``CacheFullError`` with the cache unchanged when it has no room."""
         ids = np.concatenate([np.asarray(d[1], np.int32) for d in drafts])
         positions = np.concatenate([np.arange(p, p + len(t)) for _, t, p in drafts])
         sequences = np.concatenate([np.full(len(t), s) for s, t, _ in drafts])
-        logits = self.model.forward(ctx, Batch(ids, positions, sequences, np.arange(len(ids))), self.cache)
+        outputs = np.cumsum([len(t) for _, t, _ in drafts]) - 1 if last else np.arange(len(ids))
+        logits = self.model.forward(ctx, Batch(ids, positions, sequences, outputs), self.cache)
         for s, t, _ in drafts:
             self._cached.setdefault(int(s), []).extend(int(x) for x in t)
         return logits

@@ -17,7 +17,7 @@ The first drafter is prompt lookup (:class:`PromptLookup`): the longest match of
 ``--lookup``, transformers' ``prompt_lookup_num_tokens``, vLLM's ``ngram``). It costs no model and helps where the
 output copies the input (rewriting, editing code, quoting a document). The second is a draft model of the same
 vocabulary (:class:`~mlx_engine.models.generation.draft_model.DraftModel`). The server's scheduler verifies several sequences'
-drafts in one pass with :func:`plan`, :func:`judge` and :func:`record`, the parts :func:`speculate` is made of.
+drafts in one pass with :func:`plan_all`, :func:`judge` and :func:`record`, the parts :func:`speculate` is made of.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import numpy as np
 from mlx_engine.errors import CacheFullError, InvalidRequestError
 from mlx_engine.kvcache.recurrent import RecurrentCache
 from mlx_engine.ml import Context, DType, Tensor
-from mlx_engine.models.generation.draft_model import DraftModel
+from mlx_engine.models.generation.draft_model import DraftModel, draft_together
 from mlx_engine.models.generation.core import SequenceState
 
 __all__ = ["Drafter", "PromptLookup", "DraftLength", "verify_token", "SPECULATIVE_MODES", "make_drafter", "plan",
-           "judge", "record", "speculate"]
+           "plan_all", "judge", "record", "speculate"]
 
 #: the values of the ``speculative`` option
 SPECULATIVE_MODES = ("off", "lookup", "draft")
@@ -139,10 +139,28 @@ def make_drafter(mode: str, *, cache: Any = None, architecture: str = "", draft_
 def plan(state: SequenceState, prompt: Sequence[int], drafter: Drafter, length: DraftLength) -> tuple[list[int], int]:
     """The next verification pass of a sequence: ``(ids, pos)``, its last accepted token followed by a draft of at
     most ``length.k`` tokens (within what ``max_tokens`` and the context leave), and the position of ``ids[0]``."""
-    pos = state.prompt_length + state.generated - 1  # where the last accepted token goes
-    k = min(length.k, state.max_tokens - state.generated - 1, state.context_length - pos - 1)
-    draft = drafter.draft([*prompt, *state.tokens], k) if k > 0 else []
-    return [state.tokens[-1], *draft], pos
+    return plan_all([(state, prompt, drafter, length)])[0]
+
+
+def plan_all(runs: Sequence[tuple[SequenceState, Sequence[int], Drafter, DraftLength]],
+             catch_up: bool = False) -> list[tuple[list[int], int]]:
+    """:func:`plan` for several sequences (``runs``: ``(state, prompt, drafter, length)`` each), the sequences that
+    draft with one draft model drafting together (:func:`~mlx_engine.models.generation.draft_model.draft_together`,
+    with its ``catch_up``: the server's, so that a new prompt reaches the draft model one chunk per step)."""
+    ks = [min(length.k, st.max_tokens - st.generated - 1, st.context_length - (st.prompt_length + st.generated))
+          for st, _, _, length in runs]
+    drafts: list[list[int]] = [[] for _ in runs]
+    together: dict[int, list[int]] = {}  # the runs of each draft model (by its runner)
+    for i, (st, prompt, drafter, _) in enumerate(runs):
+        if isinstance(drafter, DraftModel):
+            together.setdefault(id(drafter.runner), []).append(i)
+        elif ks[i] > 0:
+            drafts[i] = drafter.draft([*prompt, *st.tokens], ks[i])
+    for group in together.values():
+        got = draft_together([(runs[i][2], [*runs[i][1], *runs[i][0].tokens], ks[i]) for i in group], catch_up)
+        for i, d in zip(group, got):
+            drafts[i] = d
+    return [([st.tokens[-1], *d], st.prompt_length + st.generated - 1) for (st, _, _, _), d in zip(runs, drafts)]
 
 
 def judge(ctx: Context, state: SequenceState, ids: list[int], logits: Tensor, rng: np.random.Generator,
