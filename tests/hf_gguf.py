@@ -153,9 +153,22 @@ def quantize(src: "str | Path", out: "str | Path", kind: str) -> Path:
     return out
 
 
-_LOGITS = """
-import sys
+# llama.cpp's reference CPU kernels, without its extra buffer types (weights repacked for AMX tiles or wider
+# registers): those crash where the OS does not grant a process AMX's tile state (seen on a VM whose CPU lists amx),
+# and the parity checks concern the model's maths, not llama.cpp's speed.
+_NO_REPACK = """
 import llama_cpp
+_default_params = llama_cpp.llama_model_default_params
+def _params():
+    p = _default_params()
+    p.use_extra_bufts = False
+    return p
+llama_cpp.llama_model_default_params = _params
+llama_cpp.llama_cpp.llama_model_default_params = _params
+"""
+
+_LOGITS = _NO_REPACK + """
+import sys
 import numpy as np
 tokens = [int(t) for t in sys.argv[2].split(",")]
 # its KV cache in float32 (GGML_TYPE_F32 = 0), not its default float16, so that parity bounds measure the model
@@ -182,9 +195,8 @@ def llama_cpp_logits(path: "str | Path", tokens: list[int]) -> np.ndarray:
         return np.load(out)
 
 
-_EMBED = """
+_EMBED = _NO_REPACK + """
 import json, sys
-import llama_cpp
 texts = json.loads(sys.argv[2])
 llm = llama_cpp.Llama(sys.argv[1], embedding=True, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
 vectors = llm.embed(texts, normalize=True)
@@ -210,9 +222,8 @@ def llama_cpp_embeddings(path: "str | Path", texts: list[str]) -> tuple[np.ndarr
     return np.asarray(out["vectors"], np.float32), out["tokens"]
 
 
-_RANK = """
+_RANK = _NO_REPACK + """
 import json, sys
-import llama_cpp
 query, documents = json.loads(sys.argv[2])
 llm = llama_cpp.Llama(sys.argv[1], embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK, n_ctx=512,
                       n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
