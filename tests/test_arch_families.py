@@ -1,7 +1,8 @@
 """The proof of each dense architecture (issue 60; the harness is tests/arch_proof.py): a small random model of
-transformers' own config class with peaked logits, its folder, llama.cpp's F32 file and the Q8_0 / Q4_K_M files its
-quantizer makes from it; our logits against transformers' (on the dequantized weights for the quantized files) and
-against llama.cpp's, an ollama name, and a bad config refused. One row of :data:`FAMILIES` per architecture: what
+transformers' own config class with peaked logits, its folder, llama.cpp's F32 file and the F16 / Q8_0 / Q4_K_M files
+its quantizer makes from it (and, for :data:`WIDE`'s families, a Q6_K file of a model 256 wide); our logits against
+transformers' (on the file's dequantized weights but for F32) and against llama.cpp's, an ollama name, and a bad config
+refused. One row of :data:`FAMILIES` per architecture: what
 its random model exercises is in the row's comment. Mixtures of experts and hybrid models have their own modules."""
 
 from __future__ import annotations
@@ -123,10 +124,11 @@ def _phi3():  # Phi-3 / Phi-4: fused projections, GQA, partial rotary (Phi-4-min
 
 
 #: Against llama.cpp's Q4_K_M perplexity ours runs with 8-bit activations (``activations="int8"``), as llama.cpp's
-#: CPU products do, held to 5 %: with float activations these random peaked models amplify llama.cpp's rounding into
-#: 6-17 % (measured: qwen2 +6 %, mistral3 +16.5 %, phi3 +17 %), while the int8 path came to granite +1.9 %,
-#: mistral3 -1.5 %, phi3 +3.1 % of llama.cpp's (see :func:`arch_proof.check_llama_cpp`).
-LLAMA_CPP = {"activations": "int8", "bound": 0.05}
+#: CPU products do (x per 32 as its Q8_0 / Q8_1 blocks, scales in float16), held to the issue's 1 %. At hidden 64 the
+#: file holds Q5_0 and Q8_0 (no row is 256 long), whose products take exactly those blocks. With float activations these
+#: random peaked models amplify llama.cpp's rounding into 6-17 % (qwen2 +6 %, mistral3 +16.5 %, phi3 +17 %); with
+#: float32 scales in the int8 blocks (before they were rounded to float16 as llama.cpp's) 1.5-3 %.
+LLAMA_CPP = {"activations": "int8", "bound": 0.01}
 FAMILIES = {
     "qwen2": Family(_qwen2, "qwen2.5:0.5b", {"num_key_value_heads": 3}, "not a multiple of 3 key/value heads"),
     "gemma2": Family(_gemma2, "gemma2:2b", {"attn_logit_softcapping": -50.0}, "soft-cap -50.0 must be a positive "
@@ -157,14 +159,15 @@ def made(arch, tmp_path_factory, smollm2_gguf) -> arch_proof.Made:
     f = FAMILIES[arch]
     tokenizer = (arch_proof.sentencepiece_tokenizer(f.sentencepiece) if f.sentencepiece
                  else arch_proof.smollm2_tokenizer(smollm2_gguf))
-    return arch_proof.make(tmp_path_factory.mktemp(arch), f.config(), tokenizer, tokenizer_class=f.tokenizer_class)
+    return arch_proof.make(tmp_path_factory.mktemp(arch), f.config(), tokenizer, tokenizer_class=f.tokenizer_class,
+                           kinds=("F16", "Q8_0", "Q4_K_M"))
 
 
 def test_folder_matches_transformers(arch, made):
     print(f"{arch} folder vs transformers:", arch_proof.check_folder(made, chunk=FAMILIES[arch].chunk))
 
 
-@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_K_M"])
 def test_gguf_matches_transformers(arch, made, kind):
     f = FAMILIES[arch]
     print(f"{arch} {kind} vs transformers:", arch_proof.check_gguf(made, kind, arch, f.undo, chunk=f.chunk))
@@ -195,3 +198,27 @@ def test_phi3_takes_its_long_factors_past_the_original_context(arch, made):
     ref = arch_proof.reference(made.model, tokens)
     assert arch_proof.distance(arch_proof.ours(made.folder, tokens, chunk=16, context=512), ref) < 1e-4
     assert arch_proof.distance(arch_proof.ours(made.folder, tokens, chunk=16, context=PHI3_ORIGINAL), ref) > 1e-2
+
+
+#: Q6_K (and Q4_K_M's K-quants) need rows of 256: at hidden 64 llama.cpp's quantizer writes Q8_0 for a Q6_K file and
+#: Q5_0 / Q8_0 for a Q4_K_M one (llama_tensor_get_type's fallback). These families are proven on Q6_K with a model 256
+#: wide (MLP 512, heads of 64), whose every matrix is Q6_K: qwen2 (biases, a tied head) and gemma2 (norms holding
+#: 1 + w, soft-caps, its own vocabulary).
+WIDE = {"qwen2": {"hidden_size": 256, "intermediate_size": 512},
+        "gemma2": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "query_pre_attn_scalar": 64}}
+
+
+@pytest.mark.parametrize("wide_arch", sorted(WIDE))
+def test_q6_k_matches_transformers(wide_arch, tmp_path, smollm2_gguf):
+    import gguf
+
+    f = FAMILIES[wide_arch]
+    config = f.config()
+    for key, value in WIDE[wide_arch].items():
+        setattr(config, key, value)
+    tokenizer = (arch_proof.sentencepiece_tokenizer(f.sentencepiece) if f.sentencepiece
+                 else arch_proof.smollm2_tokenizer(smollm2_gguf))
+    made = arch_proof.make(tmp_path, config, tokenizer, tokenizer_class=f.tokenizer_class, kinds=("Q6_K",))
+    types = {t.tensor_type.name for t in gguf.GGUFReader(made.gguf["Q6_K"]).tensors if len(t.shape) == 2}
+    assert types == {"Q6_K"}, types
+    print(f"{wide_arch} Q6_K vs transformers:", arch_proof.check_gguf(made, "Q6_K", wide_arch, f.undo, chunk=f.chunk))
