@@ -94,7 +94,11 @@ def folders(tmp_path_factory, smollm2_gguf) -> dict[str, tuple[Path, list[int]]]
             # the names of the released checkpoints' config.json (transformers 4's), which mlx-lm reads:
             # transformers 5 writes rope_parameters and num_local_experts instead
             config = json.loads((folder / "config.json").read_text())
-            config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+            rope = config["rope_parameters"]
+            if "full_attention" in rope:  # Gemma 3: one per layer type
+                config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+                rope = rope["full_attention"]
+            config["rope_theta"] = rope["rope_theta"]
             if "num_local_experts" in config:
                 config["num_experts"] = config["num_local_experts"]
             (folder / "config.json").write_text(json.dumps(config))
