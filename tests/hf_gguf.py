@@ -27,7 +27,7 @@ import numpy as np
 LLAMA_CPP_PYTHON = "0.3.36"
 
 #: llama.cpp's file types by ``llama-quantize``'s names (``enum llama_ftype`` in llama.h).
-FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_S": 14,
+FTYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_S": 14,
           "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30, "MXFP4_MOE": 38}
 
 
@@ -153,22 +153,23 @@ def quantize(src: "str | Path", out: "str | Path", kind: str) -> Path:
     return out
 
 
-# llama.cpp's reference CPU kernels, without its extra buffer types (weights repacked for AMX tiles or wider
-# registers): those crash where the OS does not grant a process AMX's tile state (seen on a VM whose CPU lists amx),
-# and the parity checks concern the model's maths, not llama.cpp's speed.
-_NO_REPACK = """
+# llama.cpp's plain CPU products (ggml-quants' dot products), as every machine computes them: its extra buffer types
+# (weights repacked for its AVX2 / AVX-512 GEMMs, or for AMX where the build has it) are chosen by the CPU, compute
+# in layouts of their own, and the AMX one crashes (SIGSEGV in decode) on this project's AMX machines.
+_PLAIN_CPU = """
 import llama_cpp
-_default_params = llama_cpp.llama_model_default_params
-def _params():
-    p = _default_params()
-    p.use_extra_bufts = False
-    return p
-llama_cpp.llama_model_default_params = _params
-llama_cpp.llama_cpp.llama_model_default_params = _params
+_default_params = llama_cpp.llama_cpp.llama_model_default_params
+def _plain_params():
+    params = _default_params()
+    params.use_extra_bufts = False
+    return params
+llama_cpp.llama_cpp.llama_model_default_params = _plain_params
 """
 
-_LOGITS = _NO_REPACK + """
+
+_LOGITS = _PLAIN_CPU + """
 import sys
+import llama_cpp
 import numpy as np
 tokens = [int(t) for t in sys.argv[2].split(",")]
 # its KV cache in float32 (GGML_TYPE_F32 = 0), not its default float16, so that parity bounds measure the model
@@ -195,8 +196,9 @@ def llama_cpp_logits(path: "str | Path", tokens: list[int]) -> np.ndarray:
         return np.load(out)
 
 
-_EMBED = _NO_REPACK + """
+_EMBED = _PLAIN_CPU + """
 import json, sys
+import llama_cpp
 texts = json.loads(sys.argv[2])
 llm = llama_cpp.Llama(sys.argv[1], embedding=True, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
 vectors = llm.embed(texts, normalize=True)
@@ -222,8 +224,9 @@ def llama_cpp_embeddings(path: "str | Path", texts: list[str]) -> tuple[np.ndarr
     return np.asarray(out["vectors"], np.float32), out["tokens"]
 
 
-_RANK = _NO_REPACK + """
+_RANK = _PLAIN_CPU + """
 import json, sys
+import llama_cpp
 query, documents = json.loads(sys.argv[2])
 llm = llama_cpp.Llama(sys.argv[1], embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK, n_ctx=512,
                       n_batch=512, n_ubatch=512, n_threads=2, verbose=False)

@@ -1,7 +1,8 @@
 """The proof of each dense architecture (issue 60; the harness is tests/arch_proof.py): a small random model of
-transformers' own config class with peaked logits, its folder, llama.cpp's F32 file and the Q8_0 / Q4_K_M files its
-quantizer makes from it; our logits against transformers' (on the dequantized weights for the quantized files) and
-against llama.cpp's, an ollama name, and a bad config refused. One row of :data:`FAMILIES` per architecture: what
+transformers' own config class with peaked logits, its folder, llama.cpp's F32 file and the F16 / Q8_0 / Q4_K_M files
+its quantizer makes from it (and, for :data:`WIDE`'s families, a Q6_K file of a model 256 wide); our logits against
+transformers' (on the file's dequantized weights but for F32) and against llama.cpp's, an ollama name, and a bad config
+refused. One row of :data:`FAMILIES` per architecture: what
 its random model exercises is in the row's comment. Mixtures of experts and hybrid models have their own modules."""
 
 from __future__ import annotations
@@ -123,14 +124,22 @@ def _phi3():  # Phi-3 / Phi-4: fused projections, GQA, partial rotary (Phi-4-min
 
 
 #: Against llama.cpp's Q4_K_M perplexity ours runs with 8-bit activations (``activations="int8"``), as llama.cpp's
-#: CPU products do, held to 5 %: with float activations these random peaked models amplify llama.cpp's rounding into
-#: 6-17 % (measured: qwen2 +6 %, mistral3 +16.5 %, phi3 +17 %), while the int8 path came to granite +1.9 %,
-#: mistral3 -1.5 %, phi3 +3.1 % of llama.cpp's (see :func:`arch_proof.check_llama_cpp`).
-LLAMA_CPP = {"activations": "int8", "bound": 0.05}
+#: CPU products do (x per 32 as its Q8_0 / Q8_1 blocks, their scales in float16), held to the issue's 1 %. At hidden 64
+#: the file holds Q5_0 and Q8_0 (no row is 256 long), whose products take exactly those blocks. Measured: granite,
+#: mistral3, olmo2 and smollm3 within 6e-8 of llama.cpp's perplexity, qwen2 -0.14 %. With float activations these
+#: random peaked models amplify llama.cpp's rounding into 6-17 % (qwen2 +6 %, mistral3 +16.5 %, phi3 +17 %); with the
+#: int8 blocks' scales in float32 (ours before they were rounded to float16, as llama.cpp's are) 1.5-3 %.
+LLAMA_CPP = {"activations": "int8", "bound": 0.01}
+#: gemma2 and phi3 stay at 5 %. gemma2 (-2.2 %): llama.cpp departs from float32 maths beyond the products' rounding
+#: (transformers with llama.cpp's int8 blocks emulated is 1.4 % from llama.cpp, where qwen2's is 0.015 % from it; its
+#: GELU through a float16 table, ggml's GGML_GELU_FP16, emulated too, takes that to 0.9 %), and these models amplify
+#: every such difference. phi3 (+2.2 %): compared over 16 tokens only (15 predictions; llama.cpp turns its window
+#: off), not yet explained further.
+LOOSER = 0.05
 FAMILIES = {
     "qwen2": Family(_qwen2, "qwen2.5:0.5b", {"num_key_value_heads": 3}, "not a multiple of 3 key/value heads"),
     "gemma2": Family(_gemma2, "gemma2:2b", {"attn_logit_softcapping": -50.0}, "soft-cap -50.0 must be a positive "
-                     "number", sentencepiece=256, undo=_gemma_norms),
+                     "number", sentencepiece=256, undo=_gemma_norms, llama_cpp={"bound": LOOSER}),
     "olmo2": Family(_olmo2, "olmo2:7b", {"intermediate_size": 96}, "has shape .* but the model config implies"),
     "smollm3": Family(_smollm3, "smollm3:3b", {"no_rope_layers": [1, 1, 0]}, "no_rope_layers has 3 entries for 4 "
                       "layers", undo=arch_proof.llama_undo(4, 2)),
@@ -143,7 +152,7 @@ FAMILIES = {
     # 256 tokens, past the original 128, so it takes the long factors, as we do for that context.
     "phi3": Family(_phi3, "phi4-mini:3.8b", {"sliding_window": -4}, r"sliding_window = -\d+; it must be at least 2",
                    tokenizer_class="GPT2Tokenizer", chunk=16,
-                   llama_cpp={"tokens": PHI3_WINDOW, "context": 256}),
+                   llama_cpp={"tokens": PHI3_WINDOW, "context": 256, "bound": LOOSER}),
 }
 
 
@@ -157,14 +166,15 @@ def made(arch, tmp_path_factory, smollm2_gguf) -> arch_proof.Made:
     f = FAMILIES[arch]
     tokenizer = (arch_proof.sentencepiece_tokenizer(f.sentencepiece) if f.sentencepiece
                  else arch_proof.smollm2_tokenizer(smollm2_gguf))
-    return arch_proof.make(tmp_path_factory.mktemp(arch), f.config(), tokenizer, tokenizer_class=f.tokenizer_class)
+    return arch_proof.make(tmp_path_factory.mktemp(arch), f.config(), tokenizer, tokenizer_class=f.tokenizer_class,
+                           kinds=("F16", "Q8_0", "Q4_K_M"))
 
 
 def test_folder_matches_transformers(arch, made):
     print(f"{arch} folder vs transformers:", arch_proof.check_folder(made, chunk=FAMILIES[arch].chunk))
 
 
-@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_K_M"])
 def test_gguf_matches_transformers(arch, made, kind):
     f = FAMILIES[arch]
     print(f"{arch} {kind} vs transformers:", arch_proof.check_gguf(made, kind, arch, f.undo, chunk=f.chunk))
@@ -195,3 +205,27 @@ def test_phi3_takes_its_long_factors_past_the_original_context(arch, made):
     ref = arch_proof.reference(made.model, tokens)
     assert arch_proof.distance(arch_proof.ours(made.folder, tokens, chunk=16, context=512), ref) < 1e-4
     assert arch_proof.distance(arch_proof.ours(made.folder, tokens, chunk=16, context=PHI3_ORIGINAL), ref) > 1e-2
+
+
+#: Q6_K (and Q4_K_M's K-quants) need rows of 256: at hidden 64 llama.cpp's quantizer writes Q8_0 for a Q6_K file and
+#: Q5_0 / Q8_0 for a Q4_K_M one (llama_tensor_get_type's fallback). These families are proven on Q6_K with a model 256
+#: wide (MLP 512, heads of 64), whose every matrix is Q6_K: qwen2 (biases, a tied head) and gemma2 (norms holding
+#: 1 + w, soft-caps, its own vocabulary).
+WIDE = {"qwen2": {"hidden_size": 256, "intermediate_size": 512},
+        "gemma2": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "query_pre_attn_scalar": 64}}
+
+
+@pytest.mark.parametrize("wide_arch", sorted(WIDE))
+def test_q6_k_matches_transformers(wide_arch, tmp_path, smollm2_gguf):
+    import gguf
+
+    f = FAMILIES[wide_arch]
+    config = f.config()
+    for key, value in WIDE[wide_arch].items():
+        setattr(config, key, value)
+    tokenizer = (arch_proof.sentencepiece_tokenizer(f.sentencepiece) if f.sentencepiece
+                 else arch_proof.smollm2_tokenizer(smollm2_gguf))
+    made = arch_proof.make(tmp_path, config, tokenizer, tokenizer_class=f.tokenizer_class, kinds=("Q6_K",))
+    types = {t.tensor_type.name for t in gguf.GGUFReader(made.gguf["Q6_K"]).tensors if len(t.shape) == 2}
+    assert types == {"Q6_K"}, types
+    print(f"{wide_arch} Q6_K vs transformers:", arch_proof.check_gguf(made, "Q6_K", wide_arch, f.undo, chunk=f.chunk))

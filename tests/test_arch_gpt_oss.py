@@ -32,7 +32,7 @@ def made(tmp_path_factory, smollm2_gguf):
                           num_experts_per_tok=TOP_K, sliding_window=8, max_position_embeddings=512,
                           rope_parameters=ROPE, tie_word_embeddings=False)
     return arch_proof.make(tmp_path_factory.mktemp("gpt_oss"), config, arch_proof.smollm2_tokenizer(smollm2_gguf),
-                           quantized="MXFP4_MOE")
+                           kinds=("Q8_0", "MXFP4_MOE"))
 
 
 def _dequantized(made: arch_proof.Made, path):

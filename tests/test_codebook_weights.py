@@ -90,11 +90,17 @@ def test_quantized_array_refuses_a_codebook_that_does_not_fit():
 
 
 def int8_x(x: "mx.array", levels: int = 127) -> np.ndarray:
-    """x as the int8 activations see it (llama.cpp's Q8_0 blocks: d = max|x| / 127 per 32, x_q = round(x / d)), as
-    float64 ``d * x_q``; ``levels=32639``: as the int16 activations see it."""
+    """x as the int8 activations see it (llama.cpp's Q8_0 blocks: x_q = round(x * 127 / max|x|) per 32, d = max|x| /
+    127 in float16), as float64 ``d * x_q``; ``levels=32639``: as the int16 activations see it (x_q = round(x / d),
+    d in float32)."""
     blocks = np.array(x, np.float32).reshape(x.shape[0], -1, 32)
-    d = (np.abs(blocks).max(-1) / np.float32(levels)).astype(np.float32)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    amax = np.abs(blocks).max(-1)
+    d = (amax / np.float32(levels)).astype(np.float32)
+    if levels == 127:
+        inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
+        d = d.astype(np.float16).astype(np.float32)
+    else:
+        inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     return (np.rint(blocks * inv[..., None]) * d[..., None].astype(np.float64)).reshape(x.shape)
 
 

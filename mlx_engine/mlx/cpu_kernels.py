@@ -151,18 +151,30 @@ def _gather_self_test(fn, one) -> str | None:
 
 
 def _int8_self_test(fn, kind: str = "int8") -> str | None:
-    """int8 activations compute x_hat @ w.T, x_hat = d * round(x / d) per 32 elements (d = max|x| / 127; int16: /
-    32639): the integer sums are exact, the biases meet x_hat's sums. Checked against MLX's float product with
-    x_hat, with and without biases; None when they agree."""
-    x = mx.random.normal((5, 160), key=mx.random.key(11))
-    d = mx.abs(x.reshape(5, 5, 32)).max(axis=-1, keepdims=True) / (127 if kind == "int8" else 32639)
-    x_hat = (mx.round(x.reshape(5, 5, 32) * (1 / d)) * d).reshape(5, 160)
+    """int8 activations compute x_hat @ w.T per 32 elements as llama.cpp's Q8_0 / Q8_1 blocks: x_q = round(x * 127 /
+    max|x|), x_hat = d * x_q with d = max|x| / 127 in float16, a bias meeting its group's float16 sum d * sum(x_q)
+    (int16: x_q = round(x / d), d = max|x| / 32639 in float32, the sums d * sum(x_q)); a symmetric weight's integer
+    sums take w_q - 2**(bits - 1); the integer sums are exact.
+    Checked against MLX's float product, with and without biases; None when they agree."""
+    x = mx.random.normal((5, 160), key=mx.random.key(11)).reshape(5, 5, 32)
+    amax = mx.abs(x).max(axis=-1, keepdims=True)
+    if kind == "int8":
+        q = mx.round(x * (127 / amax))
+        d = (amax / 127).astype(mx.float16).astype(mx.float32)
+        sums = (amax / 127 * q.sum(axis=-1, keepdims=True)).astype(mx.float16).astype(mx.float32)
+    else:
+        d = amax / 32639
+        q = mx.round(x * (1 / d))
+        sums = d * q.sum(axis=-1, keepdims=True)
+    x_hat = (q * d).reshape(5, 160)
     for bits in (4, 5, 8):
-        q, s, b = mx.quantize(mx.random.normal((24, 160), key=mx.random.key(bits)), group_size=32, bits=bits)
+        wq, s, b = mx.quantize(mx.random.normal((24, 160), key=mx.random.key(bits)), group_size=32, bits=bits)
         for biases in (b, None):
-            w = mx.dequantize(q, s, s * -(2 ** (bits - 1)) if biases is None else biases, group_size=32, bits=bits)
-            want = x_hat @ w.T
-            err = mx.abs(fn(x, q, s, biases, 32, bits, kind) - want).max().item()
+            if biases is None:  # symmetric: integer sums of (w_q - 2**(bits - 1)) * x_q, no sums of x
+                want = x_hat @ mx.dequantize(wq, s, s * -(2 ** (bits - 1)), group_size=32, bits=bits).T
+            else:
+                want = x_hat @ mx.dequantize(wq, s, mx.zeros_like(s), group_size=32, bits=bits).T + sums[..., 0] @ b.T
+            err = mx.abs(fn(x.reshape(5, 160), wq, s, biases, 32, bits, kind) - want).max().item()
             if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
                 return f"{bits}-bit product with {kind} activations off by {err:.3g}"
     return None

@@ -17,7 +17,8 @@ inside the file and no two overlap. Only then is the file memory-mapped, so a co
 mlx-community quantized folders (``config.json`` with ``"quantization": {"group_size": 64, "bits": 4}`` and optional
 per-module overrides) store a quantized linear ``p`` as ``p.weight`` (U32), ``p.scales`` and ``p.biases``: these come
 back as one :class:`QuantizedArray` under ``p.weight`` (2-D, or 3-D for mlx-lm's stacked experts ``switch_mlp``;
-affine mode, 2/4/8 bits), and ``p.scales`` / ``p.biases`` are not listed separately.
+affine mode, 2, 3, 4, 5, 6 or 8 bits, each module at its own width), and ``p.scales`` / ``p.biases`` are not listed
+separately.
 
 This module imports NumPy only (never ``mlx``).
 """
@@ -365,7 +366,7 @@ class SafetensorsFile(WeightFile):
     def shape(self, name: str) -> tuple[int, ...]:
         e = self.info(name)
         g = self._quant.get(name)
-        if g is not None and len(e.shape) == 2 and 32 % g.bits == 0:
+        if g is not None and len(e.shape) == 2 and e.shape[1] * 32 % g.bits == 0:
             return (e.shape[0], e.shape[1] * 32 // g.bits)
         return e.shape
 
@@ -397,8 +398,8 @@ class SafetensorsFile(WeightFile):
 
     def _load_quantized(self, name: str, e: SafetensorsTensorInfo, g: _QuantGroup) -> QuantizedArray:
         src = f"{e.file}: quantized tensor {name!r}"
-        if g.bits not in (2, 4, 8):
-            raise WeightsError(f"{src}: {g.bits}-bit MLX quantization is not supported (2, 4 or 8 bits)")
+        if g.bits not in (2, 3, 4, 5, 6, 8):  # MLX's affine widths (3, 5 and 6 bits: a bitstream across words)
+            raise WeightsError(f"{src}: {g.bits}-bit MLX quantization is not supported (2, 3, 4, 5, 6 or 8 bits)")
         s_shard, s = self._entries[g.scales]
         b_shard, b = self._entries[g.biases]
         if len(e.shape) not in (2, 3):

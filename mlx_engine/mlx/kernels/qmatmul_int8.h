@@ -1,8 +1,10 @@
 // x quantized to int8 for qmatmul's int8 kernels (AVX-512 VNNI: qmatmul_int8.inc; AVX2: qmatmul_int8_avx2.inc),
 // the one layout both read, so that either gives the same integer sums.
 //
-// x is quantized per 32 elements as llama.cpp quantizes activations for its integer dot products (its Q8_0 block,
-// ggml-quants.c quantize_row_q8_0): d = max|x| / 127, q = round(x / d) (to nearest even), q in [-127, 127].
+// x is quantized per 32 elements as llama.cpp quantizes activations for its integer dot products (its Q8_0 and Q8_1
+// blocks, quantize_row_q8_0 / _q8_1 of ggml-cpu's x86 quants.c): q = round(x * 127 / max|x|) (to nearest even), q in
+// [-127, 127], d = max|x| / 127 held in float16 (as_stored), the biases' sums d * sum(q) in float16 too (Q8_1's s).
+// (llama.cpp's K-quant products take Q8_K blocks instead: one float32 d per 256 elements; not modelled here.)
 // int16 activations (AVX-512 VNNI only): d = max|x| / 32639, q = round(x / d) = 256 hi + lo with hi and lo both in
 // [-128, 127] (hi = (q + 128) >> 8), each part a record's int8 bytes as above; the kernel sums w_q * hi and w_q * lo
 // with the same vpdpbusd and takes (sum_hi << 8) + sum_lo, exact in int32. x's rounding is then at most
@@ -12,7 +14,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "half.h"
+
 namespace mlx_engine::int8 {
+
+// A block's d, and the sum d * sum(x_q) that biases meet, as llama.cpp's Q8_0 and Q8_1 blocks hold them: in float16
+// (GGML_CPU_FP32_TO_FP16). Its products multiply the integer sums by these, not by the float32 d.
+inline float as_stored(float v) { return half_to_float(float_to_half(v)); }
 
 // x quantized, as the row kernels read it: per row, one record per kernel step holding the step's x_q and the
 // 16 lanes of d and of the x_q sums that its 16 int32 sums meet (lane l: bytes 4l .. 4l + 3 of the step's x_q, as
