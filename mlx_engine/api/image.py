@@ -53,6 +53,8 @@ def load_image_model(model: "str | Path | None" = None, *, quantize: int | None 
         UnsupportedError: a pipeline class this engine does not run.
         WeightsError: a missing component folder or a corrupt weights file (the message names it).
         InvalidRequestError: ``quantize`` other than 4 or 8.
+        MemoryBudgetError: the model cannot fit in the memory available (checked before any weight is read; the
+            message gives what it needs and what is available, and whether ``quantize`` or a smaller size would fit).
     """
     from mlx_engine.imagegen.registry import load_pipeline
 
@@ -64,8 +66,11 @@ def load_image_model(model: "str | Path | None" = None, *, quantize: int | None 
     def resolve_model(name: str) -> Path:  # a text encoder the folder takes from the store (pulled when missing)
         return Store().resolve(name, pull=True).path
 
+    # a backend without weights on the same device and dtype: the load is refused before reading weights when the
+    # model cannot fit in what it has available (mlx_engine.imagegen.memory)
+    probe = MLXBackend(None, device=device, dtype=dtype)
     pipe = load_pipeline(path, make_backend, quantize=quantize, keep_text_encoder=keep_text_encoder,
-                         resolve_model=resolve_model)
+                         resolve_model=resolve_model, memory_check=probe)
     pipe.name = _image_model_label(model)
     return pipe
 
