@@ -38,7 +38,8 @@ from mlx_engine.errors import MemoryBudgetError, WeightsError
 from mlx_engine.ml import Backend
 
 __all__ = ["MemoryLayout", "MemoryEstimate", "TensorEntry", "folder_tensors", "weight_bytes", "estimate_memory",
-           "estimate_folder", "available_memory", "check_memory", "check_pipeline_memory", "GROUP_SIZE",
+           "estimate_folder", "available_memory", "check_memory", "check_pipeline_memory", "check_request_memory",
+           "activation_bytes", "GROUP_SIZE",
            "LIVE_WIDTHS"]
 
 GROUP_SIZE = 64  # the pipelines quantize with groups of 64 (their from_backend default)
@@ -116,7 +117,7 @@ class MemoryEstimate:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def folder_tensors(folder: Path) -> list[TensorEntry]:
@@ -182,6 +183,17 @@ def _vae_activations(vae_config: Mapping[str, Any], width: int, height: int, til
     return (a * c1 + b * c0) * tw * th * itemsize + width * height * 3 * 4
 
 
+def activation_bytes(transformer_config: Mapping[str, Any], vae_config: Mapping[str, Any], *, width: int,
+                     height: int, itemsize: int, tile_above_pixels: int = 1024 * 1024, tile_side: int = 512) -> int:
+    """The upper bound on one step's transformer activations plus the VAE decode's at ``width x height`` pixels
+    (see the module docstring), in bytes at ``itemsize`` bytes a float."""
+    patch = 16  # pixels per transformer token: every family packs 2x2 latents of an 8x VAE
+    tokens = (width // patch) * (height // patch) + TEXT_TOKENS
+    tiled = width * height > tile_above_pixels
+    return (_transformer_activations(transformer_config, tokens, itemsize)
+            + _vae_activations(vae_config, width, height, tile_side if tiled else None, itemsize))
+
+
 def estimate_memory(components: Mapping[str, Sequence[TensorEntry]], layout: MemoryLayout, *,
                     transformer_config: Mapping[str, Any], vae_config: Mapping[str, Any], itemsize: int,
                     quantize: int | None, width: int, height: int, tile_above_pixels: int = 1024 * 1024,
@@ -196,11 +208,8 @@ def estimate_memory(components: Mapping[str, Sequence[TensorEntry]], layout: Mem
         quantize: None, 8 or 4 (the transformer). width, height: the image size in pixels.
         tile_above_pixels, tile_side: the VAE decodes tiles of ``tile_side`` pixels above that many pixels.
     """
-    patch = 16  # pixels per transformer token: every family packs 2x2 latents of an 8x VAE
-    tokens = (width // patch) * (height // patch) + TEXT_TOKENS
-    tiled = width * height > tile_above_pixels
-    acts = (_transformer_activations(transformer_config, tokens, itemsize)
-            + _vae_activations(vae_config, width, height, tile_side if tiled else None, itemsize))
+    acts = activation_bytes(transformer_config, vae_config, width=width, height=height, itemsize=itemsize,
+                            tile_above_pixels=tile_above_pixels, tile_side=tile_side)
     t = components["transformer"]
     return MemoryEstimate(
         transformer=weight_bytes(t, itemsize, quantize=quantize, float_prefixes=layout.float_prefixes),
@@ -290,3 +299,27 @@ def check_pipeline_memory(pipe: Any, backend: Backend | None) -> MemoryEstimate 
     return check_memory(pipe.folder, pipe.memory_layout(), backend, quantize=pipe.quantize, width=int(d["width"]),
                         height=int(d["height"]), what=f"the image model {pipe.folder}",
                         tile_above_pixels=pipe.tile_above_pixels, tile_side=pipe.vae_tile * pipe.vae_scale_factor)
+
+
+def check_request_memory(pipe: Any, width: int, height: int) -> None:
+    """Refuse a generation at ``width x height`` that cannot fit beside the loaded pipeline: its activations
+    (:func:`activation_bytes`) or its text encoders (loaded for the prompt), whichever is more, against
+    :func:`available_memory` of the pipeline's backend (the loaded weights are in its active memory). Nothing is
+    checked for a pipeline loaded without ``memory_check`` (``pipe.memory_estimate`` None).
+
+    Raises:
+        MemoryBudgetError: the message gives both numbers and what to do (a smaller size).
+    """
+    est = getattr(pipe, "memory_estimate", None)
+    if est is None:
+        return
+    backend = pipe.backend
+    acts = activation_bytes(pipe.transformer_config, pipe.vae_config, width=width, height=height,
+                            itemsize=backend.compute_dtype.itemsize, tile_above_pixels=pipe.tile_above_pixels,
+                            tile_side=pipe.vae_tile * pipe.vae_scale_factor)
+    text = 0 if getattr(pipe, "keep_text_encoder", False) else est.text
+    need, have = max(acts, text), available_memory(backend)
+    if need > have:
+        raise MemoryBudgetError(
+            f"a {width}x{height} image needs {_gb(need)} beside the loaded model (activations {_gb(acts)}, text "
+            f"encoder {_gb(text)}), but {_gb(have)} of memory is available; ask for a smaller image")

@@ -170,3 +170,22 @@ def test_a_load_that_cannot_fit_is_refused_before_reading_weights(folders, monke
     assert made == []  # no component was loaded
     msg = str(err.value)
     assert re.search(r"needs [\d.]+ MB at 64x64", msg) and "available" in msg, msg
+
+
+def test_a_size_that_cannot_fit_is_refused_before_generating(folders, monkeypatch):
+    import mlx_engine
+
+    folder = folders["zimage"][0]
+    pipe = mlx_engine.load_image_model(folder)
+    try:
+        need = memory.activation_bytes(pipe.transformer_config, pipe.vae_config, width=256, height=256, itemsize=4)
+        monkeypatch.setattr(memory, "available_memory", lambda backend: need - 1)
+        calls = []
+        with pytest.raises(MemoryBudgetError, match=r"a 256x256 image needs [\d.]+ [MG]B .* ask for a smaller image"):
+            mlx_engine.generate_image("a red circle", model=pipe, width=256, height=256, steps=1,
+                                      callback=lambda *a: calls.append(a))
+        assert calls == []
+        img = mlx_engine.generate_image("a red circle", model=pipe, width=64, height=64, steps=1, seed=0)
+        assert img.size == (64, 64)  # a size that fits still runs
+    finally:
+        pipe.close()

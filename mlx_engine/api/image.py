@@ -123,11 +123,14 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
         ``info["seed"]``, and the generation statistics (times, peak memory) as ``info["stats"]``.
 
     Raises:
-        ModelNotFoundError, WeightsError: see :func:`load_image_model`. InvalidRequestError: an unsupported size
+        ModelNotFoundError, WeightsError, MemoryBudgetError: see :func:`load_image_model`; MemoryBudgetError also
+        for a ``width x height`` whose activations cannot fit beside the loaded model. InvalidRequestError: an
+        unsupported size
         (the message lists the allowed ones), steps < 1, a strength outside [0, 1], an unreadable init image,
         edit images for a model that does not edit images (or more than it takes).
     """
     from mlx_engine.errors import InvalidRequestError
+    from mlx_engine.imagegen.memory import check_request_memory
     from mlx_engine.imagegen.metadata import GeneratedImage, InitImageFile, image_parameters
 
     init = open_init_image(image) if isinstance(image, (str, Path)) else image
@@ -150,6 +153,9 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
             if len(edits) > takes:
                 raise InvalidRequestError(f"{label}: this model takes at most {takes} edit image(s), got {len(edits)}")
             extra["edit_images"] = [e.image if isinstance(e, InitImageFile) else e for e in edits]
+        if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (width, height)):
+            # a size other than the default the load was checked at: refused up front when it cannot fit
+            check_request_memory(pipe, width, height)
         result = pipe.generate(prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
                                guidance=guidance, seed=seed,
                                image=init.image if isinstance(init, InitImageFile) else init, strength=strength,
