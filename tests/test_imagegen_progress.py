@@ -100,3 +100,47 @@ def test_callback_per_step_and_cancel(folders, family, monkeypatch):
         assert pipe.backend.active_memory() <= before  # the cancelled job's latents and features are freed
     finally:
         pipe.close()
+
+
+def test_server_answers_a_chat_while_a_flux_image_is_denoised(folders, smollm2_gguf, tmp_path):
+    """The server's image requests go through ``generate_image`` with a callback that runs the text models' steps:
+    a chat request sent while a FLUX.1 image is being denoised is answered before the image is done."""
+    import threading
+    import time
+
+    import httpx
+    import openai
+
+    from mlx_engine.server import ServerConfig
+    from tests.conftest import link_model
+    from tests.test_server import RunningServer, free_port
+
+    link_model(smollm2_gguf.parent, tmp_path)
+    flux = str(folders["flux"])
+    srv = RunningServer(ServerConfig(port=free_port(), models=["smollm2:135m"], context_length=512,
+                                     store_root=str(tmp_path), models_dirs=[str(folders["flux"].parent)]))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+        finished = {}
+
+        def image():
+            client.images.generate(model=flux, prompt="a red circle", size="64x64",
+                                   extra_body={"seed": 1, "steps": 150})
+            finished["image"] = time.monotonic()
+
+        t = threading.Thread(target=image)
+        t.start()
+        for _ in range(600):
+            models = httpx.get(srv.url + "/status").json()["models"]
+            if any(m.get("in_flight") for name, m in models.items() if name != "smollm2:135m"):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the FLUX image never started: {models}")
+        r = client.chat.completions.create(model="smollm2:135m", max_tokens=4,
+                                           messages=[{"role": "user", "content": "Name a fruit."}])
+        finished["text"] = time.monotonic()
+        t.join()
+        assert r.choices[0].message.content and finished["text"] < finished["image"]
+    finally:
+        srv.stop()
