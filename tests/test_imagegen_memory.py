@@ -47,9 +47,12 @@ def _flux_vae():
 def _real_models() -> dict[str, tuple[type, dict, dict[str, list]]]:
     """name -> (pipeline class, transformer config, component tensors), from the published config.json files."""
     from diffusers import AutoencoderKLQwenImage, FluxTransformer2DModel, QwenImageTransformer2DModel
-    from diffusers import ZImageTransformer2DModel
-    from transformers import (CLIPTextConfig, CLIPTextModel, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                              Qwen3Config, Qwen3Model, T5Config, T5EncoderModel)
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel, ZImageTransformer2DModel
+    from transformers import (CLIPTextConfig, CLIPTextModel, Mistral3Config, Mistral3ForConditionalGeneration,
+                              Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3Config, Qwen3Model,
+                              T5Config, T5EncoderModel)
+
+    from mlx_engine.imagegen.flux2 import Flux2Pipeline
 
     flux = dict(in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
                 joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
@@ -57,6 +60,14 @@ def _real_models() -> dict[str, tuple[type, dict, dict[str, list]]]:
                 num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
     zimage = dict(dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30, cap_feat_dim=2560,
                   in_channels=16, axes_dims=[32, 48, 48], axes_lens=[1024, 512, 512])
+    flux2 = dict(in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128, num_attention_heads=48,
+                 joint_attention_dim=15360, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), guidance_embeds=True)
+    mistral = Mistral3Config(text_config=dict(model_type="mistral", hidden_size=5120, intermediate_size=32768,
+                                              num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+                                              head_dim=128, vocab_size=131072, tie_word_embeddings=False),
+                             vision_config=dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096,
+                                                num_hidden_layers=24, num_attention_heads=16),
+                             tie_word_embeddings=False)
     t5 = T5Config(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128,
                   feed_forward_proj="gated-gelu")
     clip = CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
@@ -80,6 +91,10 @@ def _real_models() -> dict[str, tuple[type, dict, dict[str, list]]]:
         "Z-Image-Turbo": (ZImagePipeline, zimage, {
             "transformer": _meta_tensors(lambda: ZImageTransformer2DModel(**zimage)),
             "text_encoder": _meta_tensors(lambda: Qwen3Model(qwen3)), "vae": _meta_tensors(_flux_vae)}),
+        "FLUX.2 dev": (Flux2Pipeline, flux2, {
+            "transformer": _meta_tensors(lambda: Flux2Transformer2DModel(**flux2)),
+            "text_encoder": _meta_tensors(lambda: Mistral3ForConditionalGeneration(mistral)),
+            "vae": _meta_tensors(lambda: AutoencoderKLFlux2())}),
     }
 
 
@@ -107,11 +122,24 @@ def test_real_models_table_is_in_the_docs():
 
 
 def test_real_transformer_parameters_match_the_published_counts():
-    # the model cards' sizes: FLUX.1 12B (dev: 11.90B with the guidance embedder), Qwen-Image 20B, Z-Image 6B
-    published = {"FLUX.1 dev / Kontext": 11.90e9, "Qwen-Image": 20.43e9, "Z-Image-Turbo": 6.15e9}
+    # the model cards' sizes: FLUX.1 12B (dev: 11.90B with the guidance embedder), Qwen-Image 20B, Z-Image 6B,
+    # FLUX.2 dev 32B
+    published = {"FLUX.1 dev / Kontext": 11.90e9, "Qwen-Image": 20.43e9, "Z-Image-Turbo": 6.15e9, "FLUX.2 dev": 32e9}
     for name, (_, _, comps) in _real_models().items():
         n = sum(math.prod(s) for _, s, _ in comps["transformer"])
         assert abs(n - published[name]) / published[name] < 0.01, (name, n)
+
+
+def test_real_text_encoder_parameters_match_the_published_counts():
+    # the Hugging Face model pages' counts: T5 v1.1 XXL's encoder 4.76B, CLIP ViT-L/14's text model 123M,
+    # Qwen2.5-VL-7B 8.29B, Qwen3-4B 4.02B, Mistral-Small-3.1-24B 24.0B
+    published = {("FLUX.1 dev / Kontext", "text_encoder_2"): 4.76e9, ("FLUX.1 dev / Kontext", "text_encoder"): 123e6,
+                 ("Qwen-Image", "text_encoder"): 8.29e9, ("Z-Image-Turbo", "text_encoder"): 4.02e9,
+                 ("FLUX.2 dev", "text_encoder"): 24.0e9}
+    models = _real_models()
+    for (name, comp), want in published.items():
+        n = sum(math.prod(s) for _, s, _ in models[name][2][comp])
+        assert abs(n - want) / want < 0.01, (name, comp, n)
 
 
 # ---- the random models: the estimate against the measured bytes ---------------------------------------------------
