@@ -13,7 +13,9 @@ transformer's ``config.json``:
 - phases: the transformer is read at the weight dtype and quantized afterwards, so the load holds it in float once
   (``loading``); the text encoders are loaded for each prompt beside the transformer and VAE (``encoding``: FLUX.1
   loads CLIP and T5 together); the denoising loop holds the transformer, the VAE and one step's activations
-  (``denoising``); :attr:`MemoryEstimate.peak` is the largest.
+  (``denoising``); :attr:`MemoryEstimate.peak` is the largest. A load is refused when its weights cannot fit
+  (:attr:`MemoryEstimate.weights_peak`, :func:`check_memory`); a generation when its activations, at the size it
+  asks for, cannot fit beside the loaded weights (:func:`check_request_memory`).
 - activations (an upper bound, for one step at ``width x height``): per transformer pass (2 with guidance) the joint
   sequence of ``N`` image and text tokens at width ``D`` holds about :data:`LIVE_WIDTHS` ``N x D`` tensors (hidden
   state, Q, K, V, attention output, a 4x MLP hidden and the residual) and :data:`SCORE_COPIES` ``heads x N x N``
@@ -107,13 +109,14 @@ class MemoryEstimate:
         return self.transformer + self.vae + self.activations
 
     @property
+    def weights_peak(self) -> int:
+        """The most the weights alone take at once (loading or encoding): what a load is checked against."""
+        return max(self.loading, self.encoding)
+
+    @property
     def peak(self) -> int:
         """The most the pipeline holds at once: the largest of loading, encoding and denoising."""
         return max(self.loading, self.encoding, self.denoising)
-
-    def describe(self) -> str:
-        return (f"transformer {_gb(self.transformer)}, text encoder {_gb(self.text)} while encoding, VAE "
-                f"{_gb(self.vae)}, activations {_gb(self.activations)} at {self.width}x{self.height}")
 
 
 def _gb(n: int) -> str:
@@ -251,38 +254,39 @@ def available_memory(backend: Backend) -> int:
 
 def check_memory(folder: Path, layout: MemoryLayout, backend: Backend, *, quantize: int | None, width: int,
                  height: int, what: str, **tiling: int) -> MemoryEstimate:
-    """Refuse a load that cannot fit: the estimate of ``folder`` at ``backend``'s dtype against
-    :func:`available_memory` (``tiling``: :func:`estimate_memory`'s ``tile_above_pixels`` and ``tile_side``).
+    """Refuse a load whose weights cannot fit: :attr:`MemoryEstimate.weights_peak` of ``folder`` at ``backend``'s
+    dtype against :func:`available_memory`. The activations (estimated at ``width x height``, ``tiling`` as
+    :func:`estimate_memory`'s ``tile_above_pixels`` and ``tile_side``) are checked per generation, at the size it
+    asks for (:func:`check_request_memory`).
 
     Returns:
         the estimate, when it fits.
 
     Raises:
-        MemoryBudgetError: the peak is more than is available; the message gives both numbers, the phases, and
-            what would fit (``--quantize 8`` / ``4``, or a smaller size).
+        MemoryBudgetError: the weights need more than is available; the message gives both numbers, the parts,
+            and whether ``--quantize 8`` / ``4`` would fit.
         WeightsError: as :func:`estimate_folder`.
     """
     itemsize = backend.compute_dtype.itemsize
     est = estimate_folder(folder, layout, itemsize=itemsize, quantize=quantize, width=width, height=height, **tiling)
     have = available_memory(backend)
-    if est.peak <= have:
+    if est.weights_peak <= have:
         return est
     advice = []
     for bits in (8, 4):
         if quantize is None or bits < quantize:
             q = estimate_folder(folder, layout, itemsize=itemsize, quantize=bits, width=width, height=height,
                                 **tiling)
-            if q.peak <= have:
-                advice.append(f"--quantize {bits} (quantize={bits}) needs {_gb(q.peak)}")
+            if q.weights_peak <= have:
+                advice.append(f"--quantize {bits} (quantize={bits}) needs {_gb(q.weights_peak)}")
                 break
-    if est.denoising == est.peak and est.activations > est.vae:
-        advice.append("a smaller image needs less for the activations")
-    if est.loading == est.peak and quantize is not None:
+    if est.loading == est.weights_peak and est.transformer_float > est.transformer:
         advice.append("the load reads the transformer at full precision before quantizing it")
     hint = "; ".join(advice) if advice else "no setting of this model fits: free memory or use a smaller model"
     raise MemoryBudgetError(
-        f"{what} needs {_gb(est.peak)} at {width}x{height} ({est.describe()}), but {_gb(have)} of memory is "
-        f"available; {hint}")
+        f"{what} needs {_gb(est.weights_peak)} for its weights (transformer {_gb(est.transformer)}"
+        f"{f' after reading {_gb(est.transformer_float)}' if quantize else ''}, text encoder {_gb(est.text)} while "
+        f"encoding, VAE {_gb(est.vae)}), but {_gb(have)} of memory is available; {hint}")
 
 
 def check_pipeline_memory(pipe: Any, backend: Backend | None) -> MemoryEstimate | None:

@@ -191,13 +191,14 @@ def test_a_load_that_cannot_fit_is_refused_before_reading_weights(folders, monke
     folder = folders["zimage"][0]
     e = memory.estimate_folder(folder, ZImagePipeline.memory_layout(), itemsize=4, quantize=None, width=64,
                                height=64)
-    monkeypatch.setattr(memory, "available_memory", lambda backend: e.peak - 1)
+    monkeypatch.setattr(memory, "available_memory", lambda backend: e.weights_peak - 1)
     made = []
     with pytest.raises(MemoryBudgetError) as err:
         load_pipeline(folder, lambda p: made.append(p) or MLXBackend(p), memory_check=MLXBackend(None))
     assert made == []  # no component was loaded
     msg = str(err.value)
-    assert re.search(r"needs [\d.]+ MB at 64x64", msg) and "available" in msg, msg
+    assert re.search(r"needs [\d.]+ MB for its weights \(transformer .*\), but [\d.]+ MB of memory is available",
+                     msg), msg
 
 
 def test_a_size_that_cannot_fit_is_refused_before_generating(folders, monkeypatch):
@@ -217,3 +218,16 @@ def test_a_size_that_cannot_fit_is_refused_before_generating(folders, monkeypatc
         assert img.size == (64, 64)  # a size that fits still runs
     finally:
         pipe.close()
+
+
+def test_the_cli_reports_the_refusal(folders, monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from mlx_engine.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(memory, "available_memory", lambda backend: 1000)
+    r = CliRunner().invoke(main, ["image", "a red circle", "--model", str(folders["flux"][0]), "--steps", "1"])
+    assert r.exit_code not in (0, 130) and r.exception is None or isinstance(r.exception, SystemExit), r.output
+    assert re.search(r"needs [\d.]+ MB for its weights .*, but 0\.0 MB of memory is available", r.output), r.output
+    assert "Traceback" not in r.output and list(tmp_path.iterdir()) == []

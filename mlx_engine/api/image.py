@@ -153,9 +153,14 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
             if len(edits) > takes:
                 raise InvalidRequestError(f"{label}: this model takes at most {takes} edit image(s), got {len(edits)}")
             extra["edit_images"] = [e.image if isinstance(e, InitImageFile) else e for e in edits]
-        if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (width, height)):
-            # a size other than the default the load was checked at: refused up front when it cannot fit
-            check_request_memory(pipe, width, height)
+        w, h = width, height
+        if w is None and h is None and init is None and not edits:
+            d = getattr(pipe, "defaults", {})
+            w, h = d.get("width"), d.get("height")
+        if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (w, h)):
+            # the activations at this size beside the loaded weights, refused before any work when they cannot fit
+            # (a size taken from an init or edit image is known only once the pipeline has read it)
+            check_request_memory(pipe, w, h)
         result = pipe.generate(prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
                                guidance=guidance, seed=seed,
                                image=init.image if isinstance(init, InitImageFile) else init, strength=strength,
