@@ -108,13 +108,14 @@ class FluxPipeline:
     ``tokenizer/``, ``text_encoder_2/`` (T5), ``tokenizer_2/``, ``scheduler/``), loaded for generation.
 
     Made as :class:`~mlx_engine.imagegen.zimage.ZImagePipeline` is (``folder, make_backend, quantize=...,
-    keep_text_encoder=..., resolve_model=...``; ``resolve_model`` is not used: FLUX folders hold their encoders) and
+    keep_text_encoder=..., resolve_model=..., memory_check=...``; ``resolve_model`` is not used: FLUX folders hold
+    their encoders) and
     offering the same methods. :attr:`max_edit_images` says how many edit images it takes (0 here).
 
     Raises:
         ModelNotFoundError: no such folder or no ``model_index.json``. WeightsError: a missing component, config or
         tensor. UnsupportedError: another pipeline class or component class. InvalidRequestError: ``quantize`` not
-        None, 4 or 8.
+        None, 4 or 8. MemoryBudgetError: as ZImagePipeline's ``memory_check``.
     """
 
     CLASSES = PIPELINE_CLASSES
@@ -122,7 +123,8 @@ class FluxPipeline:
 
     def __init__(self, folder: "str | os.PathLike[str]", make_backend: Callable[[Path], Backend], *,
                  quantize: int | None = None, keep_text_encoder: bool = False,
-                 resolve_model: Callable[[str], Path] | None = None):
+                 resolve_model: Callable[[str], Path] | None = None, memory_check: Backend | None = None):
+        from mlx_engine.imagegen.memory import check_pipeline_memory
         from mlx_engine.imagegen.scheduler import FlowMatchEulerScheduler
 
         if quantize not in (None, 4, 8):
@@ -152,6 +154,8 @@ class FluxPipeline:
         side = int(self.vae_config.get("sample_size") or 1024)
         side = max(self.min_side, min(MAX_SIDE, side - side % self.size_multiple))
         self.defaults = read_defaults(self.folder, {**BUILTIN_DEFAULTS, "width": side, "height": side})
+        #: the bytes the model needs (:mod:`mlx_engine.imagegen.memory`), when the load was checked
+        self.memory_estimate = check_pipeline_memory(self, memory_check)
         try:
             self.transformer = self._load_transformer()
             self.vae = self._load_vae()
@@ -160,6 +164,14 @@ class FluxPipeline:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def memory_layout(cls):
+        """What the load holds (:class:`~mlx_engine.imagegen.memory.MemoryLayout`) for the memory estimate."""
+        from mlx_engine.imagegen.flux_transformer import FluxTransformer
+        from mlx_engine.imagegen.memory import MemoryLayout
+
+        return MemoryLayout(float_prefixes=FluxTransformer.FLOAT_PREFIXES, text=("text_encoder", "text_encoder_2"))
 
     # ---- loading -------------------------------------------------------------------------------------------------
     def _read_model_index(self) -> dict:

@@ -138,6 +138,7 @@ class Flux2Pipeline:
         quantize: quantize the transformer's block weights to 8 or 4 bits at load (None: as stored).
         keep_text_encoder: keep the text encoder loaded between generations.
         resolve_model: accepted for the registry's common signature; FLUX.2 folders hold their text encoder.
+        memory_check: as :class:`~mlx_engine.imagegen.zimage.ZImagePipeline`'s (refuse a load that cannot fit).
 
     Attributes:
         kind: the ``_class_name`` (``Flux2Pipeline`` or ``Flux2KleinPipeline``). is_distilled: klein's flag (no CFG).
@@ -148,11 +149,13 @@ class Flux2Pipeline:
     Raises:
         ModelNotFoundError: no such folder or no ``model_index.json``. WeightsError: a missing component, config or
         tensor. UnsupportedError: another pipeline or component class. InvalidRequestError: ``quantize`` not 4 or 8.
+        MemoryBudgetError: ``memory_check`` given and the model cannot fit (the message gives both numbers).
     """
 
     def __init__(self, folder: "str | os.PathLike[str]", make_backend: Callable[[Path], Backend], *,
                  quantize: int | None = None, keep_text_encoder: bool = False,
-                 resolve_model: Callable[[str], Path] | None = None):
+                 resolve_model: Callable[[str], Path] | None = None, memory_check: Backend | None = None):
+        from mlx_engine.imagegen.memory import check_pipeline_memory
         from mlx_engine.imagegen.scheduler import FlowMatchEulerScheduler
 
         if quantize not in (None, 4, 8):
@@ -186,6 +189,8 @@ class Flux2Pipeline:
         side = max(self.min_side, min(self.max_side, side - side % self.size_multiple))
         builtin = DISTILLED_DEFAULTS if self.is_distilled else BUILTIN_DEFAULTS
         self.defaults = read_defaults(self.folder, {**builtin, "width": side, "height": side})
+        #: the bytes the model needs (:mod:`mlx_engine.imagegen.memory`), when the load was checked
+        self.memory_estimate = check_pipeline_memory(self, memory_check)
         self._backends: list[Backend] = []
         self._text_encoder = None
         self._closed = False
@@ -197,6 +202,14 @@ class Flux2Pipeline:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def memory_layout(cls):
+        """What the load holds (:class:`~mlx_engine.imagegen.memory.MemoryLayout`) for the memory estimate."""
+        from mlx_engine.imagegen.flux2_transformer import Flux2Transformer
+        from mlx_engine.imagegen.memory import MemoryLayout
+
+        return MemoryLayout(float_prefixes=Flux2Transformer.FLOAT_PREFIXES)
 
     # ---- loading ------------------------------------------------------------------------------------------------
     def _read_model_index(self) -> dict:

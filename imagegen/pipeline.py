@@ -3,9 +3,10 @@ folder (``model_index.json``, component folders and configs, this engine's defau
 
 A pipeline class (:mod:`mlx_engine.imagegen.zimage` is the first) is registered in
 :mod:`mlx_engine.imagegen.registry` under the ``_class_name`` values of ``model_index.json`` that it loads; it is
-made as ``cls(folder, make_backend, quantize=..., keep_text_encoder=..., resolve_model=...)`` and offers
-``generate(prompt, ...) -> ImageResult`` (also as ``prepare`` / ``denoise`` / ``decode``), ``memory()``, ``close()``,
-``name``, ``defaults`` and ``size_multiple``.
+made as ``cls(folder, make_backend, quantize=..., keep_text_encoder=..., resolve_model=..., memory_check=...)``
+(``memory_check``: :func:`mlx_engine.imagegen.memory.check_pipeline_memory` before any weight is read, with the
+class's ``memory_layout()``) and offers ``generate(prompt, ...) -> ImageResult`` (also as ``prepare`` / ``denoise`` /
+``decode``), ``memory()``, ``memory_estimate``, ``close()``, ``name``, ``defaults`` and ``size_multiple``.
 """
 
 from __future__ import annotations

@@ -86,6 +86,13 @@ class QwenImagePipeline(ZImagePipeline):
         self.tile_above_pixels = 1024 * 1024
         self.vae_tile, self.vae_tile_overlap = 32, 8  # diffusers': 256-pixel tiles every 192 pixels
 
+    @classmethod
+    def memory_layout(cls):
+        from mlx_engine.imagegen.memory import MemoryLayout
+        from mlx_engine.imagegen.qwen_transformer import QwenImageTransformer
+
+        return MemoryLayout(float_prefixes=QwenImageTransformer.FLOAT_PREFIXES)
+
     def _default_side(self) -> int:
         return min(self.max_side, 128 * self.vae_scale_factor)  # default_sample_size * vae_scale_factor
 

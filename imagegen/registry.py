@@ -30,7 +30,7 @@ PIPELINES: dict[str, type] = {**{name: ZImagePipeline for name in _ZIMAGE_CLASSE
 
 def load_pipeline(folder: "str | os.PathLike[str]", make_backend: Callable[[Path], Backend], **options: Any):
     """The pipeline of a diffusers folder, loaded: ``PIPELINES[model_index["_class_name"]](folder, make_backend,
-    **options)`` (options: ``quantize``, ``keep_text_encoder``, ``resolve_model``).
+    **options)`` (options: ``quantize``, ``keep_text_encoder``, ``resolve_model``, ``memory_check``).
 
     Raises:
         ModelNotFoundError: no such folder, or no ``model_index.json``. UnsupportedError: a pipeline class this

@@ -80,6 +80,9 @@ class ZImagePipeline:
             text encoder (and tokenizer) as ``["mlx_engine", "store:NAME"]`` (the project's own small models share
             a text model from the store instead of shipping one); the path (a GGUF file) goes to ``make_backend``
             and the tokenizer comes from its metadata.
+        memory_check: a backend without weights on the device and dtype ``make_backend`` loads with: before any
+            weight is read, the load is refused when :func:`~mlx_engine.imagegen.memory.check_pipeline_memory`
+            finds it cannot fit (None: no check).
 
     Attributes:
         transformer, vae, scheduler: the loaded components. vae_scale_factor: pixels per latent (8 for the FLUX VAE).
@@ -95,6 +98,8 @@ class ZImagePipeline:
             (the message names the file).
         UnsupportedError: another pipeline class, or a component this engine does not implement.
         InvalidRequestError: ``quantize`` other than None, 4 or 8.
+        MemoryBudgetError: ``memory_check`` is given and the model needs more memory than it has available (the
+            message gives both numbers and what would fit).
 
     A subclass (another diffusers family) sets the class attributes below and overrides the hooks ``_set_geometry``,
     ``_default_side``, ``_load_transformer``, ``_load_vae``, ``_text_encoder_options`` and the steps.
@@ -111,7 +116,8 @@ class ZImagePipeline:
 
     def __init__(self, folder: "str | os.PathLike[str]", make_backend: Callable[[Path], Backend], *,
                  quantize: int | None = None, keep_text_encoder: bool = False,
-                 resolve_model: Callable[[str], Path] | None = None):
+                 resolve_model: Callable[[str], Path] | None = None, memory_check: Backend | None = None):
+        from mlx_engine.imagegen.memory import check_pipeline_memory
         from mlx_engine.imagegen.scheduler import FlowMatchEulerScheduler
 
         if quantize not in (None, 4, 8):
@@ -143,6 +149,8 @@ class ZImagePipeline:
         self._closed = False
         self._set_geometry()
         self.defaults = self._read_defaults()
+        #: the bytes the model needs (:mod:`mlx_engine.imagegen.memory`), when the load was checked
+        self.memory_estimate = check_pipeline_memory(self, memory_check)
 
         try:
             self.transformer = self._load_transformer()
@@ -199,6 +207,14 @@ class ZImagePipeline:
         p = self._component_folder("tokenizer")
         if not (p / "tokenizer.json").is_file():
             raise WeightsError(f"{p}: no tokenizer.json in the tokenizer folder")
+
+    @classmethod
+    def memory_layout(cls):
+        """What the load holds (:class:`~mlx_engine.imagegen.memory.MemoryLayout`) for the memory estimate."""
+        from mlx_engine.imagegen.memory import MemoryLayout
+        from mlx_engine.imagegen.transformer import ZImageTransformer
+
+        return MemoryLayout(float_prefixes=ZImageTransformer.FLOAT_PREFIXES)
 
     def _default_side(self) -> int:
         """The default width and height (pixels) before clamping to the model's range."""

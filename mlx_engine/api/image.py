@@ -53,6 +53,8 @@ def load_image_model(model: "str | Path | None" = None, *, quantize: int | None 
         UnsupportedError: a pipeline class this engine does not run.
         WeightsError: a missing component folder or a corrupt weights file (the message names it).
         InvalidRequestError: ``quantize`` other than 4 or 8.
+        MemoryBudgetError: the model cannot fit in the memory available (checked before any weight is read; the
+            message gives what it needs and what is available, and whether ``quantize`` or a smaller size would fit).
     """
     from mlx_engine.imagegen.registry import load_pipeline
 
@@ -64,8 +66,11 @@ def load_image_model(model: "str | Path | None" = None, *, quantize: int | None 
     def resolve_model(name: str) -> Path:  # a text encoder the folder takes from the store (pulled when missing)
         return Store().resolve(name, pull=True).path
 
+    # a backend without weights on the same device and dtype: the load is refused before reading weights when the
+    # model cannot fit in what it has available (mlx_engine.imagegen.memory)
+    probe = MLXBackend(None, device=device, dtype=dtype)
     pipe = load_pipeline(path, make_backend, quantize=quantize, keep_text_encoder=keep_text_encoder,
-                         resolve_model=resolve_model)
+                         resolve_model=resolve_model, memory_check=probe)
     pipe.name = _image_model_label(model)
     return pipe
 
@@ -118,11 +123,14 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
         ``info["seed"]``, and the generation statistics (times, peak memory) as ``info["stats"]``.
 
     Raises:
-        ModelNotFoundError, WeightsError: see :func:`load_image_model`. InvalidRequestError: an unsupported size
+        ModelNotFoundError, WeightsError, MemoryBudgetError: see :func:`load_image_model`; MemoryBudgetError also
+        for a ``width x height`` whose activations cannot fit beside the loaded model. InvalidRequestError: an
+        unsupported size
         (the message lists the allowed ones), steps < 1, a strength outside [0, 1], an unreadable init image,
         edit images for a model that does not edit images (or more than it takes).
     """
     from mlx_engine.errors import InvalidRequestError
+    from mlx_engine.imagegen.memory import check_request_memory
     from mlx_engine.imagegen.metadata import GeneratedImage, InitImageFile, image_parameters
 
     init = open_init_image(image) if isinstance(image, (str, Path)) else image
@@ -145,6 +153,14 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
             if len(edits) > takes:
                 raise InvalidRequestError(f"{label}: this model takes at most {takes} edit image(s), got {len(edits)}")
             extra["edit_images"] = [e.image if isinstance(e, InitImageFile) else e for e in edits]
+        w, h = width, height
+        if w is None and h is None and init is None and not edits:
+            d = getattr(pipe, "defaults", {})
+            w, h = d.get("width"), d.get("height")
+        if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (w, h)):
+            # the activations at this size beside the loaded weights, refused before any work when they cannot fit
+            # (a size taken from an init or edit image is known only once the pipeline has read it)
+            check_request_memory(pipe, w, h)
         result = pipe.generate(prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
                                guidance=guidance, seed=seed,
                                image=init.image if isinstance(init, InitImageFile) else init, strength=strength,
