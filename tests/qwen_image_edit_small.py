@@ -86,3 +86,45 @@ def load_reference(folder: Path, plus: bool = False):
         pipe = cls.from_pretrained(str(folder), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@contextlib.contextmanager
+def with_mrope(pipe):
+    """diffusers' edit pipeline with the processor's ``mm_token_type_ids`` reaching the text encoder (what diffusers PR
+    14189 does; without them transformers 5 runs image tokens at 1D positions, diffusers issue 14194)."""
+    te = pipe.text_encoder
+    forward = te.forward
+    image_token = te.config.image_token_id
+
+    def fixed(*args, input_ids=None, pixel_values=None, **kw):
+        if pixel_values is not None and kw.get("mm_token_type_ids") is None:
+            kw["mm_token_type_ids"] = (input_ids == image_token).int()
+        return forward(*args, input_ids=input_ids, pixel_values=pixel_values, **kw)
+
+    te.forward = fixed
+    try:
+        yield pipe
+    finally:
+        del te.forward
+
+
+def reference_edit(pipe, prompt, images, init_noise, *, steps: int, guidance: float, negative_prompt=None,
+                   width: int, height: int):
+    """diffusers' edit pipeline (3D positions, :func:`with_mrope`) from ``init_noise`` ``[B, 16, h, w]``:
+    ``(final latents [B, 16, h, w] float32, pixels [B, H, W, 3] float in [0, 1])``."""
+    import torch
+
+    b, c, h, w = init_noise.shape
+    with torch.no_grad(), with_mrope(pipe):
+        start = pipe._pack_latents(torch.from_numpy(init_noise), b, c, h, w)
+        packed = pipe(image=images, prompt=prompt, negative_prompt=negative_prompt, true_cfg_scale=guidance,
+                      height=height, width=width, num_inference_steps=steps, latents=start,
+                      output_type="latent").images
+        z = pipe._unpack_latents(packed, height, width, pipe.vae_scale_factor)
+        latents = z[:, :, 0].float().numpy()
+        cfg = pipe.vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)
+        image = pipe.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        pixels = pipe.image_processor.postprocess(image, output_type="np")
+    return latents, pixels
