@@ -50,9 +50,11 @@ EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input ima
                  "<|im_start|>assistant\n")
 IMAGE_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
 TEMPLATE_DROP = 64
-#: the areas diffusers sizes the images to (``VAE_IMAGE_SIZE``, Plus's ``CONDITION_IMAGE_SIZE``).
+#: the areas diffusers sizes the images to (``VAE_IMAGE_SIZE``, Plus's ``CONDITION_IMAGE_SIZE``) and the default
+#: output's.
 VAE_AREA = 1024 * 1024
 CONDITION_AREA = 384 * 384
+OUTPUT_AREA = 1024 * 1024
 #: the model cards' settings: 50 steps, true_cfg_scale 4, negative prompt " ".
 BUILTIN_DEFAULTS = {"steps": 50, "guidance": 4.0, "strength": None, "negative_prompt": " "}
 
@@ -125,7 +127,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
     def _default_size(self, edits: list[EditImage]) -> tuple[int, int]:
         """The 1024 x 1024-area size of the input image's aspect, floored to :attr:`size_multiple`."""
         w, h = edits[self._size_from].size
-        width, height = calculate_dimensions(VAE_AREA, w / h)
+        width, height = calculate_dimensions(OUTPUT_AREA, w / h)
         m = self.size_multiple
         return width // m * m, height // m * m
 

@@ -32,10 +32,14 @@ from mlx_engine.errors import InvalidRequestError, WeightsError  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402
 from mlx_engine.models.vision.qwen25vl_vision import Qwen25Vision, Qwen25VisionConfig, image_patches  # noqa: E402
 from tests.hf_gguf import peaked  # noqa: E402
-from tests.qwen_image_edit_small import build_folder, load_reference  # noqa: E402
+from tests.qwen_image_edit_small import build_folder, load_reference, reference_edit  # noqa: E402
+from tests.qwen_image_small import noise  # noqa: E402
 
 TOWER_TOL = 1e-4
 TEXT_TOL = 3e-4
+LATENT_TOL = 1e-4
+PIXEL_TOL = 1  # of 255
+PROMPT = "a red circle on a blue background"
 #: two blocks, the second with full attention; windows of 3 x 3 merged tokens (84 pixels), so a 32 x 24 patch grid
 #: (16 x 12 merged, from a 336 x 448 image) has windows cut short at its bottom edge
 VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 24,
@@ -161,3 +165,64 @@ def test_mrope_index_matches_transformers(edit_ref):
     np.testing.assert_array_equal(Qwen25VL.rope_index(ids, pad, grids), want[:, 0].numpy())
     with pytest.raises(InvalidRequestError, match="do not match"):
         Qwen25VL.rope_index(ids, pad, grids[:1])
+
+
+def _ours(folder: Path):
+    from mlx_engine.imagegen.registry import load_pipeline
+
+    return load_pipeline(folder, lambda p: MLXBackend(p, dtype="float32"))
+
+
+def test_edit_matches_diffusers(edit_folder, edit_ref):
+    """One input image (sized by the pipeline to 1024 x 1024 for the VAE and the vision tower, as diffusers), a
+    64 x 64 output, 2 steps without CFG (tests/test_imagegen_qwen_image.py proves the CFG step)."""
+    from mlx_engine.imagegen.qwen_image_edit import QwenImageEditPipeline
+
+    image = _photo(11, (56, 40))
+    init = noise((1, 16, 8, 8), seed=1)
+    want_latents, want_pixels = reference_edit(edit_ref, PROMPT, image, init, steps=2, guidance=1.0,
+                                               width=64, height=64)
+    pipe = _ours(edit_folder)
+    assert isinstance(pipe, QwenImageEditPipeline) and pipe.max_edit_images == 1
+    try:
+        got = pipe.generate(PROMPT, edit_images=[image], width=64, height=64, steps=2, guidance=1.0, noise=init)
+        np.testing.assert_allclose(got.latents, want_latents, rtol=0, atol=LATENT_TOL)
+        assert np.abs(np.asarray(got.images[0], np.int32) - np.round(want_pixels[0] * 255)).max() <= PIXEL_TOL
+        with pytest.raises(InvalidRequestError, match="edits an image"):
+            pipe.generate(PROMPT, width=64, height=64, steps=1)
+        with pytest.raises(InvalidRequestError, match="at most 1 edit image"):
+            pipe.generate(PROMPT, edit_images=[image, image], width=64, height=64, steps=1)
+    finally:
+        pipe.close()
+
+
+@pytest.fixture(scope="module")
+def plus_folder(tmp_path_factory) -> Path:
+    return build_folder(tmp_path_factory.mktemp("qwen-image-edit-plus") / "small-qwen-image-edit-plus", plus=True)
+
+
+def test_edit_plus_matches_diffusers(plus_folder, monkeypatch):
+    """Two input images of different aspects, with true CFG; both pipelines' VAE area (diffusers' module constant
+    ``VAE_IMAGE_SIZE``, ours ``VAE_AREA``) shrunk from 1024 x 1024 to 256 x 256 to keep the test lean (the same
+    code runs; the 1024 x 1024 path is the one-image test's)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    from mlx_engine.imagegen import qwen_image_edit
+    from mlx_engine.imagegen.qwen_image_edit import QwenImageEditPlusPipeline
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 256 * 256)
+    monkeypatch.setattr(qwen_image_edit, "VAE_AREA", 256 * 256)
+    images = [_photo(12, (56, 40)), _photo(13, (32, 48))]
+    init = noise((1, 16, 8, 8), seed=2)
+    ref = load_reference(plus_folder, plus=True)
+    want_latents, want_pixels = reference_edit(ref, PROMPT, images, init, steps=2, guidance=4.0,
+                                               negative_prompt=" ", width=64, height=64)
+    pipe = _ours(plus_folder)
+    assert isinstance(pipe, QwenImageEditPlusPipeline)
+    try:
+        got = pipe.generate(PROMPT, edit_images=images, width=64, height=64, steps=2, guidance=4.0,
+                            negative_prompt=" ", noise=init)
+        np.testing.assert_allclose(got.latents, want_latents, rtol=0, atol=LATENT_TOL)
+        assert np.abs(np.asarray(got.images[0], np.int32) - np.round(want_pixels[0] * 255)).max() <= PIXEL_TOL
+    finally:
+        pipe.close()
