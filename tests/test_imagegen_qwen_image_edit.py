@@ -2,7 +2,9 @@
 tower (window attention, 2D RoPE, patch merger) and its image preprocessing against transformers'
 ``Qwen2_5_VisionTransformerPretrainedModel`` and ``Qwen2VLImageProcessorPil``; the text encoder's features of an
 edit prompt with an image (the tower's rows in place of the ``<|image_pad|>`` tokens, M-RoPE positions) against
-``Qwen2_5_VLForConditionalGeneration`` on the small edit folder of ``tests/qwen_image_edit_small.py``.
+``Qwen2_5_VLForConditionalGeneration`` on the small edit folder of ``tests/qwen_image_edit_small.py``; M-RoPE's
+positions against ``get_rope_index``; the final latents and pixels of 2-step edits against diffusers'
+``QwenImageEditPipeline`` (one image) and ``QwenImageEditPlusPipeline`` (two images, true CFG).
 
 The reference's M-RoPE: transformers 5 builds Qwen2.5-VL's 3D positions from the processor's ``mm_token_type_ids``;
 diffusers 0.42's edit pipelines do not forward them (diffusers issue 14194, fix proposed in PR 14189), so its text
@@ -13,7 +15,8 @@ Tolerances (float32 on both sides; what differs is the order of sums in matmuls 
 patches exactly (both resize with PIL's bicubic and normalise in float32; measured 0); the tower's merged features
 1e-4 (measured 2.8e-5 on values up to 3.6; transformers' own float32 output differs from its float64 one by 2.1e-5,
 ours by 4.1e-5); the text encoder's features 3e-4 as tests/test_imagegen_qwen_image.py's (measured 4.9e-5 on values up
-to 3.9).
+to 3.9); the edits' final latents 1e-4 and 8-bit pixels 1/255, as tests/test_imagegen_qwen_image.py's (measured
+2.4e-6 and 2.6e-6 on latents up to 4.0, pixels 1.8e-6 and 2.3e-6 before rounding).
 """
 
 from __future__ import annotations
