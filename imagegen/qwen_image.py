@@ -32,6 +32,7 @@ import math
 import secrets
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,7 +43,7 @@ from mlx_engine.imagegen.pipeline import MAX_SIDE, DenoiseJob, ImageGenerationSt
 from mlx_engine.imagegen.zimage import ZImagePipeline
 from mlx_engine.ml import DType, Tensor
 
-__all__ = ["QwenImagePipeline", "PIPELINE_CLASSES"]
+__all__ = ["QwenImagePipeline", "QwenImageJob", "PIPELINE_CLASSES"]
 
 #: ``_class_name`` values of ``model_index.json`` this pipeline loads.
 PIPELINE_CLASSES = ("QwenImagePipeline",)
@@ -56,6 +57,20 @@ TEMPLATE_DROP = 34
 MAX_TEXT_TOKENS = 1024
 #: the model card's settings: 50 steps, true_cfg_scale 4, negative prompt " "; 1024 x 1024 (default_sample_size 128).
 BUILTIN_DEFAULTS = {"steps": 50, "guidance": 4.0, "strength": None, "negative_prompt": " "}
+
+
+@dataclass
+class QwenImageJob(DenoiseJob):
+    """A Qwen-Image generation: a :class:`~mlx_engine.imagegen.pipeline.DenoiseJob` with an edit's conditioning.
+
+    Attributes:
+        cond: the packed, normalised latents of an edit's input images ``[B, T, 64]`` (the compute dtype), which
+            follow the noisy latents in the transformer's sequence each step (Qwen-Image-Edit), or None.
+        cond_shapes: their ``(1, h/2, w/2)`` patch grids, in order (diffusers' ``img_shapes[i][1:]``).
+    """
+
+    cond: Tensor | None = None
+    cond_shapes: tuple[tuple[int, int, int], ...] = ()
 
 
 class QwenImagePipeline(ZImagePipeline):
@@ -121,7 +136,8 @@ class QwenImagePipeline(ZImagePipeline):
                  guidance: float | None = None, seed: int | None = None, image: Any = None,
                  strength: float | None = None, noise: "np.ndarray | Tensor | None" = None,
                  callback: StepCallback | None = None, max_sequence_length: int | None = None,
-                 sigmas: Sequence[float] | None = None, vae_tiling: bool | None = None) -> ImageResult:
+                 sigmas: Sequence[float] | None = None, vae_tiling: bool | None = None,
+                 edit_images: Sequence[Any] | None = None) -> ImageResult:
         """Generate images: :meth:`prepare`, every step of :meth:`denoise` (``callback`` after each), :meth:`decode`.
 
         Args:
@@ -138,6 +154,8 @@ class QwenImagePipeline(ZImagePipeline):
             max_sequence_length: the most text tokens kept after the template (1..1024; default 512).
             sigmas: custom sigmas (default diffusers' ``np.linspace(1, 1/steps, steps)``).
             vae_tiling: decode in tiles (True), at once (False), or above :attr:`tile_above_pixels` (None).
+            edit_images: images to edit, for a pipeline that edits (:attr:`max_edit_images`; this one makes images
+                from text and takes none).
 
         Returns:
             :class:`~mlx_engine.imagegen.pipeline.ImageResult` (``latents`` unpacked, ``[B, 16, h, w]``).
@@ -148,7 +166,8 @@ class QwenImagePipeline(ZImagePipeline):
         """
         job = self.prepare(prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
                            guidance=guidance, seed=seed, image=image, strength=strength, noise=noise,
-                           max_sequence_length=max_sequence_length, sigmas=sigmas, vae_tiling=vae_tiling)
+                           max_sequence_length=max_sequence_length, sigmas=sigmas, vae_tiling=vae_tiling,
+                           edit_images=edit_images)
         try:
             for k, latents in enumerate(self.denoise(job)):
                 if callback is not None:
@@ -164,12 +183,12 @@ class QwenImagePipeline(ZImagePipeline):
                 guidance: float | None = None, seed: int | None = None, image: Any = None,
                 strength: float | None = None, noise: "np.ndarray | Tensor | None" = None,
                 max_sequence_length: int | None = None, sigmas: Sequence[float] | None = None,
-                vae_tiling: bool | None = None) -> DenoiseJob:
+                vae_tiling: bool | None = None, edit_images: Sequence[Any] | None = None) -> QwenImageJob:
         """Check the request, set the timesteps, encode the prompts (freeing the text encoder unless kept) and draw
         the start latents. Arguments as :meth:`generate`.
 
         Returns:
-            a :class:`~mlx_engine.imagegen.pipeline.DenoiseJob` owning a Context until closed.
+            a :class:`QwenImageJob` owning a Context until closed.
 
         Raises:
             InvalidRequestError: as :meth:`generate`; nothing heavy has run when a check fails.
@@ -201,8 +220,10 @@ class QwenImagePipeline(ZImagePipeline):
             raise InvalidRequestError(f"max_sequence_length must be an integer in 1..{MAX_TEXT_TOKENS}, "
                                       f"got {max_len!r}")
         max_len = int(max_len)
-        width, height = self.check_size(d["width"] if width is None else width,
-                                        d["height"] if height is None else height)
+        edits = self._edit_inputs(edit_images)
+        default_width, default_height = self._default_size(edits)
+        width, height = self.check_size(default_width if width is None else width,
+                                        default_height if height is None else height)
 
         do_cfg = guidance > 1.0 and negative_prompt is not None  # diffusers: true_cfg_scale > 1 and has_neg_prompt
         negs: list[str] = []
@@ -245,7 +266,7 @@ class QwenImagePipeline(ZImagePipeline):
 
         t0 = time.perf_counter()
         try:
-            embeds = self.encode_prompt(prompts + negs, max_len)
+            embeds = self._encode(prompts + negs, max_len, edits)
         finally:
             if not self.keep_text_encoder:
                 self.free_text_encoder()
@@ -258,16 +279,42 @@ class QwenImagePipeline(ZImagePipeline):
                     ctx.from_numpy(np.asarray(noise, dtype=np.float32))
             else:
                 latents = ctx.random_normal(shape, DType.FLOAT32, ctx.random_key(seed))
-            ctx.evaluate(latents)
+            cond, cond_shapes = self._condition(ctx, edits, batch)
+            ctx.evaluate(latents, *([cond] if cond is not None else []))
         except BaseException:
             ctx.close()
             raise
-        return DenoiseJob(ctx=ctx, batch=batch, channels=channels, lh=lh, lw=lw, width=width, height=height,
+        return QwenImageJob(ctx=ctx, batch=batch, channels=channels, lh=lh, lw=lw, width=width, height=height,
                           steps=steps, first=0, guidance=guidance, do_cfg=do_cfg,
                           cfg_normalization=False, cfg_truncation=None,  # Z-Image's options; not read here
                           vae_tiling=vae_tiling, pos_embeds=embeds[:batch],
                           neg_embeds=embeds[batch:], latents=latents, stats=stats, parameters=parameters,
-                          started=started)
+                          started=started, cond=cond, cond_shapes=cond_shapes)
+
+    # ---- the edit hooks (Qwen-Image-Edit overrides them) ----------------------------------------------------------
+    max_edit_images = 0
+
+    def _edit_inputs(self, edit_images: Sequence[Any] | None) -> list:
+        """The request's edit images, checked and prepared; none for this text-to-image model.
+
+        Raises:
+            InvalidRequestError: edit images given."""
+        if edit_images is not None and len(edit_images):
+            raise InvalidRequestError(f"{self.family} makes images from text: it does not edit images (use a "
+                                      "Qwen-Image-Edit model)")
+        return []
+
+    def _default_size(self, edits: list) -> tuple[int, int]:
+        """``(width, height)`` when the request gives none."""
+        return self.defaults["width"], self.defaults["height"]
+
+    def _encode(self, prompts: list[str], max_len: int, edits: list) -> list[Tensor]:
+        """Caption features of ``prompts`` (with the edit images, where a pipeline edits)."""
+        return self.encode_prompt(prompts, max_len)
+
+    def _condition(self, ctx, edits: list, batch: int) -> "tuple[Tensor | None, tuple]":
+        """The edit images' packed latents ``[batch, T, 64]`` and grids (see :class:`QwenImageJob`); none here."""
+        return None, ()
 
     def _text_batch(self, job: DenoiseJob) -> tuple[Tensor, np.ndarray]:
         """The step's text features ``[B', L, D]`` (prompts, then negative prompts), zero-padded to the longest, and
@@ -297,7 +344,7 @@ class QwenImagePipeline(ZImagePipeline):
         c = f // 4
         return x.reshape(b, h // 2, w // 2, c, 2, 2).transpose(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
 
-    def denoise(self, job: DenoiseJob) -> Iterator[Tensor]:
+    def denoise(self, job: QwenImageJob) -> Iterator[Tensor]:
         """Run the denoising loop of a prepared job, yielding the evaluated float32 ``[B, 16, h, w]`` latents after
         each step (also in ``job.latents``). Closing the generator early leaves them where the last step left them."""
         ctx, stats = job.ctx, job.stats
@@ -306,16 +353,20 @@ class QwenImagePipeline(ZImagePipeline):
         batch, lh, lw = job.batch, job.lh, job.lw
         text, mask = self._text_batch(job)
         text = text if text.dtype == dtype else text.astype(dtype)
-        img_shape = (1, lh // 2, lw // 2)
+        img_shapes = ((1, lh // 2, lw // 2),) + job.cond_shapes
+        tokens = (lh // 2) * (lw // 2)
+        cond = None if job.cond is None else job.cond if job.cond.dtype == dtype else job.cond.astype(dtype)
         t_loop = time.perf_counter()
         for i in range(job.first, job.steps):
             t_step = time.perf_counter()
             t_in = np.float32(timesteps[i]) / np.float32(1000.0)  # diffusers: timestep / 1000
             x = self.pack(job.latents if dtype == DType.FLOAT32 else job.latents.astype(dtype))
+            if cond is not None:  # an edit's image tokens follow the noisy ones (diffusers: torch.cat(dim=1))
+                x = ctx.concatenate([x, cond], axis=1)
             if job.do_cfg:
                 x = ctx.concatenate([x, x], axis=0)
-            out = self.transformer(ctx, x, np.full((x.shape[0],), t_in, np.float32), text, img_shape,
-                                   mask).astype(DType.FLOAT32)
+            out = self.transformer(ctx, x, np.full((x.shape[0],), t_in, np.float32), text, img_shapes, mask)
+            out = (out if cond is None else out[:, :tokens]).astype(DType.FLOAT32)
             pred = out[:batch]
             if job.do_cfg:
                 neg = out[batch:]

@@ -19,7 +19,9 @@ RoPE (``QwenEmbedRope`` with ``scale_rope=True``, theta 10000): the head's featu
 (frame, height, width); pair ``i`` of an axis with ``d`` features at position ``p`` turns by ``p * theta ** (-2i/d)``
 (float32, as diffusers) and rotates the interleaved features ``(2i, 2i + 1)`` (complex multiplication). An image of
 ``h x w`` patches sits at frame 0 with heights ``-(h - h // 2) .. h // 2 - 1`` and widths likewise (centred); text
-token ``j`` sits at ``max(h // 2, w // 2) + j`` on all three axes (after the image's positions).
+token ``j`` sits at ``max(h // 2, w // 2) + j`` on all three axes (after the image's positions). An edit's input
+images (Qwen-Image-Edit) follow the image in the sequence at frames 1, 2, ..., each centred likewise; the text then
+starts after the largest half-side of them all.
 
 Padding: text features of a batch are padded to the longest; the mask hides the padded keys (diffusers' joint
 attention mask ``[text_mask, ones]``). The output is the flow-matching velocity (the pipeline steps with it as is).
@@ -105,22 +107,27 @@ class QwenImageConfig:
         return c
 
 
-def rope_positions(frames: int, height: int, width: int, text_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Position ids ``(image [F*h*w, 3], text [text_len, 3])`` int64 of ``QwenEmbedRope(scale_rope=True)`` for one
-    image of ``frames x height x width`` patches (frame index 0 first) and ``text_len`` text tokens."""
-    grid = np.stack(np.meshgrid(np.arange(frames), np.arange(height) - (height - height // 2),
-                                np.arange(width) - (width - width // 2), indexing="ij"), -1)
-    start = max(height // 2, width // 2)
+def rope_positions(shapes: "Sequence[tuple[int, int, int]]", text_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Position ids ``(image [sum F*h*w, 3], text [text_len, 3])`` int64 of ``QwenEmbedRope(scale_rope=True)`` for
+    the images of ``shapes`` (each ``frames x height x width`` patches; image ``i``'s frames start at frame index
+    ``i``: the generated image, then an edit's input images) and ``text_len`` text tokens, which start after the
+    largest half-side."""
+    grids = []
+    for i, (frames, height, width) in enumerate(shapes):
+        grid = np.stack(np.meshgrid(i + np.arange(frames), np.arange(height) - (height - height // 2),
+                                    np.arange(width) - (width - width // 2), indexing="ij"), -1)
+        grids.append(grid.reshape(-1, 3))
+    start = max(max(h // 2, w // 2) for _, h, w in shapes)
     text = np.repeat((start + np.arange(text_len, dtype=np.int64))[:, None], 3, axis=1)
-    return grid.reshape(-1, 3).astype(np.int64), text
+    return np.concatenate(grids).astype(np.int64), text
 
 
 class _Tables:
     """Host-side RoPE tables and key mask of one call shape; copied to a context once (:meth:`bind`)."""
 
-    def __init__(self, model: "QwenImageTransformer", img_shape: tuple[int, int, int], text_len: int,
+    def __init__(self, model: "QwenImageTransformer", shapes: "tuple[tuple[int, int, int], ...]", text_len: int,
                  text_mask: np.ndarray | None):
-        img_pos, txt_pos = rope_positions(*img_shape, text_len)
+        img_pos, txt_pos = rope_positions(shapes, text_len)
         ang = model.angles(np.concatenate([txt_pos, img_pos]))  # joint order: [text, image]
         self.cos = np.cos(ang.astype(np.float64)).astype(np.float32)[None, :, None, :]
         self.sin = np.sin(ang.astype(np.float64)).astype(np.float32)[None, :, None, :]
@@ -204,13 +211,13 @@ class QwenImageTransformer:
                  for a, inv in enumerate(self._inv_freqs)]
         return np.concatenate(parts, axis=1)
 
-    def _bind(self, ctx: Context, img_shape: tuple[int, int, int], text_len: int,
+    def _bind(self, ctx: Context, shapes: "tuple[tuple[int, int, int], ...]", text_len: int,
               text_mask: np.ndarray | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        key = (img_shape, text_len, None if text_mask is None else text_mask.tobytes(),
+        key = (shapes, text_len, None if text_mask is None else text_mask.tobytes(),
                None if text_mask is None else text_mask.shape)
         tab = self._tables.get(key)
         if tab is None:
-            tab = self._tables[key] = _Tables(self, img_shape, text_len, text_mask)
+            tab = self._tables[key] = _Tables(self, shapes, text_len, text_mask)
             while len(self._tables) > 4:
                 self._tables.popitem(last=False)
         self._tables.move_to_end(key)
@@ -218,7 +225,8 @@ class QwenImageTransformer:
 
     # ---- forward -------------------------------------------------------------------------------------------------
     def __call__(self, ctx: Context, x: Tensor, t: "np.ndarray | Sequence[float] | float", text: Tensor,
-                 img_shape: tuple[int, int, int], text_mask: np.ndarray | None = None) -> Tensor:
+                 img_shape: "tuple[int, int, int] | Sequence[tuple[int, int, int]]",
+                 text_mask: np.ndarray | None = None) -> Tensor:
         """One transformer evaluation, as diffusers' ``QwenImageTransformer2DModel.forward(hidden_states,
         encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)[0]``.
 
@@ -227,7 +235,9 @@ class QwenImageTransformer:
             x: packed latents ``[B, N, in_channels]``, ``N = F * h * w`` patches in (frame, row, column) order.
             t: ``[B]`` (or one) timesteps as the pipeline passes them: ``timestep / 1000``, i.e. sigma in [0, 1].
             text: text features ``[B, L, joint_attention_dim]`` (rows beyond an item's length are padding).
-            img_shape: ``(F, h, w)`` in patches, the same for every item (diffusers' ``img_shapes[i][0]``).
+            img_shape: ``(F, h, w)`` in patches, the same for every item (diffusers' ``img_shapes[i][0]``), or a
+                sequence of them (diffusers' ``img_shapes[i]``): the image to denoise, then an edit's input images,
+                whose latents follow in ``x``.
             text_mask: bool ``[B, L]``, True for real text tokens (None: all real).
 
         Returns:
@@ -237,9 +247,12 @@ class QwenImageTransformer:
             ValueError: shapes that do not fit the config or each other.
         """
         c = self.config
-        if x.ndim != 3 or x.shape[2] != c.in_channels or x.shape[1] != int(np.prod(img_shape)):
-            raise ValueError(f"Qwen-Image transformer: latents must be [B, {int(np.prod(img_shape))}, "
-                             f"{c.in_channels}] for image shape {img_shape}, got {x.shape}")
+        shapes = ((img_shape,) if np.ndim(img_shape) == 1 else tuple(img_shape))
+        shapes = tuple(tuple(int(v) for v in s) for s in shapes)
+        patches = sum(int(np.prod(s)) for s in shapes)
+        if x.ndim != 3 or x.shape[2] != c.in_channels or x.shape[1] != patches:
+            raise ValueError(f"Qwen-Image transformer: latents must be [B, {patches}, "
+                             f"{c.in_channels}] for image shapes {list(shapes)}, got {x.shape}")
         bsz, n = x.shape[0], x.shape[1]
         if text.ndim != 3 or text.shape[0] != bsz or text.shape[2] != c.joint_attention_dim or text.shape[1] < 1:
             raise ValueError(f"Qwen-Image transformer: text features must be [{bsz}, L > 0, "
@@ -254,7 +267,7 @@ class QwenImageTransformer:
             t_host = np.full(bsz, t_host[0], np.float32)
         if t_host.size != bsz:
             raise ValueError(f"Qwen-Image transformer: {t_host.size} timesteps for a batch of {bsz}")
-        cos, sin, mask = self._bind(ctx, tuple(int(v) for v in img_shape), length, text_mask)
+        cos, sin, mask = self._bind(ctx, shapes, length, text_mask)
         dt, w = self.dtype, self.w
 
         # QwenTimestepProjEmbeddings: Timesteps(256, flip_sin_to_cos=True, shift 0, scale 1000), TimestepEmbedding

@@ -16,6 +16,9 @@ from mlx_engine.imagegen.flux2 import Flux2Pipeline
 from mlx_engine.imagegen.pipeline import read_model_index
 from mlx_engine.imagegen.qwen_image import PIPELINE_CLASSES as _QWEN_IMAGE_CLASSES
 from mlx_engine.imagegen.qwen_image import QwenImagePipeline
+from mlx_engine.imagegen.qwen_image_edit import PIPELINE_CLASSES as _QWEN_EDIT_CLASSES
+from mlx_engine.imagegen.qwen_image_edit import PLUS_CLASSES as _QWEN_EDIT_PLUS_CLASSES
+from mlx_engine.imagegen.qwen_image_edit import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from mlx_engine.imagegen.zimage import PIPELINE_CLASSES as _ZIMAGE_CLASSES
 from mlx_engine.imagegen.zimage import ZImagePipeline
 from mlx_engine.ml import Backend
@@ -25,6 +28,8 @@ PIPELINES: dict[str, type] = {**{name: ZImagePipeline for name in _ZIMAGE_CLASSE
                                **{name: FluxPipeline for name in _FLUX_CLASSES},
                                **{name: FluxKontextPipeline for name in KONTEXT_CLASSES},
                                **{name: QwenImagePipeline for name in _QWEN_IMAGE_CLASSES},
+                               **{name: QwenImageEditPipeline for name in _QWEN_EDIT_CLASSES},
+                               **{name: QwenImageEditPlusPipeline for name in _QWEN_EDIT_PLUS_CLASSES},
                                **{name: Flux2Pipeline for name in _FLUX2_CLASSES}}
 
 

@@ -41,7 +41,10 @@ from mlx_engine.models.layers.base import DecoderModel
 from mlx_engine.models.registry import load_text_model
 from mlx_engine.models.text.tokenizer import Tokenizer
 
-__all__ = ["TextEncoder"]
+__all__ = ["TextEncoder", "IMAGE_PAD"]
+
+#: Qwen2.5-VL's image placeholder token (``Qwen2VLProcessor``'s ``image_token``).
+IMAGE_PAD = "<|image_pad|>"
 
 
 class TextEncoder:
@@ -99,7 +102,8 @@ class TextEncoder:
         ``truncation=True``; the features of the first ``drop`` are dropped later)."""
         return self.tokenizer.encode(self.prompt_text(prompt))[:self.drop + max_sequence_length]
 
-    def encode(self, ctx: Context, prompts: Sequence[str], max_sequence_length: int = 512) -> list[Tensor]:
+    def encode(self, ctx: Context, prompts: Sequence[str], max_sequence_length: int = 512,
+               images: "Sequence[tuple[Tensor, tuple[int, int, int]]] | None" = None) -> list[Tensor]:
         """Caption features of each prompt.
 
         Args:
@@ -107,6 +111,11 @@ class TextEncoder:
             prompts: the prompts (plain text; the chat template is applied here). An empty string is valid (the
                 pipeline's default negative prompt).
             max_sequence_length: the most tokens kept per templated prompt (diffusers' default 512).
+            images: Qwen-Image-Edit's input images, the same for every prompt: each image's rows ``[k, D]`` (the
+                vision tower's merged features) and merged grid ``(t, h, w)``, ``k = t * h * w``. The template then
+                holds one ``<|image_pad|>`` per image, expanded to ``k`` tokens whose embeddings are the rows (as
+                ``Qwen2VLProcessor`` and ``Qwen2_5_VLModel``), and the tokens get M-RoPE positions
+                (:meth:`mlx_engine.models.arch.qwen2.Qwen25VL.rope_index`). Such prompts are not cut.
 
         Returns:
             one tensor ``[L_i, D]`` per prompt in the backend's compute dtype: the hidden states after layer
@@ -130,7 +139,10 @@ class TextEncoder:
             if not isinstance(p, str):
                 raise InvalidRequestError(f"a prompt must be a string, got {type(p).__name__}")
         unique = list(dict.fromkeys(prompts))
-        ids = [self.token_ids(p, max_sequence_length) for p in unique]
+        if images:
+            ids = [self._image_ids(p, images) for p in unique]
+        else:
+            ids = [self.token_ids(p, max_sequence_length) for p in unique]
         lens = [len(i) for i in ids]
         if min(lens) <= self.drop:
             raise InvalidRequestError(f"the prompt template gives {min(lens)} tokens; this text encoder drops the "
@@ -138,6 +150,8 @@ class TextEncoder:
         batch = Batch(np.concatenate([np.asarray(i, np.int32) for i in ids]),
                       np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
                       np.concatenate([np.full(n, s, np.int32) for s, n in enumerate(lens)]))
+        if images:
+            self._place_images(batch, ids, images)
         cache = self.model.make_cache()
         cache.init(self.backend, self.model.dtype, len(prompts), max(lens), len(batch))
         try:
@@ -151,6 +165,45 @@ class TextEncoder:
             rows[p] = h[start + self.drop:start + n]
             start += n
         return [rows[p] for p in prompts]
+
+    def _image_ids(self, prompt: str, images: Sequence[tuple[Tensor, tuple[int, int, int]]]) -> list[int]:
+        """The templated prompt's ids with its ``<|image_pad|>`` token repeated ``k`` times for each image.
+
+        Raises:
+            InvalidRequestError: a tokenizer without ``<|image_pad|>``, or a template with another count of them
+                than images."""
+        pad = self.tokenizer.token_to_id(IMAGE_PAD)
+        if pad is None:
+            raise InvalidRequestError(f"the tokenizer has no {IMAGE_PAD} token: is it Qwen2.5-VL's?")
+        ids = self.tokenizer.encode(self.prompt_text(prompt))
+        at = [i for i, t in enumerate(ids) if t == pad]
+        if len(at) != len(images):
+            raise InvalidRequestError(f"the prompt template holds {len(at)} {IMAGE_PAD} for {len(images)} image(s)")
+        out: list[int] = []
+        last = 0
+        for i, (rows, _) in zip(at, images):
+            out += ids[last:i] + [pad] * rows.shape[0]
+            last = i + 1
+        return out + ids[last:]
+
+    def _place_images(self, batch: Batch, ids: list[list[int]],
+                      images: Sequence[tuple[Tensor, tuple[int, int, int]]]) -> None:
+        """Put the images' rows at their tokens in every sequence of ``batch`` and give its tokens M-RoPE
+        positions."""
+        from mlx_engine.models.arch.qwen2 import Qwen25VL
+
+        pad = self.tokenizer.token_to_id(IMAGE_PAD)
+        grids = [grid for _, grid in images]
+        mrope, start = [], 0
+        for seq in ids:
+            mrope.append(Qwen25VL.rope_index(seq, pad, grids))
+            i = 0
+            for rows, _ in images:
+                i = seq.index(pad, i)
+                batch.images.append((start + i, rows))
+                i += rows.shape[0]
+            start += len(seq)
+        batch.mrope_positions = np.concatenate(mrope, axis=1)
 
     def close(self) -> None:
         """Free the text model's weights (``backend.close()``): the pipeline calls this before denoising. The

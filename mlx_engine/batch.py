@@ -26,6 +26,9 @@ class Batch:
             image's rows are never split across two batches. For a model that reads images through cross-attention
             (Llama 3.2 Vision) the token at ``index`` stays, and ``rows`` are the image's encoder output, which
             enters the encoder cache at that token's position.
+        mrope_positions: optional int32 ``[3, N]``: each token's (time, height, width) positions for a model with
+            M-RoPE (Qwen2.5-VL, ``DecoderConfig.mrope_section``), used by RoPE instead of ``positions`` (which still
+            order the tokens for the cache's causal mask).
     """
 
     inputs: "np.ndarray | Tensor"
@@ -34,6 +37,7 @@ class Batch:
     outputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     embeddings: "Tensor | None" = None
     images: list = field(default_factory=list)
+    mrope_positions: "np.ndarray | None" = None
 
     def __post_init__(self) -> None:
         self.positions = np.asarray(self.positions, dtype=np.int32).reshape(-1)
@@ -46,6 +50,10 @@ class Batch:
         n = len(self.positions)
         if self.inputs is not None and self.inputs.shape[0] != n:
             raise ValueError(f"batch has {self.inputs.shape[0]} inputs but {n} positions")
+        if self.mrope_positions is not None:
+            self.mrope_positions = np.asarray(self.mrope_positions, dtype=np.int32)
+            if self.mrope_positions.shape != (3, n):
+                raise ValueError(f"batch has M-RoPE positions of shape {self.mrope_positions.shape} for {n} tokens")
         if len(self.outputs) and (self.outputs.min() < 0 or self.outputs.max() >= n):
             raise ValueError(f"batch outputs {self.outputs.tolist()} out of range for {n} tokens")
 

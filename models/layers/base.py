@@ -20,7 +20,8 @@ from mlx_engine.errors import WeightsError
 from mlx_engine.kvcache import Cache, FusedSteps
 from mlx_engine.ml import Backend, Context, DType, LayerFusion, RopeAngles, Tensor
 from mlx_engine.models.layers.config import ATTENTION_TYPES, DecoderConfig
-from mlx_engine.models.layers.layer import apply_rope, attention_in, attention_out, rope_positions, takes_output_mlp
+from mlx_engine.models.layers.layer import (SectionPositions, apply_rope, attention_in, attention_out, rope_positions,
+                                            section_positions, takes_output_mlp)
 from mlx_engine.models.layers.plan import COMPILED, FUSED, FUSED_ROTATED, DecodePlan, PlanInputs, decode_plan
 from mlx_engine.models.layers.step import NotWholeStep, WholeStep
 
@@ -460,6 +461,10 @@ class DecoderModel(abc.ABC):
         c = self.config
         n = h.shape[1]
         positions = rope_positions(ctx, batch)
+        sections: dict[tuple, SectionPositions] = {}  # M-RoPE's, per distinct RoPE
+        mrope = batch.mrope_positions if c.mrope_section else None
+        if mrope is not None:
+            positions = None  # no single offset: op by op, M-RoPE in each layer
         step = n == 1 and isinstance(positions, int)  # a one-token step: the plan's forms; else op by op
         plan = self.plan.layers
         if step and angles is None and pos_tensor is None:
@@ -474,6 +479,10 @@ class DecoderModel(abc.ABC):
         def rope_at(layer: int) -> "int | Tensor | RopeAngles":
             base, scale, freqs = self._rope(layer)
             key = (base, scale, None if freqs is None else id(freqs))
+            if mrope is not None:
+                if key not in sections:
+                    sections[key] = section_positions(ctx, mrope, c.mrope_section, dims, base, freqs)
+                return sections[key]
             if key not in angles:
                 angles[key] = ctx.rope_angles(positions, n, dims, base, scale, freqs, self.dtype)
             return angles[key] or (pos_tensor if step else positions)

@@ -30,6 +30,9 @@ class DecoderConfig:
             (every feature rotated) or its query weights (``Phi3.__init__``).
         rope_traditional: rotate interleaved pairs, for GGUF Llama checkpoints whose Q/K rows llama.cpp's converter
             permuted (attention scores are unchanged: queries and keys are permuted alike).
+        mrope_section: M-RoPE (Qwen2-VL, Qwen2.5-VL): the rotary pairs split into consecutive sections (time, height,
+            width; summing to ``rope_dims / 2``), each rotated by its own position axis when a batch carries
+            ``mrope_positions``; None: one position per token.
         sliding_window: the window ``W`` in the cache's convention (a token sees ``W + 1`` keys), or None.
         layer_types: per layer, ``"sliding_attention"`` or ``"full_attention"`` (self-attention through the KV
             cache), ``"conv"``, ``"linear_attention"`` or ``"mamba"`` (recurrent, hybrid models),
@@ -84,6 +87,7 @@ class DecoderConfig:
     rope_original_context: int = 0
     rope_attention_factor: float = 1.0
     rope_traditional: bool = False
+    mrope_section: tuple[int, ...] | None = None
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)
     query_scale: float | None = None
@@ -153,6 +157,11 @@ class DecoderConfig:
                                            or not 0 < self.rope_dims <= self.head_dim):
             raise WeightsError(f"model config rotates {self.rope_dims!r} features per head with RoPE; it must be "
                                f"an even number from 2 to head_dim {self.head_dim}")
+        if self.mrope_section is not None and (
+                not all(isinstance(v, int) and v > 0 for v in self.mrope_section)
+                or sum(self.mrope_section) != (self.rope_dims or self.head_dim) // 2):
+            raise WeightsError(f"model config has mrope_section {self.mrope_section!r}; its sections must be positive "
+                               f"and sum to the {(self.rope_dims or self.head_dim) // 2} rotary pairs of a head")
         if self.query_temperature is not None:
             beta, n = self.query_temperature
             if not math.isfinite(beta) or isinstance(n, bool) or not isinstance(n, int) or n <= 0:

@@ -6,6 +6,7 @@ experts). :class:`DecoderModel` runs them, compiled per block for one-token step
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -26,11 +27,43 @@ def rope_positions(ctx: Context, batch: Batch) -> "int | Tensor":
     return ctx.from_numpy(pos, DType.INT32)
 
 
-def apply_rope(x: Tensor, positions: "int | Tensor | RopeAngles", dims: int, base: float | None, scale: float,
-               traditional: bool, freqs: "Tensor | None") -> Tensor:
+@dataclass(frozen=True)
+class SectionPositions:
+    """M-RoPE's positions for one forward pass (Qwen2-VL, Wang et al. 2024; transformers'
+    ``apply_multimodal_rotary_pos_emb``): the rotary pairs in consecutive sections, section ``s`` rotated by its own
+    positions ``positions[s]`` (INT32 ``[N]``). Applied as one RoPE per section whose periods ``freqs[s]``
+    (``[dims / 2]``) are the model's inside the section and infinite outside (an angle of 0 leaves a pair as it is),
+    so each pair is rotated once, by its own axis."""
+
+    positions: tuple[Tensor, ...]
+    freqs: tuple[Tensor, ...]
+
+
+def section_positions(ctx: Context, mrope: np.ndarray, sections: "tuple[int, ...]", dims: int, base: float | None,
+                      freqs: "Tensor | None") -> SectionPositions:
+    """:class:`SectionPositions` from the batch's ``mrope`` ``[3, N]`` and the config's ``mrope_section`` (the model's
+    periods: ``freqs``, or ``base ** (2i / dims)``)."""
+    periods = freqs.numpy().astype(np.float32) if freqs is not None else \
+        (np.float64(base) ** (np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32)
+    edges = np.cumsum((0,) + tuple(sections))
+    pos, fr = [], []
+    for s in range(len(sections)):
+        f = np.full(dims // 2, np.inf, np.float32)
+        f[edges[s]:edges[s + 1]] = periods[edges[s]:edges[s + 1]]
+        pos.append(ctx.from_numpy(np.ascontiguousarray(mrope[s % 3]), DType.INT32))
+        fr.append(ctx.from_numpy(f))
+    return SectionPositions(tuple(pos), tuple(fr))
+
+
+def apply_rope(x: Tensor, positions: "int | Tensor | RopeAngles | SectionPositions", dims: int, base: float | None,
+               scale: float, traditional: bool, freqs: "Tensor | None") -> Tensor:
     """RoPE on ``x [1, H, N, Dh]`` at ``positions`` (see :func:`rope_positions`), or with the tokens' angles made
-    once for the forward pass (:meth:`Context.rope_angles`). Per-token positions put the tokens on the batch axis
-    (``[N, H, 1, Dh]``), where MLX's RoPE takes one offset per row."""
+    once for the forward pass (:meth:`Context.rope_angles`), or M-RoPE's :class:`SectionPositions`. Per-token
+    positions put the tokens on the batch axis (``[N, H, 1, Dh]``), where MLX's RoPE takes one offset per row."""
+    if isinstance(positions, SectionPositions):
+        for pos, f in zip(positions.positions, positions.freqs):
+            x = apply_rope(x, pos, dims, None, scale, traditional, f)
+        return x
     if isinstance(positions, (int, RopeAngles)):
         return x.rope(positions, dims, base=base, scale=scale, traditional=traditional, freqs=freqs)
     y = x.transpose(2, 1, 0, 3).rope(positions, dims, base=base, scale=scale, traditional=traditional, freqs=freqs)
