@@ -24,7 +24,10 @@ from mlx_engine.kvcache.snapshot import Snapshot, describe, export_sequence, imp
 from tests.conftest import link_model
 
 NAME = "smollm2:135m"
-TURN1 = [{"role": "user", "content": "Name three colors."}]
+#: a conversation of about 1,500 tokens (the issue's restart test): notes in the system message, then a question
+NOTES = " ".join(f"Note {i}: the shelf by the window holds box number {i}." for i in range(110))
+TURN1 = [{"role": "system", "content": "You keep these notes. " + NOTES},
+         {"role": "user", "content": "Name three colors."}]
 
 
 @contextlib.contextmanager
@@ -32,7 +35,7 @@ def serving(home: Path, **config):
     """A server of smollm2 on ``home``'s store; yields ``(server, client)``; stopping it writes what is queued."""
     from tests.test_server import RunningServer, free_port
 
-    srv = RunningServer(ServerConfig(port=free_port(), models=[NAME], max_sequences=2, context_length=512,
+    srv = RunningServer(ServerConfig(port=free_port(), models=[NAME], max_sequences=2, context_length=2048,
                                      store_root=str(home), **config))
     try:
         yield srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
@@ -68,7 +71,7 @@ def test_a_restarted_server_continues_from_disk_and_refuses_bad_files(home_with_
 
     with serving(home, prompt_cache_dir=str(saved)) as (_, client):
         got1, usage1 = ask(client, TURN1)
-    assert got1 == answer1
+    assert got1 == answer1 and usage1.prompt_tokens >= 1500, usage1
     (name1, size1), = files(saved).items()
     data = load_file(str(saved / name1))  # safetensors' own reader takes the file
     keys = data["keys"].tolist()
