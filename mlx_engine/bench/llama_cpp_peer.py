@@ -175,7 +175,8 @@ def serve() -> None:
                 llm = llama_cpp.Llama(request["path"], n_ctx=request["n_ctx"], n_batch=512,
                                       n_threads=request["threads"], n_threads_batch=request["threads"],
                                       n_gpu_layers=request["gpu_layers"], draft_model=lookup, verbose=False)
-                llm.eval(llm.tokenize(b"Hello " * 64))  # a first prefill: it dies here if its kernels do
+                # a first prefill (within the context asked for): it dies here if its kernels do
+                llm.eval(llm.tokenize(b"Hello " * 64)[:max(1, request["n_ctx"] - 1)])
                 llm.reset()
                 reply = {"weights_bytes": float(llama_cpp.llama_model_size(llm.model)),
                          "version": getattr(llama_cpp, "__version__", "?")}
