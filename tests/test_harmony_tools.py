@@ -5,8 +5,11 @@ released one).
 
 The model is a tiny random transformers ``GptOss`` folder holding smollm2's tokenizer with harmony's special tokens
 added and gpt-oss's template. Its output is forced by ``tool_choice`` (a grammar over harmony's special tokens and the
-function's JSON Schema), so the text it writes is known to be a well-formed call; what is checked is what each door
-makes of it."""
+function's JSON Schema, an analysis message allowed first, as llama.cpp's), so the text it writes is known to be a
+well-formed call; what is checked is what each door makes of it. Its layer writes nothing back (attention and experts
+project to zero), so its logits are the head's view of the current token alone, and the head is scripted for a few
+tokens (:data:`SCRIPT`): given the choice, it opens the analysis channel and thinks "Need the weather." before it
+calls."""
 
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 HARMONY = ToolStyle("harmony", True)
+THOUGHT = "Need the weather."
+# the head's pairs (this token -> the next): the analysis channel, then THOUGHT's tokens (smollm2's), then its end
+SCRIPT = ["<|channel|>", "analysis", "<|message|>", "Need", "Ġthe", "Ġweather", ".", "<|end|>"]
 
 
 def _template() -> str:
@@ -95,12 +101,25 @@ def folder(tmp_path_factory, smollm2_gguf) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     peaked(model, seed=0)
-    model.save_pretrained(root)
+    root.mkdir()
     arch_proof.smollm2_tokenizer(smollm2_gguf)(root)
     tok = json.loads((root / "tokenizer.json").read_text())
     tok["added_tokens"] += [{"id": 49152 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
                              "normalized": False, "special": True} for i, t in enumerate(HARMONY_TOKENS)]
     (root / "tokenizer.json").write_text(json.dumps(tok))
+    ids = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        for p in (layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, layer.mlp.experts.down_proj,
+                  layer.mlp.experts.down_proj_bias):
+            p.zero_()  # the residual stream stays the current token's embedding
+        model.model.norm.weight.fill_(1.0)
+        for k, (a, b) in enumerate(zip(SCRIPT, SCRIPT[1:])):
+            # token a's embedding is dimension k alone (RMS-normed to sqrt(32)); b's head row reads it: logit 10 *
+            # sqrt(32) = 57, where the random rows reach about 4.2 sd = 17
+            model.model.embed_tokens.weight[ids[a]] = torch.eye(32)[k]
+            model.lm_head.weight[ids[b], k] = 10.0
+    model.save_pretrained(root)
     cfg = json.loads((root / "tokenizer_config.json").read_text())
     (root / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": _template(),
                                                             "eos_token": "<|return|>", "add_bos_token": False}))
@@ -119,6 +138,6 @@ def model(folder):
 
 def test_the_api_returns_the_forced_call(model):
     reply = model.respond(ASK, tools=[WEATHER], tool_choice="required", max_tokens=40)
-    assert reply.finish_reason == "tool_calls" and reply.content == ""
+    assert reply.finish_reason == "tool_calls" and reply.content == "" and reply.thinking == THOUGHT
     assert [c.name for c in reply.tool_calls] == ["get_weather"]
     assert set(reply.tool_calls[0].arguments) == {"city"} and isinstance(reply.tool_calls[0].arguments["city"], str)
