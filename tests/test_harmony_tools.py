@@ -141,3 +141,98 @@ def test_the_api_returns_the_forced_call(model):
     assert reply.finish_reason == "tool_calls" and reply.content == "" and reply.thinking == THOUGHT
     assert [c.name for c in reply.tool_calls] == ["get_weather"]
     assert set(reply.tool_calls[0].arguments) == {"city"} and isinstance(reply.tool_calls[0].arguments["city"], str)
+
+
+# ---- the server, from the folder and from llama.cpp's GGUF of it ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf(folder, tmp_path_factory) -> Path:
+    """llama.cpp's F32 GGUF of :func:`folder` (its converter keeps the added harmony tokens and the template)."""
+    from tests.hf_gguf import convert
+
+    return convert(folder, tmp_path_factory.mktemp("gpt_oss_gguf") / "tiny-gpt-oss.gguf", "f32")
+
+
+@pytest.fixture(scope="module")
+def server(folder, gguf, tmp_path_factory):
+    """An HTTP server serving the folder as ``harmony:hf`` and its GGUF as ``harmony:gguf`` from a store."""
+    from mlx_engine.server import ServerConfig
+    from mlx_engine.store import Store
+    from mlx_engine.store.manifest import write_manifest
+    from tests.test_server import RunningServer, free_port
+
+    root = tmp_path_factory.mktemp("harmony-home")
+    for name, files in (("harmony:hf", list(folder.iterdir())), ("harmony:gguf", [gguf])):
+        dest = Store(root).model_dir(name)
+        dest.mkdir(parents=True)
+        for f in files:
+            (dest / f.name).symlink_to(f)
+        listed = [{"name": f.name, "size": f.stat().st_size} for f in files]
+        write_manifest(dest, {"name": name, "source": "file", "files": listed,
+                              "size": sum(f["size"] for f in listed), "sha256": None,
+                              **({"model_file": gguf.name} if files == [gguf] else {})})
+    srv = RunningServer(ServerConfig(port=free_port(), models=["harmony:hf"], max_sequences=2, context_length=1024,
+                                     store_root=str(root)))
+    yield srv
+    srv.stop()
+
+
+def test_the_end_tokens_are_llama_cpps(model, gguf):
+    """``<|end|>`` closes a harmony message, not the turn: llama.cpp takes it off its end-of-generation list when
+    ``<|return|>`` and ``<|call|>`` are on it; among harmony's tokens, the folder's and the GGUF's end tokens are the
+    ones llama.cpp stops at (smollm2's own FIM token ``<reponame>`` is on llama.cpp's list alone, another matter)."""
+    import mlx_engine
+    from tests.hf_gguf import llama_cpp_eog_ids
+
+    harmony = set(range(49152, 49152 + len(HARMONY_TOKENS)))
+    eog = llama_cpp_eog_ids(gguf) & harmony
+    assert eog == {49157, 49158}  # <|return|>, <|call|>; not <|end|> (49153)
+    assert model.tokenizer.eos_ids & harmony == eog
+    m = mlx_engine.load(str(gguf), progress=False, context_length=256)
+    try:
+        assert m.tokenizer.eos_ids & harmony == eog
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("name", ["harmony:hf", "harmony:gguf"])
+def test_the_server_returns_the_call_and_its_reasoning(server, folder, name):
+    """Chat Completions with the real ``openai`` client, not streamed and streamed: the forced call in ``tool_calls``
+    (arguments valid for the schema), the analysis in ``reasoning_content``; then the call, its reasoning and the
+    tool's result sent back render as transformers renders them with the released template."""
+    import jsonschema
+    import openai
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    ask = dict(model=name, messages=ASK, tools=[WEATHER], temperature=0.0, max_tokens=60)
+    r = client.chat.completions.create(**ask, tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.reasoning_content == THOUGHT
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+
+    chunks = list(client.chat.completions.create(**ask, stream=True,
+                                                 tool_choice={"type": "function",
+                                                              "function": {"name": "get_weather"}}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == THOUGHT
+    assert "".join(d.content or "" for d in deltas) == ""
+    streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert streamed[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert json.loads("".join(tc.function.arguments or "" for tc in streamed)) == args  # greedy: the same call
+
+    follow = ASK + [choice.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    final = client.chat.completions.create(model=name, messages=follow, tools=[WEATHER], max_tokens=2)
+    expected = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        ASK + [{"role": "assistant", "thinking": THOUGHT,
+                "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+               {"role": "tool", "content": "sunny"}], tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+    assert f"<|channel|>analysis<|message|>{THOUGHT}<|end|>" in expected and '"sunny"' in expected
+    assert final.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(folder)(expected,
+                                                                                  add_special_tokens=False).input_ids)
