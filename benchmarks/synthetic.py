@@ -13,8 +13,9 @@ values do not matter for speed, the bytes do. The vocabulary is the model's own 
 49,152 are padding tokens the converter adds), so the embedding and the output head weigh what they do in the real
 model.
 
-Shapes (from the models' published ``config.json``): Llama 3.2 1B and 3B, Llama 3.1 8B, and Qwen3-30B-A3B's layers
-(with fewer layers than its 48: see ``SHAPES``). Files are cached in ``$MLX_ENGINE_TEST_CACHE/synthetic`` (default
+Shapes (from the models' published ``config.json``): Llama 3.2 1B and 3B, Llama 3.1 8B, and the layers of
+Qwen3-30B-A3B and gpt-oss-20b (with fewer layers than theirs: see ``SHAPES``; ``--layers N`` makes an even smaller
+one, a quick check that a shape builds and loads). Files are cached in ``$MLX_ENGINE_TEST_CACHE/synthetic`` (default
 ``~/.cache/mlx-engine-tests/synthetic``); the F16 file and the folder are deleted once every type asked for exists.
 
 ``--decode`` measures decode alone, the figure the bench takes minutes to reach among its others: this engine and
@@ -62,6 +63,19 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                             num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1000000.0,
                                             tie_word_embeddings=False, max_position_embeddings=40960,
                                             rms_norm_eps=1e-6, decoder_sparse_step=1, mlp_only_layers=[])),
+    # gpt-oss-20b has 24 layers (about 42 GB in bfloat16, its experts about 80%): 8 keep a layer's per-token work
+    # and its sliding / full alternation, and fit as above. Its published folder holds the experts in MXFP4, which
+    # llama.cpp's converter only repacks; from a bfloat16 folder it writes float experts, so the released file's
+    # layout (experts MXFP4, the rest Q8_0) is llama-quantize's MXFP4_MOE type: ask --types MXFP4_MOE.
+    "gpt-oss-20b": ("GptOssConfig", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                                         num_hidden_layers=8, num_attention_heads=64, num_key_value_heads=8,
+                                         head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                                         sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                         swiglu_limit=7.0, tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                          "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                          "truncate": False,
+                                                          "original_max_position_embeddings": 4096})),
 }
 
 
@@ -84,14 +98,15 @@ def _tensor_shapes(config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def make_folder(shape: str, folder: Path, smollm2_gguf: Path, seed: int = 0) -> Path:
-    """A Hugging Face folder with ``shape``'s config and random bfloat16 weights, written a tensor at a time."""
+def make_folder(shape: str, folder: Path, smollm2_gguf: Path, seed: int = 0, layers: int | None = None) -> Path:
+    """A Hugging Face folder with ``shape``'s config (``layers`` layers where given) and random bfloat16 weights,
+    written a tensor at a time."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
     cls_name, keys = SHAPES[shape]
-    config = getattr(transformers, cls_name)(**keys)
+    config = getattr(transformers, cls_name)(**{**keys, **({"num_hidden_layers": layers} if layers else {})})
     config.architectures = [cls_name.replace("Config", "ForCausalLM")]  # what the converter reads the model by
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
@@ -121,21 +136,23 @@ def make_folder(shape: str, folder: Path, smollm2_gguf: Path, seed: int = 0) -> 
     return folder
 
 
-def make(shape: str, types: list[str], smollm2_gguf: Path) -> dict[str, Path]:
-    """The GGUF file of ``shape`` for each of ``types`` (``F16`` or a key of ``hf_gguf.FTYPES``), made if absent."""
+def make(shape: str, types: list[str], smollm2_gguf: Path, layers: int | None = None) -> dict[str, Path]:
+    """The GGUF file of ``shape`` (``layers`` layers where given) for each of ``types`` (``F16`` or a key of
+    ``hf_gguf.FTYPES``), made if absent."""
     root = cache_dir()
-    out = {t: root / f"{shape}-{t}.gguf" for t in types}
+    stem = f"{shape}-{layers}l" if layers else shape
+    out = {t: root / f"{stem}-{t}.gguf" for t in types}
     missing = [t for t, p in out.items() if not p.exists()]
     if missing:
-        f16 = root / f"{shape}-F16.gguf"
+        f16 = root / f"{stem}-F16.gguf"
         if not f16.exists():
-            folder = make_folder(shape, root / f"{shape}-hf", smollm2_gguf)
-            hf_gguf.convert(folder, root / f"{shape}-F16.partial", "f16")
-            (root / f"{shape}-F16.partial").rename(f16)
+            folder = make_folder(shape, root / f"{stem}-hf", smollm2_gguf, layers=layers)
+            hf_gguf.convert(folder, root / f"{stem}-F16.partial", "f16")
+            (root / f"{stem}-F16.partial").rename(f16)
             shutil.rmtree(folder)
         for t in missing:
             if t != "F16":
-                partial = root / f"{shape}-{t}.partial"
+                partial = root / f"{stem}-{t}.partial"
                 hf_gguf.quantize(f16, partial, t)
                 partial.rename(out[t])
         if "F16" not in types:
@@ -176,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("--types", nargs="+", default=["Q4_K_M"], help="llama-quantize types (and F16)")
+    ap.add_argument("--layers", type=int, default=None, help="this many layers instead of the shape's")
     ap.add_argument("--bench", action="store_true", help="run mlx-engine bench on each file")
     ap.add_argument("--compare", action="append", default=[], choices=["llama.cpp", "mlx-lm"])
     ap.add_argument("--reps", type=int, default=3)
@@ -190,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_engine.store import Store
 
     smollm2 = Store().resolve("smollm2:135m", pull=True, progress=False).path
-    files = make(args.shape, args.types, Path(smollm2))
+    files = make(args.shape, args.types, Path(smollm2), args.layers)
     for t, p in files.items():
         print(f"{args.shape} {t}: {p} ({p.stat().st_size / 1e9:.2f} GB)", flush=True)
         if args.decode:

@@ -196,6 +196,31 @@ def llama_cpp_logits(path: "str | Path", tokens: list[int]) -> np.ndarray:
         return np.load(out)
 
 
+_EOG = """
+import sys
+import llama_cpp
+llama_cpp.llama_backend_init()
+params = llama_cpp.llama_model_default_params()
+params.vocab_only = True
+model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), params)
+vocab = llama_cpp.llama_model_get_vocab(model)
+print(",".join(str(i) for i in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, i)))
+"""
+
+
+def llama_cpp_eog_ids(path: "str | Path") -> set[int]:
+    """The token ids that end generation in llama.cpp (``llama_vocab_is_eog``) for the GGUF file ``path``, its
+    vocabulary alone loaded, in a process of its own.
+
+    Raises:
+        RuntimeError: llama.cpp failed to load the file (the message ends with its output).
+    """
+    got = subprocess.run([sys.executable, "-c", _EOG, str(path)], capture_output=True, text=True)
+    if got.returncode != 0:
+        raise RuntimeError(f"llama.cpp failed on {path}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
+    return {int(i) for i in got.stdout.split()[-1].split(",") if i}
+
+
 _EMBED = _PLAIN_CPU + """
 import json, sys
 import llama_cpp

@@ -65,7 +65,7 @@ class Tokenizer:
                  special_tokens: Mapping[str, str] | None = None, token_texts: Sequence[str] | None = None):
         self._hf = backend
         self.bos_id = bos_id
-        self.eos_ids: set[int] = {int(i) for i in eos_ids}
+        self.eos_ids: set[int] = _without_harmony_end({int(i) for i in eos_ids}, backend.id_to_token)
         self.add_bos = bool(add_bos)
         self.architecture = architecture
         self._chat_template = chat_template or None
@@ -491,3 +491,12 @@ def _read_json(path: Path) -> dict:
         raise WeightsError(f"{path}: not valid JSON: {e}") from e
     return data if isinstance(data, dict) else {}
 
+
+def _without_harmony_end(eos: set[int], text_of: Callable[[int], "str | None"]) -> set[int]:
+    """``eos`` less ``<|end|>`` where ``<|return|>`` and ``<|call|>`` are end tokens too: harmony's ``<|end|>`` closes
+    a message (the analysis before the answer or a call), not the turn (llama.cpp's workaround in
+    ``llama_vocab::impl::load``, for the same vocabulary)."""
+    by_text = {text_of(i): i for i in eos}
+    if {"<|return|>", "<|call|>", "<|end|>"} <= by_text.keys():
+        return eos - {by_text["<|end|>"]}
+    return eos

@@ -344,12 +344,15 @@ def tool_choice_format(tools: list[dict[str, Any]], choice: Any, style: ToolStyl
             raise InvalidRequestError(f"tool_choice must be 'auto', 'none', 'required' or a function among the "
                                       f"tools, got {choice!r:.120}")
     if style.form == "harmony":
-        # the header's special tokens as tokens (llguidance's <|...|>), the arguments as the function's JSON
-        calls = " | ".join(f"c{i}" for i in range(len(chosen)))
+        # the header's special tokens as tokens (llguidance's <|...|>), the arguments as the function's JSON; as in
+        # llama.cpp's gpt-oss grammar, an analysis message may come first (gpt-oss reasons before it calls: a call
+        # forced without it loses the reasoning), its text free up to <|end|> (a special token, never text)
+        calls = "analysis? (" + " | ".join(f"c{i}" for i in range(len(chosen))) + ")"
+        analysis = 'analysis: <|channel|> "analysis" <|message|> /(.|\\n)*/ <|end|> <|start|> "assistant"\n'
         rules = "".join(f'c{i}: <|channel|> "commentary to=functions.{t["function"]["name"]} " <|constrain|> "json" '
                         f'<|message|> %json {json.dumps({**_strict(t["function"]["parameters"]), **_COMPACT})}\n'
                         for i, t in enumerate(chosen))
-        return parse_response_format({"type": "grammar", "grammar": f"start: {calls}\n{rules}"})
+        return parse_response_format({"type": "grammar", "grammar": f"start: {calls}\n{analysis}{rules}"})
     args_key = "parameters" if style.form == "llama3" else "arguments"
 
     schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
