@@ -40,7 +40,8 @@ class EmbeddingModel:
     Attributes:
         name: the name it was loaded by. architecture: ``bert``, ``xlm-roberta``, ``nomic-bert`` or a decoder's
             (``qwen3``).
-        dim: the vector width. reranker: a :class:`Reranker` for a cross-encoder (:meth:`rerank`), else None.
+        dim: the vector width. reranker: a :class:`Reranker` for a cross-encoder or a decoder reranker
+            (:meth:`rerank`), else None.
         context_length: the most tokens of one input (longer ones are truncated, or refused with ``truncate=False``).
         pooling: ``mean``, ``cls`` or ``last``. prompts: the model's named prompts (``{"query": "..."}``).
         info: architecture, parameters, quantization, context_length, embedding_length, pooling, source, path.

@@ -35,6 +35,8 @@ from mlx_engine.models.text.tokenizer import Tokenizer
 
 #: llama.cpp's ``enum llama_pooling_type`` values that give one vector per text.
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+#: llama.cpp's ``LLAMA_POOLING_TYPE_RANK``: a reranker.
+GGUF_POOLING_RANK = 4
 _ST_MODULES = ("Transformer", "Pooling", "Normalize")
 
 
@@ -61,7 +63,7 @@ def is_embedder(metadata: Any, path: Path) -> bool:
     encoder architecture; a GGUF whose ``{arch}.pooling_type`` pools (1, 2, 3: llama.cpp's converter writes it from
     the sentence-transformers folder it converts); a folder whose ``modules.json`` lists a Pooling module."""
     arch = str(metadata.get("general.architecture", metadata.get("model_type")))
-    if arch in ENCODER_ARCHITECTURES:
+    if arch in ENCODER_ARCHITECTURES or is_decoder_reranker(metadata, path):
         return True
     if "general.architecture" in metadata:
         return metadata.get(f"{arch}.pooling_type") in GGUF_POOLING
@@ -69,6 +71,28 @@ def is_embedder(metadata: Any, path: Path) -> bool:
         modules = json.loads((Path(path) / "modules.json").read_text(encoding="utf-8"))
         return any(str(m.get("type", "")).endswith("Pooling") for m in modules)
     except (OSError, ValueError, TypeError, AttributeError):
+        return False
+
+
+def is_decoder_reranker(metadata: Any, path: Path) -> bool:
+    """Whether a decoder checkpoint is a yes / no reranker (Qwen3-Reranker): a GGUF whose ``{arch}.pooling_type``
+    is 4 (``LLAMA_POOLING_TYPE_RANK``); a folder of a ``...ForCausalLM`` that llama.cpp's converter takes for one
+    (``Qwen3Model._is_qwen3_reranker``: a ``# Qwen3-Reranker`` heading in its ``README.md``, or ``qwen3-reranker`` in
+    the folder's name or the config's ``_name_or_path``)."""
+    arch = str(metadata.get("general.architecture", metadata.get("model_type")))
+    if arch in ENCODER_ARCHITECTURES:
+        return False
+    if "general.architecture" in metadata:
+        return metadata.get(f"{arch}.pooling_type") == GGUF_POOLING_RANK
+    names = metadata.get("architectures") or [""]
+    if not str(names[0]).endswith("ForCausalLM"):
+        return False
+    hints = (Path(path).name, str(metadata.get("_name_or_path", "")))
+    if any("qwen3-reranker" in h.lower() for h in hints):
+        return True
+    try:
+        return "# qwen3-reranker" in (Path(path) / "README.md").read_text(encoding="utf-8").lower()
+    except OSError:
         return False
 
 
@@ -152,6 +176,15 @@ def _gguf_specials(metadata: Any, tokenizer: Tokenizer) -> tuple[list[int], list
     return first, last
 
 
+def _yes_no(tokenizer: Tokenizer) -> tuple[int, int]:
+    """The ids of the tokens ``yes`` and ``no`` (Qwen3-Reranker's card: ``convert_tokens_to_ids``). Raises
+    WeightsError for a vocabulary without them."""
+    ids = tuple(tokenizer.backend.token_to_id(t) for t in ("yes", "no"))
+    if None in ids:
+        raise WeightsError("a yes / no reranker's vocabulary must hold the tokens 'yes' and 'no'")
+    return ids[0], ids[1]
+
+
 class Embedder:
     """An encoder, its tokenizer and its pipeline: texts or token ids to float32 vectors.
 
@@ -163,17 +196,19 @@ class Embedder:
         gguf = path.is_file()
         self.backend = backend
         arch = backend.metadata.get("general.architecture", backend.metadata.get("model_type"))
-        self.encoder: "BertEncoder | DecoderEncoder" = (
-            BertEncoder.from_backend(backend, "gguf" if gguf else "hf") if str(arch) in ENCODER_ARCHITECTURES
-            else DecoderEncoder.from_backend(backend))
-        ctx_len = self.encoder.config.context_length
         self.tokenizer = Tokenizer.from_gguf(backend.metadata) if gguf else Tokenizer.from_folder(path)
+        if str(arch) in ENCODER_ARCHITECTURES:
+            self.encoder: "BertEncoder | DecoderEncoder" = BertEncoder.from_backend(backend, "gguf" if gguf else "hf")
+        else:
+            self.encoder = DecoderEncoder.from_backend(
+                backend, _yes_no(self.tokenizer) if is_decoder_reranker(backend.metadata, path) else None)
+        ctx_len = self.encoder.config.context_length
         # a tokenizer.json may pad every text to a fixed length and cut it (all-MiniLM-L6-v2's pads to 128 with
         # [PAD]): the padded batches and :meth:`fit` do that here, with a mask
         self.tokenizer.backend.no_padding()
         self.tokenizer.backend.no_truncation()
         #: a cross-encoder (a classification head): it reranks (models/embedding/rerank.py) and gives no embeddings
-        self.ranks = isinstance(self.encoder, BertEncoder) and self.encoder.has_rank_head
+        self.ranks = self.encoder.has_rank_head
         if self.ranks:
             self.spec = EmbeddingSpec(pooling="cls", normalize=False, max_tokens=ctx_len)
         else:
