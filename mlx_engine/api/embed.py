@@ -1,5 +1,5 @@
 """Embeddings at the Python API: :func:`mlx_engine.load` returns an :class:`EmbeddingModel` for an encoder checkpoint
-(BERT, XLM-RoBERTa, nomic-bert), whose :meth:`~EmbeddingModel.embed` turns texts into float32 vectors. Re-exported by
+(BERT, XLM-RoBERTa, nomic-bert, ModernBERT), whose :meth:`~EmbeddingModel.embed` turns texts into float32 vectors. Re-exported by
 :mod:`mlx_engine.api`.
 
 >>> model = mlx_engine.load("path/to/all-MiniLM-L6-v2")     # a sentence-transformers folder or a GGUF file

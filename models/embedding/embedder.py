@@ -30,6 +30,7 @@ import numpy as np
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
 from mlx_engine.ml import Backend
 from mlx_engine.models.arch.bert import ENCODER_ARCHITECTURES, BertEncoder
+from mlx_engine.models.arch.modernbert import MODERNBERT_ARCHITECTURES, ModernBertEncoder
 from mlx_engine.models.embedding.decoder_embedding import DecoderEncoder
 from mlx_engine.models.text.tokenizer import Tokenizer
 
@@ -198,7 +199,8 @@ class Embedder:
         arch = backend.metadata.get("general.architecture", backend.metadata.get("model_type"))
         self.tokenizer = Tokenizer.from_gguf(backend.metadata) if gguf else Tokenizer.from_folder(path)
         if str(arch) in ENCODER_ARCHITECTURES:
-            self.encoder: "BertEncoder | DecoderEncoder" = BertEncoder.from_backend(backend, "gguf" if gguf else "hf")
+            kind = ModernBertEncoder if str(arch) in MODERNBERT_ARCHITECTURES else BertEncoder
+            self.encoder: "BertEncoder | DecoderEncoder" = kind.from_backend(backend, "gguf" if gguf else "hf")
         else:
             self.encoder = DecoderEncoder.from_backend(
                 backend, _yes_no(self.tokenizer) if is_decoder_reranker(backend.metadata, path) else None)
