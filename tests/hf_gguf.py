@@ -253,19 +253,25 @@ _RANK = _PLAIN_CPU + """
 import json, sys
 import llama_cpp
 query, documents = json.loads(sys.argv[2])
+# its KV cache in float32 (GGML_TYPE_F32 = 0): a decoder reranker reads it (float16 moves p(yes) by ~1e-4)
 llm = llama_cpp.Llama(sys.argv[1], embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK, n_ctx=512,
-                      n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
+                      n_batch=512, n_ubatch=512, n_threads=2, verbose=False, type_k=0, type_v=0)
 vocab = llama_cpp.llama_model_get_vocab(llm.model)
 eos = llama_cpp.llama_vocab_eos(vocab)
 eos = llama_cpp.llama_vocab_sep(vocab) if eos == llama_cpp.LLAMA_TOKEN_NULL else eos
 q = llm.tokenize(query.encode(), add_bos=False, special=False)
+template = llama_cpp.llama_model_chat_template(llm.model, b"rerank")
 scores, pairs = [], []
-for doc in documents:  # the server's format_prompt_rerank, without a rerank chat template
-    tokens = ([llama_cpp.llama_vocab_bos(vocab)] if llama_cpp.llama_vocab_get_add_bos(vocab) else []) + q
-    tokens += [eos] if llama_cpp.llama_vocab_get_add_eos(vocab) else []
-    tokens += [llama_cpp.llama_vocab_sep(vocab)] if llama_cpp.llama_vocab_get_add_sep(vocab) else []
-    tokens += llm.tokenize(doc.encode(), add_bos=False, special=False)
-    tokens += [eos] if llama_cpp.llama_vocab_get_add_eos(vocab) else []
+for doc in documents:  # the server's format_prompt_rerank
+    if template:  # its rerank chat template, {query} then {document} replaced, special tokens parsed, none added
+        prompt = template.decode().replace("{query}", query).replace("{document}", doc)
+        tokens = llm.tokenize(prompt.encode(), add_bos=False, special=True)
+    else:
+        tokens = ([llama_cpp.llama_vocab_bos(vocab)] if llama_cpp.llama_vocab_get_add_bos(vocab) else []) + q
+        tokens += [eos] if llama_cpp.llama_vocab_get_add_eos(vocab) else []
+        tokens += [llama_cpp.llama_vocab_sep(vocab)] if llama_cpp.llama_vocab_get_add_sep(vocab) else []
+        tokens += llm.tokenize(doc.encode(), add_bos=False, special=False)
+        tokens += [eos] if llama_cpp.llama_vocab_get_add_eos(vocab) else []
     llm._ctx.kv_cache_clear()
     llm._batch.reset()
     llm._batch.add_sequence(tokens, 0, False)
@@ -277,9 +283,11 @@ print(json.dumps({"scores": scores, "tokens": pairs}))
 
 
 def llama_cpp_rank(path: "str | Path", query: str, documents: list[str]) -> tuple[np.ndarray, list[list[int]]]:
-    """llama.cpp's rerank scores (float32 ``[len(documents)]``, the classifier's first output, raw) of ``documents``
-    against ``query`` on the GGUF file ``path`` (``Llama(embedding=True, pooling_type=LLAMA_POOLING_TYPE_RANK)``),
-    each pair's tokens as its server's ``format_prompt_rerank`` puts them, and those tokens; in a process of its own.
+    """llama.cpp's rerank scores (float32 ``[len(documents)]``, the classifier's first output: raw, or ``p(yes)``
+    for a Qwen3 reranker, whose two outputs llama.cpp puts through a softmax) of ``documents`` against ``query`` on
+    the GGUF file ``path`` (``Llama(embedding=True, pooling_type=LLAMA_POOLING_TYPE_RANK)``), each pair's tokens as
+    its server's ``format_prompt_rerank`` puts them (through the file's ``rerank`` chat template where it has one),
+    and those tokens; in a process of its own.
 
     Raises:
         RuntimeError: llama.cpp failed to load or run the file (the message ends with its output).

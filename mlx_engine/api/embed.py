@@ -1,5 +1,5 @@
 """Embeddings at the Python API: :func:`mlx_engine.load` returns an :class:`EmbeddingModel` for an encoder checkpoint
-(BERT, XLM-RoBERTa, nomic-bert), whose :meth:`~EmbeddingModel.embed` turns texts into float32 vectors. Re-exported by
+(BERT, XLM-RoBERTa, nomic-bert, ModernBERT), whose :meth:`~EmbeddingModel.embed` turns texts into float32 vectors. Re-exported by
 :mod:`mlx_engine.api`.
 
 >>> model = mlx_engine.load("path/to/all-MiniLM-L6-v2")     # a sentence-transformers folder or a GGUF file
@@ -40,7 +40,8 @@ class EmbeddingModel:
     Attributes:
         name: the name it was loaded by. architecture: ``bert``, ``xlm-roberta``, ``nomic-bert`` or a decoder's
             (``qwen3``).
-        dim: the vector width. reranker: a :class:`Reranker` for a cross-encoder (:meth:`rerank`), else None.
+        dim: the vector width. reranker: a :class:`Reranker` for a cross-encoder or a decoder reranker
+            (:meth:`rerank`), else None.
         context_length: the most tokens of one input (longer ones are truncated, or refused with ``truncate=False``).
         pooling: ``mean``, ``cls`` or ``last``. prompts: the model's named prompts (``{"query": "..."}``).
         info: architecture, parameters, quantization, context_length, embedding_length, pooling, source, path.

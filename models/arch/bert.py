@@ -27,7 +27,8 @@ from mlx_engine.ml import Backend, Context, DType, Tensor
 from mlx_engine.models.layers.config import check_layer_count, metadata_getter
 
 #: Architectures as GGUF's ``general.architecture`` and Hugging Face's ``model_type`` spell them.
-ENCODER_ARCHITECTURES = frozenset({"bert", "nomic-bert", "nomic_bert", "xlm-roberta", "xlm_roberta"})
+ENCODER_ARCHITECTURES = frozenset({"bert", "nomic-bert", "nomic_bert", "xlm-roberta", "xlm_roberta", "modernbert",
+                                   "modern-bert"})  # ModernBERT runs in models/arch/modernbert.py
 
 # transformers' BertModel names to llama.cpp's (conversion/bert.py after its "bert." prefix is dropped)
 _HF_NAMES = [

@@ -4,8 +4,8 @@ GGUF file as llama.cpp's converter writes it.
 
 What is read, and from where:
 
-- A folder: ``modules.json`` (the modules in order: ``Transformer``, ``Pooling``, ``Normalize``; a ``Dense`` or other
-  module we do not run is refused), the Pooling module's ``config.json`` (``pooling_mode_cls_token``,
+- A folder: ``modules.json`` (the modules in order: ``Transformer``, ``Pooling``, ``Dense`` after pooling (its
+  ``config.json`` and ``model.safetensors``), ``Normalize``; another module is refused), the Pooling module's ``config.json`` (``pooling_mode_cls_token``,
   ``pooling_mode_mean_tokens``, ``pooling_mode_lasttoken``, or ``pooling_mode``), ``sentence_bert_config.json``
   (``max_seq_length``), ``config_sentence_transformers.json`` (``prompts``, ``default_prompt_name``). A folder without
   ``modules.json`` pools by mean, as sentence-transformers does for a plain transformers model.
@@ -30,12 +30,62 @@ import numpy as np
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
 from mlx_engine.ml import Backend
 from mlx_engine.models.arch.bert import ENCODER_ARCHITECTURES, BertEncoder
+from mlx_engine.models.arch.modernbert import MODERNBERT_ARCHITECTURES, ModernBertEncoder
 from mlx_engine.models.embedding.decoder_embedding import DecoderEncoder
 from mlx_engine.models.text.tokenizer import Tokenizer
 
 #: llama.cpp's ``enum llama_pooling_type`` values that give one vector per text.
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
-_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+#: llama.cpp's ``LLAMA_POOLING_TYPE_RANK``: a reranker.
+GGUF_POOLING_RANK = 4
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+#: sentence-transformers' ``Dense`` activations we run (its ``activation_function`` path), by name.
+_DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
+
+
+@dataclass
+class Dense:
+    """A sentence-transformers ``Dense`` module after pooling: ``activation(x @ weight.T + bias)``.
+
+    Attributes: weight float32 ``[out, in]``; bias float32 ``[out]`` or None; activation ``identity`` or ``tanh``.
+    """
+
+    weight: np.ndarray
+    bias: np.ndarray | None
+    activation: str
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """``x`` float32 ``[n, in]`` to float32 ``[n, out]`` (computed in float64)."""
+        y = x.astype(np.float64) @ self.weight.T.astype(np.float64)
+        if self.bias is not None:
+            y += self.bias
+        return (np.tanh(y) if self.activation == "tanh" else y).astype(np.float32)
+
+
+def _dense(folder: Path, config: Any, width: int) -> Dense:
+    """A ``Dense`` module from its folder (``config.json``; ``model.safetensors`` holding ``linear.weight`` and
+    ``linear.bias``), taking ``width`` features. Raises WeightsError (a bad or missing file, a width that does not
+    chain) or UnsupportedError (an activation we do not run)."""
+    if not isinstance(config, dict):
+        raise WeightsError(f"{folder / 'config.json'}: a Dense module's config is an object")
+    act = config.get("activation_function", "torch.nn.modules.activation.Tanh")  # sentence-transformers' default
+    if act not in _DENSE_ACTIVATIONS:
+        raise UnsupportedError(f"{folder}: the Dense module's activation {act!r}; we run "
+                               f"{', '.join(_DENSE_ACTIVATIONS)}")
+    from safetensors.numpy import load_file
+
+    try:
+        tensors = load_file(str(folder / "model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{folder / 'model.safetensors'}: cannot read the Dense module's weights ({e})") from None
+    weight, bias = tensors.get("linear.weight"), tensors.get("linear.bias")
+    if weight is None or weight.ndim != 2 or weight.shape[1] != width:
+        raise WeightsError(f"{folder}: the Dense module's linear.weight must be [out, {width}], not "
+                           f"{None if weight is None else list(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise WeightsError(f"{folder}: the Dense module's linear.bias must be [{weight.shape[0]}]")
+    return Dense(weight.astype(np.float32), None if bias is None else bias.astype(np.float32),
+                 _DENSE_ACTIVATIONS[act])
 
 
 @dataclass
@@ -46,7 +96,7 @@ class EmbeddingSpec:
         pooling: ``mean``, ``cls`` or ``last``. normalize: the model's pipeline ends in L2 normalization.
         max_tokens: the most tokens of one input (``max_seq_length``, else the model's context).
         prompts: named prompts prepended to a text (``{"query": "search_query: "}``); default_prompt: the name
-            applied when none is given, or None.
+            applied when none is given, or None. dense: the ``Dense`` modules after pooling, in order.
     """
 
     pooling: str = "mean"
@@ -54,6 +104,7 @@ class EmbeddingSpec:
     max_tokens: int = 512
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt: str | None = None
+    dense: list[Dense] = field(default_factory=list)
 
 
 def is_embedder(metadata: Any, path: Path) -> bool:
@@ -61,7 +112,7 @@ def is_embedder(metadata: Any, path: Path) -> bool:
     encoder architecture; a GGUF whose ``{arch}.pooling_type`` pools (1, 2, 3: llama.cpp's converter writes it from
     the sentence-transformers folder it converts); a folder whose ``modules.json`` lists a Pooling module."""
     arch = str(metadata.get("general.architecture", metadata.get("model_type")))
-    if arch in ENCODER_ARCHITECTURES:
+    if arch in ENCODER_ARCHITECTURES or is_decoder_reranker(metadata, path):
         return True
     if "general.architecture" in metadata:
         return metadata.get(f"{arch}.pooling_type") in GGUF_POOLING
@@ -72,6 +123,28 @@ def is_embedder(metadata: Any, path: Path) -> bool:
         return False
 
 
+def is_decoder_reranker(metadata: Any, path: Path) -> bool:
+    """Whether a decoder checkpoint is a yes / no reranker (Qwen3-Reranker): a GGUF whose ``{arch}.pooling_type``
+    is 4 (``LLAMA_POOLING_TYPE_RANK``); a folder of a ``...ForCausalLM`` that llama.cpp's converter takes for one
+    (``Qwen3Model._is_qwen3_reranker``: a ``# Qwen3-Reranker`` heading in its ``README.md``, or ``qwen3-reranker`` in
+    the folder's name or the config's ``_name_or_path``)."""
+    arch = str(metadata.get("general.architecture", metadata.get("model_type")))
+    if arch in ENCODER_ARCHITECTURES:
+        return False
+    if "general.architecture" in metadata:
+        return metadata.get(f"{arch}.pooling_type") == GGUF_POOLING_RANK
+    names = metadata.get("architectures") or [""]
+    if not str(names[0]).endswith("ForCausalLM"):
+        return False
+    hints = (Path(path).name, str(metadata.get("_name_or_path", "")))
+    if any("qwen3-reranker" in h.lower() for h in hints):
+        return True
+    try:
+        return "# qwen3-reranker" in (Path(path) / "README.md").read_text(encoding="utf-8").lower()
+    except OSError:
+        return False
+
+
 def _json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -79,13 +152,15 @@ def _json(path: Path) -> Any:
         raise WeightsError(f"{path}: cannot read it as JSON ({e})") from None
 
 
-def spec_from_folder(folder: Path, context_length: int) -> EmbeddingSpec:
-    """The pipeline of a sentence-transformers folder. Raises WeightsError (a bad file, named) or UnsupportedError
-    (a module or pooling mode we do not run)."""
+def spec_from_folder(folder: Path, context_length: int, width: int) -> EmbeddingSpec:
+    """The pipeline of a sentence-transformers folder whose transformer gives ``width`` features. Raises
+    WeightsError (a bad file, named) or UnsupportedError (a module or pooling mode we do not run, or a Dense module
+    before pooling)."""
     spec = EmbeddingSpec(pooling="mean", normalize=False, max_tokens=context_length)
     modules = _json(folder / "modules.json") if (folder / "modules.json").is_file() else []
     if not isinstance(modules, list):
         raise WeightsError(f"{folder / 'modules.json'}: a list of modules is expected")
+    pooled = False
     for m in modules:
         kind = str(m.get("type", "")).rsplit(".", 1)[-1] if isinstance(m, dict) else ""
         if kind not in _ST_MODULES:
@@ -96,6 +171,13 @@ def spec_from_folder(folder: Path, context_length: int) -> EmbeddingSpec:
                                    "config.json and weights at its top (sentence-transformers' current layout)")
         if kind == "Pooling":
             spec.pooling = _pooling_mode(_json(folder / m.get("path", "") / "config.json"), folder)
+            pooled = True
+        if kind == "Dense":
+            if not pooled:
+                raise UnsupportedError(f"{folder / 'modules.json'}: a Dense module before pooling; we run them after")
+            sub = folder / m.get("path", "")
+            spec.dense.append(_dense(sub, _json(sub / "config.json"), spec.dense[-1].weight.shape[0]
+                                     if spec.dense else width))
         if kind == "Normalize":
             spec.normalize = True
     if (folder / "sentence_bert_config.json").is_file():
@@ -152,6 +234,15 @@ def _gguf_specials(metadata: Any, tokenizer: Tokenizer) -> tuple[list[int], list
     return first, last
 
 
+def _yes_no(tokenizer: Tokenizer) -> tuple[int, int]:
+    """The ids of the tokens ``yes`` and ``no`` (Qwen3-Reranker's card: ``convert_tokens_to_ids``). Raises
+    WeightsError for a vocabulary without them."""
+    ids = tuple(tokenizer.backend.token_to_id(t) for t in ("yes", "no"))
+    if None in ids:
+        raise WeightsError("a yes / no reranker's vocabulary must hold the tokens 'yes' and 'no'")
+    return ids[0], ids[1]
+
+
 class Embedder:
     """An encoder, its tokenizer and its pipeline: texts or token ids to float32 vectors.
 
@@ -163,23 +254,26 @@ class Embedder:
         gguf = path.is_file()
         self.backend = backend
         arch = backend.metadata.get("general.architecture", backend.metadata.get("model_type"))
-        self.encoder: "BertEncoder | DecoderEncoder" = (
-            BertEncoder.from_backend(backend, "gguf" if gguf else "hf") if str(arch) in ENCODER_ARCHITECTURES
-            else DecoderEncoder.from_backend(backend))
-        ctx_len = self.encoder.config.context_length
         self.tokenizer = Tokenizer.from_gguf(backend.metadata) if gguf else Tokenizer.from_folder(path)
+        if str(arch) in ENCODER_ARCHITECTURES:
+            kind = ModernBertEncoder if str(arch) in MODERNBERT_ARCHITECTURES else BertEncoder
+            self.encoder: "BertEncoder | DecoderEncoder" = kind.from_backend(backend, "gguf" if gguf else "hf")
+        else:
+            self.encoder = DecoderEncoder.from_backend(
+                backend, _yes_no(self.tokenizer) if is_decoder_reranker(backend.metadata, path) else None)
+        ctx_len = self.encoder.config.context_length
         # a tokenizer.json may pad every text to a fixed length and cut it (all-MiniLM-L6-v2's pads to 128 with
         # [PAD]): the padded batches and :meth:`fit` do that here, with a mask
         self.tokenizer.backend.no_padding()
         self.tokenizer.backend.no_truncation()
         #: a cross-encoder (a classification head): it reranks (models/embedding/rerank.py) and gives no embeddings
-        self.ranks = isinstance(self.encoder, BertEncoder) and self.encoder.has_rank_head
+        self.ranks = self.encoder.has_rank_head
         if self.ranks:
             self.spec = EmbeddingSpec(pooling="cls", normalize=False, max_tokens=ctx_len)
         else:
-            self.spec = spec_from_gguf(backend.metadata, ctx_len) if gguf else spec_from_folder(path, ctx_len)
+            self.spec = spec_from_gguf(backend.metadata, ctx_len) if gguf else spec_from_folder(path, ctx_len, self.encoder.config.hidden_size)
         self.gguf = gguf
-        self.dim = self.encoder.config.hidden_size
+        self.dim = self.spec.dense[-1].weight.shape[0] if self.spec.dense else self.encoder.config.hidden_size
         self._around = _gguf_specials(backend.metadata, self.tokenizer) if gguf else None
         mask = self.tokenizer.backend.encode("a", add_special_tokens=True).special_tokens_mask
         # the special tokens after a text ([SEP], <|endoftext|>), kept when it is cut
@@ -255,7 +349,10 @@ class Embedder:
             while end < len(order) and (end + 1 - start) * len(inputs[order[end]]) <= budget:
                 end += 1
             rows = order[start:end]
-            out[rows] = self._forward([inputs[i] for i in rows])
+            pooled = self._forward([inputs[i] for i in rows])
+            for dense in self.spec.dense:  # sentence-transformers' Dense modules, after pooling
+                pooled = dense(pooled)
+            out[rows] = pooled
             start = end
         if dimensions is not None:
             out = out[:, :dimensions].copy()
