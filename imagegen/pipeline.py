@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mlx_engine.errors import InvalidRequestError, ModelNotFoundError, WeightsError
+from mlx_engine.errors import InvalidRequestError, ModelNotFoundError, UnsupportedError, WeightsError
 from mlx_engine.ml import Context, Tensor
 
 __all__ = ["DenoiseJob", "ImageGenerationStats", "ImageResult", "StepCallback", "DEFAULTS_FILE", "MAX_SIDE", "read_json",
-           "read_model_index", "store_component", "component_folder", "read_defaults", "load_init_image",
+           "read_model_index", "read_pipeline_index", "guide", "store_component", "component_folder", "read_defaults", "load_init_image",
            "check_image_size", "preprocess_init_image"]
 
 #: an optional file beside ``model_index.json`` with this engine's defaults for the model (``width``, ``height``,
@@ -184,6 +184,45 @@ def read_model_index(folder: Path) -> dict:
     if not (folder / "model_index.json").is_file():
         raise ModelNotFoundError(f"{folder}: not a diffusers image model folder (no model_index.json)")
     return read_json(folder / "model_index.json", "the pipeline index")
+
+
+def read_pipeline_index(folder: Path, classes: "tuple[str, ...]", family: str, components: "tuple[str, ...]",
+                        component_classes: "dict[str, str]") -> dict:
+    """``model_index.json`` of a folder that a pipeline of ``family`` loads: its ``_class_name`` one of ``classes``,
+    each of ``components`` listed, and each component's class, where the index names one, that of
+    ``component_classes``.
+
+    Raises:
+        ModelNotFoundError: as :func:`read_model_index`. UnsupportedError: another pipeline or component class.
+        WeightsError: a component missing from the index.
+    """
+    f = folder
+    index = read_model_index(f)
+    name = index.get("_class_name")
+    if name not in classes:
+        raise UnsupportedError(f"{f}: pipeline {name!r} is not supported by the {family} pipeline, which "
+                               f"runs {' and '.join(classes)} folders")
+    for comp in components:
+        if comp not in index:
+            raise WeightsError(f"{f / 'model_index.json'}: no {comp!r} component listed")
+    for comp, cls in component_classes.items():
+        entry = index.get(comp)
+        got = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+        if got is not None and got != cls:
+            raise UnsupportedError(f"{f}: {comp} is a {got}; this engine implements {cls}")
+    return index
+
+
+def guide(pos: Tensor, neg: Tensor, scale: float, normalization: "bool | float") -> Tensor:
+    """diffusers' Z-Image guidance: ``pos + scale * (pos - neg)``, its norm capped at ``normalization`` times
+    ``pos``'s when that is above 0 (``pipeline_z_image.py``, ``cfg_normalization``)."""
+    pred = pos + (pos - neg) * scale
+    if normalization and float(normalization) > 0.0:
+        ori = (pos * pos).sum().sqrt()
+        new = (pred * pred).sum().sqrt()
+        cap = ori * float(normalization)
+        pred = pred * new.compare(">", cap).where(cap / new, 1.0)
+    return pred
 
 
 def store_component(entry: Any) -> str | None:

@@ -29,9 +29,7 @@ transformer on the prompt and on the negative prompt (``""`` when none) and comb
 Memory: the text encoder is loaded for each generation and closed before the denoising loop (unless the pipeline is
 made with ``keep_text_encoder=True``); the VAE decodes images above :attr:`ZImagePipeline.tile_above_pixels` in
 overlapping tiles; the peak of the device's memory over one generation is reported in :class:`ImageGenerationStats`.
-
-This package speaks only the ml interfaces: the caller gives a backend factory (``make_backend(folder) -> Backend``;
-``mlx_engine.api`` passes ``MLXBackend``).
+The caller gives a backend factory (``make_backend(folder) -> Backend``; ``mlx_engine.api`` passes ``MLXBackend``).
 """
 
 from __future__ import annotations
@@ -49,8 +47,8 @@ from PIL import Image
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
 from mlx_engine.imagegen.pipeline import (MAX_SIDE, DenoiseJob, ImageGenerationStats, ImageResult, StepCallback,
-                                          check_image_size, component_folder, preprocess_init_image, read_defaults,
-                                          read_json, read_model_index, store_component)
+                                          check_image_size, component_folder, guide, preprocess_init_image,
+                                          read_defaults, read_json, read_pipeline_index, store_component)
 from mlx_engine.ml import Backend, Context, DType, Tensor
 
 __all__ = ["ZImagePipeline", "PIPELINE_CLASSES", "COMPONENTS"]
@@ -181,21 +179,8 @@ class ZImagePipeline:
         self.vae_tile, self.vae_tile_overlap = 64, 16  # latent pixels (512-pixel tiles, 128-pixel blends)
 
     def _read_model_index(self) -> dict:
-        f = self.folder
-        index = read_model_index(f)
-        name = index.get("_class_name")
-        if name not in self.pipeline_classes:
-            raise UnsupportedError(f"{f}: pipeline {name!r} is not supported by the {self.family} pipeline, which "
-                                   f"runs {' and '.join(self.pipeline_classes)} folders")
-        for comp in COMPONENTS:
-            if comp not in index:
-                raise WeightsError(f"{f / 'model_index.json'}: no {comp!r} component listed")
-        for comp, cls in self.component_classes.items():
-            entry = index.get(comp)
-            got = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
-            if got is not None and got != cls:
-                raise UnsupportedError(f"{f}: {comp} is a {got}; this engine implements {cls}")
-        return index
+        return read_pipeline_index(self.folder, self.pipeline_classes, self.family, COMPONENTS,
+                                   self.component_classes)
 
     def _component_folder(self, name: str) -> Path:
         return component_folder(self.folder, name)
@@ -552,7 +537,7 @@ class ZImagePipeline:
             for b in range(batch):
                 pred = outs[b].astype(DType.FLOAT32)
                 if apply_cfg:
-                    pred = self._guide(pred, outs[batch + b].astype(DType.FLOAT32), current, job.cfg_normalization)
+                    pred = guide(pred, outs[batch + b].astype(DType.FLOAT32), current, job.cfg_normalization)
                 preds.append(pred.reshape(channels, lh, lw))
             job.latents = self.scheduler.step(-ctx.stack(preds, axis=0), i, job.latents)
             ctx.evaluate(job.latents)
@@ -560,18 +545,6 @@ class ZImagePipeline:
             stats.step_seconds.append(now - t_step)
             stats.denoise_seconds = now - t_loop
             yield job.latents
-
-    @staticmethod
-    def _guide(pos: Tensor, neg: Tensor, scale: float, normalization: "bool | float") -> Tensor:
-        """diffusers' Z-Image guidance: ``pos + scale * (pos - neg)``, its norm capped at ``normalization`` times
-        ``pos``'s when that is above 0."""
-        pred = pos + (pos - neg) * scale
-        if normalization and float(normalization) > 0.0:
-            ori = (pos * pos).sum().sqrt()
-            new = (pred * pred).sum().sqrt()
-            cap = ori * float(normalization)
-            pred = pred * new.compare(">", cap).where(cap / new, 1.0)
-        return pred
 
     def decode(self, job: DenoiseJob) -> ImageResult:
         """VAE-decode the job's latents (in tiles above :attr:`tile_above_pixels`, unless ``job.vae_tiling`` says

@@ -42,38 +42,8 @@ from mlx_engine.kvcache.base import Cache, FusedSteps, LayerShape, ShiftFn
 from mlx_engine.batch import Batch
 from mlx_engine.errors import CacheError, CacheFullError
 from mlx_engine.ml import Backend, CacheConfig, Context, DType, RopeAngles, Tensor
+from mlx_engine.kvcache.forward import Forward
 from mlx_engine.kvcache.storage import KVStorage, LayerStorage, round_up as _round_up
-
-
-class _Forward:
-    """What one ``start_forward`` decided: the cells of the batch, the used range, and the mask."""
-
-    __slots__ = ("n", "locs", "span", "loc_tensor", "used", "mask", "runs", "reserve", "pos", "seqs", "cells")
-
-    def __init__(self, n: int, locs: Optional[np.ndarray], span: Optional[tuple[int, int]], used: int,
-                 mask: Optional[Tensor], reserve: bool, pos: Optional[np.ndarray] = None,
-                 seqs: Optional[np.ndarray] = None, runs: Optional[list[tuple[int, int]]] = None):
-        self.n, self.locs, self.span, self.used, self.mask, self.reserve = n, locs, span, used, mask, reserve
-        self.pos, self.seqs = pos, seqs
-        self.runs = runs  # one token whose visible cells are one or two runs [lo, hi): attended alone, unmasked
-        self.loc_tensor: Optional[Tensor] = None
-        self.cells: Optional[Tensor] = None  # INT32 [5] for Context.cached_attention, made once
-
-    def attended(self) -> tuple[tuple[int, int, int, int], Optional[Tensor]]:
-        """``((lo, hi, lo2, hi2), mask)``: the runs of cells that the batch attends to (the second empty where
-        there is one), and the mask over ``[lo, hi)`` (None: all visible)."""
-        if self.mask is None:
-            return (0, self.used, 0, 0), None
-        if self.runs is not None:
-            (lo, hi), (lo2, hi2) = (self.runs + [(0, 0)])[:2]
-            return (lo, hi, lo2, hi2), None
-        return (0, self.used, 0, 0), self.mask
-
-    def cells_tensor(self, ctx: Context) -> Tensor:
-        """``(start, lo, hi, lo2, hi2)`` as an INT32 tensor ``[5]`` (made once per forward)."""
-        if self.cells is None:
-            self.cells = ctx.from_numpy(np.array([self.span[0], *self.attended()[0]], np.int32), DType.INT32)
-        return self.cells
 
 
 class CausalCache(Cache, FusedSteps):
@@ -124,7 +94,7 @@ class CausalCache(Cache, FusedSteps):
         self._config_set = False
         self._backend: Optional[Backend] = None
         self._layer = 0
-        self._fwd: Optional[_Forward] = None
+        self._fwd: Optional[Forward] = None
         self._step_layers: list[LayerStorage] = []  # the layers of the last step_tensors, in its order
 
     # ---- set-up ----------------------------------------------------------------------------------------------------
@@ -259,7 +229,7 @@ class CausalCache(Cache, FusedSteps):
             c = self.num_cells
 
             def commit_reserve() -> None:
-                self._fwd = _Forward(n, None, None, c, ctx.zeros((n, c), self._config.mask_dtype), True)
+                self._fwd = Forward(n, None, None, c, ctx.zeros((n, c), self._config.mask_dtype), True)
             return commit_reserve
 
         for s in uniq:
@@ -345,7 +315,7 @@ class CausalCache(Cache, FusedSteps):
         used = min(_round_up(self._hi, max(1, self._config.padding)), self.num_cells)
         span = (int(locs[0]), int(locs[0]) + n) if int(locs[-1]) - int(locs[0]) == n - 1 else None
         mask, runs = self._build_mask(ctx, pos, seqs, used)
-        self._fwd = _Forward(n, locs, span, used, mask, False, pos, seqs, runs)
+        self._fwd = Forward(n, locs, span, used, mask, False, pos, seqs, runs)
 
     def _refresh(self, seqs: Sequence[int]) -> None:
         """Recompute the used range, the count of used cells and the per-sequence counters after cells were freed."""
@@ -493,7 +463,7 @@ class CausalCache(Cache, FusedSteps):
         for i, st in enumerate(stored):
             st.k[0], st.v[0] = storage[2 * i], storage[2 * i + 1]
 
-    def _write(self, fwd: _Forward, dst: Tensor, src: Tensor) -> None:
+    def _write(self, fwd: Forward, dst: Tensor, src: Tensor) -> None:
         if fwd.span is not None:
             dst[:, :, fwd.span[0]:fwd.span[1], :] = src
         else:

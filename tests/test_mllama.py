@@ -19,7 +19,8 @@ import mlx_engine
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
 from mlx_engine.models.arch.mllama import cross_attention_mask
 from mlx_engine.models.vision.mllama_vision import CLIP_MEAN, CLIP_STD, TiledImageProcessor, fit_size, tile_grid
-from mlx_engine.models.generation.runner import GenerationStats, Request, prompt_keys
+from mlx_engine.models.generation.runner import GenerationStats, Request
+from mlx_engine.models.vision.images import prompt_keys
 from mlx_engine.models.generation.sampler import SamplerOptions
 from tests.mllama_small import TILE, build_mllama
 from tests.vision_small import engine_logits_and_tokens, photo

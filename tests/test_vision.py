@@ -12,7 +12,7 @@ import pytest
 import mlx_engine
 from mlx_engine.errors import InvalidRequestError
 from mlx_engine.models.vision.images import ImageProcessor, load_image
-from mlx_engine.models.generation.runner import prompt_keys
+from mlx_engine.models.vision.images import prompt_keys
 from tests.hybrid_small import write_gguf
 from tests.vision_small import IMAGE_SIZE, build_gemma3_vision, engine_logits_and_tokens, photo, reference_pixels
 

@@ -458,10 +458,9 @@ class Model:
         return ChatSession(self, seq, system, options)
 
     def attach_draft(self, draft: Any) -> None:
-        """Speculate with ``draft`` (a :class:`Model` of the same vocabulary, loaded with at least this model's
-        sequences and its context length), which this model then owns (:meth:`close` closes it). Raises
-        ``InvalidRequestError`` for an embedding model, another vocabulary or fewer sequences; ``draft`` is closed
-        then."""
+        """Speculate with ``draft`` (a :class:`Model` of the same vocabulary, with at least this model's sequences
+        and context length), then owned by this model. Raises ``InvalidRequestError`` (and closes ``draft``) for
+        an embedding model, another vocabulary or fewer sequences."""
         try:
             if not isinstance(draft, Model):
                 raise InvalidRequestError(f"the draft model {draft.name} is an embedding model, not a text model")

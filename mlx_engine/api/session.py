@@ -13,7 +13,8 @@ from mlx_engine.errors import InvalidRequestError
 from mlx_engine.models.generation.options import GenerationOptions
 from mlx_engine.models.text.reasoning import Thinking
 from mlx_engine.models.layers.base import DecoderModel
-from mlx_engine.models.generation.runner import GenerationStats, Runner, prompt_keys
+from mlx_engine.models.generation.runner import GenerationStats, Runner
+from mlx_engine.models.vision.images import prompt_keys
 
 __all__ = ["ChatSession"]
 

@@ -49,7 +49,8 @@ from mlx_engine.ml import DType
 from mlx_engine.models.generation.core import SequenceState
 from mlx_engine.models.generation.options import GenerationOptions
 from mlx_engine.models.text.reasoning import THINKING
-from mlx_engine.models.generation.runner import Runner, prompt_keys
+from mlx_engine.models.generation.runner import Runner
+from mlx_engine.models.vision.images import prompt_keys
 from mlx_engine.models.generation.speculative import DraftLength, judge, plan_all, record
 from mlx_engine.api.parallel import serving_peer_lost
 from mlx_engine.server.prompt_cache import ModelPromptCache

@@ -24,7 +24,7 @@ from mlx_engine.models.text.constraint import Constraint, GrammarTokenizer, Resp
 from mlx_engine.models.generation.core import SequenceState
 from mlx_engine.models.generation.draft_model import check_vocabulary
 from mlx_engine.models.generation.speculative import DraftLength, Drafter, make_drafter, speculate
-from mlx_engine.models.vision.images import PromptImage
+from mlx_engine.models.vision.images import PromptImage, prompt_keys
 from mlx_engine.models.text.reasoning import (HARMONY, DeferredConstraint, HarmonyParser, ReasoningParser,
                                          prompt_opens_span, think_markers)
 from mlx_engine.models.generation.sampler import Sampler, SamplerOptions
@@ -102,16 +102,6 @@ class Request:
     reasoning: bool = True
     speculative: str | None = None
     draft_tokens: int = 8
-
-
-def prompt_keys(tokens: Sequence[int], images: Sequence[PromptImage] = ()) -> list[int]:
-    """What the cache remembers of a prompt: its token ids, with each image's placeholders replaced by keys made
-    from the image's pixels (:meth:`PromptImage.keys`), so that a cached prefix is reused only for the same image
-    at the same place."""
-    keys = [int(t) for t in tokens]
-    for im in images:
-        keys[im.start:im.start + im.count] = im.keys()
-    return keys
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

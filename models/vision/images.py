@@ -17,6 +17,7 @@ import io
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -143,3 +144,13 @@ class PromptImage:
         cached prefix matches only the same image at the same place."""
         base = int(self.digest[:15], 16)
         return [-1 - ((base + i) % (1 << 62)) for i in range(self.count)]
+
+
+def prompt_keys(tokens: Sequence[int], images: Sequence[PromptImage] = ()) -> list[int]:
+    """What the cache remembers of a prompt: its token ids, with each image's placeholders replaced by keys made
+    from the image's pixels (:meth:`PromptImage.keys`), so that a cached prefix is reused only for the same image
+    at the same place."""
+    keys = [int(t) for t in tokens]
+    for im in images:
+        keys[im.start:im.start + im.count] = im.keys()
+    return keys
