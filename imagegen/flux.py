@@ -197,7 +197,7 @@ class FluxPipeline:
 
     def _load_transformer(self):
         from mlx_engine.imagegen.flux_transformer import FluxTransformer
-        from mlx_engine.imagegen.transformer import transformer_backend
+        from mlx_engine.imagegen.quantize import transformer_backend
 
         backend = transformer_backend(self._make_backend, component_folder(self.folder, "transformer"), self.quantize,
                                       FluxTransformer.FLOAT_PREFIXES)

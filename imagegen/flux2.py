@@ -234,7 +234,7 @@ class Flux2Pipeline:
 
     def _load_transformer(self):
         from mlx_engine.imagegen.flux2_transformer import Flux2Transformer
-        from mlx_engine.imagegen.transformer import transformer_backend
+        from mlx_engine.imagegen.quantize import transformer_backend
 
         backend = transformer_backend(self._make_backend, component_folder(self.folder, "transformer"), self.quantize,
                                       Flux2Transformer.FLOAT_PREFIXES)

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.errors import WeightsError
-from mlx_engine.imagegen.transformer import quantize_linears, rotate_pairs, timestep_features
+from mlx_engine.imagegen.quantize import quantize_linears
+from mlx_engine.imagegen.transformer import rotate_pairs, timestep_features
 from mlx_engine.ml import Backend, Context, Tensor
 
 __all__ = ["FluxConfig", "FluxTransformer", "ROPE_THETA"]
@@ -134,9 +135,9 @@ class FluxTransformer:
 
         Args:
             quantize_bits: None, 8 or 4: affine-quantize the blocks' linear weights (``group_size`` per group; a
-                weight whose input width is not a multiple stays float; :func:`~mlx_engine.imagegen.transformer.
+                weight whose input width is not a multiple stays float; :func:`~mlx_engine.imagegen.quantize.
                 quantize_linears`); :attr:`FLOAT_PREFIXES` stay float. Weights the backend quantized as it read them
-                (:func:`~mlx_engine.imagegen.transformer.transformer_backend`) stay as they are.
+                (:func:`~mlx_engine.imagegen.quantize.transformer_backend`) stay as they are.
 
         Raises:
             WeightsError: a missing tensor or an inconsistent config (the message names it).

@@ -6,12 +6,12 @@ transformer's ``config.json``:
 
 - weights: every tensor of a component folder, floating ones at the backend's weight dtype (the backend casts them
   to its compute dtype at load: float32 on CPU, 16-bit on GPUs), others at their stored size. With ``quantize`` the
-  transformer's linear weights that :func:`~mlx_engine.imagegen.transformer.quantizer` quantizes (2-D
+  transformer's linear weights that :func:`~mlx_engine.imagegen.quantize.quantizer` quantizes (2-D
   ``*.weight``, input width a multiple of 64, outside the family's ``FLOAT_PREFIXES``) take ``bits / 8`` bytes a
   weight plus a scale and a bias per group of 64 at the weight dtype (MLX's affine quantization: 8.5 and 4.5 bits a
   weight with 16-bit floats).
 - phases: with ``quantize`` the transformer's backend quantizes each linear weight as it reads it
-  (:func:`~mlx_engine.imagegen.transformer.transformer_backend`), so the load holds the quantized transformer plus
+  (:func:`~mlx_engine.imagegen.quantize.transformer_backend`), so the load holds the quantized transformer plus
   the one float tensor being quantized (:func:`quantize_transient_bytes`), then the VAE beside it (``loading``); the
   text encoders are loaded for each prompt beside the transformer and VAE (``encoding``: FLUX.1
   loads CLIP and T5 together); the denoising loop holds the transformer, the VAE and one step's activations
@@ -139,7 +139,7 @@ def folder_tensors(folder: Path) -> list[TensorEntry]:
 
 
 def _quantized(name: str, shape: Sequence[int], float_prefixes: tuple[str, ...]) -> bool:
-    """Whether the pipelines' load quantizes this tensor (the rule of ``transformer.quantizer``)."""
+    """Whether the pipelines' load quantizes this tensor (the rule of ``quantize.quantizer``)."""
     return (name.endswith(".weight") and len(shape) == 2 and not name.startswith(float_prefixes)
             and shape[1] % GROUP_SIZE == 0 and shape[0] > 1)
 

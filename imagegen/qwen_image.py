@@ -113,7 +113,7 @@ class QwenImagePipeline(ZImagePipeline):
 
     def _load_transformer(self):
         from mlx_engine.imagegen.qwen_transformer import QwenImageTransformer
-        from mlx_engine.imagegen.transformer import transformer_backend
+        from mlx_engine.imagegen.quantize import transformer_backend
 
         backend = transformer_backend(self._make_backend, self._component_folder("transformer"), self.quantize,
                                       QwenImageTransformer.FLOAT_PREFIXES)

@@ -74,7 +74,7 @@ class ZImagePipeline:
             safetensors (``mlx_engine.api`` passes ``MLXBackend``). Called for ``transformer/`` and ``vae/`` here and
             for ``text_encoder/`` at each generation. With ``quantize`` the transformer's is called as
             ``make_backend(folder, transform=...)``: the backend applies ``transform(name, tensor)`` to each tensor
-            as it reads it (:func:`~mlx_engine.imagegen.transformer.transformer_backend`).
+            as it reads it (:func:`~mlx_engine.imagegen.quantize.transformer_backend`).
         quantize: quantize the transformer's linear weights to 8 or 4 bits as they are read (None: keep them as
             they are); the load never holds the whole float transformer.
         keep_text_encoder: keep the text encoder loaded between generations (faster repeated prompts, more memory).
@@ -232,7 +232,8 @@ class ZImagePipeline:
         return self._make_backend(self._component_folder(name))
 
     def _load_transformer(self):
-        from mlx_engine.imagegen.transformer import ZImageTransformer, transformer_backend
+        from mlx_engine.imagegen.quantize import transformer_backend
+        from mlx_engine.imagegen.transformer import ZImageTransformer
 
         backend = transformer_backend(self._make_backend, self._component_folder("transformer"), self.quantize,
                                       ZImageTransformer.FLOAT_PREFIXES)

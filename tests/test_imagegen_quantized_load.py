@@ -1,4 +1,4 @@
-"""``--quantize`` as the transformer is read (``imagegen.transformer.transformer_backend``: the backend's load
+"""``--quantize`` as the transformer is read (``imagegen.quantize.transformer_backend``: the backend's load
 ``transform`` quantizes each linear weight before the next tensor is read) against the path it replaces, quantizing
 after the whole float transformer is loaded (``from_backend(..., quantize_bits=...)``, itself held against diffusers
 in tests/test_imagegen_transformer.py and tests/test_imagegen_flux2.py).
@@ -28,7 +28,8 @@ from diffusers import FluxTransformer2DModel, ZImageTransformer2DModel  # noqa: 
 
 from mlx_engine.imagegen import memory  # noqa: E402
 from mlx_engine.imagegen.flux_transformer import FluxTransformer  # noqa: E402
-from mlx_engine.imagegen.transformer import ZImageTransformer, transformer_backend  # noqa: E402
+from mlx_engine.imagegen.quantize import transformer_backend  # noqa: E402
+from mlx_engine.imagegen.transformer import ZImageTransformer  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402
 
 ZIMAGE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2, n_refiner_layers=1,
