@@ -197,8 +197,10 @@ class FluxPipeline:
 
     def _load_transformer(self):
         from mlx_engine.imagegen.flux_transformer import FluxTransformer
+        from mlx_engine.imagegen.quantize import transformer_backend
 
-        backend = self._backend("transformer")
+        backend = transformer_backend(self._make_backend, component_folder(self.folder, "transformer"), self.quantize,
+                                      FluxTransformer.FLOAT_PREFIXES)
         self._backends.append(backend)
         return FluxTransformer.from_backend(backend, quantize_bits=self.quantize)
 

@@ -134,8 +134,9 @@ class Flux2Pipeline:
     Args:
         folder: the diffusers folder (``model_index.json``, ``transformer/``, ``vae/``, ``text_encoder/``,
             ``tokenizer/``, ``scheduler/``).
-        make_backend: ``make_backend(component_folder) -> Backend`` (``mlx_engine.api`` passes ``MLXBackend``).
-        quantize: quantize the transformer's block weights to 8 or 4 bits at load (None: as stored).
+        make_backend: ``make_backend(component_folder) -> Backend`` (``mlx_engine.api`` passes ``MLXBackend``); with
+            ``quantize``, ``make_backend(folder, transform=...)`` for the transformer, as ZImagePipeline's.
+        quantize: quantize the transformer's block weights to 8 or 4 bits as they are read (None: as stored).
         keep_text_encoder: keep the text encoder loaded between generations.
         resolve_model: accepted for the registry's common signature; FLUX.2 folders hold their text encoder.
         memory_check: as :class:`~mlx_engine.imagegen.zimage.ZImagePipeline`'s (refuse a load that cannot fit).
@@ -233,8 +234,10 @@ class Flux2Pipeline:
 
     def _load_transformer(self):
         from mlx_engine.imagegen.flux2_transformer import Flux2Transformer
+        from mlx_engine.imagegen.quantize import transformer_backend
 
-        backend = self._make_backend(component_folder(self.folder, "transformer"))
+        backend = transformer_backend(self._make_backend, component_folder(self.folder, "transformer"), self.quantize,
+                                      Flux2Transformer.FLOAT_PREFIXES)
         self._backends.append(backend)
         return Flux2Transformer.from_backend(backend, quantize_bits=self.quantize)
 

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.errors import UnsupportedError, WeightsError
-from mlx_engine.imagegen.transformer import quantize_linears, rotate_pairs, timestep_features
+from mlx_engine.imagegen.quantize import quantize_linears
+from mlx_engine.imagegen.transformer import rotate_pairs, timestep_features
 from mlx_engine.ml import Backend, Context, Tensor
 
 __all__ = ["Flux2Config", "Flux2Transformer", "rope_tables"]
@@ -165,7 +166,7 @@ class Flux2Transformer:
 
         Args:
             quantize_bits: None, 8 or 4: quantize the blocks' linear weights (as
-                :func:`mlx_engine.imagegen.transformer.quantize_linears`), keeping :attr:`FLOAT_PREFIXES` float.
+                :func:`mlx_engine.imagegen.quantize.quantize_linears`), keeping :attr:`FLOAT_PREFIXES` float.
             group_size: elements per quantization group.
 
         Raises:

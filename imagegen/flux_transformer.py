@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.errors import WeightsError
+from mlx_engine.imagegen.quantize import quantize_linears
 from mlx_engine.imagegen.transformer import rotate_pairs, timestep_features
 from mlx_engine.ml import Backend, Context, Tensor
 
@@ -134,21 +135,18 @@ class FluxTransformer:
 
         Args:
             quantize_bits: None, 8 or 4: affine-quantize the blocks' linear weights (``group_size`` per group; a
-                weight whose input width is not a multiple stays float); :attr:`FLOAT_PREFIXES` stay float.
+                weight whose input width is not a multiple stays float; :func:`~mlx_engine.imagegen.quantize.
+                quantize_linears`); :attr:`FLOAT_PREFIXES` stay float. Weights the backend quantized as it read them
+                (:func:`~mlx_engine.imagegen.quantize.transformer_backend`) stay as they are.
 
         Raises:
             WeightsError: a missing tensor or an inconsistent config (the message names it).
-            ValueError: ``quantize_bits`` not in (None, 4, 8).
+            ValueError: ``quantize_bits`` not in (None, 4, 8), or ``group_size`` not in (32, 64, 128).
         """
         config = FluxConfig.from_dict(backend.metadata)
         weights = dict(backend.weights)
         if quantize_bits is not None:
-            if quantize_bits not in (4, 8):
-                raise ValueError(f"quantize_bits must be 4 or 8, got {quantize_bits}")
-            for name, t in list(weights.items()):
-                if (name.endswith(".weight") and t.ndim == 2 and not t.is_quantized
-                        and not name.startswith(cls.FLOAT_PREFIXES) and t.shape[1] % group_size == 0):
-                    weights[name] = backend.weights[name] = t.quantize_weight(group_size, quantize_bits)
+            weights = quantize_linears(backend, weights, quantize_bits, group_size, cls.FLOAT_PREFIXES)
         return cls(config, weights, backend)
 
     _DOUBLE = ("norm1.linear", "norm1_context.linear", "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj",

@@ -6,12 +6,14 @@ transformer's ``config.json``:
 
 - weights: every tensor of a component folder, floating ones at the backend's weight dtype (the backend casts them
   to its compute dtype at load: float32 on CPU, 16-bit on GPUs), others at their stored size. With ``quantize`` the
-  transformer's linear weights that :func:`~mlx_engine.imagegen.transformer.quantize_linears` quantizes (2-D
+  transformer's linear weights that :func:`~mlx_engine.imagegen.quantize.quantizer` quantizes (2-D
   ``*.weight``, input width a multiple of 64, outside the family's ``FLOAT_PREFIXES``) take ``bits / 8`` bytes a
   weight plus a scale and a bias per group of 64 at the weight dtype (MLX's affine quantization: 8.5 and 4.5 bits a
   weight with 16-bit floats).
-- phases: the transformer is read at the weight dtype and quantized afterwards, so the load holds it in float once
-  (``loading``); the text encoders are loaded for each prompt beside the transformer and VAE (``encoding``: FLUX.1
+- phases: with ``quantize`` the transformer's backend quantizes each linear weight as it reads it
+  (:func:`~mlx_engine.imagegen.quantize.transformer_backend`), so the load holds the quantized transformer plus
+  the one float tensor being quantized (:func:`quantize_transient_bytes`), then the VAE beside it (``loading``); the
+  text encoders are loaded for each prompt beside the transformer and VAE (``encoding``: FLUX.1
   loads CLIP and T5 together); the denoising loop holds the transformer, the VAE and one step's activations
   (``denoising``); :attr:`MemoryEstimate.peak` is the largest. A load is refused when its weights cannot fit
   (:attr:`MemoryEstimate.weights_peak`, :func:`check_memory`); a generation when its activations, at the size it
@@ -40,9 +42,8 @@ from mlx_engine.errors import MemoryBudgetError, WeightsError
 from mlx_engine.ml import Backend
 
 __all__ = ["MemoryLayout", "MemoryEstimate", "TensorEntry", "folder_tensors", "weight_bytes", "estimate_memory",
-           "estimate_folder", "available_memory", "check_memory", "check_pipeline_memory", "check_request_memory",
-           "activation_bytes", "GROUP_SIZE",
-           "LIVE_WIDTHS"]
+           "estimate_folder", "quantize_transient_bytes", "available_memory", "check_memory", "check_pipeline_memory",
+           "check_request_memory", "activation_bytes", "GROUP_SIZE", "LIVE_WIDTHS"]
 
 GROUP_SIZE = 64  # the pipelines quantize with groups of 64 (their from_backend default)
 LIVE_WIDTHS = 12  # N x D tensors alive at once inside one transformer block (see the module docstring)
@@ -81,14 +82,15 @@ class MemoryEstimate:
 
     Attributes:
         transformer: the transformer's weights as they stay loaded (quantized with ``quantize``).
-        transformer_float: its weights at the weight dtype, as the load reads them before quantizing.
+        transformer_transient: what reading the transformer holds beyond its loaded weights: with ``quantize`` the
+            largest quantized weight at the weight dtype (read in float, quantized, freed before the next); else 0.
         text: the text encoders loaded together for a prompt. vae: the VAE's weights.
         activations: one denoising step's transformer activations plus the VAE decode's, at ``width x height``.
         width, height: the image size the activations are for (pixels). quantize: None, 8 or 4.
     """
 
     transformer: int
-    transformer_float: int
+    transformer_transient: int
     text: int
     vae: int
     activations: int
@@ -98,7 +100,7 @@ class MemoryEstimate:
 
     @property
     def loading(self) -> int:
-        return max(self.transformer_float, self.transformer + self.vae)
+        return self.transformer + max(self.transformer_transient, self.vae)
 
     @property
     def encoding(self) -> int:
@@ -137,7 +139,7 @@ def folder_tensors(folder: Path) -> list[TensorEntry]:
 
 
 def _quantized(name: str, shape: Sequence[int], float_prefixes: tuple[str, ...]) -> bool:
-    """Whether the pipelines' load quantizes this tensor (the rule of ``quantize_linears``)."""
+    """Whether the pipelines' load quantizes this tensor (the rule of ``quantize.quantizer``)."""
     return (name.endswith(".weight") and len(shape) == 2 and not name.startswith(float_prefixes)
             and shape[1] % GROUP_SIZE == 0 and shape[0] > 1)
 
@@ -163,6 +165,16 @@ def weight_bytes(tensors: Iterable[TensorEntry], itemsize: int, *, quantize: int
         else:
             raise WeightsError(f"tensor {name!r}: dtype {dtype!r} is not a safetensors dtype")
     return total
+
+
+def quantize_transient_bytes(tensors: Iterable[TensorEntry], itemsize: int, *, quantize: int | None,
+                             float_prefixes: tuple[str, ...] = ()) -> int:
+    """The most a load that quantizes as it reads holds beyond its quantized weights: the largest tensor it
+    quantizes, at ``itemsize`` bytes an element (0 without ``quantize``)."""
+    if quantize is None:
+        return 0
+    return max((math.prod(shape) * itemsize for name, shape, dtype in tensors
+                if dtype in _FLOAT_TYPES and _quantized(name, shape, float_prefixes)), default=0)
 
 
 def _transformer_activations(config: Mapping[str, Any], tokens: int, itemsize: int) -> int:
@@ -216,7 +228,8 @@ def estimate_memory(components: Mapping[str, Sequence[TensorEntry]], layout: Mem
     t = components["transformer"]
     return MemoryEstimate(
         transformer=weight_bytes(t, itemsize, quantize=quantize, float_prefixes=layout.float_prefixes),
-        transformer_float=weight_bytes(t, itemsize),
+        transformer_transient=quantize_transient_bytes(t, itemsize, quantize=quantize,
+                                                       float_prefixes=layout.float_prefixes),
         text=sum(weight_bytes(components.get(c, ()), itemsize) for c in layout.text),
         vae=weight_bytes(components["vae"], itemsize), activations=acts, width=width, height=height,
         quantize=quantize)
@@ -280,13 +293,10 @@ def check_memory(folder: Path, layout: MemoryLayout, backend: Backend, *, quanti
             if q.weights_peak <= have:
                 advice.append(f"--quantize {bits} (quantize={bits}) needs {_gb(q.weights_peak)}")
                 break
-    if est.loading == est.weights_peak and est.transformer_float > est.transformer:
-        advice.append("the load reads the transformer at full precision before quantizing it")
     hint = "; ".join(advice) if advice else "no setting of this model fits: free memory or use a smaller model"
     raise MemoryBudgetError(
-        f"{what} needs {_gb(est.weights_peak)} for its weights (transformer {_gb(est.transformer)}"
-        f"{f' after reading {_gb(est.transformer_float)}' if quantize else ''}, text encoder {_gb(est.text)} while "
-        f"encoding, VAE {_gb(est.vae)}), but {_gb(have)} of memory is available; {hint}")
+        f"{what} needs {_gb(est.weights_peak)} for its weights (transformer {_gb(est.transformer)}, text encoder "
+        f"{_gb(est.text)} while encoding, VAE {_gb(est.vae)}), but {_gb(have)} of memory is available; {hint}")
 
 
 def check_pipeline_memory(pipe: Any, backend: Backend | None) -> MemoryEstimate | None:

@@ -113,8 +113,10 @@ class QwenImagePipeline(ZImagePipeline):
 
     def _load_transformer(self):
         from mlx_engine.imagegen.qwen_transformer import QwenImageTransformer
+        from mlx_engine.imagegen.quantize import transformer_backend
 
-        backend = self._backend("transformer")
+        backend = transformer_backend(self._make_backend, self._component_folder("transformer"), self.quantize,
+                                      QwenImageTransformer.FLOAT_PREFIXES)
         self._backends.append(backend)
         return QwenImageTransformer.from_backend(backend, quantize_bits=self.quantize)
 

@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.errors import UnsupportedError, WeightsError
-from mlx_engine.imagegen.transformer import quantize_linears, rotate_pairs, timestep_features
+from mlx_engine.imagegen.quantize import quantize_linears
+from mlx_engine.imagegen.transformer import rotate_pairs, timestep_features
 from mlx_engine.ml import Backend, Context, DType, Tensor
 
 __all__ = ["QwenImageConfig", "QwenImageTransformer", "rope_positions"]
@@ -190,7 +191,7 @@ class QwenImageTransformer:
 
         Args:
             quantize_bits: None, 8 or 4: quantize the blocks' linear weights (see
-                :func:`mlx_engine.imagegen.transformer.quantize_linears`); :attr:`FLOAT_PREFIXES` stay float.
+                :func:`mlx_engine.imagegen.quantize.quantize_linears`); :attr:`FLOAT_PREFIXES` stay float.
             group_size: elements per quantization group (32, 64 or 128).
 
         Raises:

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from mlx_engine.errors import UnsupportedError, WeightsError
+from mlx_engine.imagegen.quantize import quantize_linears
 from mlx_engine.ml import Backend, Context, DType, Tensor
 
 __all__ = ["ZImageConfig", "ZImageTransformer", "ADALN_EMBED_DIM", "SEQ_MULTI_OF", "rotate_pairs", "timestep_features"]
@@ -170,29 +171,6 @@ def rotate_pairs(ctx: Context, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x0, x1 = y[..., 0], y[..., 1]
     out = ctx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(bsz, n, heads, hd)
     return out if dt == DType.FLOAT32 else out.astype(dt)
-
-
-def quantize_linears(backend: Backend, weights: dict[str, Tensor], bits: int, group_size: int,
-                     keep_float: tuple[str, ...]) -> dict[str, Tensor]:
-    """A diffusion transformer's linear weights affine-quantized at load (:meth:`Tensor.quantize_weight`):
-    every 2-D ``*.weight`` whose input width is a multiple of ``group_size``, except names starting with one of
-    ``keep_float``. The float copies are dropped from ``backend.weights`` (freed). Returns the new name -> tensor map.
-
-    Raises:
-        ValueError: ``bits`` not 4 or 8, or ``group_size`` not 32, 64 or 128.
-    """
-    if bits not in (4, 8):
-        raise ValueError(f"quantize_bits must be 4 or 8, got {bits}")
-    if group_size not in (32, 64, 128):
-        raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
-    out = dict(weights)
-    for name, t in weights.items():
-        if (name.endswith(".weight") and t.ndim == 2 and not t.is_quantized and not name.startswith(keep_float)
-                and t.shape[1] % group_size == 0 and t.shape[0] > 1):
-            q = t.quantize_weight(group_size, bits)
-            out[name] = q
-            backend.weights[name] = q  # the float copy is freed
-    return out
 
 
 class _Layout:

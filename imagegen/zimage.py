@@ -70,8 +70,11 @@ class ZImagePipeline:
             ``text_encoder/``, ``tokenizer/``, ``scheduler/`` (weights as safetensors, sharded with an index or not).
         make_backend: ``make_backend(component_folder) -> Backend``, which loads a folder's ``config.json`` and
             safetensors (``mlx_engine.api`` passes ``MLXBackend``). Called for ``transformer/`` and ``vae/`` here and
-            for ``text_encoder/`` at each generation.
-        quantize: quantize the transformer's linear weights to 8 or 4 bits at load (None: keep them as they are).
+            for ``text_encoder/`` at each generation. With ``quantize`` the transformer's is called as
+            ``make_backend(folder, transform=...)``: the backend applies ``transform(name, tensor)`` to each tensor
+            as it reads it (:func:`~mlx_engine.imagegen.quantize.transformer_backend`).
+        quantize: quantize the transformer's linear weights to 8 or 4 bits as they are read (None: keep them as
+            they are); the load never holds the whole float transformer.
         keep_text_encoder: keep the text encoder loaded between generations (faster repeated prompts, more memory).
             Default: load it for each generation and free it before the denoising loop.
         resolve_model: ``resolve_model(name) -> path`` of a store model: used when ``model_index.json`` names the
@@ -214,9 +217,11 @@ class ZImagePipeline:
         return self._make_backend(self._component_folder(name))
 
     def _load_transformer(self):
+        from mlx_engine.imagegen.quantize import transformer_backend
         from mlx_engine.imagegen.transformer import ZImageTransformer
 
-        backend = self._backend("transformer")
+        backend = transformer_backend(self._make_backend, self._component_folder("transformer"), self.quantize,
+                                      ZImageTransformer.FLOAT_PREFIXES)
         self._backends.append(backend)
         try:
             return ZImageTransformer.from_backend(backend, quantize_bits=self.quantize)

@@ -37,9 +37,9 @@ def folder(tmp_path_factory) -> Path:
     return build_folder(tmp_path_factory.mktemp("zimage") / "small-zimage")
 
 
-def F32(folder: Path) -> MLXBackend:
+def F32(folder: Path, **kw) -> MLXBackend:
     """The backend factory of these tests: float32 on the default device (comparisons are in float32)."""
-    return MLXBackend(folder, dtype="float32")
+    return MLXBackend(folder, dtype="float32", **kw)
 
 
 @pytest.fixture(scope="module")

@@ -49,8 +49,8 @@ def folder(tmp_path_factory) -> Path:
     return build_folder(tmp_path_factory.mktemp("qwen-image") / "small-qwen-image")
 
 
-def F32(folder: Path) -> MLXBackend:
-    return MLXBackend(folder, dtype="float32")
+def F32(folder: Path, **kw) -> MLXBackend:
+    return MLXBackend(folder, dtype="float32", **kw)
 
 
 @pytest.fixture(scope="module")

@@ -60,8 +60,8 @@ def load_image_model(model: "str | Path | None" = None, *, quantize: int | None 
 
     path = _image_model_path(model)
 
-    def make_backend(folder: Path) -> MLXBackend:
-        return MLXBackend(folder, device=device, dtype=dtype)
+    def make_backend(folder: Path, transform: Any = None) -> MLXBackend:  # transform: quantize as it reads
+        return MLXBackend(folder, device=device, dtype=dtype, transform=transform)
 
     def resolve_model(name: str) -> Path:  # a text encoder the folder takes from the store (pulled when missing)
         return Store().resolve(name, pull=True).path

@@ -158,6 +158,10 @@ class MLXBackend(Backend, LayerFusion):
             leaves out are not read. Each tensor is read, cut and uploaded alone, so the host never holds more
             than one whole tensor.
         half_dtype: the GPU's default compute dtype (the architecture's :attr:`DecoderModel.half_dtype`).
+        transform: ``transform(name, tensor) -> tensor``, applied to each tensor once it is on the device and before
+            the next is read; the backend keeps what it returns (an image pipeline quantizes its transformer's
+            linear weights so: the float copy is freed before the next tensor is read, and the load never holds the
+            whole float model). None: the tensors as read.
         activations: what the CPU's quantized products do with x: ``"float32"`` (the exact product with the
             dequantized weight: the float model's tokens) or ``"int8"`` (x quantized per 32 elements as llama.cpp's
             Q8_0 and integer dot products: llama.cpp's numerics, faster; needs AVX-512 VNNI or AVX2) or ``"int16"``
@@ -176,7 +180,8 @@ class MLXBackend(Backend, LayerFusion):
     def __init__(self, path: "str | Path | None" = None, *, device: str | None = None, dtype: "DType | str | None" = None,
                  requantize: int | None = None, quantized: bool | None = None,
                  shard: "Callable[[Any], Mapping[str, tuple[int, int, int] | None]] | None" = None,
-                 half_dtype: "DType | str" = DType.FLOAT16, activations: str | None = None):
+                 half_dtype: "DType | str" = DType.FLOAT16, activations: str | None = None,
+                 transform: "Callable[[str, MLXTensor], MLXTensor] | None" = None):
         self._device = select_device(device)
         self.activations = _check_activations(activations, self._device)
         if quantized is None:
@@ -208,7 +213,10 @@ class MLXBackend(Backend, LayerFusion):
                     host = wf.load(name, requantize=requantize)
                     if wanted[name] is not None:
                         host = _cut(host, *wanted[name])
-                    self._weights[name] = self._to_device(host)
+                    t = self._to_device(host)
+                    del host  # the host copy (a converted BF16 tensor) goes before the next is read
+                    self._weights[name] = t if transform is None else transform(name, t)
+                    del t
         #: bytes of the weights' memory backed by huge pages (Linux, on the CPU: a decode step streams every weight,
         #: and 4 KiB pages cost a TLB miss each; see ``cpu_kernels.huge_pages``); 0 where not
         self.huge_page_bytes = 0

@@ -1,0 +1,74 @@
+"""Quantizing a diffusion transformer's linear weights (``--quantize 8|4``), shared by the image families.
+
+The rule (:func:`quantizer`) is applied per tensor: by the backend as it reads each one (:func:`transformer_backend`,
+what the pipelines load with, so that the float transformer is never held whole), or to a backend already loaded in
+float (:func:`quantize_linears`, the transformers' ``from_backend(..., quantize_bits=...)``). Both quantize the same
+float tensor with the same ``Tensor.quantize_weight`` (MLX's affine ``mx.quantize``), so they give the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from mlx_engine.ml import Backend, Tensor
+
+__all__ = ["quantizer", "quantize_linears", "transformer_backend"]
+
+
+def quantizer(bits: int, group_size: int, keep_float: tuple[str, ...]) -> Callable[[str, Tensor], Tensor]:
+    """The per-tensor rule of a diffusion transformer's quantization: ``q(name, t)`` returns ``t`` affine-quantized
+    (:meth:`Tensor.quantize_weight`, ``bits`` and ``group_size``) when it is a 2-D float ``*.weight`` of more than
+    one row whose input width is a multiple of ``group_size`` and whose name starts with none of ``keep_float``,
+    else ``t`` itself. Given to the backend as its load ``transform`` (:func:`transformer_backend`), each weight is
+    quantized as it is read.
+
+    Raises:
+        ValueError: ``bits`` not 4 or 8, or ``group_size`` not 32, 64 or 128.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"quantize_bits must be 4 or 8, got {bits}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
+
+    def quantize(name: str, t: Tensor) -> Tensor:
+        if (name.endswith(".weight") and t.ndim == 2 and not t.is_quantized and not name.startswith(keep_float)
+                and t.shape[1] % group_size == 0 and t.shape[0] > 1):
+            return t.quantize_weight(group_size, bits)
+        return t
+
+    return quantize
+
+
+def quantize_linears(backend: Backend, weights: dict[str, Tensor], bits: int, group_size: int,
+                     keep_float: tuple[str, ...]) -> dict[str, Tensor]:
+    """A loaded diffusion transformer's linear weights quantized by :func:`quantizer`'s rule (those the backend
+    already quantized at load stay as they are). The float copies are dropped from ``backend.weights`` (freed).
+    Returns the new name -> tensor map.
+
+    Raises:
+        ValueError: as :func:`quantizer`.
+    """
+    q = quantizer(bits, group_size, keep_float)
+    out = dict(weights)
+    for name, t in weights.items():
+        qt = q(name, t)
+        if qt is not t:
+            out[name] = backend.weights[name] = qt  # the float copy is freed
+    return out
+
+
+def transformer_backend(make_backend: Callable[..., Backend], folder: Path, quantize: int | None,
+                        keep_float: tuple[str, ...], group_size: int = 64) -> Backend:
+    """A pipeline's transformer backend: ``make_backend(folder)``, or with ``quantize`` (8 or 4)
+    ``make_backend(folder, transform=quantizer(quantize, group_size, keep_float))``, which quantizes each linear
+    weight as it is read, so that the load's peak is the quantized transformer plus one float tensor (not the
+    whole float transformer). The result is bit for bit that of quantizing after the load (:func:`quantize_linears`:
+    the same ``Tensor.quantize_weight`` of the same float tensor).
+
+    Raises:
+        ValueError: as :func:`quantizer`; WeightsError: as ``make_backend``.
+    """
+    if quantize is None:
+        return make_backend(folder)
+    return make_backend(folder, transform=quantizer(quantize, group_size, keep_float))
