@@ -430,7 +430,8 @@ class DecoderModel(abc.ABC):
         ``hidden_only`` the final-normed hidden states ``[1, N, D]`` of every token. With ``output_layer = k``: the
         hidden states ``[1, N, D]`` of every token after layer ``k`` (0-based; ``-1``: the embeddings), not normed,
         and the layers after ``k`` do not run (transformers' ``hidden_states[k + 1]``; Z-Image's text encoder).
-        Raises ``CacheFullError`` when the cache has no room (nothing is stored then).
+        A model whose config attends ``both_ways`` (an embedder) lets each input's run of the batch see itself both
+        ways (``cache.set_causal``). Raises ``CacheFullError`` when the cache has no room (nothing is stored then).
         """
         cache.start_forward(ctx, batch)
         if self.config.both_ways:  # an embedder trained both ways: each input's run of the packed batch
