@@ -353,6 +353,10 @@ class CausalCache(Cache, FusedSteps):
         start = self._sees_from(pos)
         if start is not None:
             visible &= cp[None, :] >= np.asarray(start)[:, None]    # window / chunk start
+        if both_ways:
+            end = self._sees_to(pos)
+            if end is not None:
+                visible &= cp[None, :] <= end[:, None]               # a two-way window's far end
         if visible.all():
             return None, None
         runs = None
@@ -364,9 +368,11 @@ class CausalCache(Cache, FusedSteps):
 
     def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
         """Let the tokens of each ``[begin, end)`` range of the current batch see each other both ways (the rest of
-        the mask stays as it is: other sequences hidden, and a window's lower bound still applies); the next
-        :meth:`start_forward` is causal again. Gemma 3's image tokens attend to their whole image (the seed's
-        ``SetCausal(ctx, CausalOptions{Except: ...})``).
+        the mask stays as it is: other sequences hidden); the next :meth:`start_forward` is causal again. A sliding
+        window becomes two-way: the token at ``p`` sees ``p - W .. p + W`` (transformers' Gemma 3 with
+        ``use_bidirectional_attention``, ``_bidirectional_window_overlay``; llama.cpp's ``LLAMA_SWA_TYPE_SYMMETRIC``).
+        Gemma 3's image tokens attend to their whole image (the seed's ``SetCausal(ctx, CausalOptions{Except:
+        ...})``); an embedder trained both ways attends so over each input.
 
         Raises:
             CacheError: before a forward pass, or a range outside the batch or spanning several sequences.
@@ -383,6 +389,11 @@ class CausalCache(Cache, FusedSteps):
         # rebuilt from the positions that start_forward recorded (cells may have been reused since: same cells)
         fwd.mask, fwd.runs = self._build_mask(ctx, fwd.pos, fwd.seqs, fwd.used, both_ways)
         fwd.cells = None
+
+    def _sees_to(self, p: np.ndarray) -> Optional[np.ndarray]:
+        """The highest positions the tokens at ``p`` (int64 ``[N]``) see when they attend both ways (set_causal): a
+        sliding window reaches as far ahead as behind (``p + W``); ``None``: no bound."""
+        return None if self.window is None else p + self.window
 
     def _sees_from(self, p):
         """The lowest position the token at ``p`` sees (int or array), ``None`` for a plain causal cache."""

@@ -42,6 +42,7 @@ from mlx_engine.models.text.tokenizer import Tokenizer
 # Names as GGUF's general.architecture and Hugging Face's model_type spell them.
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": Llama, "mistral": Llama, "qwen2": Qwen2, "gemma2": Gemma2, "gemma3": Gemma3, "gemma3_text": Gemma3,
+    "gemma-embedding": Gemma3,
     "qwen2_5_vl": Qwen25VL,
     "gemma4": Gemma4, "gemma4_text": Gemma4,
     "qwen3": Qwen3, "lfm2": LFM2, "qwen3_next": Qwen3Next, "qwen3next": Qwen3Next, "mllama": Mllama,

@@ -106,10 +106,12 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32", pre: str | None = None) -> Path:
+def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32", pre: str | None = None,
+            options: tuple[str, ...] = ()) -> Path:
     """``out``: the GGUF file that llama.cpp's ``convert_hf_to_gguf.py`` writes from the Hugging Face ``folder``
     (``outtype``: ``f32``, ``f16``, ``bf16`` or ``q8_0``), with the converter's own ``gguf`` package. ``pre``: the
     ``tokenizer.ggml.pre`` to write for a vocabulary the converter's hash list does not know (see ``_CONVERT``).
+    ``options``: more of the converter's flags (``--sentence-transformers-dense-modules``).
 
     Raises:
         RuntimeError: the converter failed (the message ends with its output).
@@ -119,7 +121,8 @@ def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32", pre: 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), str(source)]),
                NO_LOCAL_GGUF="", MLX_ENGINE_CONVERT_PRE=pre or "")
     got = subprocess.run([sys.executable, "-c", _CONVERT, str(source / "convert_hf_to_gguf.py"), str(folder),
-                          "--outfile", str(out), "--outtype", outtype], capture_output=True, text=True, env=env)
+                          "--outfile", str(out), "--outtype", outtype, *options], capture_output=True, text=True,
+                         env=env)
     if got.returncode != 0 or not out.exists():
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
     return out

@@ -19,6 +19,8 @@ from mlx_engine.models.layers.base import DecoderModel, hf_names_from_gguf
 from mlx_engine.models.layers.config import (DecoderConfig, check_layer_count, check_rope_scaling, hf_rope_parameters,
                                       metadata_getter, vocab_size_of)
 
+#: llama.cpp's ``general.architecture`` of EmbeddingGemma (``LLM_ARCH_GEMMA_EMBEDDING``).
+EMBEDDING_GGUF = "gemma-embedding"
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
           "q_norm", "k_norm", "model.norm")
 
@@ -29,6 +31,17 @@ def bf16_embed_scale(hidden: int) -> float:
     bits = np.array([hidden ** 0.5], np.float32).view(np.uint32)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16  # round to nearest even in the top 16 bits
     return float(rounded.astype(np.uint32).view(np.float32)[0])
+
+
+def _window(sliding_window: int, both_ways: bool) -> int:
+    """The cache's window ``W`` of a checkpoint's ``sliding_window`` (as its ``config.json`` and the GGUF hold it).
+
+    Causal: Hugging Face's ``sliding_window`` counts the token itself, the cache's window does not (``W = S - 1``).
+    Both ways (EmbeddingGemma): a token sees the keys at distance ``|q - k| <= S // 2`` (transformers'
+    ``Gemma3TextConfig`` makes its window ``S // 2 + 1`` and ``_bidirectional_window_overlay`` keeps ``|q - k|`` below
+    it; llama.cpp's ``LLAMA_SWA_TYPE_SYMMETRIC`` masks ``|q - k| > S / 2``), so ``W = S // 2`` each way.
+    """
+    return sliding_window // 2 if both_ways else sliding_window - 1
 
 
 def _layer_types(n: int, pattern: int) -> list[str]:
@@ -45,7 +58,10 @@ class Gemma3(DecoderModel):
 
     @classmethod
     def config_from_gguf(cls, metadata: Any, weights: dict[str, Tensor]) -> DecoderConfig:
-        get = metadata_getter(metadata, "gemma3")
+        # llama.cpp's converter writes EmbeddingGemma (a Gemma3TextModel folder) as ``gemma-embedding``: the same
+        # keys under that name, attending both ways (LLAMA_SWA_TYPE_SYMMETRIC, no causal mask)
+        both_ways = metadata.get("general.architecture") == EMBEDDING_GGUF
+        get = metadata_getter(metadata, EMBEDDING_GGUF if both_ways else "gemma3")
         heads = get("attention.head_count", positive=True)
         hidden = get("embedding_length", positive=True)
         head_dim = int(get("attention.key_length", 256))
@@ -53,8 +69,7 @@ class Gemma3(DecoderModel):
         scaling = get("rope.scaling.type", None)
         check_rope_scaling(scaling, "gemma3")
         factor = float(get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-        # Hugging Face's sliding_window counts the token itself; the cache's window does not.
-        window = int(get("attention.sliding_window", 512)) - 1
+        window = _window(int(get("attention.sliding_window", 512)), both_ways)
         return DecoderConfig(
             architecture="gemma3", vocab_size=vocab_size_of(weights, metadata, "gemma3"), hidden_size=hidden,
             num_layers=layers, num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
@@ -63,7 +78,7 @@ class Gemma3(DecoderModel):
             context_length=int(get("context_length", 32768)), rope_theta=float(get("rope.freq_base", 1e6)),
             rope_local_theta=10000.0, rope_scale=1.0 / factor, sliding_window=window,
             layer_types=_layer_types(layers, 6), query_scale=head_dim ** -0.5, embed_scale=bf16_embed_scale(hidden),
-            qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
+            qk_norm=True, sandwich_norm=True, activation="gelu_tanh", both_ways=both_ways,
         )
 
     @classmethod
@@ -77,6 +92,7 @@ class Gemma3(DecoderModel):
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
         check_rope_scaling(kind, "gemma3")
         types = config.get("layer_types") or _layer_types(layers, int(config.get("sliding_window_pattern", 6)))
+        both_ways = bool(config.get("use_bidirectional_attention", False))
         return DecoderConfig(
             architecture="gemma3", vocab_size=int(config.get("vocab_size", 262144)), hidden_size=hidden,
             num_layers=layers, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads", 1)),
@@ -85,9 +101,9 @@ class Gemma3(DecoderModel):
             context_length=int(config.get("max_position_embeddings", 32768)), rope_theta=theta,
             rope_local_theta=float(config.get("rope_local_base_freq", 10000.0)),
             rope_scale=1.0 / float(scaling["factor"]) if kind == "linear" else 1.0,
-            sliding_window=int(config.get("sliding_window", 512)) - 1, layer_types=list(types),
+            sliding_window=_window(int(config.get("sliding_window", 512)), both_ways), layer_types=list(types),
             query_scale=float(config.get("query_pre_attn_scalar", head_dim)) ** -0.5, embed_scale=bf16_embed_scale(hidden),
-            qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
+            qk_norm=True, sandwich_norm=True, activation="gelu_tanh", both_ways=both_ways,
         )
 
     @classmethod
@@ -97,6 +113,8 @@ class Gemma3(DecoderModel):
         out = {}
         for name, t in weights.items():
             name = name.replace("language_model.model.", "model.").replace("model.language_model.", "model.")
+            if name.startswith(("layers.", "embed_tokens.", "norm.")):
+                name = "model." + name  # a bare Gemma3TextModel (EmbeddingGemma) saves no ``model.`` prefix
             if name.endswith(".weight") and any(name.endswith(n + ".weight") for n in _NORMS):
                 t = t + 1.0
             out[name] = t

@@ -11,7 +11,8 @@ What is read, and from where:
   ``modules.json`` pools by mean, as sentence-transformers does for a plain transformers model.
 - A GGUF file: ``{arch}.pooling_type`` (1 mean, 2 CLS, 3 last; llama.cpp's ``enum llama_pooling_type``; 0, none, is
   refused: no one vector per text) and ``{arch}.attention.causal`` (false for encoders; a decoder embedder, such as
-  Qwen3-Embedding's ``qwen3``, attends causally as llama.cpp's default).
+  Qwen3-Embedding's ``qwen3``, attends causally as llama.cpp's default; EmbeddingGemma's ``gemma-embedding`` both
+  ways), its ``dense_2`` / ``dense_3`` Dense weights.
 
 The pipeline follows sentence-transformers (``SentenceTransformer.encode``, ``models/Pooling.py``,
 ``models/Normalize.py``): token ids with the tokenizer's special tokens, inputs longer than ``max_seq_length`` cut
@@ -28,8 +29,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsError
-from mlx_engine.ml import Backend
+from mlx_engine.ml import Backend, DType
 from mlx_engine.models.arch.bert import ENCODER_ARCHITECTURES, BertEncoder
+from mlx_engine.models.arch.gemma3 import EMBEDDING_GGUF
 from mlx_engine.models.arch.modernbert import MODERNBERT_ARCHITECTURES, ModernBertEncoder
 from mlx_engine.models.embedding.decoder_embedding import DecoderEncoder
 from mlx_engine.models.text.tokenizer import Tokenizer
@@ -207,19 +209,33 @@ def _pooling_mode(config: Any, folder: Path) -> str:
     raise UnsupportedError(f"{folder}: the pooling module asks for {config!r}; we pool by mean, CLS or last token")
 
 
-def spec_from_gguf(metadata: Any, context_length: int) -> EmbeddingSpec:
-    """The pipeline of a GGUF file (llama.cpp normalizes embeddings by default: ``embd_normalize`` 2). Raises
-    UnsupportedError for a pooling type that gives no one vector per text."""
+def spec_from_gguf(metadata: Any, context_length: int, weights: Any = None, width: int = 0) -> EmbeddingSpec:
+    """The pipeline of a GGUF file (llama.cpp normalizes embeddings by default: ``embd_normalize`` 2), with the
+    ``Dense`` modules that llama.cpp's converter writes (``--sentence-transformers-dense-modules``: ``dense_2.weight``
+    ``[out, in]`` then ``dense_3.weight``, no bias; llama.cpp applies them after pooling, without activation) taken
+    from ``weights`` (name to Tensor), the first taking ``width`` features. Raises UnsupportedError for a pooling
+    type that gives no one vector per text or an attention direction the architecture does not have; WeightsError
+    for Dense weights that do not chain."""
     arch = str(metadata["general.architecture"])
     kind = int(metadata.get(f"{arch}.pooling_type", 0))
     if kind not in GGUF_POOLING:
         raise UnsupportedError(f"the GGUF's {arch}.pooling_type is {kind}; we pool by mean (1), CLS (2) or last "
                                "token (3)")
-    encoder = arch in ENCODER_ARCHITECTURES
-    if bool(metadata.get(f"{arch}.attention.causal", not encoder)) != (not encoder):
-        raise UnsupportedError(f"the GGUF's {arch}.attention.causal is {not encoder}; "
-                               f"{'encoders attend both ways' if encoder else 'we run decoders causally'}")
-    return EmbeddingSpec(pooling=GGUF_POOLING[kind], normalize=True, max_tokens=context_length)
+    both_ways = arch in ENCODER_ARCHITECTURES or arch == EMBEDDING_GGUF
+    if bool(metadata.get(f"{arch}.attention.causal", not both_ways)) == both_ways:
+        raise UnsupportedError(f"the GGUF's {arch}.attention.causal is {both_ways}; "
+                               f"{f'{arch} attends both ways' if both_ways else 'we run decoders causally'}")
+    spec = EmbeddingSpec(pooling=GGUF_POOLING[kind], normalize=True, max_tokens=context_length)
+    for name in ("dense_2.weight", "dense_3.weight"):
+        t = (weights or {}).get(name)
+        if t is None:
+            continue
+        w = t.dequantize().astype(DType.FLOAT32).numpy()
+        need = spec.dense[-1].weight.shape[0] if spec.dense else width
+        if w.ndim != 2 or w.shape[1] != need:
+            raise WeightsError(f"the GGUF's {name} must be [out, {need}], not {list(w.shape)}")
+        spec.dense.append(Dense(w, None, "identity"))
+    return spec
 
 
 def _gguf_specials(metadata: Any, tokenizer: Tokenizer) -> tuple[list[int], list[int]] | None:
@@ -271,7 +287,9 @@ class Embedder:
         if self.ranks:
             self.spec = EmbeddingSpec(pooling="cls", normalize=False, max_tokens=ctx_len)
         else:
-            self.spec = spec_from_gguf(backend.metadata, ctx_len) if gguf else spec_from_folder(path, ctx_len, self.encoder.config.hidden_size)
+            width = self.encoder.config.hidden_size
+            self.spec = (spec_from_gguf(backend.metadata, ctx_len, backend.weights, width) if gguf
+                         else spec_from_folder(path, ctx_len, width))
         self.gguf = gguf
         self.dim = self.spec.dense[-1].weight.shape[0] if self.spec.dense else self.encoder.config.hidden_size
         self._around = _gguf_specials(backend.metadata, self.tokenizer) if gguf else None

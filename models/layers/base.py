@@ -430,10 +430,15 @@ class DecoderModel(abc.ABC):
         ``hidden_only`` the final-normed hidden states ``[1, N, D]`` of every token. With ``output_layer = k``: the
         hidden states ``[1, N, D]`` of every token after layer ``k`` (0-based; ``-1``: the embeddings), not normed,
         and the layers after ``k`` do not run (transformers' ``hidden_states[k + 1]``; Z-Image's text encoder).
-        Raises ``CacheFullError`` when the cache has no room (nothing is stored then).
+        A model whose config attends ``both_ways`` (an embedder) lets each input's run of the batch see itself both
+        ways (``cache.set_causal``). Raises ``CacheFullError`` when the cache has no room (nothing is stored then).
         """
         cache.start_forward(ctx, batch)
-        if batch.images and self.images_both_ways:
+        if self.config.both_ways:  # an embedder trained both ways: each input's run of the packed batch
+            seqs = np.asarray(batch.sequences)
+            cuts = [0, *(np.flatnonzero(np.diff(seqs)) + 1).tolist(), len(seqs)]
+            cache.set_causal(ctx, list(zip(cuts[:-1], cuts[1:])))
+        elif batch.images and self.images_both_ways:
             cache.set_causal(ctx, [(s, s + rows.shape[0]) for s, rows in batch.images])
         if (len(batch) == 1 and output_layer is None and not hidden_only and batch.embeddings is None
                 and not batch.images and self.plan.whole):

@@ -33,7 +33,10 @@ class DecoderConfig:
         mrope_section: M-RoPE (Qwen2-VL, Qwen2.5-VL): the rotary pairs split into consecutive sections (time, height,
             width; summing to ``rope_dims / 2``), each rotated by its own position axis when a batch carries
             ``mrope_positions``; None: one position per token.
-        sliding_window: the window ``W`` in the cache's convention (a token sees ``W + 1`` keys), or None.
+        sliding_window: the window ``W`` in the cache's convention (a token sees ``W + 1`` keys), or None. With
+            ``both_ways``, two-way: a token sees ``p - W .. p + W`` of its input.
+        both_ways: every input attends to its own tokens both ways, each sliding layer within its two-way window
+            (an embedder trained bidirectionally: EmbeddingGemma, transformers' ``use_bidirectional_attention``).
         layer_types: per layer, ``"sliding_attention"`` or ``"full_attention"`` (self-attention through the KV
             cache), ``"conv"``, ``"linear_attention"`` or ``"mamba"`` (recurrent, hybrid models),
             ``"cross_attention"`` (over an image's encoder output, Llama 3.2 Vision).
@@ -117,6 +120,7 @@ class DecoderConfig:
     clamped_swiglu: tuple[float, float] | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    both_ways: bool = False
 
     def __post_init__(self) -> None:
         """Validate every field, so that a bad model fails at load, never at the first forward pass.
