@@ -68,22 +68,18 @@ class ZImagePipeline:
     Args:
         folder: the diffusers folder: ``model_index.json`` and the folders ``transformer/``, ``vae/``,
             ``text_encoder/``, ``tokenizer/``, ``scheduler/`` (weights as safetensors, sharded with an index or not).
-        make_backend: ``make_backend(component_folder) -> Backend``, which loads a folder's ``config.json`` and
-            safetensors (``mlx_engine.api`` passes ``MLXBackend``). Called for ``transformer/`` and ``vae/`` here and
-            for ``text_encoder/`` at each generation. With ``quantize`` the transformer's is called as
-            ``make_backend(folder, transform=...)``: the backend applies ``transform(name, tensor)`` to each tensor
-            as it reads it (:func:`~mlx_engine.imagegen.quantize.transformer_backend`).
-        quantize: quantize the transformer's linear weights to 8 or 4 bits as they are read (None: keep them as
-            they are); the load never holds the whole float transformer.
+        make_backend: ``make_backend(component_folder, transform=None) -> Backend`` (``MLXBackend``), called for
+            ``transformer/`` and ``vae/`` here and ``text_encoder/`` at each generation; ``transform(name, tensor)``
+            quantizes each tensor as it is read (:func:`~mlx_engine.imagegen.quantize.transformer_backend`).
+        quantize: quantize the transformer's linear weights to 8 or 4 bits as they are read (None: keep them).
         keep_text_encoder: keep the text encoder loaded between generations (faster repeated prompts, more memory).
             Default: load it for each generation and free it before the denoising loop.
         resolve_model: ``resolve_model(name) -> path`` of a store model: used when ``model_index.json`` names the
             text encoder (and tokenizer) as ``["mlx_engine", "store:NAME"]`` (the project's own small models share
             a text model from the store instead of shipping one); the path (a GGUF file) goes to ``make_backend``
             and the tokenizer comes from its metadata.
-        memory_check: a backend without weights on the device and dtype ``make_backend`` loads with: before any
-            weight is read, the load is refused when :func:`~mlx_engine.imagegen.memory.check_pipeline_memory`
-            finds it cannot fit (None: no check).
+        memory_check: a backend without weights (``make_backend``'s device and dtype): the load is refused before
+            any weight is read when :func:`~mlx_engine.imagegen.memory.check_pipeline_memory` finds it cannot fit.
 
     Attributes:
         transformer, vae, scheduler: the loaded components. vae_scale_factor: pixels per latent (8 for the FLUX VAE).
@@ -95,8 +91,7 @@ class ZImagePipeline:
 
     Raises:
         ModelNotFoundError: ``folder`` does not exist or is not a diffusers folder (no ``model_index.json``).
-        WeightsError: a component folder or config is missing, or a weights file is missing, truncated or corrupt
-            (the message names the file).
+        WeightsError: a component folder, config or weights file is missing, truncated or corrupt (named).
         UnsupportedError: another pipeline class, or a component this engine does not implement.
         InvalidRequestError: ``quantize`` other than None, 4 or 8.
         MemoryBudgetError: ``memory_check`` is given and the model needs more memory than it has available (the
