@@ -159,7 +159,10 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
             w, h = d.get("width"), d.get("height")
         if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (w, h)):
             # the activations at this size beside the loaded weights, refused before any work when they cannot fit
-            # (a size taken from an init or edit image is known only once the pipeline has read it)
+            # (a size taken from an init or edit image is known only once the pipeline has read it); a size the
+            # model cannot make is the caller's error first (InvalidRequestError), not a lack of memory
+            if hasattr(pipe, "check_size"):
+                w, h = pipe.check_size(w, h)
             check_request_memory(pipe, w, h)
         result = pipe.generate(prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
                                guidance=guidance, seed=seed,
