@@ -96,10 +96,10 @@ class Cache(abc.ABC):
         is alive, the next ``put`` of the layer must copy the whole storage instead of updating it in place.
         """
 
-    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
+    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]], window_both_ways: bool = False) -> None:
         """Let the tokens of each ``[begin, end)`` range of the current batch see each other both ways, for this
-        forward pass only (see :meth:`CausalCache.set_causal`). Raises ``CacheError`` where the cache has no causal
-        mask to change."""
+        forward pass only (see :meth:`CausalCache.set_causal`; ``window_both_ways``: a sliding window bounds them ahead
+        too). Raises ``CacheError`` where the cache has no causal mask to change."""
         if both_ways:
             raise CacheError(f"{type(self).__name__} cannot let tokens attend both ways")
 

@@ -332,7 +332,7 @@ class CausalCache(Cache, FusedSteps):
                 self._seq_min[s], self._seq_max[s] = 0, -1
 
     def _build_mask(self, ctx: Context, pos: np.ndarray, seqs: np.ndarray, used: int,
-                    both_ways: Sequence[tuple[int, int]] = ()
+                    both_ways: Sequence[tuple[int, int]] = (), window_both_ways: bool = False
                     ) -> tuple[Optional[Tensor], Optional[list[tuple[int, int]]]]:
         """The mask over cells ``[0, used)`` (None: every cell visible to every token) and, for one token, the runs
         ``(lo, hi)`` of cells it sees where they are one or two (a sliding window, before and after its ring wraps)."""
@@ -353,7 +353,7 @@ class CausalCache(Cache, FusedSteps):
         start = self._sees_from(pos)
         if start is not None:
             visible &= cp[None, :] >= np.asarray(start)[:, None]    # window / chunk start
-        if both_ways:
+        if both_ways and window_both_ways:
             end = self._sees_to(pos)
             if end is not None:
                 visible &= cp[None, :] <= end[:, None]               # a two-way window's far end
@@ -366,13 +366,14 @@ class CausalCache(Cache, FusedSteps):
                 runs = [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
         return ctx.attention_mask(visible, self._config.mask_dtype), runs
 
-    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
+    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]], window_both_ways: bool = False) -> None:
         """Let the tokens of each ``[begin, end)`` range of the current batch see each other both ways (the rest of
-        the mask stays as it is: other sequences hidden); the next :meth:`start_forward` is causal again. A sliding
-        window becomes two-way: the token at ``p`` sees ``p - W .. p + W`` (transformers' Gemma 3 with
-        ``use_bidirectional_attention``, ``_bidirectional_window_overlay``; llama.cpp's ``LLAMA_SWA_TYPE_SYMMETRIC``).
-        Gemma 3's image tokens attend to their whole image (the seed's ``SetCausal(ctx, CausalOptions{Except:
-        ...})``); an embedder trained both ways attends so over each input.
+        the mask stays as it is: other sequences hidden); the next :meth:`start_forward` is causal again. With
+        ``window_both_ways`` a sliding window becomes two-way: the token at ``p`` sees ``p - W .. p + W``
+        (transformers' Gemma 3 with ``use_bidirectional_attention``, ``_bidirectional_window_overlay``; llama.cpp's
+        ``LLAMA_SWA_TYPE_SYMMETRIC``): an embedder trained both ways attends so over each input. Without it nothing
+        bounds a range ahead: Gemma 3's image tokens attend to their whole image (the seed's
+        ``SetCausal(ctx, CausalOptions{Except: ...})``).
 
         Raises:
             CacheError: before a forward pass, or a range outside the batch or spanning several sequences.
@@ -387,7 +388,7 @@ class CausalCache(Cache, FusedSteps):
             if not 0 <= a < b <= fwd.n or len(np.unique(fwd.seqs[a:b])) != 1:
                 raise CacheError(f"set_causal range {a}..{b} is not a run of one sequence in the batch of {fwd.n}")
         # rebuilt from the positions that start_forward recorded (cells may have been reused since: same cells)
-        fwd.mask, fwd.runs = self._build_mask(ctx, fwd.pos, fwd.seqs, fwd.used, both_ways)
+        fwd.mask, fwd.runs = self._build_mask(ctx, fwd.pos, fwd.seqs, fwd.used, both_ways, window_both_ways)
         fwd.cells = None
 
     def _sees_to(self, p: np.ndarray) -> Optional[np.ndarray]:

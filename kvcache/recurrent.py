@@ -121,8 +121,8 @@ class RecurrentCache(Cache, Checkpoints):
     def set_layer(self, layer: int) -> None:
         self.kv.set_layer(layer)
 
-    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
-        self.kv.set_causal(ctx, both_ways)
+    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]], window_both_ways: bool = False) -> None:
+        self.kv.set_causal(ctx, both_ways, window_both_ways)
 
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         self.kv.put(ctx, key, value)

@@ -72,9 +72,9 @@ class WrapperCache(Cache, FusedSteps, EncoderInputs):
                 f()
         return commit
 
-    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]]) -> None:
+    def set_causal(self, ctx: Context, both_ways: Sequence[tuple[int, int]], window_both_ways: bool = False) -> None:
         for c in self.caches:
-            c.set_causal(ctx, both_ways)
+            c.set_causal(ctx, both_ways, window_both_ways)
 
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         self._cur.put(ctx, key, value)

@@ -437,7 +437,7 @@ class DecoderModel(abc.ABC):
         if self.config.both_ways:  # an embedder trained both ways: each input's run of the packed batch
             seqs = np.asarray(batch.sequences)
             cuts = [0, *(np.flatnonzero(np.diff(seqs)) + 1).tolist(), len(seqs)]
-            cache.set_causal(ctx, list(zip(cuts[:-1], cuts[1:])))
+            cache.set_causal(ctx, list(zip(cuts[:-1], cuts[1:])), window_both_ways=True)
         elif batch.images and self.images_both_ways:
             cache.set_causal(ctx, [(s, s + rows.shape[0]) for s, rows in batch.images])
         if (len(batch) == 1 and output_layer is None and not hidden_only and batch.embeddings is None
