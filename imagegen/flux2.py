@@ -48,6 +48,7 @@ from mlx_engine.errors import InvalidRequestError, UnsupportedError, WeightsErro
 from mlx_engine.imagegen.pipeline import (MAX_SIDE, DenoiseJob, ImageGenerationStats, ImageResult, StepCallback,
                                           check_image_size, component_folder, load_init_image, read_defaults,
                                           read_json, read_model_index)
+from mlx_engine.imagegen.zimage import ZImagePipeline
 from mlx_engine.ml import Backend, Context, DType, Tensor
 
 __all__ = ["Flux2Pipeline", "PIPELINE_CLASSES", "compute_empirical_mu", "edit_image_pixels"]
@@ -292,35 +293,14 @@ class Flux2Pipeline:
             te.close()
             te.backend.clear_cache()
 
-    @property
-    def backend(self) -> Backend:
-        """The transformer's backend (device name, memory controls)."""
-        if not self._backends:
-            raise InvalidRequestError("the image pipeline is closed")
-        return self._backends[0]
-
-    @property
-    def backend_name(self) -> str:
-        return self.backend.name
-
-    def memory(self) -> tuple[int, int]:
-        """``(active, peak)`` bytes of device memory now (the peak since the current generation began)."""
-        b = self.backend
-        return b.active_memory(), b.peak_memory()
-
-    def close(self) -> None:
-        """Drop every component's weights."""
-        self.free_text_encoder()
-        for b in self._backends:
-            b.close()
-        self._backends = []
-        self._closed = True
-
-    def __enter__(self) -> "Flux2Pipeline":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    # what Z-Image's pipeline does the same way (the transformer's backend, memory figures, closing), shared rather
+    # than copied
+    backend = ZImagePipeline.backend
+    backend_name = ZImagePipeline.backend_name
+    memory = ZImagePipeline.memory
+    close = ZImagePipeline.close
+    __enter__ = ZImagePipeline.__enter__
+    __exit__ = ZImagePipeline.__exit__
 
     def check_size(self, width: Any, height: Any) -> tuple[int, int]:
         """``(width, height)`` as ints when the model can make that size (multiples of 16)."""
