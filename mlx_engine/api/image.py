@@ -107,8 +107,9 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
         steps: denoising steps (default: the model's). guidance: diffusers' Z-Image ``guidance_scale``: 0 is off;
             above 0, ``pos + guidance * (pos - neg)`` (default: the model's).
         seed: the noise seed; None draws one (``img.info["seed"]`` tells which).
-        image, strength: image-to-image: an init image (PIL image, path, uint8 array, or :func:`open_init_image`'s
-            result) and how much of the schedule to run, in [0, 1] (default 0.6).
+        image, strength: image-to-image, for a model that does it (Z-Image, FLUX.1 schnell and dev): an init image
+            (PIL image, path, uint8 array, or :func:`open_init_image`'s result) and how much of the schedule to run,
+            in [0, 1] (default 0.6).
         callback: ``callback(step, total, latents, elapsed_seconds)`` after each denoising step.
         quantize: quantize the transformer to 8 or 4 bits (only when ``model`` is a name or folder).
         edit_images: images to edit (paths, encoded file bytes, PIL images, uint8 arrays or
