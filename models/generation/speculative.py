@@ -76,16 +76,35 @@ class PromptLookup:
 
 class DraftLength:
     """The draft length, adapted to how much of each draft the model accepts: one longer after a fully accepted
-    draft, halved after a draft rejected at its first token, within ``1 .. most``."""
+    draft, halved after a draft rejected at its first token, within ``1 .. most``. A rejected one-token draft also
+    pauses drafting (``rest`` passes without a draft: 2, then 4, 8 and at most 16 for each such rejection in a row;
+    an accepted draft token ends the run), since a pass over a rejected draft costs more than a plain step and
+    gains nothing: on text that does not repeat, prompt lookup finds one-token matches that are almost never right.
+    """
 
     def __init__(self, most: int):
         self.most = most
         self.k = most
+        self.rest = 0  # passes left without a draft
+        self._misses = 0  # one-token drafts rejected in a row
+
+    @property
+    def next(self) -> int:
+        """Draft tokens for the next pass: ``k``, or 0 while drafting pauses."""
+        return 0 if self.rest else self.k
 
     def update(self, proposed: int, accepted: int) -> None:
-        if proposed and accepted == proposed:
+        if not proposed:
+            self.rest = max(0, self.rest - 1)
+            return
+        if accepted:
+            self._misses = 0
+        if accepted == proposed:
             self.k = min(self.most, self.k + 1)
-        elif proposed and accepted == 0:
+        elif accepted == 0:
+            if self.k == 1:
+                self._misses += 1
+                self.rest = min(2 ** self._misses, 16)
             self.k = max(1, self.k // 2)
 
 
@@ -138,7 +157,7 @@ def make_drafter(mode: str, *, cache: Any = None, architecture: str = "", draft_
 
 def plan(state: SequenceState, prompt: Sequence[int], drafter: Drafter, length: DraftLength) -> tuple[list[int], int]:
     """The next verification pass of a sequence: ``(ids, pos)``, its last accepted token followed by a draft of at
-    most ``length.k`` tokens (within what ``max_tokens`` and the context leave), and the position of ``ids[0]``."""
+    most ``length.next`` tokens (within what ``max_tokens`` and the context leave), and the position of ``ids[0]``."""
     return plan_all([(state, prompt, drafter, length)])[0]
 
 
@@ -147,7 +166,7 @@ def plan_all(runs: Sequence[tuple[SequenceState, Sequence[int], Drafter, DraftLe
     """:func:`plan` for several sequences (``runs``: ``(state, prompt, drafter, length)`` each), the sequences that
     draft with one draft model drafting together (:func:`~mlx_engine.models.generation.draft_model.draft_together`,
     with its ``catch_up``: the server's, so that a new prompt reaches the draft model one chunk per step)."""
-    ks = [min(length.k, st.max_tokens - st.generated - 1, st.context_length - (st.prompt_length + st.generated))
+    ks = [min(length.next, st.max_tokens - st.generated - 1, st.context_length - (st.prompt_length + st.generated))
           for st, _, _, length in runs]
     drafts: list[list[int]] = [[] for _ in runs]
     together: dict[int, list[int]] = {}  # the runs of each draft model (by its runner)
