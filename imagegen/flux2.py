@@ -137,7 +137,8 @@ class Flux2Pipeline:
             ``tokenizer/``, ``scheduler/``).
         make_backend: ``make_backend(component_folder) -> Backend`` (``mlx_engine.api`` passes ``MLXBackend``); with
             ``quantize``, ``make_backend(folder, transform=...)`` for the transformer, as ZImagePipeline's.
-        quantize: quantize the transformer's block weights to 8 or 4 bits as they are read (None: as stored).
+        quantize: quantize the transformer's block weights and the text encoder's language model to 8 or 4 bits as
+            they are read (None: as stored).
         keep_text_encoder: keep the text encoder loaded between generations.
         resolve_model: accepted for the registry's common signature; FLUX.2 folders hold their text encoder.
         memory_check: as :class:`~mlx_engine.imagegen.zimage.ZImagePipeline`'s (refuse a load that cannot fit).

@@ -16,9 +16,9 @@ transformer's ``config.json``:
   the one float tensor being quantized (:func:`quantize_transient_bytes`), then the VAE beside it (``loading``); the
   text encoders are loaded for each prompt beside the transformer and VAE, quantized as they are read likewise
   (``encoding``: FLUX.1 loads CLIP and T5 together); the denoising loop holds the transformer, the VAE and one
-  step's activations (``denoising``); :attr:`MemoryEstimate.peak` is the largest. A load is refused when its weights cannot fit
-  (:attr:`MemoryEstimate.weights_peak`, :func:`check_memory`); a generation when its activations, at the size it
-  asks for, cannot fit beside the loaded weights (:func:`check_request_memory`).
+  step's activations (``denoising``); :attr:`MemoryEstimate.peak` is the largest. A load is refused when its
+  weights cannot fit (:attr:`MemoryEstimate.weights_peak`, :func:`check_memory`); a generation when its
+  activations, at the size it asks for, cannot fit beside the loaded weights (:func:`check_request_memory`).
 - activations (an upper bound, for one step at ``width x height``): per transformer pass (2 with guidance) the joint
   sequence of ``N`` image and text tokens at width ``D`` holds about :data:`LIVE_WIDTHS` ``N x D`` tensors (hidden
   state, Q, K, V, attention output, a 4x MLP hidden and the residual) and :data:`SCORE_COPIES` ``heads x N x N``

@@ -31,11 +31,11 @@ T5_FLOAT = ("shared.", "encoder.embed_tokens.", "encoder.block.0.layer.0.SelfAtt
 
 
 def quantizer(bits: int, group_size: int, keep_float: tuple[str, ...]) -> Callable[[str, Tensor], Tensor]:
-    """The per-tensor rule of a diffusion transformer's quantization: ``q(name, t)`` returns ``t`` affine-quantized
-    (:meth:`Tensor.quantize_weight`, ``bits`` and ``group_size``) when it is a 2-D float ``*.weight`` of more than
-    one row whose input width is a multiple of ``group_size`` and whose name starts with none of ``keep_float``,
-    else ``t`` itself. Given to the backend as its load ``transform`` (:func:`transformer_backend`), each weight is
-    quantized as it is read.
+    """The per-tensor rule of a pipeline component's quantization (transformer or text encoder): ``q(name, t)``
+    returns ``t`` affine-quantized (:meth:`Tensor.quantize_weight`, ``bits`` and ``group_size``) when it is a 2-D
+    float ``*.weight`` of more than one row whose input width is a multiple of ``group_size`` and whose name starts
+    with none of ``keep_float``, else ``t`` itself. Given to the backend as its load ``transform``
+    (:func:`quantizing`), each weight is quantized as it is read.
 
     Raises:
         ValueError: ``bits`` not 4 or 8, or ``group_size`` not 32, 64 or 128.
@@ -56,7 +56,7 @@ def quantizer(bits: int, group_size: int, keep_float: tuple[str, ...]) -> Callab
 
 def quantize_linears(backend: Backend, weights: dict[str, Tensor], bits: int, group_size: int,
                      keep_float: tuple[str, ...]) -> dict[str, Tensor]:
-    """A loaded diffusion transformer's linear weights quantized by :func:`quantizer`'s rule (those the backend
+    """A loaded component's linear weights quantized by :func:`quantizer`'s rule (those the backend
     already quantized at load stay as they are). The float copies are dropped from ``backend.weights`` (freed).
     Returns the new name -> tensor map.
 

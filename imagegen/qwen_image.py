@@ -79,7 +79,7 @@ class QwenImagePipeline(ZImagePipeline):
     Args, attributes and errors as :class:`~mlx_engine.imagegen.zimage.ZImagePipeline`; the folder holds a
     ``QwenImageTransformer2DModel``, an ``AutoencoderKLQwenImage``, a ``Qwen2_5_VLForConditionalGeneration`` text
     encoder with its tokenizer, and a ``FlowMatchEulerDiscreteScheduler``. ``quantize`` (8 or 4 bits) applies to the
-    transformer's blocks.
+    transformer's blocks and the text encoder's language model (its vision tower stays as stored).
     """
 
     pipeline_classes = PIPELINE_CLASSES

@@ -71,7 +71,8 @@ class ZImagePipeline:
         make_backend: ``make_backend(component_folder, transform=None) -> Backend`` (``MLXBackend``), called for
             ``transformer/`` and ``vae/`` here and ``text_encoder/`` at each generation; ``transform(name, tensor)``
             quantizes each tensor as it is read (:func:`~mlx_engine.imagegen.quantize.transformer_backend`).
-        quantize: quantize the transformer's linear weights to 8 or 4 bits as they are read (None: keep them).
+        quantize: quantize the transformer's linear weights, and the folder's text encoder's, to 8 or 4 bits as they
+            are read (None: keep them; a store text model runs as pulled).
         keep_text_encoder: keep the text encoder loaded between generations (faster repeated prompts, more memory).
             Default: load it for each generation and free it before the denoising loop.
         resolve_model: ``resolve_model(name) -> path`` of a store model: used when ``model_index.json`` names the

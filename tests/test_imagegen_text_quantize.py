@@ -65,9 +65,9 @@ def _keep(kind: str) -> tuple[str, ...]:
 def _qwen3(vocab: int, width: int = 64, ff: int = 128, heads: int = 4):
     from transformers import Qwen3Config, Qwen3Model
 
-    return Qwen3Model(Qwen3Config(hidden_size=width, intermediate_size=ff, num_hidden_layers=4, num_attention_heads=heads,
-                                  num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=512,
-                                  rms_norm_eps=1e-6, rope_theta=1000000.0))
+    return Qwen3Model(Qwen3Config(hidden_size=width, intermediate_size=ff, num_hidden_layers=4,
+                                  num_attention_heads=heads, num_key_value_heads=2, head_dim=16, vocab_size=vocab,
+                                  max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0))
 
 
 def _qwen25vl(vocab: int):
