@@ -13,8 +13,8 @@ multiple of 64 (the group size) so that every linear layer quantizes.
   the same graph).
 - Close to float: the relative error ``|q - f| / |f|`` (Frobenius norms over every prompt's features) of the quantized
   encoder's features against the float encoder's is below :data:`BOUND`, and a broken quantization (every group
-  given another group's scale and bias) is above twice it; and the quantized encoder is the float one run on the
-  dequantized weights, to float32's rounding (:data:`DEQUANTIZED_BOUND`).
+  given another group's scale and bias) is above 1, farther from the float features than zero; and the quantized
+  encoder is the float one run on the dequantized weights, to float32's rounding (:data:`DEQUANTIZED_BOUND`).
 - Lower peak: a text encoder quantized as read peaks (``Backend.peak_memory() - memory_before_load``) at most at what
   ``imagegen.memory`` estimates (the quantized weights, counted exactly, plus the largest float tensor quantized),
   under half the float size (measured on a Qwen3 of 21.4 MB in float32: 7.46 MB at 8 bits, 4.85 MB at 4, against
@@ -45,9 +45,10 @@ PROMPTS = ["a red circle on a blue background", "", "a small green square in the
 #: the encoder of each pipeline: (its text folder, its tokenizer folder)
 KINDS = {"zimage": ("qwen3", "qwen_tok"), "klein": ("qwen3", "qwen_tok"), "qwen_image": ("qwen25vl", "qwen_tok"),
          "dev": ("mistral3", "mistral_tok"), "t5": ("t5", "t5_tok")}
-#: |q - f| / |f| of the features, at most: measured 0.021 to 0.029 at 8 bits and 0.28 to 0.48 at 4 (T5 the most;
+#: |q - f| / |f| of the features, at most: measured 0.021 to 0.030 at 8 bits and 0.28 to 0.48 at 4 (T5 the most;
 #: 4-bit affine groups of 64 Gaussian weights are off by about 9 % each, and every layer adds its share), where a
-#: quantization with the wrong group order gives 1.37 to 1.62
+#: quantization with the wrong group order gives 1.36 to 1.62 (T5's tokenizer, a Unigram trained here, varies a little
+#: from run to run, and with it T5's figures)
 BOUND = {8: 0.04, 4: 0.6}
 #: |q - d| / |d| against the float encoder on the dequantized weights, at most: measured 6e-7 to 1.8e-6 (float32
 #: sums in another order)
@@ -235,8 +236,9 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_quantized_features_are_close_to_float(root, kind):
-    """``|q - f| / |f|`` below BOUND, a quantization with the wrong group order above twice BOUND, and the
-    quantized encoder within DEQUANTIZED_BOUND of the float one on the dequantized weights (each figure printed)."""
+    """``|q - f| / |f|`` below BOUND, a quantization with the wrong group order above 1 (worse than no features),
+    and the quantized encoder within DEQUANTIZED_BOUND of the float one on the dequantized weights (each figure
+    printed)."""
     keep = _keep(kind)
     f, _ = _encode(kind, root, F32)
     line = []
@@ -248,7 +250,7 @@ def test_quantized_features_are_close_to_float(root, kind):
         line.append(f"{bits}-bit {err:.4f} (wrong group order {err_bad:.4f}; against the dequantized weights "
                     f"{err_deq:.1e})")
         assert err < BOUND[bits], line
-        assert err_bad > 2 * BOUND[bits], line
+        assert err_bad > 1.0, line  # farther from the float features than zero is
         assert err_deq < DEQUANTIZED_BOUND, line
     print(f"{kind}: " + ", ".join(line))
 
