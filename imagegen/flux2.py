@@ -139,7 +139,8 @@ class Flux2Pipeline:
             ``tokenizer/``, ``scheduler/``).
         make_backend: ``make_backend(component_folder) -> Backend`` (``mlx_engine.api`` passes ``MLXBackend``); with
             ``quantize``, ``make_backend(folder, transform=...)`` for the transformer, as ZImagePipeline's.
-        quantize: quantize the transformer's block weights to 8 or 4 bits as they are read (None: as stored).
+        quantize: quantize the transformer's block weights and the text encoder's language model to 8 or 4 bits as
+            they are read (None: as stored).
         keep_text_encoder: keep the text encoder loaded between generations.
         resolve_model: accepted for the registry's common signature; FLUX.2 folders hold their text encoder.
         memory_check: as :class:`~mlx_engine.imagegen.zimage.ZImagePipeline`'s (refuse a load that cannot fit).
@@ -211,8 +212,10 @@ class Flux2Pipeline:
         """What the load holds (:class:`~mlx_engine.imagegen.memory.MemoryLayout`) for the memory estimate."""
         from mlx_engine.imagegen.flux2_transformer import Flux2Transformer
         from mlx_engine.imagegen.memory import MemoryLayout
+        from mlx_engine.imagegen.quantize import TEXT_MODEL_FLOAT
 
-        return MemoryLayout(float_prefixes=Flux2Transformer.FLOAT_PREFIXES)
+        return MemoryLayout(float_prefixes=Flux2Transformer.FLOAT_PREFIXES,
+                            text_float={"text_encoder": TEXT_MODEL_FLOAT})
 
     # ---- loading ------------------------------------------------------------------------------------------------
     def _read_model_index(self) -> dict:
@@ -269,12 +272,14 @@ class Flux2Pipeline:
 
     def _load_text_encoder(self):
         from mlx_engine.imagegen.flux2_text import SYSTEM_MESSAGE, Flux2TextEncoder, padding_side
+        from mlx_engine.imagegen.quantize import TEXT_MODEL_FLOAT, quantizing
         from mlx_engine.models.registry import load_text_checkpoint
 
         if self._text_encoder is None:
             tok = component_folder(self.folder, "tokenizer")
             try:
-                text = load_text_checkpoint(component_folder(self.folder, "text_encoder"), self._make_backend,
+                text = load_text_checkpoint(component_folder(self.folder, "text_encoder"),
+                                            quantizing(self._make_backend, self.quantize, TEXT_MODEL_FLOAT),
                                             tokenizer_folder=tok)
             except KeyError as e:
                 raise WeightsError(f"{self.folder / 'text_encoder'}: missing tensor {e}") from None

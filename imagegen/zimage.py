@@ -71,7 +71,8 @@ class ZImagePipeline:
         make_backend: ``make_backend(component_folder, transform=None) -> Backend`` (``MLXBackend``), called for
             ``transformer/`` and ``vae/`` here and ``text_encoder/`` at each generation; ``transform(name, tensor)``
             quantizes each tensor as it is read (:func:`~mlx_engine.imagegen.quantize.transformer_backend`).
-        quantize: quantize the transformer's linear weights to 8 or 4 bits as they are read (None: keep them).
+        quantize: quantize the transformer's linear weights, and the folder's text encoder's, to 8 or 4 bits as they
+            are read (None: keep them; a store text model runs as pulled).
         keep_text_encoder: keep the text encoder loaded between generations (faster repeated prompts, more memory).
             Default: load it for each generation and free it before the denoising loop.
         resolve_model: ``resolve_model(name) -> path`` of a store model: used when ``model_index.json`` names the
@@ -195,9 +196,11 @@ class ZImagePipeline:
     def memory_layout(cls):
         """What the load holds (:class:`~mlx_engine.imagegen.memory.MemoryLayout`) for the memory estimate."""
         from mlx_engine.imagegen.memory import MemoryLayout
+        from mlx_engine.imagegen.quantize import TEXT_MODEL_FLOAT
         from mlx_engine.imagegen.transformer import ZImageTransformer
 
-        return MemoryLayout(float_prefixes=ZImageTransformer.FLOAT_PREFIXES)
+        return MemoryLayout(float_prefixes=ZImageTransformer.FLOAT_PREFIXES,
+                            text_float={"text_encoder": TEXT_MODEL_FLOAT})
 
     def _default_side(self) -> int:
         """The default width and height (pixels) before clamping to the model's range."""
@@ -236,17 +239,21 @@ class ZImagePipeline:
         return vae
 
     def _load_text_encoder(self):
+        from mlx_engine.imagegen.quantize import TEXT_MODEL_FLOAT, quantizing
         from mlx_engine.imagegen.text_encoder import TextEncoder
         from mlx_engine.models.registry import load_text_checkpoint
 
         if self._text_encoder is not None:
             return self._text_encoder
+        # --quantize quantizes the folder's text encoder as it is read; a store model runs as it was pulled
+        make_backend = self._make_backend
         if self.text_model is not None:  # a store model (a GGUF file): its tokenizer is in its metadata
             path, tokenizer_folder = self._resolve_model(self.text_model), None
         else:
             path, tokenizer_folder = self._component_folder("text_encoder"), self._component_folder("tokenizer")
+            make_backend = quantizing(make_backend, self.quantize, TEXT_MODEL_FLOAT)
         try:
-            text = load_text_checkpoint(path, self._make_backend, tokenizer_folder=tokenizer_folder)
+            text = load_text_checkpoint(path, make_backend, tokenizer_folder=tokenizer_folder)
         except KeyError as e:
             raise WeightsError(f"{self.folder / 'text_encoder'}: missing tensor {e}") from None
         self._text_encoder = TextEncoder(text.model, text.tokenizer, text.backend, **self._text_encoder_options())
