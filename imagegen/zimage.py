@@ -21,15 +21,13 @@ Sources: diffusers 0.42 ``pipelines/z_image/pipeline_z_image.py`` (``__call__``,
 Latents are kept in diffusers' layout ``[B, C, h, w]`` (float32, as diffusers keeps them); the transformer takes
 ``[C, 1, h, w]`` per image, the VAE takes channels-last ``[B, h, w, C]``.
 
-Guidance follows diffusers' Z-Image convention: ``guidance`` is its ``guidance_scale``; any value above 0 runs the
-transformer on the prompt and on the negative prompt (``""`` when none) and combines them as
-``pos + guidance * (pos - neg)`` (so diffusers' ``guidance_scale = g`` is the classic classifier-free guidance weight
-``w = 1 + g``, Ho & Salimans 2022); 0 turns it off (one transformer pass per step, Z-Image-Turbo's setting).
+Guidance (diffusers' Z-Image convention): ``guidance`` is its ``guidance_scale``; above 0 the transformer runs on the
+prompt and the negative prompt (``""`` when none), combined as ``pos + guidance * (pos - neg)`` (classifier-free
+guidance with ``w = 1 + g``, Ho & Salimans 2022); 0 turns it off (one pass per step, Z-Image-Turbo's setting).
 
-Memory: the text encoder is loaded for each generation and closed before the denoising loop (unless the pipeline is
-made with ``keep_text_encoder=True``); the VAE decodes images above :attr:`ZImagePipeline.tile_above_pixels` in
-overlapping tiles; the peak of the device's memory over one generation is reported in :class:`ImageGenerationStats`.
-The caller gives a backend factory (``make_backend(folder) -> Backend``; ``mlx_engine.api`` passes ``MLXBackend``).
+Memory: the text encoder is loaded for each generation and closed before denoising (unless ``keep_text_encoder``);
+the VAE decodes images above :attr:`ZImagePipeline.tile_above_pixels` in overlapping tiles; the generation's peak is in
+:class:`ImageGenerationStats`. The caller gives a backend factory (``make_backend(folder) -> Backend``).
 """
 
 from __future__ import annotations
