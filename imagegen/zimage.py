@@ -71,12 +71,10 @@ class ZImagePipeline:
             quantizes each tensor as it is read (:func:`~mlx_engine.imagegen.quantize.transformer_backend`).
         quantize: quantize the transformer's linear weights, and the folder's text encoder's, to 8 or 4 bits as they
             are read (None: keep them; a store text model runs as pulled).
-        keep_text_encoder: keep the text encoder loaded between generations (faster repeated prompts, more memory).
-            Default: load it for each generation and free it before the denoising loop.
-        resolve_model: ``resolve_model(name) -> path`` of a store model: used when ``model_index.json`` names the
-            text encoder (and tokenizer) as ``["mlx_engine", "store:NAME"]`` (the project's own small models share
-            a text model from the store instead of shipping one); the path (a GGUF file) goes to ``make_backend``
-            and the tokenizer comes from its metadata.
+        keep_text_encoder: keep the text encoder loaded between generations (faster repeated prompts, more memory;
+            default: loaded for each generation, freed before denoising).
+        resolve_model: ``resolve_model(name) -> path`` of a store model, for a text encoder that ``model_index.json``
+            names ``["mlx_engine", "store:NAME"]`` (our small models share one); its GGUF's metadata has the tokenizer.
         memory_check: a backend without weights (``make_backend``'s device and dtype): the load is refused before
             any weight is read when :func:`~mlx_engine.imagegen.memory.check_pipeline_memory` finds it cannot fit.
 
@@ -93,8 +91,7 @@ class ZImagePipeline:
         WeightsError: a component folder, config or weights file is missing, truncated or corrupt (named).
         UnsupportedError: another pipeline class, or a component this engine does not implement.
         InvalidRequestError: ``quantize`` other than None, 4 or 8.
-        MemoryBudgetError: ``memory_check`` is given and the model needs more memory than it has available (the
-            message gives both numbers and what would fit).
+        MemoryBudgetError: ``memory_check`` is given and the model cannot fit (both numbers and what would fit).
 
     A subclass (another diffusers family) sets the class attributes below and overrides the hooks ``_set_geometry``,
     ``_default_side``, ``_load_transformer``, ``_load_vae``, ``_text_encoder_options`` and the steps.
