@@ -79,12 +79,12 @@ class ZImagePipeline:
             any weight is read when :func:`~mlx_engine.imagegen.memory.check_pipeline_memory` finds it cannot fit.
 
     Attributes:
-        transformer, vae, scheduler: the loaded components. vae_scale_factor: pixels per latent (8 for the FLUX VAE).
-        size_multiple: width and height must be multiples of it (``vae_scale_factor * patch_size``, 16).
+        transformer, vae, scheduler: the loaded components. vae_scale_factor: pixels per latent (8 for the FLUX VAE);
+        width and height must be multiples of ``size_multiple`` (``vae_scale_factor * patch_size``, 16).
         min_side, max_side: the accepted range of width and height in pixels.
         defaults: the default settings (width, height, steps, guidance, strength, negative_prompt).
-        tile_above_pixels: the VAE decodes in tiles when ``width * height`` is larger (default 1024 * 1024).
-        vae_tile, vae_tile_overlap: the tiles' side and overlap in latent pixels (64 and 16, diffusers' for FLUX).
+        tile_above_pixels: the VAE decodes in tiles (``vae_tile`` latent pixels a side, ``vae_tile_overlap`` of
+            overlap: 64 and 16, diffusers' for FLUX) when ``width * height`` is larger (default 1024 * 1024).
 
     Raises:
         ModelNotFoundError: ``folder`` does not exist or is not a diffusers folder (no ``model_index.json``).
