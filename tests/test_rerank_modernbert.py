@@ -126,3 +126,17 @@ def test_server_route(made):
         assert max(abs(a["relevance_score"] - b["relevance_score"]) for a, b in zip(got["results"], want)) < 1e-6
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("key, value", [("classifier_activation", "silu"), ("classifier_pooling", "max")])
+def test_a_head_we_do_not_run_is_refused(made, tmp_path, key, value):
+    import json
+    import shutil
+
+    from mlx_engine.errors import WeightsError
+
+    folder = shutil.copytree(made["cls"]["hf"], tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(WeightsError, match=f"{key} is '{value}'"):
+        mlx_engine.load(str(folder))
