@@ -2,11 +2,12 @@
 oracles. Two small random transformers ``ModernBertForSequenceClassification`` models (one label; the encoder of
 tests/test_embed_modernbert.py: 3 layers, a 16-key local window that the long document overflows), one pooling by
 ``cls`` and one by ``mean`` before the head, with smollm2's real tokenizer putting ``<|im_start|>`` / ``<|im_end|>``
-around a pair as ModernBERT's own puts ``[CLS]`` / ``[SEP]``; llama.cpp's converter makes their GGUF files (llama.cpp
-runs the copy with the epsilon key its loader reads, as in that module). Ours on the folder against sentence-transformers'
-``CrossEncoder.predict`` (raw logits and its default sigmoid); ours on the GGUF against ``CrossEncoder`` too (llama.cpp's
-pair is the tokenizer's here) and against llama.cpp's rank pooling (``LLAMA_POOLING_TYPE_RANK``, pairs as its server's
-``format_prompt_rerank`` puts them), ours then with llama.cpp's float16-table GELU in place of the model's exact one:
+around a pair as ModernBERT's own puts ``[CLS]`` / ``[SEP]``; llama.cpp's converter makes their GGUF files
+(llama.cpp runs the copy with the epsilon key its loader reads, as in that module). Ours on the folder against
+sentence-transformers' ``CrossEncoder.predict`` (raw logits and its default sigmoid); ours on the GGUF against
+``CrossEncoder`` too (llama.cpp's pair is the tokenizer's here) and against llama.cpp's rank pooling
+(``LLAMA_POOLING_TYPE_RANK``, pairs as its server's ``format_prompt_rerank`` puts them), ours then with llama.cpp's
+float16-table GELU in place of the model's exact one (docs/embeddings.md has the figures with either GELU):
 every score within 1e-4.
 """
 
