@@ -139,12 +139,13 @@ class ModernBertEncoder(BertEncoder):
                                int(get("context_length", 8192)),
                                rope_theta=float(get("rope.freq_base", 160000.0)), gated=True)
         kind = get("classifier.pooling_type", 1)  # llama.cpp pools a modern-bert head by mean where the file is silent
-        if kind not in _GGUF_RANK_POOLING:
-            raise WeightsError(f"the GGUF's modern-bert.classifier.pooling_type is {kind!r}; 1 (mean) and 2 (CLS) "
-                               "are run")
+        pooling = _GGUF_RANK_POOLING.get(kind) if isinstance(kind, int) and not isinstance(kind, bool) else None
+        if pooling is None and "cls.output.weight" in weights:  # a cross-encoder: its head must be one we run
+            raise WeightsError(f"the GGUF's modern-bert.classifier.pooling_type is {kind!r:.60}; 1 (mean) and 2 "
+                               "(CLS) are run")
         return cls(config, weights, backend, {i for i in range(n) if i % every == 0},
                    float(get("rope.freq_base_swa", 10000.0)), int(get("attention.sliding_window", 128)) // 2,
-                   _GGUF_RANK_POOLING[kind])
+                   pooling or "mean")
 
     def _check(self) -> None:
         c = self.config
