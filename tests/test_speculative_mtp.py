@@ -195,6 +195,56 @@ def test_greedy_with_mtp_drafts_is_plain_greedy(which, request):
         m.close()
 
 
+def test_the_mtp_cache_after_a_speculative_answer_predicts_as_transformers(deepseek):
+    """After an answer whose drafts were mostly rejected (random weights: the chained cells removed each time, the
+    model's hidden states of every verification pass taken), the MTP layer's next draft is transformers' prediction
+    on the whole text."""
+    folder, tokens = deepseek
+    m = mlx_engine.load(str(folder), progress=False, context_length=256)
+    try:
+        out, stats = _greedy(m, tokens, "mtp", n=24)
+        assert stats.verify_steps > 5
+        text = tokens + out
+        draft = m.runner.mtp.draft(0, text, 1, m.runner.model.config.vocab_size)
+    finally:
+        m.close()
+    assert draft == [int(_reference(folder, text)[-1].argmax())]
+
+
+def test_a_perfect_mtp_layer_is_always_accepted(deepseek, tmp_path):
+    """Every layer's attention and MLP outputs zeroed (``o_proj``, ``down_proj``: the model's logits at a position
+    then depend on its token alone), the MTP layer's ``eh_proj`` passing the embedding half through, ``enorm`` 1 and
+    ``shared_head.norm`` the model's final norm: the MTP layer predicts exactly what the model will (its logits are
+    the model's at the next position, up to a positive scale), chained drafts too. Every draft token is accepted and
+    the answer is plain greedy's."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "perfect"
+    folder.mkdir()
+    for f in deepseek[0].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(folder / "model.safetensors")
+    n, d = DEEPSEEK["num_hidden_layers"] - 1, DEEPSEEK["hidden_size"]
+    for name, t in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
+            tensors[name] = torch.zeros_like(t)
+    p = f"model.layers.{n}."
+    tensors[p + "eh_proj.weight"] = torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1)
+    tensors[p + "enorm.weight"] = torch.ones(d)
+    tensors[p + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    m = mlx_engine.load(str(folder), progress=False, context_length=256)
+    try:
+        tokens = deepseek[1]
+        plain, _ = _greedy(m, tokens, "off", n=40)
+        fast, stats = _greedy(m, tokens, "mtp", n=40)
+    finally:
+        m.close()
+    assert fast == plain
+    assert stats.draft_proposed > 30 and stats.draft_accepted == stats.draft_proposed
+    assert stats.verify_steps <= 40 // 5 + 1  # up to 4 drafts and the model's own token per pass
+
+
 def test_run_with_mtp_prints_the_plain_answer(deepseek):
     def run(*extra):
         r = CliRunner().invoke(main, ["run", str(deepseek[0]), "--temperature", "0",
