@@ -539,7 +539,8 @@ class Runner:
             self.mtp.follow(req.sequence, False)
         drafter = make_drafter(mode, cache=self.cache, architecture=self.model.architecture, draft_runner=self.draft,
                                sequence=req.sequence, mtp=self.mtp_head,
-                               vocab_size=getattr(self.tokenizer, "vocab_size", 0) or self.model.config.vocab_size)
+                               vocab_size=(getattr(self.tokenizer, "vocab_size", 0) or self.model.config.vocab_size)
+                               if self.draft is not None or mode == "mtp" else 0)
         if drafter is not None and (isinstance(req.draft_tokens, bool) or not isinstance(req.draft_tokens, int)
                                     or req.draft_tokens < 1):
             raise InvalidRequestError(f"draft_tokens must be an integer >= 1, got {req.draft_tokens!r}")
