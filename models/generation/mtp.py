@@ -80,6 +80,8 @@ class MTPHead:
         extra = {"dense_layers": 0} if hasattr(c, "dense_layers") else {}
         config = dataclasses.replace(c, num_layers=1, layer_types=["full_attention"], **extra)
         self.model = type(model)(config, block, model.backend)
+        for n in [n for n in w if n.startswith(p) and n[len(p):] not in MTP_OWN]:
+            del w[n]  # the one-layer model holds the block now (its experts stacked: the per-expert tensors let go)
         self.model.use_context(context_length)
         self.backend = model.backend
         self.eps = c.rms_norm_eps
