@@ -179,7 +179,7 @@ def test_greedy_with_mtp_drafts_is_plain_greedy(which, request):
         plain, _ = _greedy(m, tokens, "off", n=32)
         fast, stats = _greedy(m, tokens, "mtp", n=32)
         assert fast == plain
-        assert stats.verify_steps > 0 and stats.draft_proposed >= stats.verify_steps
+        assert stats.verify_steps > 0 and stats.draft_proposed > 0
         # a second turn on the same sequence reuses the cached prefix, and the MTP cells of it
         follow = tokens + plain + m.tokenizer.encode(" and then", add_bos=False)
         plain2, _ = _greedy(m, follow, "off", n=32)
