@@ -168,7 +168,7 @@ def test_greedy_lookup_past_gemma3s_sliding_window(gemma3_gguf):
 def test_speculation_is_refused_where_a_draft_cannot_be_taken_back():
     """A recurrent state cannot forget a rejected draft: the request is refused with what to do."""
     runner = SimpleNamespace(cache=RecurrentCache(shift_fn=None), model=SimpleNamespace(architecture="lfm2"),
-                             draft=None)
+                             draft=None, mtp=None, mtp_head=None)
     with pytest.raises(InvalidRequestError, match="lfm2: its recurrent layers .* use --speculative off"):
         Runner.drafter(runner, Request([1], speculative="lookup"))
     assert Runner.drafter(runner, Request([1])) is None  # without speculation it runs as before

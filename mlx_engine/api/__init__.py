@@ -145,7 +145,7 @@ class Model:
         self.runner = Runner(self.text_model, self.tokenizer, context_length=ctx_len, max_sequences=max_sequences,
                              prefill_chunk=prefill_chunk, kv_bits=kv_bits, reserve=reserve)
         self.load_seconds = time.perf_counter() - t0
-        self.name = name
+        self.name = self.runner.name = name
         self.path = path
         self.architecture = config.architecture
         types = getattr(self.backend, "tensor_types", {})

@@ -16,8 +16,10 @@ The first drafter is prompt lookup (:class:`PromptLookup`): the longest match of
 (``n`` from 3 down to 1) earlier in the prompt and the output, whose continuation is the draft (llama.cpp's
 ``--lookup``, transformers' ``prompt_lookup_num_tokens``, vLLM's ``ngram``). It costs no model and helps where the
 output copies the input (rewriting, editing code, quoting a document). The second is a draft model of the same
-vocabulary (:class:`~mlx_engine.models.generation.draft_model.DraftModel`). The server's scheduler verifies several sequences'
-drafts in one pass with :func:`plan_all`, :func:`judge` and :func:`record`, the parts :func:`speculate` is made of.
+vocabulary (:class:`~mlx_engine.models.generation.draft_model.DraftModel`); the third the model's own
+multi-token-prediction layer (:class:`~mlx_engine.models.generation.mtp.MTPDrafter`: DeepSeek V3, GLM-4.5).
+The server's scheduler verifies several sequences' drafts in one pass with :func:`plan_all`, :func:`judge` and
+:func:`record`, the parts :func:`speculate` is made of.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ from mlx_engine.errors import CacheFullError, InvalidRequestError
 from mlx_engine.kvcache.recurrent import RecurrentCache
 from mlx_engine.ml import Context, DType, Tensor
 from mlx_engine.models.generation.draft_model import DraftModel, draft_together
+from mlx_engine.models.generation.mtp import MTPDrafter, MTPHead
 from mlx_engine.models.generation.core import SequenceState
 
 __all__ = ["Drafter", "PromptLookup", "DraftLength", "verify_token", "SPECULATIVE_MODES", "make_drafter", "plan",
            "plan_all", "judge", "record", "speculate"]
 
 #: the values of the ``speculative`` option
-SPECULATIVE_MODES = ("off", "lookup", "draft")
+SPECULATIVE_MODES = ("off", "lookup", "draft", "mtp")
 
 
 class Drafter(Protocol):
@@ -134,12 +137,14 @@ def verify_token(p: np.ndarray, draft: int, rng: np.random.Generator) -> tuple[i
 
 
 def make_drafter(mode: str, *, cache: Any = None, architecture: str = "", draft_runner: Any = None,
-                 sequence: int = 0, vocab_size: int = 0) -> Drafter | None:
+                 sequence: int = 0, vocab_size: int = 0, mtp: Callable[[], MTPHead] | None = None) -> Drafter | None:
     """The drafter of a ``speculative`` option value: None for ``off``; :class:`PromptLookup` for ``lookup``;
-    :class:`~mlx_engine.models.generation.draft_model.DraftModel` on ``draft_runner``'s ``sequence`` for ``draft``.
+    :class:`~mlx_engine.models.generation.draft_model.DraftModel` on ``draft_runner``'s ``sequence`` for ``draft``;
+    :class:`~mlx_engine.models.generation.mtp.MTPDrafter` on the head ``mtp()`` gives for ``mtp``.
 
-    Raises ``InvalidRequestError`` for another value, ``draft`` without a draft model, or a target ``cache`` that
-    cannot take a rejected draft back (recurrent layers of ``architecture``)."""
+    Raises ``InvalidRequestError`` for another value, ``draft`` without a draft model, ``mtp`` without MTP layers
+    (``mtp()`` raises it, or no ``mtp``), or a target ``cache`` that cannot take a rejected draft back (recurrent
+    layers of ``architecture``)."""
     if mode not in SPECULATIVE_MODES:
         raise InvalidRequestError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
     if mode == "off":
@@ -149,6 +154,11 @@ def make_drafter(mode: str, *, cache: Any = None, architecture: str = "", draft_
                                   "cannot take back a rejected draft; use --speculative off")
     if mode == "lookup":
         return PromptLookup()
+    if mode == "mtp":
+        if mtp is None:
+            raise InvalidRequestError(f"speculative=mtp needs the model's multi-token-prediction layers; "
+                                      f"{architecture} has none here: use --speculative lookup")
+        return MTPDrafter(mtp(), sequence, vocab_size)
     if draft_runner is None:
         raise InvalidRequestError("speculative=draft needs a draft model: load the model with --draft-model NAME "
                                   "(Python: load(..., draft_model=NAME)), or use --speculative lookup")
