@@ -5,7 +5,9 @@ behind ``llama-quantize``), and llama.cpp's logits on those files. Converter and
 ``llama-cpp-python`` source distribution (its vendored llama.cpp); nothing comes from a model hub.
 
 The converter's source is cached outside the tree, in ``$MLX_ENGINE_TEST_CACHE`` (default
-``~/.cache/mlx-engine-tests``), fetched once by ``pip download``. Run as a script to fetch it ahead of the tests::
+``~/.cache/mlx-engine-tests``), fetched once by ``pip download``; so are the files that the converter and the
+quantizer write, by the bytes of their input and the versions of the packages that make them (a random model saved
+twice with the same seed is converted once). Run as a script to fetch the source ahead of the tests::
 
     python -m tests.hf_gguf
 """
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -85,6 +89,43 @@ def llama_cpp_source() -> Path:
     return source
 
 
+#: Made files unused for this long are removed from the cache (each use renews a file's time).
+_KEEP_DAYS = 14
+
+
+def _made_once(out: Path, key: tuple, inputs: Path, make) -> Path:
+    """``out``, written by ``make(out)`` or copied from the cache of made files: keyed by ``key`` (what else decides
+    the result: the tool, its options, the versions of the packages it runs) and the bytes of ``inputs`` (a file, or
+    a folder's files with their names). A failed ``make`` caches nothing."""
+    from importlib import metadata
+
+    h = hashlib.sha256(repr(key).encode())
+    for name in ("llama_cpp_python", "transformers", "tokenizers", "sentencepiece", "torch", "numpy", "safetensors"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            h.update(f"{name}={metadata.version(name)};".encode())
+    files = [inputs] if inputs.is_file() else sorted(f for f in inputs.rglob("*") if f.is_file())
+    for f in files:
+        h.update(f"{f.relative_to(inputs) if f != inputs else ''}:{f.stat().st_size}:".encode())
+        h.update(f.read_bytes())
+    folder = cache_root() / "made"
+    cached = folder / f"{h.hexdigest()}{out.suffix}"
+    if cached.exists():
+        shutil.copyfile(cached, out)
+        os.utime(cached)
+        return out
+    make(out)
+    folder.mkdir(exist_ok=True)
+    part = folder / f".{cached.name}.{os.getpid()}.part"
+    shutil.copyfile(out, part)
+    os.replace(part, cached)  # whole or absent, whoever else writes the same file at the same time
+    old = cached.stat().st_mtime - _KEEP_DAYS * 86400
+    for f in folder.iterdir():
+        with contextlib.suppress(OSError):
+            if f.stat().st_mtime < old:
+                f.unlink()
+    return out
+
+
 # The converter reads the tokenizer with AutoTokenizer, which in transformers 5 picks the class that the model type
 # names (Qwen2Tokenizer for qwen2, ...) and that class rebuilds its own pre-tokenizer over the vocabulary. The real
 # tokenizer written by save_tokenizer is another model's (smollm2's): read tokenizer.json as written, so that the
@@ -117,15 +158,19 @@ def convert(folder: "str | Path", out: "str | Path", outtype: str = "f32", pre: 
         RuntimeError: the converter failed (the message ends with its output).
     """
     source = llama_cpp_source()
-    out = Path(out)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), str(source)]),
-               NO_LOCAL_GGUF="", MLX_ENGINE_CONVERT_PRE=pre or "")
-    got = subprocess.run([sys.executable, "-c", _CONVERT, str(source / "convert_hf_to_gguf.py"), str(folder),
-                          "--outfile", str(out), "--outtype", outtype, *options], capture_output=True, text=True,
-                         env=env)
-    if got.returncode != 0 or not out.exists():
-        raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
-    return out
+
+    def run(out: Path) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), str(source)]),
+                   NO_LOCAL_GGUF="", MLX_ENGINE_CONVERT_PRE=pre or "")
+        got = subprocess.run([sys.executable, "-c", _CONVERT, str(source / "convert_hf_to_gguf.py"), str(folder),
+                              "--outfile", str(out), "--outtype", outtype, *options], capture_output=True,
+                             text=True, env=env)
+        if got.returncode != 0 or not out.exists():
+            raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
+
+    # the converter names the model after its folder
+    return _made_once(Path(out), ("convert", LLAMA_CPP_PYTHON, Path(folder).name, outtype, pre, tuple(options)),
+                      Path(folder), run)
 
 
 # llama.cpp must be the first native library in its process (see mlx_engine.bench.llama_cpp_peer).
@@ -148,12 +193,16 @@ def quantize(src: "str | Path", out: "str | Path", kind: str) -> Path:
         KeyError: an unknown ``kind``.
         RuntimeError: the quantizer failed (the message ends with its output).
     """
-    out = Path(out)
-    got = subprocess.run([sys.executable, "-c", _QUANTIZE, str(src), str(out), str(FTYPES[kind])],
-                         capture_output=True, text=True)
-    if got.returncode != 0 or not out.exists():
-        raise RuntimeError(f"llama_model_quantize failed ({kind}) on {src}: {got.stdout[-3000:]}{got.stderr[-3000:]}")
-    return out
+    ftype = FTYPES[kind]
+
+    def run(out: Path) -> None:
+        got = subprocess.run([sys.executable, "-c", _QUANTIZE, str(src), str(out), str(ftype)],
+                             capture_output=True, text=True)
+        if got.returncode != 0 or not out.exists():
+            raise RuntimeError(f"llama_model_quantize failed ({kind}) on {src}: "
+                               f"{got.stdout[-3000:]}{got.stderr[-3000:]}")
+
+    return _made_once(Path(out), ("quantize", ftype), Path(src), run)
 
 
 # llama.cpp's plain CPU products (ggml-quants' dot products), as every machine computes them: its extra buffer types

@@ -13,7 +13,7 @@ from mlx_engine.mlx import cpu_kernels
 from mlx_engine.mlx.tensor import MLXQuantizedTensor
 from mlx_engine.models.generation.runner import Request
 from mlx_engine.models.generation.sampler import SamplerOptions
-from tests.reference import mlx_lm_greedy, mlx_lm_model
+from tests.reference import cached_mlx_lm_model, mlx_lm_greedy
 
 
 def _long_text() -> str:
@@ -39,7 +39,7 @@ def pair(request):
     # every type of these files (Q4_1, Q8_0; Q4_K, Q5_0, Q6_K) runs quantized without loss: mlx-lm's float model
     # float32 on every device (a GPU's default is float16 or bfloat16), as the reference computes
     ours = mlx_engine.load(str(path), progress=False, dtype="float32")
-    ref = mlx_lm_model(path)
+    ref = cached_mlx_lm_model(path)
     yield request.param, ours, ref
     ours.close()
 

@@ -1,9 +1,10 @@
 """Graph nodes per decode step, ours beside mlx-lm's (issue 66, "the GPU step"): on a GPU a decode step of a small
 model is bound by the operations launched, one per graph node evaluated. Counted on the CPU with our CPU kernels off
 (``MLX_ENGINE_KERNELS=0``: MLX's own operations only, as on a GPU), from the lazy graph of one decode step's logits
-(``mx.export_to_dot``), for the same model in mlx-lm (its own model classes, 4-bit ``nn.quantize``d, one step with its
-``KVCache``). On the CPU, MLX writes ``mx.fast``'s operations (RMSNorm, RoPE, attention) out as their primitives, for
-both engines alike. Each count runs in a process of its own (the kernels are chosen once per process)."""
+(``mx.export_to_dot``), for the same model in mlx-lm (its own model classes, for a GGUF file on the float weights of
+``tests.reference.mlx_lm_folder``, 4-bit ``nn.quantize``d, one step with its ``KVCache``). On the CPU, MLX writes
+``mx.fast``'s operations (RMSNorm, RoPE, attention) out as their primitives, for both engines alike. Each count runs in
+a process of its own (the kernels are chosen once per process)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.hf_gguf import save_tokenizer
+from tests.reference import mlx_lm_folder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,13 +43,9 @@ if engine == "ours":
 else:
     import mlx.nn as nn
     from mlx_lm.models.cache import make_prompt_cache
-    if path.endswith(".gguf"):
-        from mlx_engine.bench.mlx_lm_peer import mlx_lm_model
-        model = mlx_lm_model(path)
-    else:
-        from pathlib import Path
-        from mlx_lm.utils import load_model
-        model = load_model(Path(path))[0]
+    from pathlib import Path
+    from mlx_lm.utils import load_model
+    model = load_model(Path(path))[0]
     nn.quantize(model, group_size=32, bits=4)
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([prompt]), cache=cache))
@@ -108,7 +106,7 @@ def llama_1b_shape(tmp_path_factory, smollm2_gguf) -> Path:
 def test_a_decode_step_has_no_more_nodes_than_mlx_lms(model, request, record_property):
     path = request.getfixturevalue({"smollm2": "smollm2_gguf", "gemma3": "gemma3_gguf",
                                     "llama-1b-shape": "llama_1b_shape"}[model])
-    ours, theirs = _count("ours", path), _count("mlx-lm", path)
+    ours, theirs = _count("ours", path), _count("mlx-lm", mlx_lm_folder(path) if path.suffix == ".gguf" else path)
     record_property("nodes", {"ours": ours["nodes"], "mlx_lm": theirs["nodes"]})
     assert ours["layers"] == theirs["layers"] > 0
     # both graphs are whole steps: at least the 7 projections of every layer and the head
