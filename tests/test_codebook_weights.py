@@ -309,3 +309,19 @@ def test_a_codebook_our_kernels_do_not_hold_goes_to_exact_8_bits():
     np.testing.assert_array_equal(np.array(kept.a), dense("IQ4_NL", blk, 8))
     with pytest.raises(ValueError, match="IQ4_NL's or MXFP4's"):
         MLXQuantizedTensor(kept.w, kept.scales, None, 32, 4, codebook=mx.array(other.codebook))
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "MXFP4"])
+def test_a_compiled_block_keeps_the_codebook(type_name):
+    """A layer's compiled block (``backend.compile``: the weights pass as their arrays, a decode step's path) runs the
+    codebook weight's product, the same bits as outside it (its spec had left the codebook out: IQ4 weights were read
+    as affine 4-bit integers there)."""
+    blk = blocks(type_name, 64, 256, seed=9)
+    backend = MLXBackend(device="cpu", quantized=True)
+    w = backend._to_device(quant.repack_gguf(blk, type_name, 64, 256))
+    x = MLXTensor(mx.random.normal((1, 256), key=mx.random.key(9)))
+    compiled = backend.compile(lambda x, w: x.linear(w))(x, w).a
+    assert mx.array_equal(compiled, x.linear(w).a).item()
+    ref = np.array(x.a, np.float64) @ dense(type_name, blk, 64).astype(np.float64).T
+    np.testing.assert_allclose(np.array(compiled), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
