@@ -128,20 +128,23 @@ def _sub_block_self_test(fn) -> str | None:
 
 
 def _codebook_self_test(fn) -> str | None:
-    """A 4-bit codebook weight of each of :data:`CODEBOOKS` (GGUF's IQ4_NL, MXFP4: ``scale * kvalues[q]``) against
-    its values made here; None when they agree."""
+    """A 4-bit codebook weight of each of :data:`CODEBOOKS` (GGUF's IQ4_NL, MXFP4: ``scale * kvalues[q]``; MXFP4's
+    also with its E8M0 exponents as scales) against its values made here; None when they agree."""
     k1, k2, k3 = mx.random.split(mx.random.key(17), 3)
     w = mx.random.randint(0, 2 ** 31, (24, 8), key=k1).astype(mx.uint32)  # any bits are 64 4-bit integers a row
     s = (mx.random.uniform(shape=(24, 2), key=k2) * 1e-2).astype(mx.float16)
     x = mx.random.normal((3, 64), key=k3)
     one = mx.ones((24, 2))
     q = mx.dequantize(w, one, mx.zeros_like(one), group_size=32, bits=4).astype(mx.int32)
-    for cid, values in CODEBOOKS.items():
-        levels = mx.take(mx.array(values.astype(np.float32)), q).reshape(24, 2, 32)
-        want = x @ (levels * s.astype(mx.float32)[..., None]).reshape(24, 64).T
-        err = mx.abs(fn(x, w, s, None, 32, 4, "float32", None, cid) - want).max().item()
+    e = np.random.default_rng(17).integers(120, 136, (24, 2)).astype(np.uint8)  # MXFP4's exponents, 2**(e - 128)
+    forms = [(cid, s, s.astype(mx.float32)) for cid in CODEBOOKS]
+    forms.append((MXFP4, mx.array(e), mx.array(np.ldexp(np.float32(1), e.astype(np.int32) - 128))))
+    for cid, held, scale in forms:
+        levels = mx.take(mx.array(CODEBOOKS[cid].astype(np.float32)), q).reshape(24, 2, 32)
+        want = x @ (levels * scale[..., None]).reshape(24, 64).T
+        err = mx.abs(fn(x, w, held, None, 32, 4, "float32", None, cid) - want).max().item()
         if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
-            return f"a product of a codebook weight (codebook {cid}) off by {err:.3g}"
+            return f"a product of a codebook weight (codebook {cid}, {held.dtype} scales) off by {err:.3g}"
     return None
 
 
