@@ -2,11 +2,13 @@
 tokens counted) on one GGUF file, this engine beside llama.cpp (``llama-cpp-python``, ``Llama(embedding=True).embed``,
 as many threads as this process may use), in alternating rounds; the best round of each and their ratio.
 
-Texts are made of words drawn from a fixed list (seed 0) and cut to exactly ``--tokens`` tokens by the file's own
+Texts are made of words drawn from a fixed list (seed 0), exactly ``--tokens`` tokens each by the file's own
 tokenizer, so both engines run the same tokens. llama.cpp runs in a process of its own, which imports it before any
-other native library (see ``mlx_engine/bench/llama_cpp_peer.py``).
+other native library (see ``mlx_engine/bench/llama_cpp_peer.py``). Each round's seconds go to standard error as they
+come; the figures, one JSON line, to standard output.
 
-Run: ``python benchmarks/embed_throughput.py MODEL.gguf [--inputs 1000] [--tokens 64] [--rounds 3]``.
+Run: ``python benchmarks/embed_throughput.py MODEL.gguf`` (1,000 inputs of 64 tokens, 3 rounds: the issue's figure);
+``--smoke`` for a quick check that both engines run (32 inputs, 1 round).
 """
 
 from __future__ import annotations
@@ -39,26 +41,46 @@ WORDS = ("the quick brown fox jumps over lazy dog near river bank while small bi
 
 
 def texts_of(model, count: int, tokens: int) -> list[str]:
-    """``count`` texts of exactly ``tokens`` tokens each (special tokens counted) by ``model``'s tokenizer."""
+    """``count`` texts of exactly ``tokens`` tokens each (special tokens counted) by ``model``'s tokenizer: random
+    words while they fit, then the words that still fit, shortest first. Raises SystemExit where ``tokens`` cannot be
+    reached (fewer than the special tokens, or no word of one token)."""
     import numpy as np
 
+    def length(words: list[str]) -> int:
+        return len(model.tokenize([" ".join(words)], fit=False)[0])
+
     rng = np.random.default_rng(0)
+    by_size = sorted(WORDS, key=lambda w: length([w]))
     out = []
     for _ in range(count):
-        words = list(rng.choice(WORDS, tokens))  # at least one token a word: more than enough
-        while len(model.tokenize([" ".join(words)], fit=False)[0]) > tokens:
-            words.pop()
+        words: list[str] = []
+        for w in list(rng.choice(WORDS, tokens)) + by_size * tokens:
+            n = length(words + [w])
+            if n <= tokens:
+                words.append(w)
+            if n == tokens:
+                break
+        else:
+            raise SystemExit(f"cannot make a text of exactly {tokens} tokens with this tokenizer; try another "
+                             "--tokens")
         out.append(" ".join(words))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
-    ap.add_argument("--inputs", type=int, default=1000)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("model", help="a GGUF embedding model (both engines read this file)")
+    ap.add_argument("--inputs", type=int, default=1000, help="texts embedded in each round (default 1000)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens of each text, special tokens counted (default 64)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each engine, alternating (default 3)")
+    ap.add_argument("--smoke", action="store_true", help="a quick check that both engines run: 32 inputs, 1 round")
     args = ap.parse_args()
+    if args.smoke:
+        args.inputs, args.rounds = 32, 1
+    if not os.path.isfile(args.model):
+        ap.error(f"{args.model} is not a file: give the path of a GGUF embedding model")
+    if min(args.inputs, args.tokens, args.rounds) < 1:
+        ap.error("--inputs, --tokens and --rounds must be at least 1")
     import mlx_engine
 
     model = mlx_engine.load(args.model)
@@ -68,16 +90,22 @@ def main() -> None:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     peer.stdin.write(json.dumps(texts) + "\n")
     peer.stdin.flush()
-    assert peer.stdout.readline().strip() == "ready", "llama.cpp did not load the model"
+    if peer.stdout.readline().strip() != "ready":
+        raise SystemExit(f"llama.cpp did not load {args.model} (exit status {peer.wait()}); its messages are above")
     model.embed(texts[:8])
     ours, theirs = [], []
-    for _ in range(args.rounds):  # alternating: ours, then one round of the peer's, which waits on its pipe
+    for r in range(args.rounds):  # alternating: ours, then one round of the peer's, which waits on its pipe
         t0 = time.perf_counter()
         model.embed(texts)
         ours.append(time.perf_counter() - t0)
         peer.stdin.write("go\n")
         peer.stdin.flush()
-        theirs.append(float(peer.stdout.readline()))
+        line = peer.stdout.readline()
+        if not line:
+            raise SystemExit(f"llama.cpp stopped in round {r + 1} (exit status {peer.wait()}); its messages are above")
+        theirs.append(float(line))
+        print(f"round {r + 1}/{args.rounds}: ours {ours[-1]:.2f} s, llama.cpp {theirs[-1]:.2f} s", file=sys.stderr,
+              flush=True)
     peer.stdin.close()
     peer.wait()
     ours_rate, theirs_rate = args.inputs / min(ours), args.inputs / min(theirs)

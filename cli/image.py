@@ -87,7 +87,8 @@ def _is_path(name: str) -> bool:
               help="The PNG to write (replaced if it exists), or a folder for the default name. Default: "
                    "image-NNNN.png in the current folder, never overwriting a file.")
 @click.option("--quantize", type=click.Choice(["4", "8"]), default=None,
-              help="Quantize the diffusion transformer to 4 or 8 bits at load.")
+              help="Quantize the diffusion transformer and the text encoders (not CLIP) to 4 or 8 bits as they "
+                   "are read.")
 @click.option("--from-metadata", "from_metadata", default=None, metavar="FILE.png",
               help="Take the settings (prompt, seed, size, model...) from a PNG this command wrote.")
 @click.option("--device", type=click.Choice(["cpu", "gpu", "metal", "cuda"]), default=None,

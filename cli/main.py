@@ -277,10 +277,11 @@ def _sampling_options(f):
         click.option("--hide-thinking", is_flag=True,
                      help="Do not show a reasoning model's thinking (shown dimmed on a terminal, on stderr when "
                           "stdout is piped)."),
-        click.option("--speculative", type=click.Choice(["off", "lookup", "draft"]), default=None,
+        click.option("--speculative", type=click.Choice(["off", "lookup", "draft", "mtp"]), default=None,
                      help="Speculative decoding: lookup drafts tokens by finding the latest text in the prompt and "
-                          "output that matches their end, draft by the --draft-model, and the model checks a whole "
-                          "draft in one pass (same output; faster when the drafts are right).  [default: draft with "
+                          "output that matches their end, draft by the --draft-model, mtp by the model's own "
+                          "multi-token-prediction layer (DeepSeek V3, GLM-4.5), and the model checks a whole draft in "
+                          "one pass (same output; faster when the drafts are right).  [default: draft with "
                           "--draft-model, else off]"),
         click.option("--draft-model", default=None, metavar="NAME|PATH",
                      help="A smaller model of the same vocabulary that drafts for speculative decoding."),

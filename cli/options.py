@@ -10,6 +10,6 @@ from mlx_engine.ml import ACTIVATIONS
 ACTIVATIONS_OPTION = click.option(
     "--activations", type=click.Choice(ACTIVATIONS), default=None,
     help="What the CPU's quantized products do with x: float32 (exact: the float model's tokens), int8 (llama.cpp's "
-         "Q8_0 numerics, faster; needs AVX-512 VNNI or AVX2) or int16 (16 bits per 32 elements: the float path's "
-         "perplexity to 0.01 %, faster than float32; same CPUs). Default: $MLX_ENGINE_ACTIVATIONS, else "
+         "Q8_0 / Q8_K numerics, faster; needs AVX-512 VNNI or AVX2) or int16 (16 bits per 32 elements: the float "
+         "path's perplexity to 0.01 %, faster than float32; same CPUs). Default: $MLX_ENGINE_ACTIVATIONS, else "
          "float32.")

@@ -69,10 +69,11 @@ def _option_size(value: str, option: str) -> int:
 @click.option("--read-timeout", default=30.0, show_default=True, type=float, metavar="SECONDS",
               help="Close a connection whose request headers take longer than this to arrive, or whose body pauses "
                    "longer than this (slow or stalled clients).")
-@click.option("--speculative", type=click.Choice(["off", "lookup", "draft"]), default=None,
+@click.option("--speculative", type=click.Choice(["off", "lookup", "draft", "mtp"]), default=None,
               help="Speculative decoding for requests that do not set it: lookup drafts tokens from the prompt and "
-                   "output, draft by the model's --draft-model, and each step checks every sequence's draft in one "
-                   "pass (same output).  [default: draft for a model with a draft model, else off]")
+                   "output, draft by the model's --draft-model, mtp by the model's own multi-token-prediction layer, "
+                   "and each step checks every sequence's draft in one pass (same output).  [default: draft for a "
+                   "model with a draft model, else off]")
 @click.option("--draft-model", "draft_models", multiple=True, metavar="[TARGET=]DRAFT",
               help="A smaller model of the same vocabulary that drafts for TARGET (without TARGET=: for every "
                    "--model), loaded beside it with the same context length and sequences (repeatable).")

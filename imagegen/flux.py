@@ -1,16 +1,19 @@
-"""The FLUX.1 pipelines: text-to-image (schnell, dev) as diffusers' ``FluxPipeline``, and image editing as
-``FluxKontextPipeline``.
+"""The FLUX.1 pipelines: text-to-image (schnell, dev) as diffusers' ``FluxPipeline``, image-to-image as
+``FluxImg2ImgPipeline``, and image editing as ``FluxKontextPipeline``.
 
 Sources: diffusers ``pipelines/flux/pipeline_flux.py`` (``__call__``, ``encode_prompt``, ``_get_clip_prompt_embeds``,
 ``_get_t5_prompt_embeds``, ``prepare_latents``, ``_pack_latents``, ``_unpack_latents``,
 ``_prepare_latent_image_ids``, ``calculate_shift``) and ``pipelines/flux/pipeline_flux_kontext.py`` (``__call__``,
-``prepare_latents``, ``_encode_vae_image``, ``PREFERRED_KONTEXT_RESOLUTIONS``). In the prepare / denoise generator /
-decode shape of :class:`~mlx_engine.imagegen.zimage.ZImagePipeline`::
+``prepare_latents``, ``_encode_vae_image``, ``PREFERRED_KONTEXT_RESOLUTIONS``) and ``pipelines/flux/
+pipeline_flux_img2img.py`` (``get_timesteps``, ``prepare_latents``). In the prepare / denoise generator / decode shape
+of :class:`~mlx_engine.imagegen.zimage.ZImagePipeline`::
 
     prompt -> CLIP pooled [B, 768] (77 tokens) ; T5 features [B, L, 4096] (L = max_sequence_length, pads included)
     seed -> noise [B, 16, h, w] (h = 2 * (height // 16)) ; packed 2x2: [B, (h/2)(w/2), 64], ids (0, row, col)
     Kontext: each edit image -> VAE mean -> (x - shift) * scale -> packed, ids (1, row, col), appended to the sequence
     mu = calculate_shift(image tokens) ; sigmas = linspace(1, 1/n, n) -> scheduler.set_timesteps(sigmas, mu)
+    image-to-image: init image -> VAE -> (x - shift) * scale, noised to sigmas[t_start] (t_start from strength); the
+                loop runs steps t_start .. n - 1
     per step i: v = transformer(latents [+ edit latents], t_i / 1000, guidance (dev), pooled, T5)[:, :S]
                 (true CFG when ``true_cfg > 1`` and a negative prompt: neg + true_cfg * (pos - neg))
                 latents = scheduler.step(v, i, latents)
@@ -54,7 +57,7 @@ KONTEXT_CLASSES = ("FluxKontextPipeline",)
 COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 #: diffusers' ``__call__`` defaults (28 steps, guidance 3.5); schnell's folders say 4 steps in ``mlx_engine.json``.
 BUILTIN_DEFAULTS = {"steps": 28, "guidance": 3.5, "true_cfg": 1.0, "negative_prompt": None,
-                    "max_sequence_length": 512, "edit_auto_resize": True}
+                    "max_sequence_length": 512, "edit_auto_resize": True, "strength": 0.6}
 #: the T5 limit of ``FluxPipeline.check_inputs``.
 MAX_T5_TOKENS = 512
 #: ``(width, height)`` Kontext was trained on (``pipeline_flux_kontext.py``).
@@ -110,7 +113,8 @@ class FluxPipeline:
     Made as :class:`~mlx_engine.imagegen.zimage.ZImagePipeline` is (``folder, make_backend, quantize=...,
     keep_text_encoder=..., resolve_model=..., memory_check=...``; ``resolve_model`` is not used: FLUX folders hold
     their encoders) and
-    offering the same methods. :attr:`max_edit_images` says how many edit images it takes (0 here).
+    offering the same methods. :attr:`max_edit_images` says how many edit images it takes (0 here);
+    :attr:`image_to_image` whether it takes an init image and a strength (``FluxImg2ImgPipeline``; Kontext does not).
 
     Raises:
         ModelNotFoundError: no such folder or no ``model_index.json``. WeightsError: a missing component, config or
@@ -120,6 +124,7 @@ class FluxPipeline:
 
     CLASSES = PIPELINE_CLASSES
     max_edit_images = 0
+    image_to_image = True
 
     def __init__(self, folder: "str | os.PathLike[str]", make_backend: Callable[[Path], Backend], *,
                  quantize: int | None = None, keep_text_encoder: bool = False,
@@ -170,8 +175,10 @@ class FluxPipeline:
         """What the load holds (:class:`~mlx_engine.imagegen.memory.MemoryLayout`) for the memory estimate."""
         from mlx_engine.imagegen.flux_transformer import FluxTransformer
         from mlx_engine.imagegen.memory import MemoryLayout
+        from mlx_engine.imagegen.quantize import T5_FLOAT
 
-        return MemoryLayout(float_prefixes=FluxTransformer.FLOAT_PREFIXES, text=("text_encoder", "text_encoder_2"))
+        return MemoryLayout(float_prefixes=FluxTransformer.FLOAT_PREFIXES, text=("text_encoder", "text_encoder_2"),
+                            text_float={"text_encoder_2": T5_FLOAT})
 
     # ---- loading -------------------------------------------------------------------------------------------------
     def _read_model_index(self) -> dict:
@@ -216,12 +223,16 @@ class FluxPipeline:
     def _load_encoders(self) -> tuple:
         """``(CLIPTextEncoder, T5Encoder)``, loaded once until :meth:`free_text_encoder`."""
         from mlx_engine.imagegen.clip_encoder import CLIPTextEncoder
+        from mlx_engine.imagegen.quantize import T5_FLOAT, quantizing
         from mlx_engine.imagegen.t5_encoder import T5Encoder
 
         if self._encoders is None:
+            # CLIP stays as stored with --quantize: 123 M parameters, 2.5 % of T5's 4.8 B
             clip = CLIPTextEncoder(self._backend("text_encoder"), component_folder(self.folder, "tokenizer"))
             try:
-                t5 = T5Encoder(self._backend("text_encoder_2"), component_folder(self.folder, "tokenizer_2"))
+                t5_backend = quantizing(self._make_backend, self.quantize, T5_FLOAT)
+                t5 = T5Encoder(t5_backend(component_folder(self.folder, "text_encoder_2")),
+                               component_folder(self.folder, "tokenizer_2"))
             except BaseException:
                 clip.close()
                 raise
@@ -286,8 +297,12 @@ class FluxPipeline:
             seed: seed of the noise ``[B, 16, h, w]``; None draws one (reported in the stats and parameters).
             edit_images: images to edit (PIL images, paths or uint8 ``[H, W, 3]`` arrays); up to
                 :attr:`max_edit_images`.
-            image, strength: image-to-image is not offered by FLUX pipelines (an error when given).
-            noise: the initial noise, float32 ``[B, C, h, w]`` (parity tests), instead of the seeded draw.
+            image, strength: image-to-image (``FluxImg2ImgPipeline``; not Kontext): an init image (PIL image, path or
+                uint8 ``[H, W, 3]`` array), resized with Lanczos to ``width x height`` (default: its own size cut to a
+                multiple of 16), and how much of the schedule to run, in ``[0, 1]`` (default 0.6): the image is
+                noised to ``sigmas[t_start]``, ``t_start = int(steps - min(steps * strength, steps))``.
+            noise: the initial noise, float32 ``[B, C, h, w]`` (parity tests), instead of the seeded draw (and then
+                the init image's latents are the VAE posterior's mode, not a sample).
             callback: :data:`~mlx_engine.imagegen.pipeline.StepCallback`.
             true_cfg: diffusers' ``true_cfg_scale``: above 1 with a negative prompt, two passes per step.
             max_sequence_length: T5 tokens (1..512; default 512).
@@ -298,8 +313,10 @@ class FluxPipeline:
             :class:`~mlx_engine.imagegen.pipeline.ImageResult`.
 
         Raises:
-            InvalidRequestError: a bad size, step count, guidance, sequence length, noise shape, or edit image; edit
-                images given to a pipeline that takes none (or more than it takes); an init image.
+            InvalidRequestError: a bad size, step count, guidance, sequence length, noise shape, edit image or init
+                image; edit images given to a pipeline that takes none (or more than it takes); an init image given to
+                Kontext, or with edit images; a strength outside ``[0, 1]``, without an init image, or leaving no
+                step.
         """
         job = self.prepare(prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
                            guidance=guidance, seed=seed, edit_images=edit_images, image=image, strength=strength,
@@ -360,15 +377,19 @@ class FluxPipeline:
         Raises:
             InvalidRequestError: as :meth:`generate`; nothing heavy has run when a check fails.
         """
-        from mlx_engine.imagegen.scheduler import calculate_shift, check_steps
+        from mlx_engine.imagegen.scheduler import calculate_shift, check_steps, retrieve_img2img_start
 
         if self._closed:
             raise InvalidRequestError("the image pipeline is closed")
         started = time.perf_counter()
         d = self.defaults
-        if image is not None or strength is not None:
-            raise InvalidRequestError("FLUX pipelines do not do image-to-image (image=, strength=); give the image "
-                                      "to edit as edit_images= to a FLUX.1 Kontext model")
+        if image is None and strength is not None:
+            raise InvalidRequestError("strength applies to image-to-image: give an init image (image=...)")
+        if image is not None and not self.image_to_image:
+            raise InvalidRequestError(f"{type(self).__name__} does not do image-to-image (image=, strength=); give "
+                                      "the image to edit as edit_images=")
+        if image is not None and edit_images:
+            raise InvalidRequestError("give an init image (image=) or images to edit (edit_images=), not both")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt) if prompt is not None else []
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise InvalidRequestError(f"the prompt must be a string (or a list of strings), got {prompt!r}")
@@ -394,6 +415,14 @@ class FluxPipeline:
                                           f"negative_prompt={negative_prompt!r}")
 
         edits = self._edit_inputs(edit_images)
+        init = None
+        if image is not None:
+            strength = d["strength"] if strength is None else strength
+            if (isinstance(strength, bool) or not isinstance(strength, (int, float, np.number))
+                    or not 0.0 <= strength <= 1.0):
+                raise InvalidRequestError(f"strength must be a number in [0, 1], got {strength!r}")
+            strength = float(strength)
+            init, width, height = preprocess_init_image(image, width, height, self.check_size, self.size_multiple)
         if width is None and height is None and edits:
             height, width = edits[0].shape[1:3]
         width = d["width"] if width is None else width
@@ -420,14 +449,20 @@ class FluxPipeline:
         sig = list(sigmas) if sigmas is not None else list(np.linspace(1.0, 1 / steps, steps))
         self.scheduler.set_timesteps(steps, mu=mu, sigmas=sig)
         steps = self.scheduler.num_inference_steps
+        first = 0
+        if init is not None:  # FluxImg2ImgPipeline.get_timesteps
+            first = retrieve_img2img_start(steps, strength)
+            if steps - first < 1:
+                raise InvalidRequestError(
+                    f"strength {strength} with {steps} steps leaves no denoising step; give a strength above 0")
 
         backend = self.backend
         backend.reset_peak_memory()
         stats = ImageGenerationStats(seed=None if noise is not None else seed, width=width, height=height,
-                                     steps=steps, steps_run=steps, guidance=guidance)
+                                     steps=steps, steps_run=steps - first, guidance=guidance, strength=strength)
         parameters = {"prompt": prompt, "negative_prompt": negative_prompt if do_true_cfg else None,
                       "seed": stats.seed, "steps": steps, "guidance": guidance, "width": width, "height": height,
-                      "strength": None, "true_cfg": true_cfg if do_true_cfg else None,
+                      "strength": strength, "true_cfg": true_cfg if do_true_cfg else None,
                       "max_sequence_length": max_len}
 
         t0 = time.perf_counter()
@@ -445,10 +480,18 @@ class FluxPipeline:
                     ctx.from_numpy(np.asarray(noise, dtype=np.float32))
             else:
                 latents = ctx.random_normal(shape, DType.FLOAT32, ctx.random_key(seed))
+            if init is not None:
+                # FluxImg2ImgPipeline.prepare_latents: a posterior sample (a key split from the seed's) noised to
+                # sigmas[first]; given noise (parity tests) takes the posterior's mode
+                sample_key = None if noise is not None else ctx.split_key(ctx.random_key(seed))[1]
+                lat = self._encode_image(ctx, init, sample_key)
+                if batch > 1:
+                    lat = ctx.concatenate([lat] * batch, axis=0)
+                latents = self.scheduler.scale_noise(lat, first, latents)
             ids = [latent_image_ids(lh // 2, lw // 2)]
             packed_edits = []
             for arr in edits:
-                lat = self._encode_edit(ctx, arr)  # [1, C, eh, ew]
+                lat = self._encode_image(ctx, arr)  # [1, C, eh, ew]
                 packed_edits.append(pack_latents(lat))
                 ids.append(latent_image_ids(lat.shape[2] // 2, lat.shape[3] // 2, first=1))
             edit_latents = None
@@ -463,19 +506,20 @@ class FluxPipeline:
             ctx.close()
             raise
         return FluxJob(ctx=ctx, batch=batch, channels=channels, lh=lh, lw=lw, width=width, height=height,
-                       steps=steps, first=0, guidance=guidance, do_cfg=do_true_cfg, cfg_normalization=False,
+                       steps=steps, first=first, guidance=guidance, do_cfg=do_true_cfg, cfg_normalization=False,
                        cfg_truncation=None, vae_tiling=vae_tiling,
                        pos_embeds=[feats[:batch], pooled[:batch]],
                        neg_embeds=[feats[batch:], pooled[batch:]] if do_true_cfg else [], latents=latents,
                        stats=stats, parameters=parameters, started=started, rope=rope, edit_latents=edit_latents,
                        true_cfg=true_cfg)
 
-    def _encode_edit(self, ctx: Context, image: np.ndarray) -> Tensor:
-        """Kontext's ``_encode_vae_image``: ``(mode of the VAE posterior - shift_factor) * scaling_factor``, float32
-        ``[1, C, h, w]``."""
+    def _encode_image(self, ctx: Context, image: np.ndarray, sample_key: Any = None) -> Tensor:
+        """``_encode_vae_image`` (Kontext's, and image-to-image's): ``(z - shift_factor) * scaling_factor``, float32
+        ``[1, C, h, w]``, with ``z`` the VAE posterior's mode, or a sample drawn with ``sample_key``."""
         x = ctx.from_numpy(image, DType.FLOAT32)
         dtype = self.vae.dtype
-        mean = self.vae.encode(ctx, x if dtype == DType.FLOAT32 else x.astype(dtype)).astype(DType.FLOAT32)
+        mean = self.vae.encode(ctx, x if dtype == DType.FLOAT32 else x.astype(dtype),
+                               sample_key=sample_key).astype(DType.FLOAT32)
         lat = (mean - float(self.vae.shift_factor)) * float(self.vae.scaling_factor)
         return lat.transpose(0, 3, 1, 2)
 
@@ -521,3 +565,4 @@ class FluxKontextPipeline(FluxPipeline):
 
     CLASSES = KONTEXT_CLASSES
     max_edit_images = 1
+    image_to_image = False

@@ -58,9 +58,11 @@ PIPELINE_CLASSES = ("Flux2Pipeline", "Flux2KleinPipeline")
 COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 #: the hidden states (transformers' ``hidden_states`` indices) stacked into the text features (diffusers' defaults).
 TEXT_LAYERS = {"Flux2Pipeline": (10, 20, 30), "Flux2KleinPipeline": (9, 18, 27)}
-#: diffusers' defaults (50 steps, guidance 4); a step-distilled klein: Black Forest Labs' 4 steps without guidance.
-BUILTIN_DEFAULTS = {"steps": 50, "guidance": 4.0, "negative_prompt": None}
-DISTILLED_DEFAULTS = {"steps": 4, "guidance": 1.0, "negative_prompt": None}
+#: diffusers' defaults (50 steps, guidance 4, 512 text tokens, the layers of :data:`TEXT_LAYERS` when None); a
+#: step-distilled klein: Black Forest Labs' 4 steps without guidance. A folder's ``mlx_engine.json`` may change them.
+BUILTIN_DEFAULTS = {"steps": 50, "guidance": 4.0, "negative_prompt": None, "max_sequence_length": 512,
+                    "text_encoder_out_layers": None}
+DISTILLED_DEFAULTS = {**BUILTIN_DEFAULTS, "steps": 4, "guidance": 1.0}
 #: an edit image above this many pixels is scaled down to it first (``Flux2Pipeline.__call__``).
 EDIT_MAX_AREA = 1024 * 1024
 #: the most edit images per generation: Black Forest Labs' documented limits (FLUX.2 [dev]: 6 recommended at most;
@@ -137,7 +139,8 @@ class Flux2Pipeline:
             ``tokenizer/``, ``scheduler/``).
         make_backend: ``make_backend(component_folder) -> Backend`` (``mlx_engine.api`` passes ``MLXBackend``); with
             ``quantize``, ``make_backend(folder, transform=...)`` for the transformer, as ZImagePipeline's.
-        quantize: quantize the transformer's block weights to 8 or 4 bits as they are read (None: as stored).
+        quantize: quantize the transformer's block weights and the text encoder's language model to 8 or 4 bits as
+            they are read (None: as stored).
         keep_text_encoder: keep the text encoder loaded between generations.
         resolve_model: accepted for the registry's common signature; FLUX.2 folders hold their text encoder.
         memory_check: as :class:`~mlx_engine.imagegen.zimage.ZImagePipeline`'s (refuse a load that cannot fit).
@@ -184,7 +187,6 @@ class Flux2Pipeline:
         self.size_multiple = self.vae_scale_factor * 2
         self.min_side = self.size_multiple
         self.max_side = MAX_SIDE
-        self.max_sequence_length = 512  # diffusers' default (and tokenizer_max_length)
         self.tile_above_pixels = 1024 * 1024
         self.vae_tile, self.vae_tile_overlap = 64, 16
         side = int(self.vae_config.get("sample_size") or 1024)
@@ -210,8 +212,10 @@ class Flux2Pipeline:
         """What the load holds (:class:`~mlx_engine.imagegen.memory.MemoryLayout`) for the memory estimate."""
         from mlx_engine.imagegen.flux2_transformer import Flux2Transformer
         from mlx_engine.imagegen.memory import MemoryLayout
+        from mlx_engine.imagegen.quantize import TEXT_MODEL_FLOAT
 
-        return MemoryLayout(float_prefixes=Flux2Transformer.FLOAT_PREFIXES)
+        return MemoryLayout(float_prefixes=Flux2Transformer.FLOAT_PREFIXES,
+                            text_float={"text_encoder": TEXT_MODEL_FLOAT})
 
     # ---- loading ------------------------------------------------------------------------------------------------
     def _read_model_index(self) -> dict:
@@ -268,12 +272,14 @@ class Flux2Pipeline:
 
     def _load_text_encoder(self):
         from mlx_engine.imagegen.flux2_text import SYSTEM_MESSAGE, Flux2TextEncoder, padding_side
+        from mlx_engine.imagegen.quantize import TEXT_MODEL_FLOAT, quantizing
         from mlx_engine.models.registry import load_text_checkpoint
 
         if self._text_encoder is None:
             tok = component_folder(self.folder, "tokenizer")
             try:
-                text = load_text_checkpoint(component_folder(self.folder, "text_encoder"), self._make_backend,
+                text = load_text_checkpoint(component_folder(self.folder, "text_encoder"),
+                                            quantizing(self._make_backend, self.quantize, TEXT_MODEL_FLOAT),
                                             tokenizer_folder=tok)
             except KeyError as e:
                 raise WeightsError(f"{self.folder / 'text_encoder'}: missing tensor {e}") from None
@@ -338,10 +344,11 @@ class Flux2Pipeline:
                 ``edit_images``).
             noise: the initial noise, float32 ``[B, 128, H/16, W/16]`` (parity tests), instead of the seeded draw.
             callback: :data:`~mlx_engine.imagegen.pipeline.StepCallback` after each step.
-            max_sequence_length: the text tokens, padded or cut (default 512).
+            max_sequence_length: the text tokens, padded or cut (default 512, or the folder's ``mlx_engine.json``).
             sigmas: custom sigmas (default ``linspace(1, 1/steps, steps)``).
             text_encoder_out_layers: the text encoder's hidden states to stack (default (10, 20, 30) for dev,
-                (9, 18, 27) for klein; as many as the transformer's ``joint_attention_dim`` takes).
+                (9, 18, 27) for klein, or the folder's ``mlx_engine.json``; as many as the transformer's
+                ``joint_attention_dim`` takes).
             vae_tiling: decode in tiles (True), at once (False), or above :attr:`tile_above_pixels` (None).
 
         Returns:
@@ -410,10 +417,11 @@ class Flux2Pipeline:
             if len(negs) != batch or not all(isinstance(p, str) for p in negs):
                 raise InvalidRequestError(f"give one negative prompt (a string) per prompt: {batch} prompt(s), "
                                           f"negative_prompt={negative_prompt!r}")
-        max_len = self.max_sequence_length if max_sequence_length is None else max_sequence_length
+        max_len = d["max_sequence_length"] if max_sequence_length is None else max_sequence_length
         if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or not 1 <= max_len <= 4096:
             raise InvalidRequestError(f"max_sequence_length must be an integer in 1..4096, got {max_len!r}")
-        layers = self._text_layers(text_encoder_out_layers)
+        layers = self._text_layers(d["text_encoder_out_layers"] if text_encoder_out_layers is None
+                                   else text_encoder_out_layers)
 
         if isinstance(edit_images, (Image.Image, np.ndarray, str, os.PathLike)):
             edit_images = [edit_images]  # one image

@@ -6,18 +6,19 @@ transformer's ``config.json``:
 
 - weights: every tensor of a component folder, floating ones at the backend's weight dtype (the backend casts them
   to its compute dtype at load: float32 on CPU, 16-bit on GPUs), others at their stored size. With ``quantize`` the
-  transformer's linear weights that :func:`~mlx_engine.imagegen.quantize.quantizer` quantizes (2-D
-  ``*.weight``, input width a multiple of 64, outside the family's ``FLOAT_PREFIXES``) take ``bits / 8`` bytes a
-  weight plus a scale and a bias per group of 64 at the weight dtype (MLX's affine quantization: 8.5 and 4.5 bits a
-  weight with 16-bit floats).
+  linear weights that :func:`~mlx_engine.imagegen.quantize.quantizer` quantizes (2-D ``*.weight``, input width a
+  multiple of 64, outside the prefixes kept float: the transformer's ``FLOAT_PREFIXES``, a text encoder's in
+  :attr:`MemoryLayout.text_float`) take ``bits / 8`` bytes a weight plus a scale and a bias per group of 64 at the
+  weight dtype (MLX's affine quantization: 8.5 and 4.5 bits a weight with 16-bit floats), in the transformer and in
+  the text encoders that ``--quantize`` quantizes (those of :attr:`MemoryLayout.text_float`; not CLIP).
 - phases: with ``quantize`` the transformer's backend quantizes each linear weight as it reads it
-  (:func:`~mlx_engine.imagegen.quantize.transformer_backend`), so the load holds the quantized transformer plus
+  (:func:`~mlx_engine.imagegen.quantize.quantizing`), so the load holds the quantized transformer plus
   the one float tensor being quantized (:func:`quantize_transient_bytes`), then the VAE beside it (``loading``); the
-  text encoders are loaded for each prompt beside the transformer and VAE (``encoding``: FLUX.1
-  loads CLIP and T5 together); the denoising loop holds the transformer, the VAE and one step's activations
-  (``denoising``); :attr:`MemoryEstimate.peak` is the largest. A load is refused when its weights cannot fit
-  (:attr:`MemoryEstimate.weights_peak`, :func:`check_memory`); a generation when its activations, at the size it
-  asks for, cannot fit beside the loaded weights (:func:`check_request_memory`).
+  text encoders are loaded for each prompt beside the transformer and VAE, quantized as they are read likewise
+  (``encoding``: FLUX.1 loads CLIP and T5 together); the denoising loop holds the transformer, the VAE and one
+  step's activations (``denoising``); :attr:`MemoryEstimate.peak` is the largest. A load is refused when its
+  weights cannot fit (:attr:`MemoryEstimate.weights_peak`, :func:`check_memory`); a generation when its
+  activations, at the size it asks for, cannot fit beside the loaded weights (:func:`check_request_memory`).
 - activations (an upper bound, for one step at ``width x height``): per transformer pass (2 with guidance) the joint
   sequence of ``N`` image and text tokens at width ``D`` holds about :data:`LIVE_WIDTHS` ``N x D`` tensors (hidden
   state, Q, K, V, attention output, a 4x MLP hidden and the residual) and :data:`SCORE_COPIES` ``heads x N x N``
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,13 @@ class MemoryLayout:
         float_prefixes: names of transformer tensors that ``--quantize`` leaves float (the transformer class's
             ``FLOAT_PREFIXES``).
         text: the component folders loaded together to encode a prompt (FLUX.1: CLIP and T5).
+        text_float: the text folders that ``--quantize`` quantizes, each with the prefixes of its tensors kept float
+            (``quantize.TEXT_MODEL_FLOAT``, ``quantize.T5_FLOAT``); a text folder not listed stays float (CLIP).
     """
 
     float_prefixes: tuple[str, ...]
     text: tuple[str, ...] = ("text_encoder",)
+    text_float: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,9 @@ class MemoryEstimate:
         transformer: the transformer's weights as they stay loaded (quantized with ``quantize``).
         transformer_transient: what reading the transformer holds beyond its loaded weights: with ``quantize`` the
             largest quantized weight at the weight dtype (read in float, quantized, freed before the next); else 0.
-        text: the text encoders loaded together for a prompt. vae: the VAE's weights.
+        text: the text encoders loaded together for a prompt (quantized with ``quantize`` where the layout says).
+        text_transient: what reading them holds beyond their loaded weights: with ``quantize`` the largest text
+            weight quantized, at the weight dtype; else 0. vae: the VAE's weights.
         activations: one denoising step's transformer activations plus the VAE decode's, at ``width x height``.
         width, height: the image size the activations are for (pixels). quantize: None, 8 or 4.
     """
@@ -97,6 +103,7 @@ class MemoryEstimate:
     width: int
     height: int
     quantize: int | None = None
+    text_transient: int = 0
 
     @property
     def loading(self) -> int:
@@ -104,7 +111,7 @@ class MemoryEstimate:
 
     @property
     def encoding(self) -> int:
-        return self.transformer + self.vae + self.text
+        return self.transformer + self.vae + self.text + self.text_transient
 
     @property
     def denoising(self) -> int:
@@ -220,17 +227,22 @@ def estimate_memory(components: Mapping[str, Sequence[TensorEntry]], layout: Mem
             a text folder that is missing counts 0, as a store text model the folder does not hold).
         layout: the family's :class:`MemoryLayout`. transformer_config, vae_config: their ``config.json``.
         itemsize: bytes of a floating weight and activation on the backend (4 on CPU, 2 on GPUs).
-        quantize: None, 8 or 4 (the transformer). width, height: the image size in pixels.
+        quantize: None, 8 or 4 (the transformer and the layout's ``text_float`` folders). width, height: the image
+            size in pixels.
         tile_above_pixels, tile_side: the VAE decodes tiles of ``tile_side`` pixels above that many pixels.
     """
     acts = activation_bytes(transformer_config, vae_config, width=width, height=height, itemsize=itemsize,
                             tile_above_pixels=tile_above_pixels, tile_side=tile_side)
     t = components["transformer"]
+    text = [(components.get(c, ()), quantize if c in layout.text_float else None, layout.text_float.get(c, ()))
+            for c in layout.text]
     return MemoryEstimate(
         transformer=weight_bytes(t, itemsize, quantize=quantize, float_prefixes=layout.float_prefixes),
         transformer_transient=quantize_transient_bytes(t, itemsize, quantize=quantize,
                                                        float_prefixes=layout.float_prefixes),
-        text=sum(weight_bytes(components.get(c, ()), itemsize) for c in layout.text),
+        text=sum(weight_bytes(c, itemsize, quantize=q, float_prefixes=keep) for c, q, keep in text),
+        text_transient=max((quantize_transient_bytes(c, itemsize, quantize=q, float_prefixes=keep)
+                            for c, q, keep in text), default=0),
         vae=weight_bytes(components["vae"], itemsize), activations=acts, width=width, height=height,
         quantize=quantize)
 
@@ -331,7 +343,7 @@ def check_request_memory(pipe: Any, width: int, height: int) -> None:
     acts = activation_bytes(pipe.transformer_config, pipe.vae_config, width=width, height=height,
                             itemsize=backend.compute_dtype.itemsize, tile_above_pixels=pipe.tile_above_pixels,
                             tile_side=pipe.vae_tile * pipe.vae_scale_factor)
-    text = 0 if getattr(pipe, "keep_text_encoder", False) else est.text
+    text = 0 if getattr(pipe, "keep_text_encoder", False) else est.text + est.text_transient
     need, have = max(acts, text), available_memory(backend)
     if need > have:
         raise MemoryBudgetError(

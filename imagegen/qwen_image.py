@@ -79,7 +79,7 @@ class QwenImagePipeline(ZImagePipeline):
     Args, attributes and errors as :class:`~mlx_engine.imagegen.zimage.ZImagePipeline`; the folder holds a
     ``QwenImageTransformer2DModel``, an ``AutoencoderKLQwenImage``, a ``Qwen2_5_VLForConditionalGeneration`` text
     encoder with its tokenizer, and a ``FlowMatchEulerDiscreteScheduler``. ``quantize`` (8 or 4 bits) applies to the
-    transformer's blocks.
+    transformer's blocks and the text encoder's language model (its vision tower stays as stored).
     """
 
     pipeline_classes = PIPELINE_CLASSES
@@ -104,9 +104,11 @@ class QwenImagePipeline(ZImagePipeline):
     @classmethod
     def memory_layout(cls):
         from mlx_engine.imagegen.memory import MemoryLayout
+        from mlx_engine.imagegen.quantize import TEXT_MODEL_FLOAT
         from mlx_engine.imagegen.qwen_transformer import QwenImageTransformer
 
-        return MemoryLayout(float_prefixes=QwenImageTransformer.FLOAT_PREFIXES)
+        return MemoryLayout(float_prefixes=QwenImageTransformer.FLOAT_PREFIXES,
+                            text_float={"text_encoder": TEXT_MODEL_FLOAT})
 
     def _default_side(self) -> int:
         return min(self.max_side, 128 * self.vae_scale_factor)  # default_sample_size * vae_scale_factor

@@ -21,15 +21,13 @@ Sources: diffusers 0.42 ``pipelines/z_image/pipeline_z_image.py`` (``__call__``,
 Latents are kept in diffusers' layout ``[B, C, h, w]`` (float32, as diffusers keeps them); the transformer takes
 ``[C, 1, h, w]`` per image, the VAE takes channels-last ``[B, h, w, C]``.
 
-Guidance follows diffusers' Z-Image convention: ``guidance`` is its ``guidance_scale``; any value above 0 runs the
-transformer on the prompt and on the negative prompt (``""`` when none) and combines them as
-``pos + guidance * (pos - neg)`` (so diffusers' ``guidance_scale = g`` is the classic classifier-free guidance weight
-``w = 1 + g``, Ho & Salimans 2022); 0 turns it off (one transformer pass per step, Z-Image-Turbo's setting).
+Guidance (diffusers' Z-Image convention): ``guidance`` is its ``guidance_scale``; above 0 the transformer runs on the
+prompt and the negative prompt (``""`` when none), combined as ``pos + guidance * (pos - neg)`` (classifier-free
+guidance with ``w = 1 + g``, Ho & Salimans 2022); 0 turns it off (one pass per step, Z-Image-Turbo's setting).
 
-Memory: the text encoder is loaded for each generation and closed before the denoising loop (unless the pipeline is
-made with ``keep_text_encoder=True``); the VAE decodes images above :attr:`ZImagePipeline.tile_above_pixels` in
-overlapping tiles; the peak of the device's memory over one generation is reported in :class:`ImageGenerationStats`.
-The caller gives a backend factory (``make_backend(folder) -> Backend``; ``mlx_engine.api`` passes ``MLXBackend``).
+Memory: the text encoder is loaded for each generation and closed before denoising (unless ``keep_text_encoder``);
+the VAE decodes images above :attr:`ZImagePipeline.tile_above_pixels` in overlapping tiles; the generation's peak is in
+:class:`ImageGenerationStats`. The caller gives a backend factory (``make_backend(folder) -> Backend``).
 """
 
 from __future__ import annotations
@@ -71,31 +69,29 @@ class ZImagePipeline:
         make_backend: ``make_backend(component_folder, transform=None) -> Backend`` (``MLXBackend``), called for
             ``transformer/`` and ``vae/`` here and ``text_encoder/`` at each generation; ``transform(name, tensor)``
             quantizes each tensor as it is read (:func:`~mlx_engine.imagegen.quantize.transformer_backend`).
-        quantize: quantize the transformer's linear weights to 8 or 4 bits as they are read (None: keep them).
-        keep_text_encoder: keep the text encoder loaded between generations (faster repeated prompts, more memory).
-            Default: load it for each generation and free it before the denoising loop.
-        resolve_model: ``resolve_model(name) -> path`` of a store model: used when ``model_index.json`` names the
-            text encoder (and tokenizer) as ``["mlx_engine", "store:NAME"]`` (the project's own small models share
-            a text model from the store instead of shipping one); the path (a GGUF file) goes to ``make_backend``
-            and the tokenizer comes from its metadata.
+        quantize: quantize the transformer's linear weights, and the folder's text encoder's, to 8 or 4 bits as they
+            are read (None: keep them; a store text model runs as pulled).
+        keep_text_encoder: keep the text encoder loaded between generations (faster repeated prompts, more memory;
+            default: loaded for each generation, freed before denoising).
+        resolve_model: ``resolve_model(name) -> path`` of a store model, for a text encoder that ``model_index.json``
+            names ``["mlx_engine", "store:NAME"]`` (our small models share one); its GGUF's metadata has the tokenizer.
         memory_check: a backend without weights (``make_backend``'s device and dtype): the load is refused before
             any weight is read when :func:`~mlx_engine.imagegen.memory.check_pipeline_memory` finds it cannot fit.
 
     Attributes:
-        transformer, vae, scheduler: the loaded components. vae_scale_factor: pixels per latent (8 for the FLUX VAE).
-        size_multiple: width and height must be multiples of it (``vae_scale_factor * patch_size``, 16).
+        transformer, vae, scheduler: the loaded components. vae_scale_factor: pixels per latent (8 for the FLUX VAE);
+        width and height must be multiples of ``size_multiple`` (``vae_scale_factor * patch_size``, 16).
         min_side, max_side: the accepted range of width and height in pixels.
         defaults: the default settings (width, height, steps, guidance, strength, negative_prompt).
-        tile_above_pixels: the VAE decodes in tiles when ``width * height`` is larger (default 1024 * 1024).
-        vae_tile, vae_tile_overlap: the tiles' side and overlap in latent pixels (64 and 16, diffusers' for FLUX).
+        tile_above_pixels: the VAE decodes in tiles (``vae_tile`` latent pixels a side, ``vae_tile_overlap`` of
+            overlap: 64 and 16, diffusers' for FLUX) when ``width * height`` is larger (default 1024 * 1024).
 
     Raises:
         ModelNotFoundError: ``folder`` does not exist or is not a diffusers folder (no ``model_index.json``).
         WeightsError: a component folder, config or weights file is missing, truncated or corrupt (named).
         UnsupportedError: another pipeline class, or a component this engine does not implement.
         InvalidRequestError: ``quantize`` other than None, 4 or 8.
-        MemoryBudgetError: ``memory_check`` is given and the model needs more memory than it has available (the
-            message gives both numbers and what would fit).
+        MemoryBudgetError: ``memory_check`` is given and the model cannot fit (both numbers and what would fit).
 
     A subclass (another diffusers family) sets the class attributes below and overrides the hooks ``_set_geometry``,
     ``_default_side``, ``_load_transformer``, ``_load_vae``, ``_text_encoder_options`` and the steps.
@@ -195,9 +191,11 @@ class ZImagePipeline:
     def memory_layout(cls):
         """What the load holds (:class:`~mlx_engine.imagegen.memory.MemoryLayout`) for the memory estimate."""
         from mlx_engine.imagegen.memory import MemoryLayout
+        from mlx_engine.imagegen.quantize import TEXT_MODEL_FLOAT
         from mlx_engine.imagegen.transformer import ZImageTransformer
 
-        return MemoryLayout(float_prefixes=ZImageTransformer.FLOAT_PREFIXES)
+        return MemoryLayout(float_prefixes=ZImageTransformer.FLOAT_PREFIXES,
+                            text_float={"text_encoder": TEXT_MODEL_FLOAT})
 
     def _default_side(self) -> int:
         """The default width and height (pixels) before clamping to the model's range."""
@@ -236,17 +234,21 @@ class ZImagePipeline:
         return vae
 
     def _load_text_encoder(self):
+        from mlx_engine.imagegen.quantize import TEXT_MODEL_FLOAT, quantizing
         from mlx_engine.imagegen.text_encoder import TextEncoder
         from mlx_engine.models.registry import load_text_checkpoint
 
         if self._text_encoder is not None:
             return self._text_encoder
+        # --quantize quantizes the folder's text encoder as it is read; a store model runs as it was pulled
+        make_backend = self._make_backend
         if self.text_model is not None:  # a store model (a GGUF file): its tokenizer is in its metadata
             path, tokenizer_folder = self._resolve_model(self.text_model), None
         else:
             path, tokenizer_folder = self._component_folder("text_encoder"), self._component_folder("tokenizer")
+            make_backend = quantizing(make_backend, self.quantize, TEXT_MODEL_FLOAT)
         try:
-            text = load_text_checkpoint(path, self._make_backend, tokenizer_folder=tokenizer_folder)
+            text = load_text_checkpoint(path, make_backend, tokenizer_folder=tokenizer_folder)
         except KeyError as e:
             raise WeightsError(f"{self.folder / 'text_encoder'}: missing tensor {e}") from None
         self._text_encoder = TextEncoder(text.model, text.tokenizer, text.backend, **self._text_encoder_options())

@@ -10,8 +10,8 @@ from mlx_engine.dtype import DType
 __all__ = ["ACTIVATIONS", "CacheConfig"]
 
 #: What a backend's quantized products on the CPU may do with x (``mlx_engine.load(..., activations=)``):
-#: ``"float32"``, the exact product with the dequantized weight; ``"int8"``, x quantized per 32 elements as
-#: llama.cpp's Q8_0 and integer dot products; ``"int16"``, x quantized per 32 elements to 16 bits and the same
+#: ``"float32"``, the exact product with the dequantized weight; ``"int8"``, x quantized as llama.cpp does for the
+#: weight's type (per 32 elements, its Q8_0; per 256 for K-quants, its Q8_K) and integer dot products; ``"int16"``, x quantized per 32 elements to 16 bits and the same
 #: integer dot products (x rounded 257x finer than int8's: float32's numerics to a few 1e-5).
 ACTIVATIONS = ("float32", "int8", "int16")
 

@@ -269,10 +269,10 @@ def check_llama_cpp(made: Made, quantized: str = "Q4_K_M", activations: str | No
     Q8_0 / Q8_1 blocks of 32 with float16 scales for Q4_0..Q8_0 weights, to Q8_K blocks of 256 for K-quants), and a
     random model with peaked logits amplifies that rounding layer after layer (its logits even on Q8_0 land far
     outside 1e-3 of the spread from the exact dequantized reference, which ours match to 1e-4). ``activations="int8"``
-    computes as llama.cpp's Q8_0 / Q8_1 products do; where a file holds only such types (the hidden-64 models of
-    tests/test_arch_families.py) the issue's 1 % is met. K-quant rows (256 long) still differ from llama.cpp's Q8_K
-    blocks, so the modules with them keep a wider bound; it still catches a misread tensor or a wrong layer, which
-    move the perplexity by orders of magnitude.
+    computes as llama.cpp's products do (Q8_0 / Q8_1 blocks for those types, Q8_K for K-quant rows); where a file
+    holds only Q8_0 / Q8_1 types (the hidden-64 models of tests/test_arch_families.py) the issue's 1 % is met. The
+    modules that compare with float32 activations keep a wider bound; it still catches a misread tensor or a wrong
+    layer, which move the perplexity by orders of magnitude.
     """
     tokens = made.tokens if tokens is None else tokens
     d = distance(ours(made.gguf["F32"], tokens, context=context), llama_cpp_logits(made.gguf["F32"], tokens))

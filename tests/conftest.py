@@ -108,21 +108,6 @@ def mlx_on_the_cpu():
     mx.set_default_device(before)
 
 
-def int8_on_vnni() -> bool:
-    """Whether qmatmul's int8 activations run on the AVX-512 VNNI kernel here (which also takes symmetric groups of
-    16; the AVX2 one does not): the kernels' AVX-512 copy in use and the CPU's VNNI flag."""
-    import importlib
-
-    try:
-        kernels = importlib.import_module("mlx_engine.mlx._kernels")
-    except ImportError:
-        return False
-    if kernels.isa() != "avx512":
-        return False
-    with open("/proc/cpuinfo") as f:
-        return "avx512_vnni" in f.read().split()
-
-
 def passed_on_avx2(test_file: str, selection: str) -> int:
     """How many of ``test_file``'s tests that ``selection`` (pytest's ``-k``) picks pass in a process told to take
     the AVX2 copy of the CPU kernels ($MLX_ENGINE_CPU_ISA=avx2, which an AVX-512 machine never picks by itself);

@@ -1,5 +1,6 @@
 """Small random FLUX.1 and FLUX.1 Kontext pipelines built with diffusers and transformers on PyTorch CPU, saved in
-diffusers' folder layout, and diffusers' own results on them (the references of tests/test_imagegen_flux.py).
+diffusers' folder layout, and diffusers' own results on them (``FluxPipeline``, ``FluxKontextPipeline`` and
+``FluxImg2ImgPipeline``: the references of tests/test_imagegen_flux.py).
 
 The components follow diffusers' ``tests/pipelines/flux/test_pipeline_flux.py`` at a small size: a
 ``FluxTransformer2DModel`` (2 heads of 16, 1 double and 2 single blocks, axes_dims_rope [4, 6, 6], 64 input channels
@@ -151,4 +152,33 @@ def reference(folder: Path, prompt: str, init_noise: np.ndarray, *, steps: int, 
         latents = pipe._unpack_latents(packed, height, width, pipe.vae_scale_factor)
         z = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
         pixels = pipe.image_processor.postprocess(pipe.vae.decode(z, return_dict=False)[0], output_type="np")
+    return latents.float().numpy(), pixels
+
+
+def reference_image_to_image(folder: Path, prompt: str, image, init_noise: np.ndarray, *, strength: float,
+                             steps: int, guidance: float, width: int, height: int, **kwargs):
+    """diffusers' ``FluxImg2ImgPipeline`` on a FLUX.1 folder: the init image resized to ``width x height`` and encoded
+    (the VAE posterior's mode, as this engine does when given the noise, instead of a sample), noised with
+    ``init_noise [B, C, h, w]`` (the module's ``randn_tensor`` replaced by it) to the start step ``strength`` gives,
+    then denoised. Returns ``(final latents [B, C, h, w] float32, pixels [B, H, W, 3] in [0, 1])``."""
+    import torch
+    from diffusers import FluxImg2ImgPipeline
+    from diffusers.pipelines.flux import pipeline_flux_img2img as mod
+
+    pipe = FluxImg2ImgPipeline.from_pretrained(str(folder), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    saved = mod.retrieve_latents, mod.randn_tensor
+    mod.retrieve_latents = lambda out, generator=None, sample_mode="sample": out.latent_dist.mode()
+    mod.randn_tensor = lambda shape, generator=None, device=None, dtype=None, layout=None: \
+        torch.from_numpy(init_noise).to(dtype=dtype).reshape(shape)
+    try:
+        with torch.no_grad():
+            packed = pipe(prompt=prompt, image=image, strength=strength, height=height, width=width,
+                          num_inference_steps=steps, guidance_scale=guidance, output_type="latent",
+                          max_sequence_length=MAX_T5, **kwargs).images
+            latents = pipe._unpack_latents(packed, height, width, pipe.vae_scale_factor)
+            z = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+            pixels = pipe.image_processor.postprocess(pipe.vae.decode(z, return_dict=False)[0], output_type="np")
+    finally:
+        mod.retrieve_latents, mod.randn_tensor = saved
     return latents.float().numpy(), pixels

@@ -21,6 +21,7 @@ from mlx_engine.weights import QuantizedArray  # noqa: E402
 from mlx_engine.weights import quant  # noqa: E402
 from mlx_engine.weights.gguf import GGUFFile  # noqa: E402
 from tests.conftest import passed_on_avx2  # noqa: E402
+from tests.test_int8_activations_by_type import q8_k_x  # noqa: E402
 from tests.test_sub_block_scales import held_on_the_cpu  # noqa: E402
 from tests.test_weights_gguf import write_gguf  # noqa: E402
 
@@ -136,7 +137,7 @@ def _activations() -> list[str]:
 def test_qmatmul_of_a_codebook_weight_is_the_dense_product(type_name, m):
     """Decode rows (1, 3), tiles (8) and panels (40): within float32 rounding of the dense product, and bit for bit
     the same with the float scales the two levels (MXFP4's exponents) stand for; with int8 activations, of x rounded
-    as llama.cpp rounds it."""
+    as llama.cpp rounds it for the type."""
     blk = blocks(type_name, 72, 512, seed=m)
     qa = quant.repack_gguf(blk, type_name, 72, 512)
     w, s, sup = device_arrays(qa, blk)
@@ -149,9 +150,10 @@ def test_qmatmul_of_a_codebook_weight_is_the_dense_product(type_name, m):
     assert mx.array_equal(got, cpu_kernels.qmatmul(x, w, flat_scales, None, 32, 4, "float32", None, cb)).item()
     # the integers read as they lie (an affine 4-bit weight) are another product altogether
     assert not mx.array_equal(cpu_kernels.qmatmul(x, w, flat_scales, None, 32, 4, "float32", None), got).item()
-    if "int8" in _activations():  # llama.cpp's: x rounded per 32 elements, integer sums of kvalues[q] * x_q
+    if "int8" in _activations():  # llama.cpp's: x rounded per 32 elements (IQ4_NL, MXFP4: Q8_0) or 256 (IQ4_XS:
+        # Q8_K), integer sums of kvalues[q] * x_q
         got8 = cpu_kernels.qmatmul(x, w, s, None, 32, 4, "int8", sup, cb)
-        want8 = int8_x(x) @ dense(type_name, blk, 72).astype(np.float64).T
+        want8 = (q8_k_x(x) if type_name == "IQ4_XS" else int8_x(x)) @ dense(type_name, blk, 72).astype(np.float64).T
         np.testing.assert_allclose(np.array(got8), want8, rtol=0, atol=1e-5 * np.abs(want8).max())
         assert not mx.array_equal(got8, got).item()  # (x was rounded: the check above can fail)
     if "int16" in _activations():

@@ -16,7 +16,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from mlx_engine.mlx import cpu_kernels  # noqa: E402
-from tests.conftest import int8_on_vnni, passed_on_avx2  # noqa: E402
+from tests.conftest import passed_on_avx2  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -686,8 +686,8 @@ def test_int8_activations_are_their_definition(kind, bits, group_size, scale_dty
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bits", [3, 6])
 def test_int8_activations_with_groups_of_16_are_their_definition(kind, bits):
-    """Symmetric groups of 16 (GGUF's Q6_K and Q3_K) on AVX-512 VNNI: each half of x's block of 32 under its own
-    group's scale, against the float64 oracle; elsewhere (the AVX2 kernel sums per 32), and with biases (Q2_K), the
+    """Symmetric groups of 16 (float scales in the layout of GGUF's Q6_K and Q3_K): each half of x's block of 32
+    under its own group's scale, against the float64 oracle (AVX-512 VNNI and AVX2); with biases (Q2_K's layout), the
     float32 kernel's product."""
     rng = np.random.default_rng(bits)
     k = 576  # 9 x 64: whole registers of the own order
@@ -699,11 +699,8 @@ def test_int8_activations_with_groups_of_16_are_their_definition(kind, bits):
         x[0, :32] = 0
         x = mx.array(x)
         got = np.array(cpu_kernels.qmatmul(x, q, s, None, 16, bits, kind))
-        if int8_on_vnni():
-            want = _int8_reference(x, q, s, None, 16, bits, kind)
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
-        else:
-            assert np.array_equal(got, np.array(cpu_kernels.qmatmul(x, q, s, None, 16, bits, "float32")))
+        want = _int8_reference(x, q, s, None, 16, bits, kind)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
         assert mx.array_equal(cpu_kernels.qmatmul(x, q, s, b, 16, bits, kind),
                               cpu_kernels.qmatmul(x, q, s, b, 16, bits, "float32")).item()
 

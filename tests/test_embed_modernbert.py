@@ -28,25 +28,11 @@ LONG = TEXTS + [" ".join(TEXTS * 2)]
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
     import torch
-    from tokenizers import Tokenizer, processors
-    from transformers import ModernBertConfig, ModernBertModel
+    from transformers import ModernBertModel
 
     root = tmp_path_factory.mktemp("modernbert")
     folder = root / "hf"
-    folder.mkdir()
-    save_tokenizer(smollm2_gguf, folder)
-    path = folder / "tokenizer.json"
-    tk = Tokenizer.from_file(str(path))
-    first, last = tk.token_to_id("<|im_start|>"), tk.token_to_id("<|im_end|>")
-    tk.post_processor = processors.TemplateProcessing(
-        single="<|im_start|> $A <|im_end|>", pair="<|im_start|> $A <|im_end|> $B <|im_end|>",
-        special_tokens=[("<|im_start|>", first), ("<|im_end|>", last)])
-    tk.save(str(path))
-    config = ModernBertConfig(vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=96,
-                              num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=512,
-                              local_attention=16, global_attn_every_n_layers=3, global_rope_theta=160000.0,
-                              local_rope_theta=10000.0, pad_token_id=0, bos_token_id=first, eos_token_id=last,
-                              cls_token_id=first, sep_token_id=last)
+    config = small_config(smollm2_gguf, folder)
     torch.manual_seed(0)
     model = ModernBertModel(config).eval()
     peaked(model, scale=1.0)
@@ -61,10 +47,37 @@ def made(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
     (folder / "2_Normalize").mkdir()
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
     f32 = convert(folder, root / "f32.gguf", "f32", pre="smollm")
-    return {"hf": folder, "f32": f32, "llama.cpp": _with_eps_key(f32, root / "f32-eps.gguf")}
+    return {"hf": folder, "f32": f32, "llama.cpp": with_eps_key(f32, root / "f32-eps.gguf")}
 
 
-def _with_eps_key(src: Path, out: Path) -> Path:
+def small_config(smollm2_gguf: Path, folder: Path, **extra):
+    """The test's ``ModernBertConfig`` (``extra`` keys beside), its tokenizer saved in ``folder`` (created): smollm2's,
+    putting ``<|im_start|>`` and ``<|im_end|>`` around a text and ``<|im_start|> A <|im_end|> B <|im_end|>`` around a
+    pair, as ModernBERT's own puts ``[CLS]`` and ``[SEP]``; without smollm2's chat template, as ModernBERT's (a
+    ``CrossEncoder`` would put a pair through a template)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import ModernBertConfig
+
+    folder.mkdir()
+    save_tokenizer(smollm2_gguf, folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    path = folder / "tokenizer.json"
+    tk = Tokenizer.from_file(str(path))
+    first, last = tk.token_to_id("<|im_start|>"), tk.token_to_id("<|im_end|>")
+    tk.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A <|im_end|>", pair="<|im_start|> $A <|im_end|> $B <|im_end|>",
+        special_tokens=[("<|im_start|>", first), ("<|im_end|>", last)])
+    tk.save(str(path))
+    return ModernBertConfig(vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=96,
+                            num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=512,
+                            local_attention=16, global_attn_every_n_layers=3, global_rope_theta=160000.0,
+                            local_rope_theta=10000.0, pad_token_id=0, bos_token_id=first, eos_token_id=last,
+                            cls_token_id=first, sep_token_id=last, **extra)
+
+
+def with_eps_key(src: Path, out: Path) -> Path:
     """A copy of ``src`` with ``layer_norm_epsilon`` beside the converter's ``layer_norm_rms_epsilon``."""
     import gguf
     from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata

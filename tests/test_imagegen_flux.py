@@ -1,8 +1,10 @@
 """FLUX.1 (dev, schnell) and FLUX.1 Kontext against diffusers and transformers on small random configurations saved in
 diffusers' folder layout (``tests/flux_small.py``), float32: the transformer, each text encoder (token ids equal,
-features within 1e-5), the VAE decode, the final latents and pixels of 2 steps from the same initial noise; then
-editing at every door: the Python API, ``mlx-engine image --edit`` end to end (its PNG's metadata makes the same
-image again), and the server's ``POST /v1/images/edits`` with the real ``openai`` client.
+features within 1e-5), the VAE decode, the final latents and pixels of 2 steps from the same initial noise, and
+image-to-image (``FluxImg2ImgPipeline``: the init image encoded and noised to the step its strength gives); then
+editing and image-to-image at every door: the Python API, ``mlx-engine image --edit`` and ``--image --strength`` end
+to end (the PNG's metadata makes the same image again), and the server's ``POST /v1/images/edits`` with the real
+``openai`` client.
 
 Tolerances (float32 throughout): the transformer's output and the final latents within 1e-4 absolute (measured: a few
 1e-6 on values of order 1-3; the difference is the order of float32 sums, which a wrong weight, sign, RoPE axis or
@@ -27,7 +29,7 @@ import mlx_engine  # noqa: E402
 from mlx_engine.errors import InvalidRequestError  # noqa: E402
 from mlx_engine.imagegen.flux import FluxKontextPipeline, FluxPipeline, pack_latents, unpack_latents  # noqa: E402
 from mlx_engine.mlx import MLXBackend  # noqa: E402
-from tests.flux_small import MAX_T5, build_folder, noise, reference  # noqa: E402
+from tests.flux_small import MAX_T5, build_folder, noise, reference, reference_image_to_image  # noqa: E402
 
 TOL = 1e-4
 ENCODER_TOL = 1e-5
@@ -192,16 +194,42 @@ def test_kontext_edit_matches_diffusers(folders, edit_png):
     assert np.abs(plain.latents - result.latents).max() > 1e-2  # the image is not ignored
 
 
+@pytest.mark.parametrize("variant,guidance,steps,strength,run", [("dev", 3.5, 4, 0.6, 3), ("schnell", 0.0, 2, 0.5, 1)])
+def test_image_to_image_matches_diffusers(folders, edit_png, variant, guidance, steps, strength, run):
+    """``FluxImg2ImgPipeline``: the 56x40 init image resized to 48x32, encoded, noised to ``sigmas[t_start]`` with
+    ``t_start = int(steps - steps * strength)`` (dev: 1 of 4, so 3 steps run; schnell: 1 of 2), then denoised."""
+    from PIL import Image
+
+    image = Image.open(edit_png).convert("RGB")
+    init = noise((1, 16, 4, 6), seed=6)
+    ref_lat, ref_px = reference_image_to_image(folders[variant], PROMPT, image, init, strength=strength,
+                                               steps=steps, guidance=guidance, width=48, height=32)
+    seen = []
+    with FluxPipeline(folders[variant], F32) as pipe:
+        result = pipe.generate(PROMPT, image=image, strength=strength, width=48, height=32, steps=steps,
+                               guidance=guidance, noise=init, callback=lambda i, n, lat, t: seen.append((i, n)))
+    assert result.stats.steps_run == run and result.stats.strength == strength
+    assert seen == [(i, run) for i in range(run)] and result.parameters["strength"] == strength
+    _check_result(result, ref_lat, ref_px)
+
+
 def test_editing_refused_by_pipelines_without_it(folders, edit_png):
     with FluxPipeline(folders["schnell"], F32) as pipe:
         with pytest.raises(InvalidRequestError, match="does not edit images"):
             mlx_engine.generate_image(PROMPT, model=pipe, edit_images=[edit_png], width=32, height=32)
         with pytest.raises(InvalidRequestError, match="does not edit images"):
             pipe.generate(PROMPT, edit_images=[edit_png], width=32, height=32)
-        with pytest.raises(InvalidRequestError, match="image-to-image"):
-            pipe.generate(PROMPT, image=str(edit_png), width=32, height=32)
         with pytest.raises(InvalidRequestError, match="max_sequence_length"):
             pipe.generate(PROMPT, max_sequence_length=513)
+        with pytest.raises(InvalidRequestError, match="strength applies to image-to-image"):
+            pipe.generate(PROMPT, strength=0.5, width=32, height=32)
+        with pytest.raises(InvalidRequestError, match=r"strength must be a number in \[0, 1\]"):
+            pipe.generate(PROMPT, image=str(edit_png), strength=1.5)
+        with pytest.raises(InvalidRequestError, match="leaves no denoising step"):
+            pipe.generate(PROMPT, image=str(edit_png), strength=0.0, steps=2)
+    with FluxKontextPipeline(folders["kontext"], F32) as pipe:
+        with pytest.raises(InvalidRequestError, match="does not do image-to-image"):
+            pipe.generate(PROMPT, image=str(edit_png), width=32, height=32)
 
 
 # ------------------------------------------------------------------------------------------------------ the doors
@@ -235,6 +263,34 @@ def test_cli_edit_end_to_end(folders, edit_png, tmp_path):
     r = CliRunner().invoke(main, ["image", PROMPT, "-m", str(folders["schnell"]), "--edit", str(edit_png), "-q",
                                   "-o", str(tmp_path / "c.png")])
     assert r.exit_code == 1 and "does not edit images" in r.stderr
+
+
+def test_cli_image_to_image_end_to_end(folders, edit_png, tmp_path):
+    """``mlx-engine image --image FILE --strength``: the PNG records the strength and the init image's path and
+    sha256, ``--from-metadata`` (the image given again) makes it pixel for pixel, and it equals the Python API's."""
+    import hashlib
+
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from mlx_engine.cli.main import main
+
+    def run(*args):
+        r = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return Path(r.output.strip().splitlines()[-1])
+
+    first = run("image", PROMPT, "-m", folders["dev"], "--image", edit_png, "--strength", 0.5, "--seed", 7,
+                "--steps", 2, "-q", "-o", tmp_path / "a.png")
+    params = mlx_engine.read_image_parameters(first)
+    assert params["strength"] == 0.5 and params["init_image"] == str(edit_png.resolve())
+    assert params["init_image_sha256"] == hashlib.sha256(edit_png.read_bytes()).hexdigest()
+    assert (params["width"], params["height"]) == (48, 32)  # the init image's size cut to multiples of 16
+    again = run("image", "--from-metadata", first, "-m", folders["dev"], "--image", edit_png, "-q", "-o",
+                tmp_path / "b.png")
+    want = mlx_engine.generate_image(PROMPT, model=folders["dev"], image=edit_png, strength=0.5, seed=7, steps=2)
+    a, b = (np.asarray(Image.open(p).convert("RGB")) for p in (first, again))
+    assert a.shape == (32, 48, 3) and np.array_equal(a, b) and np.array_equal(a, np.asarray(want))
 
 
 def test_server_images_edits_with_openai_client(folders, edit_png, tmp_path):

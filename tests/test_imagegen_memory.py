@@ -99,8 +99,8 @@ def _real_models() -> dict[str, tuple[type, dict, dict[str, list]]]:
 
 
 def memory_table() -> list[str]:
-    """docs/images.md's table rows: each real model's parameters and bytes (16-bit floats): the transformer without
-    and with ``--quantize 8`` / ``4``, the text encoder(s), the VAE, and the weights' peak (loading or encoding)
+    """docs/images.md's table rows: each real model's parameters and bytes (16-bit floats): the transformer and the
+    text encoder(s) without and with ``--quantize 8`` / ``4``, the VAE, and the weights' peak (loading or encoding)
     without and with ``--quantize 4``."""
     rows = []
     for name, (cls, tcfg, comps) in _real_models().items():
@@ -110,7 +110,8 @@ def memory_table() -> list[str]:
         e = est[None]
         weights_peak = [max(x.loading, x.encoding) / 1e9 for x in (est[None], est[4])]
         rows.append(f"| {name} | {params:.2f} B | {' / '.join(f'{x.transformer / 1e9:.1f}' for x in est.values())} | "
-                    f"{e.text / 1e9:.1f} | {e.vae / 1e9:.2f} | {weights_peak[0]:.1f} / {weights_peak[1]:.1f} |")
+                    f"{' / '.join(f'{x.text / 1e9:.1f}' for x in est.values())} | {e.vae / 1e9:.2f} | "
+                    f"{weights_peak[0]:.1f} / {weights_peak[1]:.1f} |")
     return rows
 
 
@@ -177,12 +178,28 @@ def test_estimate_bounds_the_measured_peak(folders, family):
         pipe.close()
 
 
-def test_quantized_weights_are_counted_exactly(folders):
-    pipe = load_pipeline(folders["zimage"][0], MLXBackend, memory_check=MLXBackend(None), quantize=8)
+@pytest.mark.parametrize("family", ["zimage", "flux", "flux2", "qwen"])
+def test_quantized_weights_are_counted_exactly(folders, family):
+    made = {}
+
+    def make_backend(folder, transform=None):
+        made[Path(folder).name] = transform
+        return MLXBackend(folder, transform=transform)
+
+    pipe = load_pipeline(folders[family][0], make_backend, memory_check=MLXBackend(None), quantize=8,
+                         keep_text_encoder=True)
     try:
         assert any(t.is_quantized for t in pipe.backend.weights.values())
+        e = pipe.memory_estimate
         # nbytes of a quantized tensor counts its packed weight, scales and biases
-        assert pipe.memory_estimate.transformer == sum(t.nbytes for t in pipe.backend.weights.values())
+        assert e.transformer == sum(t.nbytes for t in pipe.backend.weights.values())
+        # the text encoders are read through the quantizing transform, but CLIP (FLUX.1's text_encoder/)
+        quantized = {"flux": {"text_encoder_2"}}.get(family, {"text_encoder"})
+        text = {"flux": ("text_encoder", "text_encoder_2")}.get(family, ("text_encoder",))
+        assert {n for n in text if made[n] is not None} == quantized
+        backends = ([enc.backend for enc in pipe._encoders] if family == "flux" else
+                    [pipe._text_encoder.backend])
+        assert e.text == sum(b.weights_nbytes() for b in backends)
     finally:
         pipe.close()
 

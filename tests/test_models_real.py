@@ -259,11 +259,11 @@ _INT8_PROBLEM = cpu_kernels.int8_problem()  # None where int8 activations run he
 
 
 @pytest.mark.skipif(_INT8_PROBLEM is not None, reason=f"int8 activations cannot run here: {_INT8_PROBLEM}")
-# smollm2's file is Q4_1 throughout, whose x llama.cpp quantizes as our int8 path does (Q8_1 blocks of 32, scale and
-# sum in float16). gemma3's Q4_K_M file is not checked here: for K-quant weights llama.cpp quantizes x per 256
-# elements (Q8_K, one float32 scale), which our int8 path does not do yet; on an AMX Xeon, where llama.cpp runs its
-# plain CPU path, gemma3 gave 9.226 against llama.cpp's 9.432 (float32 activations 9.094).
-@pytest.mark.parametrize("name", ["smollm2"])
+# smollm2's file is Q4_1 throughout, whose x llama.cpp quantizes in Q8_1 blocks of 32 (scale and sum in float16);
+# gemma3's Q4_K_M file holds Q4_K and Q6_K (rows of 1024 and 2048), whose x it quantizes in Q8_K blocks of 256 (one
+# float32 scale), and Q5_0 and Q8_0 where its rows of 640 allow no K-quant: our int8 path quantizes x so for each
+# (qmatmul_int8.h). Per 32 for every weight, gemma3 had given 9.226 against llama.cpp's 9.432 on an AMX Xeon.
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_int8_activations_have_llama_cpps_perplexity(name, request, record_property):
     """With int8 activations (``load(activations="int8")``: llama.cpp's Q8 blocks) and the float32 KV cache, the
     perplexity of the bench's fixed text (its first 1024 tokens, as the bench scores) is within 1 % of llama.cpp's on

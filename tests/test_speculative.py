@@ -43,6 +43,33 @@ def test_prompt_lookup_takes_the_longest_latest_match():
     assert length.k == 3
 
 
+def test_rejected_one_token_drafts_pause_drafting_longer_each_time():
+    length = DraftLength(2)
+    length.update(2, 0)
+    assert (length.k, length.next) == (1, 1)  # halved: no pause yet
+    paused = []
+    for _ in range(3):
+        length.update(1, 0)  # a one-token draft rejected
+        n = 0
+        while length.next == 0:
+            n += 1
+            length.update(0, 0)  # a plain pass
+        paused.append(n)
+    assert paused == [2, 4, 8]
+    for _ in range(3):
+        length.update(1, 0)
+        while length.next == 0:
+            length.update(0, 0)
+    length.update(1, 0)
+    assert length.rest == 16  # at most 16
+    while length.next == 0:
+        length.update(0, 0)
+    length.update(1, 1)  # accepted: the run of misses ends, and the next miss pauses 2 again
+    length.update(2, 0)
+    length.update(1, 0)
+    assert length.rest == 2
+
+
 def _chi_square_p_value(counts: np.ndarray, p: np.ndarray) -> float:
     """Upper tail of the chi-square statistic with 4 degrees of freedom (5 categories): exp(-x/2) (1 + x/2)."""
     assert len(p) == 5
@@ -141,7 +168,7 @@ def test_greedy_lookup_past_gemma3s_sliding_window(gemma3_gguf):
 def test_speculation_is_refused_where_a_draft_cannot_be_taken_back():
     """A recurrent state cannot forget a rejected draft: the request is refused with what to do."""
     runner = SimpleNamespace(cache=RecurrentCache(shift_fn=None), model=SimpleNamespace(architecture="lfm2"),
-                             draft=None)
+                             draft=None, mtp=None, mtp_head=None)
     with pytest.raises(InvalidRequestError, match="lfm2: its recurrent layers .* use --speculative off"):
         Runner.drafter(runner, Request([1], speculative="lookup"))
     assert Runner.drafter(runner, Request([1])) is None  # without speculation it runs as before

@@ -17,7 +17,8 @@ from mlx_engine.mlx import MLXBackend, cpu_kernels  # noqa: E402
 from mlx_engine.mlx.tensor import MLXQuantizedTensor, MLXTensor  # noqa: E402
 from mlx_engine.weights import QuantizedArray  # noqa: E402
 from mlx_engine.weights import quant  # noqa: E402
-from tests.conftest import int8_on_vnni, passed_on_avx2  # noqa: E402
+from tests.conftest import passed_on_avx2  # noqa: E402
+from tests.test_int8_activations_by_type import q8_k_x  # noqa: E402
 from tests.test_weights_gguf import k_quant_blocks, write_gguf  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.qmatmul is None, reason="the CPU kernels are not built here")
@@ -88,9 +89,8 @@ def _activations() -> list[str]:
 def test_qmatmul_with_groups_of_16_is_the_dense_product(type_name, bits, m):
     """Decode rows (1, 3), tiles (8) and panels (40): within float32 rounding of the dense product, and bit for bit
     the same with the float32 scales and biases the two levels stand for; int8 activations run the symmetric ones
-    (Q6_K, Q3_K) through the int8 kernel where it is AVX-512 VNNI's (bit for bit as with their float32 scales), the
-    others in float32 (the AVX2 kernel sums per 32 elements; x's sums per 16, which Q2_K's biases meet, are not
-    kept)."""
+    (Q6_K, Q3_K) through the int8 kernel with x in llama.cpp's Q8_K blocks (tests/test_int8_activations_by_type.py
+    holds them to llama.cpp's dot products), Q2_K in float32 (x's sums per 16, which its mins meet, are not kept)."""
     blk = blocks(type_name, 72, 512, seed=m)
     qa = quant.repack_gguf(blk, type_name, 72, 512)
     w, sc, mn, sup = device_arrays(qa)
@@ -101,14 +101,14 @@ def test_qmatmul_with_groups_of_16_is_the_dense_product(type_name, bits, m):
     assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
     flat = cpu_kernels.qmatmul(x, w, mx.array(ex.scales), mx.array(ex.biases), 16, bits)
     assert mx.array_equal(got, flat).item()
-    integer = SIGNED[type_name] and int8_on_vnni()
     for activations in _activations():
         two = cpu_kernels.qmatmul(x, w, sc, mn, 16, bits, activations, sup)
-        want = (cpu_kernels.qmatmul(x, w, mx.array(ex.scales), None, 16, bits, activations)
-                if integer and activations != "float32" else got)
-        assert mx.array_equal(two, want).item()
-        if activations != "float32":
-            assert integer != mx.array_equal(two, got).item()  # (x was rounded where the int8 kernel ran)
+        if SIGNED[type_name] and activations != "float32":
+            want8 = q8_k_x(x) @ dense(type_name, blk, 72).astype(np.float64).T
+            np.testing.assert_allclose(np.array(two), want8, rtol=0, atol=1e-5 * np.abs(want8).max())
+            assert not mx.array_equal(two, got).item()  # (x was rounded: the check above can fail)
+        else:
+            assert mx.array_equal(two, got).item()
     # with a weight of groups of 32 in one node (a layer's q, k and v), each product its own
     q4, s4, b4 = mx.quantize(mx.random.normal((40, 512), key=mx.random.key(99)), group_size=32, bits=4)
     for activations in _activations():

@@ -1,6 +1,7 @@
 """GGUF's K-quants (Q4_K, Q5_K) held with their two levels of scales (6-bit integers, and an f16 d and dmin per 256
 elements): exact against gguf.quants.dequantize, about the file's bytes, and every CPU kernel (qmatmul and its many
-and int8 forms, qtake, gather_qmatmul) bit for bit the same as with the float32 scales and biases they stand for."""
+and int8 forms, qtake, gather_qmatmul) bit for bit the same as with the float32 scales and biases they stand for
+(int8 activations: with x in the blocks llama.cpp takes for them, Q8_K)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from mlx_engine.mlx import MLXBackend, cpu_kernels  # noqa: E402
 from mlx_engine.mlx.tensor import MLXQuantizedTensor, MLXTensor  # noqa: E402
 from mlx_engine.weights import GGUFFile, QuantizedArray  # noqa: E402
 from mlx_engine.weights import quant  # noqa: E402
+from tests.test_int8_activations_by_type import q8_k_x  # noqa: E402
 from tests.test_weights_gguf import k_quant_blocks, write_gguf  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.qmatmul is None, reason="the CPU kernels are not built here")
@@ -70,12 +72,17 @@ def _activations() -> list[str]:
 @pytest.mark.parametrize("type_name, bits", [("Q4_K", 4), ("Q5_K", 5)])
 @pytest.mark.parametrize("m", [1, 3, 8, 40])
 def test_qmatmul_with_two_level_scales_is_its_float_scales_bit_for_bit(type_name, bits, m):
+    """The float32 product bit for bit that of the float32 scales and biases the two levels stand for; with int8
+    activations x goes in llama.cpp's Q8_K blocks (per 256, for the K-quants) where float scales take Q8_0 ones (per
+    32): the product of x so rounded (tests/test_int8_activations_by_type.py holds it to llama.cpp's dot product)."""
     qa, (w, sc, mn, sup), (w1, s32, b32) = _arrays(type_name, 80, 512, seed=m)
     x = mx.random.normal((m, 512), key=mx.random.key(m))
-    for activations in _activations():
-        got = cpu_kernels.qmatmul(x, w, sc, mn, 32, bits, activations, sup)
-        assert mx.array_equal(got, cpu_kernels.qmatmul(x, w1, s32, b32, 32, bits, activations)).item()
     got = cpu_kernels.qmatmul(x, w, sc, mn, 32, bits, "float32", sup)
+    assert mx.array_equal(got, cpu_kernels.qmatmul(x, w1, s32, b32, 32, bits, "float32")).item()
+    if "int8" in _activations():
+        got8 = np.array(cpu_kernels.qmatmul(x, w, sc, mn, 32, bits, "int8", sup))
+        want8 = q8_k_x(x) @ qa.dequantize().astype(np.float64).T
+        np.testing.assert_allclose(got8, want8, rtol=0, atol=1e-5 * np.abs(want8).max())
     dense = x @ mx.array(qa.dequantize()).T
     assert mx.abs(got - dense).max().item() <= 1e-5 * mx.abs(dense).max().item()
     # several weights of one x, two-level and not, in one node (a layer's q, k and v)

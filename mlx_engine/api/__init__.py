@@ -145,7 +145,7 @@ class Model:
         self.runner = Runner(self.text_model, self.tokenizer, context_length=ctx_len, max_sequences=max_sequences,
                              prefill_chunk=prefill_chunk, kv_bits=kv_bits, reserve=reserve)
         self.load_seconds = time.perf_counter() - t0
-        self.name = name
+        self.name = self.runner.name = name
         self.path = path
         self.architecture = config.architecture
         types = getattr(self.backend, "tensor_types", {})
@@ -550,7 +550,8 @@ def load(model: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | 
     from a lone one into visible differences, and a greedy answer should not depend on what else the server runs.
     ``activations``: what the CPU's quantized products do with x: ``"float32"`` (the default, or
     ``$MLX_ENGINE_ACTIVATIONS``): the exact product with the dequantized weights, the float model's tokens; ``"int8"``:
-    x quantized per 32 elements as llama.cpp's Q8_0 and integer dot products (AVX-512 VNNI or AVX2), llama.cpp's numerics and
+    x quantized as llama.cpp does for the weight's type (per 32 elements, its Q8_0; per 256 for K-quants, its Q8_K)
+    and integer dot products (AVX-512 VNNI or AVX2), llama.cpp's numerics and
     a faster decode; ``"int16"``: x quantized per 32 elements to 16 bits (d = max|x| / 32639) and the same integer dot
     products (AVX-512 VNNI or AVX2), the float path's numerics to a few 1e-5 and a faster decode than float32. A
     GPU takes x as it is (MLX's kernels). ``draft_model``: a smaller model of the same vocabulary (a name or path,

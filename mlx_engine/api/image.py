@@ -44,7 +44,8 @@ def load_image_model(model: "str | Path | None" = None, *, quantize: int | None 
     parameters that reproduce them; ``.memory()``, ``.close()``).
 
     Args:
-        quantize: quantize the diffusion transformer to 8 or 4 bits at load (None: as stored).
+        quantize: quantize the diffusion transformer and the folder's text encoders (T5 and the decoders; not
+            CLIP) to 8 or 4 bits as they are read (None: as stored).
         device, dtype: as :func:`load`. keep_text_encoder: keep the text encoder loaded between generations
             (default: loaded per generation and freed before the denoising loop).
 
@@ -107,10 +108,12 @@ def generate_image(prompt: str, *, model: "str | Path | Any | None" = None, nega
         steps: denoising steps (default: the model's). guidance: diffusers' Z-Image ``guidance_scale``: 0 is off;
             above 0, ``pos + guidance * (pos - neg)`` (default: the model's).
         seed: the noise seed; None draws one (``img.info["seed"]`` tells which).
-        image, strength: image-to-image: an init image (PIL image, path, uint8 array, or :func:`open_init_image`'s
-            result) and how much of the schedule to run, in [0, 1] (default 0.6).
+        image, strength: image-to-image, for a model that does it (Z-Image, FLUX.1 schnell and dev): an init image
+            (PIL image, path, uint8 array, or :func:`open_init_image`'s result) and how much of the schedule to run,
+            in [0, 1] (default 0.6).
         callback: ``callback(step, total, latents, elapsed_seconds)`` after each denoising step.
-        quantize: quantize the transformer to 8 or 4 bits (only when ``model`` is a name or folder).
+        quantize: quantize the transformer and text encoders to 8 or 4 bits (only when ``model`` is a name or
+            folder; see :func:`load_image_model`).
         edit_images: images to edit (paths, encoded file bytes, PIL images, uint8 arrays or
             :func:`open_init_image`'s results), for a model that edits images (FLUX.1 Kontext takes one); the path
             and sha256 of each file (the sha256 of bytes) go in the metadata.

@@ -166,11 +166,12 @@ class MLXBackend(Backend, LayerFusion):
         half_dtype: the GPU's default compute dtype (the architecture's :attr:`DecoderModel.half_dtype`).
         transform: ``transform(name, tensor) -> tensor``, applied to each tensor once it is on the device and before
             the next is read; the backend keeps what it returns (an image pipeline quantizes its transformer's
-            linear weights so: the float copy is freed before the next tensor is read, and the load never holds the
-            whole float model). None: the tensors as read.
+            and text encoders' linear weights so: the float copy is freed before the next tensor is read, and the
+            load never holds the whole float model). None: the tensors as read.
         activations: what the CPU's quantized products do with x: ``"float32"`` (the exact product with the
-            dequantized weight: the float model's tokens) or ``"int8"`` (x quantized per 32 elements as llama.cpp's
-            Q8_0 and integer dot products: llama.cpp's numerics, faster; needs AVX-512 VNNI or AVX2) or ``"int16"``
+            dequantized weight: the float model's tokens) or ``"int8"`` (x quantized as llama.cpp does for the
+            weight's type, per 32 elements as its Q8_0 or per 256 as its Q8_K, and integer dot products: llama.cpp's
+            numerics, faster; needs AVX-512 VNNI or AVX2) or ``"int16"``
             (x quantized per 32 elements to 16 bits, d = max|x| / 32639, and the same integer dot products, in
             products of fewer than 64 rows of x, a prompt's taking the float32 kernel: the float path's numerics to a
             few 1e-5, a faster decode than float32; needs AVX-512 VNNI or AVX2).

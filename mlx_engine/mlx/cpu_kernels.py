@@ -64,7 +64,8 @@ def codebook_id(levels: "np.ndarray | None") -> int:
 
 # What qmatmul does with x unless a model was loaded with activations=: "float32" (the exact product of x with the
 # dequantized weight: the float model's tokens), or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel
-# (AVX-512 VNNI or AVX2) "int8" (quantized per 32 elements and integer dot products, as llama.cpp does: a faster
+# (AVX-512 VNNI or AVX2) "int8" (quantized per 32 or, for K-quants, 256 elements and integer dot products, as
+# llama.cpp does: a faster
 # decode, llama.cpp's numerics), or with $MLX_ENGINE_ACTIVATIONS=int16 on the same CPUs "int16" (16 bits
 # per 32 elements, the same integer dot products, in products of fewer than 64 rows of x: the float path's numerics
 # to a few 1e-5). Each quantized weight

@@ -87,7 +87,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
-    speculative: Optional[str] = None  # ours: off, lookup, draft (speculative decoding); default the server's
+    speculative: Optional[str] = None  # ours: off, lookup, draft, mtp (speculative decoding); default the server's
     draft_tokens: Optional[int] = None
 
     def sampling(self, max_tokens: Optional[int] = None) -> dict[str, Any]:

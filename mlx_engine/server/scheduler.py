@@ -20,8 +20,10 @@ design). Each call of :meth:`TextScheduler.step`, on the device thread:
    rejected cells removed from its sequence (:mod:`~mlx_engine.models.generation.speculative`). With a draft model
    (the runner's ``draft``) each sequence has its own sequence of the draft model's cache, and the sequences'
    drafts are drafted together, one draft-model pass per draft token; a new prompt reaches the draft model one
-   prefill chunk per step (the sequence decodes plainly until then). Each sequence's draft length adapts to its
-   own acceptance (:class:`~mlx_engine.models.generation.speculative.DraftLength`).
+   prefill chunk per step (the sequence decodes plainly until then). With the model's multi-token-prediction
+   layer (``mtp``) each sequence drafts on its own from the hidden states of its last pass
+   (:mod:`~mlx_engine.models.generation.mtp`). Each sequence's draft length adapts to its own acceptance
+   (:class:`~mlx_engine.models.generation.speculative.DraftLength`).
 
 A finished request's slot keeps its tokens for reuse until the slot is needed (least recently used first): the cache
 was reserved at load for ``max_sequences`` full contexts, and that reserved pool is the prefix cache's byte budget.
@@ -157,9 +159,10 @@ class TextScheduler:
     Args:
         runner: the model's runner (its cache holds ``runner.max_sequences`` slots).
         max_queue: requests that may wait for a slot; beyond that :meth:`submit` raises ``ServerBusyError``.
-        speculative: the ``speculative`` mode of requests that do not set one (``off``, ``lookup``, ``draft``); None:
-            ``draft`` when the runner has a draft model, else ``off``. Where the default cannot run (``draft``
-            without a draft model, a recurrent model) a request that did not choose decodes plainly.
+        speculative: the ``speculative`` mode of requests that do not set one (``off``, ``lookup``, ``draft``,
+            ``mtp``); None: ``draft`` when the runner has a draft model, else ``off``. Where the default cannot run
+            (``draft`` without a draft model, ``mtp`` without MTP layers, a recurrent model) a request that did not
+            choose decodes plainly.
     """
 
     def __init__(self, runner: Runner, *, max_queue: int = 64, speculative: str | None = None,

@@ -224,7 +224,7 @@ class BertEncoder:
     def pooled(self, ctx: Context, inputs: Sequence[Sequence[int]], mode: str) -> np.ndarray:
         """Pooled hidden states float32 ``[len(inputs), hidden_size]`` of token-id inputs, run as one padded batch
         (see :func:`pool`)."""
-        ids, lengths = _padded(inputs)
+        ids, lengths = padded(inputs)
         return pool(ctx, self.forward(ctx, ids, lengths), lengths, mode)
 
     def rank(self, ctx: Context, inputs: Sequence[Sequence[int]], types: Sequence[Sequence[int]] | None = None
@@ -237,8 +237,8 @@ class BertEncoder:
         if not self.has_rank_head:
             raise WeightsError(f"the {self.config.architecture} checkpoint has no classification head "
                                "(cls.output.weight / classifier.weight): it embeds, it does not rerank")
-        ids, lengths = _padded(inputs)
-        type_ids = None if types is None else _padded(types)[0]
+        ids, lengths = padded(inputs)
+        type_ids = None if types is None else padded(types)[0]
         x = pool(ctx, self.forward(ctx, ids, lengths, type_ids), lengths, "cls", as_tensor=True)
         if "cls.weight" in self.w:
             x = x.linear(self.w["cls.weight"], self.w.get("cls.bias")).tanh()
@@ -291,7 +291,7 @@ class BertEncoder:
         return (m + h).layer_norm(w[p + "layer_output_norm.weight"], w[p + "layer_output_norm.bias"], c.norm_eps)
 
 
-def _padded(inputs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+def padded(inputs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """``(ids int32 [B, L], lengths [B])``: the inputs padded on the right with 0."""
     lengths = np.array([len(x) for x in inputs])
     ids = np.zeros((len(inputs), int(lengths.max())), np.int32)
@@ -303,14 +303,14 @@ def _padded(inputs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 def pool(ctx: Context, h: Tensor, lengths: np.ndarray, mode: str, as_tensor: bool = False) -> "np.ndarray | Tensor":
     """Pooled embeddings float32 ``[B, D]`` of hidden states ``h [B, L, D]`` whose row ``b`` holds ``lengths[b]``
     tokens: ``mean`` over those tokens, ``cls`` the first token, ``last`` the last one (sentence-transformers'
-    ``Pooling``; llama.cpp's pooling types 1, 2 and 3); ``as_tensor``: ``cls`` and ``last`` as a Tensor in ``h``'s
-    dtype. Raises ValueError for another mode."""
+    ``Pooling``; llama.cpp's pooling types 1, 2 and 3); ``as_tensor``: a Tensor ``[B, D]`` in ``h``'s dtype.
+    Raises ValueError for another mode."""
     b, n, d = h.shape
     lengths = np.asarray(lengths, np.int64)
     if mode == "mean":
         m = ctx.from_numpy((np.arange(n)[None, :] < lengths[:, None]).astype(np.float32)[:, :, None], h.dtype)
-        s = (h * m).sum(axis=1)
-        return (s / ctx.from_numpy(lengths.astype(np.float32)[:, None], h.dtype)).astype(DType.FLOAT32).numpy()
+        mean = (h * m).sum(axis=1) / ctx.from_numpy(lengths.astype(np.float32)[:, None], h.dtype)
+        return mean if as_tensor else mean.astype(DType.FLOAT32).numpy()
     if mode in ("cls", "last"):
         rows = np.arange(b) * n + (0 if mode == "cls" else lengths - 1)
         picked = h.reshape(b * n, d).take(ctx.from_numpy(rows.astype(np.int32)), axis=0)

@@ -49,6 +49,7 @@ from mlx_engine.models.layers.base import DecoderModel, ModelPart, hf_names_from
 from mlx_engine.models.layers.config import DecoderConfig, hf_rope_parameters, metadata_getter, vocab_size_of, yarn_rope
 from mlx_engine.models.layers.layer import apply_rope, rope_positions
 from mlx_engine.models.layers.moe import MoEWeights, experts_mlp, grouped_route, moe_names_from_gguf, stack_experts
+from mlx_engine.models.layers.nextn import mtp_weights
 from mlx_engine.models.layers.step import NotWholeStep
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ class DeepSeek2(MoEWeights, DecoderModel):
         rope = int(get("rope.dimension_count", positive=True))
         key = int(get("attention.key_length_mla", 0) or get("attention.key_length", positive=True))
         value = int(get("attention.value_length_mla", 0) or get("attention.value_length", positive=True))
-        layers = int(get("block_count", positive=True))
+        layers = int(get("block_count", positive=True)) - int(get("nextn_predict_layers", 0))
         experts = int(get("expert_count", 0))
         shared = int(get("expert_shared_count", 0))
         moe_ff = int(get("expert_feed_forward_length", 0))
@@ -219,7 +220,8 @@ class DeepSeek2(MoEWeights, DecoderModel):
     @classmethod
     def sanitize(cls, weights: dict[str, Tensor], config: MLAConfig, source: str) -> dict[str, Tensor]:
         """llama.cpp's names to the hub's; the hub's ``shared_experts`` to ``shared_expert`` (:class:`MoEWeights`);
-        multi-token-prediction layers (past ``num_hidden_layers``) dropped; ``kv_b_proj`` (or llama.cpp's
+        multi-token-prediction layers (past ``num_hidden_layers``; llama.cpp's ``blk.N.nextn.*``) kept apart under
+        ``mtp.`` (:func:`~mlx_engine.models.layers.nextn.mtp_weights`); ``kv_b_proj`` (or llama.cpp's
         ``attn_k_b`` / ``attn_v_b``) into the per-head key and value products ``k_b_proj [H * qk_nope, rank]`` and
         ``v_b_proj [H * v_head_dim, rank]``.
 
@@ -235,14 +237,14 @@ class DeepSeek2(MoEWeights, DecoderModel):
                 renamed[name] = t
             weights = hf_names_from_gguf(moe_names_from_gguf(renamed), "post_attention_layernorm")
         out: dict[str, Tensor] = {}
+        layers = config.num_layers
         for name, t in weights.items():
             if name.startswith("model.layers."):
-                if int(name.split(".")[2]) >= config.num_layers:
-                    continue
+                layers = max(layers, int(name.split(".")[2]) + 1)
                 name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
             out[name] = t
         h, nope, v, rank = config.num_heads, config.qk_nope_dim, config.v_head_dim, config.kv_lora_rank
-        for layer in range(config.num_layers):
+        for layer in range(layers):  # the multi-token-prediction layers' too
             p = f"model.layers.{layer}.self_attn."
             kv_b, k_b, v_b = out.pop(p + "kv_b_proj.weight", None), out.pop(p + "attn_k_b", None), \
                 out.pop(p + "attn_v_b", None)
@@ -260,7 +262,7 @@ class DeepSeek2(MoEWeights, DecoderModel):
                                    f"{h} heads of {nope} + {v} features from a latent of {rank}: {e}") from e
             out[p + "k_b_proj.weight"] = k_b.reshape(h * nope, rank)
             out[p + "v_b_proj.weight"] = v_b.reshape(h * v, rank)
-        return out
+        return mtp_weights(out, config.num_layers)
 
     # ---- weights -----------------------------------------------------------------------------------------------
     def _check_weights(self) -> None:

@@ -11,7 +11,8 @@
   ``n_shared_experts`` always-on shared experts (one SwiGLU of their joint width, no gate):
   :func:`mlx_engine.models.layers.moe.grouped_route`.
 - **Next-token prediction layers** (``num_nextn_predict_layers``: layers past ``num_hidden_layers`` in the folder,
-  extra blocks in the GGUF, whose ``block_count`` counts them) are for speculative decoding; they are dropped at load.
+  extra blocks in the GGUF, whose ``block_count`` counts them) are for speculative decoding: kept apart at load, they
+  draft with ``speculative="mtp"`` (:mod:`mlx_engine.models.generation.mtp`).
 
 llama.cpp's ``glm4moe`` reads no expert groups (its converter writes none); a GGUF's experts are chosen from all of
 them, as llama.cpp does.
@@ -31,6 +32,7 @@ from mlx_engine.models.layers.base import DecoderModel, ModelPart, hf_names_from
 from mlx_engine.models.layers.config import (DecoderConfig, check_layer_count, check_rope_scaling, hf_rope_parameters,
                                       metadata_getter, vocab_size_of)
 from mlx_engine.models.layers.moe import MoEWeights, moe_names_from_gguf, stack_experts
+from mlx_engine.models.layers.nextn import mtp_weights
 
 
 class Glm4MoE(MoEWeights, DecoderModel):
@@ -111,16 +113,13 @@ class Glm4MoE(MoEWeights, DecoderModel):
     def sanitize(cls, weights: dict[str, Tensor], config: DecoderConfig, source: str) -> dict[str, Tensor]:
         """llama.cpp's names to the hub's (``blk.N.post_attention_norm`` is the MLP's input norm); the hub's
         ``shared_experts`` to ``shared_expert`` (:class:`MoEWeights`); the next-token prediction layers (past
-        ``num_layers``) dropped."""
+        ``num_layers``; llama.cpp's ``blk.N.nextn.*``) kept apart under ``mtp.``
+        (:func:`~mlx_engine.models.layers.nextn.mtp_weights`)."""
         if source == "gguf":
             weights = hf_names_from_gguf(moe_names_from_gguf(weights), "post_attention_layernorm")
         out: dict[str, Tensor] = {}
         for name, t in weights.items():
             if name.startswith("model.layers."):
-                if int(name.split(".")[2]) >= config.num_layers:
-                    continue
                 name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
-            elif name.startswith("blk.") and int(name.split(".")[1]) >= config.num_layers:
-                continue  # a next-token prediction block's own tensors (nextn.eh_proj ...)
             out[name] = t
-        return out
+        return mtp_weights(out, config.num_layers)

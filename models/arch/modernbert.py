@@ -1,7 +1,8 @@
 """ModernBERT encoders (ModernBERT-base / -large and the embedding models built on it: gte-modernbert,
 nomic-embed-text-v2's kin, granite-embedding-r2): pre-norm layers without biases, RoPE with two bases (global
 layers and local ones), local layers attending within a sliding window both ways, a gated GELU MLP (GeGLU) and a final
-norm.
+norm. ModernBERT cross-encoders (``ModernBertForSequenceClassification``: gte-reranker-modernbert-base, the ms-marco
+ModernBERT rerankers) pool the final hidden states, then run a head and a classifier (:meth:`ModernBertEncoder.rank`).
 
 References: transformers' ``models/modernbert/modeling_modernbert.py`` (``ModernBertModel``: ``embeddings.norm`` after
 the token embedding; layer 0's ``attn_norm`` is the identity; ``Wqkv`` fused; NeoX-style RoPE, base
@@ -10,7 +11,12 @@ the token embedding; layer 0's ``attn_norm`` is the identity; ``Wqkv`` fused; Ne
 at distance at most ``local_attention // 2``, ``masking_utils.sliding_window_bidirectional_overlay``;
 ``Wo(act(input) * gate)`` with ``input, gate = Wi(x).chunk(2)``; ``final_norm``) and llama.cpp's
 ``src/models/modern-bert.cpp`` with ``conversion/bert.py`` (``ModernBertModel``: the GGUF names, ``sliding_window``
-holding ``local_attention``, ``LLAMA_SWA_TYPE_SYMMETRIC``: masked where the distance exceeds half of it).
+holding ``local_attention``, ``LLAMA_SWA_TYPE_SYMMETRIC``: masked where the distance exceeds half of it). The
+cross-encoder: transformers' ``ModernBertForSequenceClassification`` (``classifier_pooling`` ``cls``, the first
+token, or ``mean`` over the attended tokens; ``head``: ``norm(act(dense(x)))``, ``classifier_activation`` GELU;
+then ``classifier``) and llama.cpp's ``build_pooling`` for ``LLAMA_POOLING_TYPE_RANK`` (``cls``, GELU for
+``LLM_ARCH_MODERN_BERT``, ``cls.norm``, ``cls.output``; ``{arch}.classifier.pooling_type`` 2 CLS or 1 mean, mean when
+absent: ``llama_model_modern_bert::load_arch_hparams``).
 
 Shapes: token ids ``[B, L]`` (rows padded on the right), hidden states ``[B, L, D]``, attention ``[B, H, L, Dh]``.
 """
@@ -18,13 +24,13 @@ Shapes: token ids ``[B, L]`` (rows padded on the right), hidden states ``[B, L, 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from mlx_engine.errors import WeightsError
-from mlx_engine.ml import Backend, Context, Tensor
-from mlx_engine.models.arch.bert import BertEncoder, EncoderConfig
+from mlx_engine.ml import Backend, Context, DType, Tensor
+from mlx_engine.models.arch.bert import BertEncoder, EncoderConfig, padded, pool
 from mlx_engine.models.layers.config import metadata_getter
 
 #: ModernBERT as Hugging Face's ``model_type`` and GGUF's ``general.architecture`` spell it.
@@ -40,7 +46,13 @@ _HF_NAMES = [
     (r"layers\.(\d+)\.mlp\.Wi\.weight", r"blk.\1.ffn_up.weight"),
     (r"layers\.(\d+)\.mlp\.Wo\.weight", r"blk.\1.ffn_down.weight"),
     (r"final_norm\.weight", "output_norm.weight"),
+    # ModernBertForSequenceClassification's head and classifier, as llama.cpp's converter names them (with labels)
+    (r"head\.dense\.(weight|bias)", r"cls.\1"),
+    (r"head\.norm\.weight", "cls.norm.weight"),
+    (r"classifier\.(weight|bias)", r"cls.output.\1"),
 ]
+#: llama.cpp's ``{arch}.classifier.pooling_type`` values (``enum llama_pooling_type``) a ModernBERT head pools by.
+_GGUF_RANK_POOLING = {1: "mean", 2: "cls"}
 _HF_RE = [(re.compile(p + "$"), r) for p, r in _HF_NAMES]
 
 
@@ -48,15 +60,17 @@ class ModernBertEncoder(BertEncoder):
     """A ModernBERT encoder on the ``ml`` interfaces: token ids to the final-normed hidden states.
 
     Attributes beyond :class:`BertEncoder`'s: global_layers (the layers attending to every token), local_theta
-    (the local layers' RoPE base), half_window (a local token sees keys at most this far, both ways).
+    (the local layers' RoPE base), half_window (a local token sees keys at most this far, both ways), rank_pooling
+    (a cross-encoder's pooling before its head: ``cls`` or ``mean``).
 
-    Errors at construction: ``WeightsError`` for a missing tensor, a bias (we run the bias-free layout), or a
-    shape that disagrees with the config.
+    Errors at construction: ``WeightsError`` for a missing tensor, a bias (we run the bias-free layout; the
+    classification head's dense and classifier may have theirs), or a shape that disagrees with the config.
     """
 
     def __init__(self, config: EncoderConfig, weights: dict[str, Tensor], backend: Backend,
-                 global_layers: set[int], local_theta: float, half_window: int):
+                 global_layers: set[int], local_theta: float, half_window: int, rank_pooling: str = "cls"):
         self.global_layers, self.local_theta, self.half_window = global_layers, local_theta, half_window
+        self.rank_pooling = rank_pooling
         super().__init__(config, weights, backend)
 
     @classmethod
@@ -93,8 +107,15 @@ class ModernBertEncoder(BertEncoder):
             for rx, repl in _HF_RE:
                 if rx.match(name):
                     out[rx.sub(repl, name)] = t
+        pooling = md.get("classifier_pooling", "cls")  # transformers' ModernBertConfig default
+        if "cls.output.weight" in out:  # a cross-encoder: its head must be one we run
+            if pooling not in ("cls", "mean"):
+                raise WeightsError(f"config.json's classifier_pooling is {pooling!r}; 'cls' and 'mean' are run")
+            if md.get("classifier_activation", "gelu") != "gelu":
+                raise WeightsError(f"config.json's classifier_activation is {md.get('classifier_activation')!r}; "
+                                   "ModernBERT cross-encoders with 'gelu' (llama.cpp's only one) are read")
         return cls(config, out, backend, {i for i, t in enumerate(types) if t == "full_attention"}, local,
-                   int(md.get("local_attention", 128)) // 2)
+                   int(md.get("local_attention", 128)) // 2, pooling)
 
     @classmethod
     def _from_gguf(cls, md: Any, weights: dict[str, Tensor], backend: Backend) -> "ModernBertEncoder":
@@ -117,8 +138,14 @@ class ModernBertEncoder(BertEncoder):
                                                                              1e-5))),
                                int(get("context_length", 8192)),
                                rope_theta=float(get("rope.freq_base", 160000.0)), gated=True)
+        kind = get("classifier.pooling_type", 1)  # llama.cpp pools a modern-bert head by mean where the file is silent
+        pooling = _GGUF_RANK_POOLING.get(kind) if isinstance(kind, int) and not isinstance(kind, bool) else None
+        if pooling is None and "cls.output.weight" in weights:  # a cross-encoder: its head must be one we run
+            raise WeightsError(f"the GGUF's modern-bert.classifier.pooling_type is {kind!r:.60}; 1 (mean) and 2 "
+                               "(CLS) are run")
         return cls(config, weights, backend, {i for i in range(n) if i % every == 0},
-                   float(get("rope.freq_base_swa", 10000.0)), int(get("attention.sliding_window", 128)) // 2)
+                   float(get("rope.freq_base_swa", 10000.0)), int(get("attention.sliding_window", 128)) // 2,
+                   pooling or "mean")
 
     def _check(self) -> None:
         c = self.config
@@ -131,6 +158,13 @@ class ModernBertEncoder(BertEncoder):
                          p + "ffn_norm.weight": (d,), p + "ffn_up.weight": (2 * ff, d), p + "ffn_down.weight": (d, ff)})
             if i:  # layer 0's attention norm is the identity
                 want[p + "attn_norm.weight"] = (d,)
+        if self.has_rank_head:
+            labels = int(self.w["cls.output.weight"].shape[0])
+            want.update({"cls.weight": (d, d), "cls.norm.weight": (d,), "cls.output.weight": (labels, d)})
+            if "cls.bias" in self.w:
+                want["cls.bias"] = (d,)
+            if "cls.output.bias" in self.w:
+                want["cls.output.bias"] = (labels,)
         missing = [n for n in want if n not in self.w]
         if missing:
             raise WeightsError(f"the ModernBERT checkpoint lacks {len(missing)} tensors, e.g. "
@@ -143,6 +177,22 @@ class ModernBertEncoder(BertEncoder):
             if tuple(self.w[name].shape) != shape:
                 raise WeightsError(f"tensor {name} has shape {tuple(self.w[name].shape)} but the config implies "
                                    f"{shape}; the file is inconsistent")
+
+    def rank(self, ctx: Context, inputs: Sequence[Sequence[int]], types: Sequence[Sequence[int]] | None = None
+             ) -> np.ndarray:
+        """Classifier outputs float32 ``[len(inputs), labels]`` of (query, document) pair inputs: the final-normed
+        hidden states pooled by ``rank_pooling`` (the first token, or the mean over the input's tokens), then
+        ``cls.output(norm(gelu(cls(x))))`` (transformers' ``ModernBertForSequenceClassification``: ``head``, then
+        ``classifier``; llama.cpp's rank head for modern-bert). ``types`` is ignored (ModernBERT has no token types).
+        Raises WeightsError when the checkpoint has no classification head."""
+        if not self.has_rank_head:
+            raise WeightsError("the ModernBERT checkpoint has no classification head (classifier.weight / "
+                               "cls.output.weight): it embeds, it does not rerank")
+        w, eps = self.w, self.config.norm_eps
+        ids, lengths = padded(inputs)
+        x = pool(ctx, self.forward(ctx, ids, lengths), lengths, self.rank_pooling, as_tensor=True)
+        x = x.linear(w["cls.weight"], w.get("cls.bias")).gelu().layer_norm(w["cls.norm.weight"], None, eps)
+        return x.linear(w["cls.output.weight"], w.get("cls.output.bias")).astype(DType.FLOAT32).numpy()
 
     def forward(self, ctx: Context, ids: np.ndarray, lengths: np.ndarray, types: np.ndarray | None = None) -> Tensor:
         """The final-normed hidden states ``[B, L, D]`` (compute dtype) of token ids ``ids`` (int ``[B, L]``, row

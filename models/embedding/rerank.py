@@ -1,5 +1,5 @@
-"""Reranking with cross-encoders: a (query, document) pair through a BERT encoder with a classification head, one
-relevance score per document.
+"""Reranking with cross-encoders: a (query, document) pair through a BERT-family encoder (BERT, XLM-RoBERTa,
+ModernBERT) with a classification head, one relevance score per document.
 
 References: sentence-transformers' ``CrossEncoder.predict`` (the tokenizer's pair encoding, truncated longest
 first; ``Sigmoid`` on a one-label model's logit by default); transformers' ``BertForSequenceClassification``

@@ -27,7 +27,8 @@ SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerOptions))
 FORMAT_OPTIONS = ("response_format", "format", "json_schema", "regex", "grammar")
 #: ``think``: a reasoning model thinks (True), answers at once (False), or thinks at a level (``low``, ``medium``,
 #: ``high``); None leaves it to the chat template
-#: ``speculative``: ``off``, ``lookup`` (prompt lookup drafts) or ``draft`` (the draft model's drafts);
+#: ``speculative``: ``off``, ``lookup`` (prompt lookup drafts), ``draft`` (the draft model's drafts) or ``mtp`` (the
+#: model's multi-token-prediction layer's drafts);
 #: ``draft_tokens``: the most draft tokens a verification step checks
 OPTION_NAMES = (*SAMPLER_FIELDS, "max_tokens", "stop", "system", "raw", *FORMAT_OPTIONS, "think", "speculative",
                 "draft_tokens")
@@ -49,7 +50,8 @@ class GenerationOptions:
         images: the prompt's images at their places (set by whoever made the prompt, never parsed from options).
         think: whether a reasoning model thinks: True, False, a level (``low``, ``medium``, ``high``), or None for
             the chat template's default (it reaches the template through ``Model.template_vars``).
-        speculative: ``off``, ``lookup`` (prompt lookup drafts) or ``draft`` (a draft model's drafts): speculative
+        speculative: ``off``, ``lookup`` (prompt lookup drafts), ``draft`` (a draft model's drafts) or ``mtp`` (the
+            model's multi-token-prediction layer's drafts: DeepSeek V3, GLM-4.5): speculative
             decoding (:mod:`~mlx_engine.models.generation.speculative`), the same output, faster where the drafts are right;
             None (default): ``draft`` for a model loaded with a draft model, else ``off``.
         draft_tokens: the most draft tokens one verification step checks (>= 1, default 8).

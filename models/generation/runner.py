@@ -23,54 +23,16 @@ from mlx_engine.models.layers.base import DecoderModel
 from mlx_engine.models.text.constraint import Constraint, GrammarTokenizer, ResponseFormat
 from mlx_engine.models.generation.core import SequenceState
 from mlx_engine.models.generation.draft_model import check_vocabulary
+from mlx_engine.models.generation.mtp import MTPHead
 from mlx_engine.models.generation.speculative import DraftLength, Drafter, make_drafter, speculate
 from mlx_engine.models.vision.images import PromptImage, prompt_keys
 from mlx_engine.models.text.reasoning import (HARMONY, DeferredConstraint, HarmonyParser, ReasoningParser,
                                          prompt_opens_span, think_markers)
 from mlx_engine.models.generation.sampler import Sampler, SamplerOptions
 from mlx_engine.models.generation.scoring import sum_nll
+from mlx_engine.models.generation.stats import GenerationStats
 from mlx_engine.models.text.text_assembly import TextAssembler, typed_pieces
 from mlx_engine.models.text.tokenizer import Tokenizer
-
-
-@dataclass
-class GenerationStats:
-    """Statistics of one request. Rates in tokens per second, times in seconds, memory in bytes.
-
-    ``prompt_tokens`` counts the whole prompt; ``prefilled_tokens`` those actually run (the rest came from the cache).
-    ``stop_reason`` is ``eos``, ``stop`` (a stop string), ``length`` (``max_tokens`` or the context is full) or
-    ``interrupted`` (the caller stopped reading). With speculative decoding: ``verify_steps`` (forward passes that
-    verified a draft), ``draft_proposed`` and ``draft_accepted`` (draft tokens). ``context_full``: the answer was cut off because the context (the
-    KV cache's capacity for the sequence) was full, not by ``max_tokens``. ``format_complete``: with a response
-    format, whether the text is a complete value of it (False: cut off inside it); None without one.
-    """
-
-    prompt_tokens: int = 0
-    prefilled_tokens: int = 0
-    prompt_tps: float = 0.0
-    generated_tokens: int = 0
-    decode_tps: float = 0.0
-    ttft_s: float = 0.0
-    peak_memory_bytes: int = 0
-    stop_reason: str = ""
-    context_full: bool = False
-    format_complete: bool | None = None
-    verify_steps: int = 0
-    draft_proposed: int = 0
-    draft_accepted: int = 0
-
-    def summary(self) -> str:
-        """One line: prompt and decode speed, time to first token, peak memory; with speculative decoding, the
-        share of draft tokens accepted and the tokens each verification step gave."""
-        spec = ""
-        if self.verify_steps:
-            rate = self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
-            spec = (f" | speculative: {self.draft_accepted}/{self.draft_proposed} draft tokens accepted "
-                    f"({rate:.0%}), {(self.generated_tokens - 1) / self.verify_steps:.2f} tokens per step")
-        return (f"prompt: {self.prompt_tokens} tokens ({self.prefilled_tokens} prefilled) at "
-                f"{self.prompt_tps:.1f} tok/s | decode: {self.generated_tokens} tokens at {self.decode_tps:.1f} tok/s"
-                f" | time to first token: {self.ttft_s * 1000:.0f} ms | peak memory: "
-                f"{self.peak_memory_bytes / 2**20:.1f} MiB | stop: {self.stop_reason}{spec}")
 
 
 @dataclass
@@ -87,8 +49,9 @@ class Request:
         images: images at explicit places of ``tokens`` (their placeholder tokens), for a model with a vision part.
         reasoning: keep a reasoning model's thinking span apart from the answer (False: raw text, as a plain
             completion wants it).
-        speculative: ``off``, ``lookup`` (prompt lookup drafts) or ``draft`` (the attached draft model's drafts);
-            None: ``draft`` when the runner has a draft model (:meth:`Runner.attach_draft`), else ``off``.
+        speculative: ``off``, ``lookup`` (prompt lookup drafts), ``draft`` (the attached draft model's drafts) or
+            ``mtp`` (the model's multi-token-prediction layer's drafts); None: ``draft`` when the runner has a draft
+            model (:meth:`Runner.attach_draft`), else ``off``.
         draft_tokens: the most draft tokens one verification step checks (the draft length adapts within 1..this).
     """
 
@@ -144,6 +107,8 @@ class Runner:
                 self.cache.reserve(ctx, model.layer_kv_shapes())
         self._cached: dict[int, list[int]] = {}
         self.draft: Runner | None = None  # a draft model's runner (attach_draft)
+        self.kv_bits, self.name = kv_bits, ""  # the name: the model's, for messages (the API sets it)
+        self.mtp: MTPHead | None = None  # the multi-token-prediction head, built by the first request for it
         #: the model's thinking span (None: it does not think, or there is no tokenizer to tell)
         self.think_markers = (think_markers(tokenizer.chat_template, tokenizer.token_to_id)
                               if tokenizer is not None else None)
@@ -159,6 +124,8 @@ class Runner:
             if self._cached.get(seq):
                 self.cache.remove(seq, 0, None)
             self._cached.pop(seq, None)
+            if self.mtp is not None:
+                self.mtp.forget(seq)
 
     def adopt(self, sequence: int, keys: Sequence[int]) -> None:
         """Record ``keys`` as what the cache holds for ``sequence`` (its cells were put in from a snapshot)."""
@@ -300,9 +267,11 @@ class Runner:
                 batch = Batch.single(chunk, begin, seq)
                 batch.images = [(im.start - begin, self.model.vision.encode(im.pixels))
                                 for im in images if begin <= im.start < end]
-                logits = self.model.forward(ctx, batch, self.cache)
+                logits = self._forward(ctx, batch, [(seq, begin, end - begin)])
                 ctx.evaluate(logits, *(states.state_tensors() if states else ()))
                 self._cached.setdefault(seq, []).extend(keys[begin:end])
+                if self.mtp is not None:  # the MTP head runs what it can now, keeping few hidden states
+                    self.mtp.catch_up(ctx, seq, tokens[:end + 1])
                 yield logits
         return start, chunks()
 
@@ -362,6 +331,8 @@ class Runner:
             self.cache.remove(dst, 0, None)
             return 0
         self._cached[dst] = list(tokens[:n])
+        if self.mtp is not None:
+            self.mtp.share(src, dst, n)
         return n
 
     def cached_length(self, seq: int) -> int:
@@ -514,10 +485,32 @@ class Runner:
         positions = np.concatenate([np.arange(p, p + len(t)) for _, t, p in drafts])
         sequences = np.concatenate([np.full(len(t), s) for s, t, _ in drafts])
         outputs = np.cumsum([len(t) for _, t, _ in drafts]) - 1 if last else np.arange(len(ids))
-        logits = self.model.forward(ctx, Batch(ids, positions, sequences, outputs), self.cache)
+        logits = self._forward(ctx, Batch(ids, positions, sequences, outputs), [(s, p, len(t)) for s, t, p in drafts])
         for s, t, _ in drafts:
             self._cached.setdefault(int(s), []).extend(int(x) for x in t)
         return logits
+
+    def _forward(self, ctx, batch: Batch, runs: Sequence[tuple[int, int, int]]) -> Tensor:
+        """The model's logits of ``batch``; its hidden states go to the MTP head for the sequences it drafts for
+        (``runs``: each run of the batch's tokens as ``(sequence, first position, count)``, in order)."""
+        if self.mtp is None or not any(int(s) in self.mtp.active for s, _, _ in runs):
+            return self.model.forward(ctx, batch, self.cache)
+        logits, hidden = self.model.forward(ctx, batch, self.cache, hidden_too=True)
+        self.mtp.observe_runs(runs, hidden)
+        return logits
+
+    def mtp_head(self) -> MTPHead:
+        """The model's multi-token-prediction head (built at the first call). Raises ``InvalidRequestError`` naming
+        the model when its checkpoint holds no MTP layer."""
+        if self.mtp is None:
+            if not MTPHead.available(self.model):
+                raise InvalidRequestError(
+                    f"speculative=mtp needs multi-token-prediction layers, and {self.name or 'this model'} "
+                    f"({self.model.architecture}) has none loaded: they are read for DeepSeek V3 and GLM-4.5 "
+                    "checkpoints that hold them (num_nextn_predict_layers); use --speculative lookup or a draft model")
+            self.mtp = MTPHead(self.model, context_length=self.context_length, max_sequences=self.max_sequences,
+                               prefill_chunk=self.prefill_chunk, kv_bits=self.kv_bits)
+        return self.mtp
 
     def truncate(self, seq: int, length: int) -> None:
         """Keep the first ``length`` cached tokens of ``seq``: the cells past them are removed from the cache (a
@@ -539,10 +532,15 @@ class Runner:
     def drafter(self, req: Request) -> Drafter | None:
         """The drafter of ``req`` (None: no speculation); ``speculative`` None means ``draft`` when a draft model
         is attached, else ``off``. Raises ``InvalidRequestError`` for an unknown mode, ``draft`` without a draft
-        model, a draft length out of range, or a model whose cache cannot take a rejected draft back."""
+        model, ``mtp`` without MTP layers, a draft length out of range, or a model whose cache cannot take a
+        rejected draft back."""
         mode = req.speculative or ("draft" if self.draft is not None else "off")
+        if self.mtp is not None and mode != "mtp":
+            self.mtp.follow(req.sequence, False)
         drafter = make_drafter(mode, cache=self.cache, architecture=self.model.architecture, draft_runner=self.draft,
-                               sequence=req.sequence, vocab_size=self.tokenizer.vocab_size if self.draft else 0)
+                               sequence=req.sequence, mtp=self.mtp_head,
+                               vocab_size=(getattr(self.tokenizer, "vocab_size", 0) or self.model.config.vocab_size)
+                               if self.draft is not None or mode == "mtp" else 0)
         if drafter is not None and (isinstance(req.draft_tokens, bool) or not isinstance(req.draft_tokens, int)
                                     or req.draft_tokens < 1):
             raise InvalidRequestError(f"draft_tokens must be an integer >= 1, got {req.draft_tokens!r}")

@@ -16,8 +16,10 @@ The first drafter is prompt lookup (:class:`PromptLookup`): the longest match of
 (``n`` from 3 down to 1) earlier in the prompt and the output, whose continuation is the draft (llama.cpp's
 ``--lookup``, transformers' ``prompt_lookup_num_tokens``, vLLM's ``ngram``). It costs no model and helps where the
 output copies the input (rewriting, editing code, quoting a document). The second is a draft model of the same
-vocabulary (:class:`~mlx_engine.models.generation.draft_model.DraftModel`). The server's scheduler verifies several sequences'
-drafts in one pass with :func:`plan_all`, :func:`judge` and :func:`record`, the parts :func:`speculate` is made of.
+vocabulary (:class:`~mlx_engine.models.generation.draft_model.DraftModel`); the third the model's own
+multi-token-prediction layer (:class:`~mlx_engine.models.generation.mtp.MTPDrafter`: DeepSeek V3, GLM-4.5).
+The server's scheduler verifies several sequences' drafts in one pass with :func:`plan_all`, :func:`judge` and
+:func:`record`, the parts :func:`speculate` is made of.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ from mlx_engine.errors import CacheFullError, InvalidRequestError
 from mlx_engine.kvcache.recurrent import RecurrentCache
 from mlx_engine.ml import Context, DType, Tensor
 from mlx_engine.models.generation.draft_model import DraftModel, draft_together
+from mlx_engine.models.generation.mtp import MTPDrafter, MTPHead
 from mlx_engine.models.generation.core import SequenceState
 
 __all__ = ["Drafter", "PromptLookup", "DraftLength", "verify_token", "SPECULATIVE_MODES", "make_drafter", "plan",
            "plan_all", "judge", "record", "speculate"]
 
 #: the values of the ``speculative`` option
-SPECULATIVE_MODES = ("off", "lookup", "draft")
+SPECULATIVE_MODES = ("off", "lookup", "draft", "mtp")
 
 
 class Drafter(Protocol):
@@ -76,16 +79,35 @@ class PromptLookup:
 
 class DraftLength:
     """The draft length, adapted to how much of each draft the model accepts: one longer after a fully accepted
-    draft, halved after a draft rejected at its first token, within ``1 .. most``."""
+    draft, halved after a draft rejected at its first token, within ``1 .. most``. A rejected one-token draft also
+    pauses drafting (``rest`` passes without a draft: 2, then 4, 8 and at most 16 for each such rejection in a row;
+    an accepted draft token ends the run), since a pass over a rejected draft costs more than a plain step and
+    gains nothing: on text that does not repeat, prompt lookup finds one-token matches that are almost never right.
+    """
 
     def __init__(self, most: int):
         self.most = most
         self.k = most
+        self.rest = 0  # passes left without a draft
+        self._misses = 0  # one-token drafts rejected in a row
+
+    @property
+    def next(self) -> int:
+        """Draft tokens for the next pass: ``k``, or 0 while drafting pauses."""
+        return 0 if self.rest else self.k
 
     def update(self, proposed: int, accepted: int) -> None:
-        if proposed and accepted == proposed:
+        if not proposed:
+            self.rest = max(0, self.rest - 1)
+            return
+        if accepted:
+            self._misses = 0
+        if accepted == proposed:
             self.k = min(self.most, self.k + 1)
-        elif proposed and accepted == 0:
+        elif accepted == 0:
+            if self.k == 1:
+                self._misses += 1
+                self.rest = min(2 ** self._misses, 16)
             self.k = max(1, self.k // 2)
 
 
@@ -115,12 +137,14 @@ def verify_token(p: np.ndarray, draft: int, rng: np.random.Generator) -> tuple[i
 
 
 def make_drafter(mode: str, *, cache: Any = None, architecture: str = "", draft_runner: Any = None,
-                 sequence: int = 0, vocab_size: int = 0) -> Drafter | None:
+                 sequence: int = 0, vocab_size: int = 0, mtp: Callable[[], MTPHead] | None = None) -> Drafter | None:
     """The drafter of a ``speculative`` option value: None for ``off``; :class:`PromptLookup` for ``lookup``;
-    :class:`~mlx_engine.models.generation.draft_model.DraftModel` on ``draft_runner``'s ``sequence`` for ``draft``.
+    :class:`~mlx_engine.models.generation.draft_model.DraftModel` on ``draft_runner``'s ``sequence`` for ``draft``;
+    :class:`~mlx_engine.models.generation.mtp.MTPDrafter` on the head ``mtp()`` gives for ``mtp``.
 
-    Raises ``InvalidRequestError`` for another value, ``draft`` without a draft model, or a target ``cache`` that
-    cannot take a rejected draft back (recurrent layers of ``architecture``)."""
+    Raises ``InvalidRequestError`` for another value, ``draft`` without a draft model, ``mtp`` without MTP layers
+    (``mtp()`` raises it, or no ``mtp``), or a target ``cache`` that cannot take a rejected draft back (recurrent
+    layers of ``architecture``)."""
     if mode not in SPECULATIVE_MODES:
         raise InvalidRequestError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
     if mode == "off":
@@ -130,6 +154,11 @@ def make_drafter(mode: str, *, cache: Any = None, architecture: str = "", draft_
                                   "cannot take back a rejected draft; use --speculative off")
     if mode == "lookup":
         return PromptLookup()
+    if mode == "mtp":
+        if mtp is None:
+            raise InvalidRequestError(f"speculative=mtp needs the model's multi-token-prediction layers; "
+                                      f"{architecture} has none here: use --speculative lookup")
+        return MTPDrafter(mtp(), sequence, vocab_size)
     if draft_runner is None:
         raise InvalidRequestError("speculative=draft needs a draft model: load the model with --draft-model NAME "
                                   "(Python: load(..., draft_model=NAME)), or use --speculative lookup")
@@ -138,7 +167,7 @@ def make_drafter(mode: str, *, cache: Any = None, architecture: str = "", draft_
 
 def plan(state: SequenceState, prompt: Sequence[int], drafter: Drafter, length: DraftLength) -> tuple[list[int], int]:
     """The next verification pass of a sequence: ``(ids, pos)``, its last accepted token followed by a draft of at
-    most ``length.k`` tokens (within what ``max_tokens`` and the context leave), and the position of ``ids[0]``."""
+    most ``length.next`` tokens (within what ``max_tokens`` and the context leave), and the position of ``ids[0]``."""
     return plan_all([(state, prompt, drafter, length)])[0]
 
 
@@ -147,7 +176,7 @@ def plan_all(runs: Sequence[tuple[SequenceState, Sequence[int], Drafter, DraftLe
     """:func:`plan` for several sequences (``runs``: ``(state, prompt, drafter, length)`` each), the sequences that
     draft with one draft model drafting together (:func:`~mlx_engine.models.generation.draft_model.draft_together`,
     with its ``catch_up``: the server's, so that a new prompt reaches the draft model one chunk per step)."""
-    ks = [min(length.k, st.max_tokens - st.generated - 1, st.context_length - (st.prompt_length + st.generated))
+    ks = [min(length.next, st.max_tokens - st.generated - 1, st.context_length - (st.prompt_length + st.generated))
           for st, _, _, length in runs]
     drafts: list[list[int]] = [[] for _ in runs]
     together: dict[int, list[int]] = {}  # the runs of each draft model (by its runner)

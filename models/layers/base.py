@@ -423,13 +423,14 @@ class DecoderModel(abc.ABC):
         return h.reshape(1, h.shape[-2], h.shape[-1])
 
     def forward(self, ctx: Context, batch: Batch, cache: "Cache", hidden_only: bool = False,
-                output_layer: int | None = None) -> Tensor:
+                output_layer: int | None = None, hidden_too: bool = False) -> "Tensor | tuple[Tensor, Tensor]":
         """Run the batch through the model, storing its keys and values in ``cache``.
 
         Returns logits ``[K, vocab]`` (float, the compute dtype) for the batch's ``outputs``, or with
-        ``hidden_only`` the final-normed hidden states ``[1, N, D]`` of every token. With ``output_layer = k``: the
-        hidden states ``[1, N, D]`` of every token after layer ``k`` (0-based; ``-1``: the embeddings), not normed,
-        and the layers after ``k`` do not run (transformers' ``hidden_states[k + 1]``; Z-Image's text encoder).
+        ``hidden_only`` the final-normed hidden states ``[1, N, D]`` of every token; with ``hidden_too`` both, as
+        ``(logits, hidden [N, D])`` (what a multi-token-prediction head reads: models/generation/mtp.py). With
+        ``output_layer = k``: the hidden states ``[1, N, D]`` of every token after layer ``k`` (0-based; ``-1``: the
+        embeddings), not normed, and the layers after ``k`` do not run (transformers' ``hidden_states[k + 1]``; Z-Image's text encoder).
         A model whose config attends ``both_ways`` (an embedder) lets each input's run of the batch see itself both
         ways (``cache.set_causal``). Raises ``CacheFullError`` when the cache has no room (nothing is stored then).
         """
@@ -440,7 +441,7 @@ class DecoderModel(abc.ABC):
             cache.set_causal(ctx, list(zip(cuts[:-1], cuts[1:])), window_both_ways=True)
         elif batch.images and self.images_both_ways:
             cache.set_causal(ctx, [(s, s + rows.shape[0]) for s, rows in batch.images])
-        if (len(batch) == 1 and output_layer is None and not hidden_only and batch.embeddings is None
+        if (len(batch) == 1 and output_layer is None and not hidden_only and not hidden_too and batch.embeddings is None
                 and not batch.images and self.plan.whole):
             if self._whole_step is None:
                 self._whole_step = WholeStep(self, self.backend.compile)
@@ -452,6 +453,8 @@ class DecoderModel(abc.ABC):
             return h
         if hidden_only:
             return h.rms_norm(self.w["model.norm.weight"], self.config.rms_norm_eps)
+        if hidden_too:
+            return self.logits(ctx, batch, h), h[0].rms_norm(self.w["model.norm.weight"], self.config.rms_norm_eps)
         return self.logits(ctx, batch, h)
 
     def run_layers(self, ctx: Context, batch: Batch, h: Tensor, cache: "Cache", output_layer: int | None = None,

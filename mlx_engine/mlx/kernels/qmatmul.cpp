@@ -191,18 +191,23 @@ const float* prepare_x(const float* x, int M, int K, int bits, bool blocks, cons
 }
 
 // Whether the int8 kernel runs p: groups of 16 only symmetric (Q6_K, Q3_K: x's sums per 16, which biases would meet,
-// are not kept) and only on AVX-512 VNNI (the AVX2 kernel sums per 32 elements: `avx2`), a codebook weight in groups
-// of 32 only, and not at all with int16 activations on AVX2 (`avx2_x16`: its sign trick cannot take a lo byte of
-// -128; qmatmul_int8_avx2.inc).
+// are not kept) and on AVX2 (`avx2`) only below 8 bits (its 8-bit lanes mix both 16s of 32 elements), a codebook
+// weight in groups of 32 only, and not at all with int16 activations on AVX2 (`avx2_x16`: its sign trick cannot take a
+// lo byte of -128; qmatmul_int8_avx2.inc).
 bool int8_kernel_takes(const Problem& p, bool avx2, bool avx2_x16) {
-  if (p.group_size == 16) return !avx2 && !p.biases;
+  if (p.group_size == 16) return !p.biases && !(avx2 && p.bits == 8);
   return !p.codebook || (p.group_size == 32 && !avx2_x16);
 }
 
+// Whether int8 activations quantize x per 256 elements for p (llama.cpp's Q8_K, qmatmul_int8.h): its vec_dot_type for
+// the K-quants (Q2_K .. Q6_K) and IQ4_XS, which are the weights held with two-level scales (their rows multiples of
+// 256: check_factored).
+bool int8_per_256(const Problem& p) { return p.super != nullptr; }
+
 // Output rows [n0, n1) of p with the row kernel `rows` (`int8_rows` where p has x quantized); a problem of two-level
 // (or E8M0) scales per block of 64 rows, the block's scales and biases made float32 first by `factored` into a buffer
-// of the thread (the kernels then read them as any other float32 scales: the same values, so the same bits as a weight held
-// with float32 scales).
+// of the thread (the kernels then read them as any other float32 scales: the same values, so the same bits as a
+// weight held with float32 scales).
 void run_rows(RowsFn float_rows, RowsFn int8_rows, FactoredFn factored, const Problem& p, int n0, int n1) {
   const RowsFn rows = p.qx ? int8_rows : float_rows;
   if (p.scale_type != mlx_engine::kU8 && p.scale_type != kI8 && p.scale_type != kE8M0)
@@ -301,9 +306,11 @@ void mlx_engine::factored_scales(const Problem& p, int n0, int count, float* s, 
 }
 
 const mlx_engine::int8::QX& mlx_engine::int8::quantize_x(const float* x, int M, int K, bool nib, bool own,
-                                                         QuantizeRowFn row, bool x16) {
-  static thread_local QXBuffers b;
-  static thread_local QX q;
+                                                         QuantizeRowFn row, bool x16, int slot) {
+  static thread_local QXBuffers buffers[2];
+  static thread_local QX quantized[2];
+  QXBuffers& b = buffers[slot];
+  QX& q = quantized[slot];
   const int blocks = K / 32, K4 = (K + 127) / 128 * 128, K8 = (K + 63) / 64 * 64;
   if (nib) b.p4.assign(size_t(M) * (K4 / 128) * (x16 ? kRecord4x16 : kRecord4), 0);
   if (own) b.p8.assign(size_t(M) * (K8 / 64) * (x16 ? kRecord8x16 : kRecord8), 0);
@@ -361,15 +368,21 @@ void mlx_engine::qmatmul_run(std::vector<Problem>& ps, Activations act) {
   static const std::string int8_here = int8_isa();
   if (act != kActFloat32 && !int8_here.empty()) {
     const bool vnni_here = int8_here == "vnni", x16 = act == kActInt16;
-    bool nib = false, own = false;  // the layouts of x_q these widths read
+    // x quantized once per way its weights take it (kind 1: int8 per 256, Q8_K; 0: per 32, or int16)
+    const auto kind = [x16](const Problem& p) { return int(!x16 && int8_per_256(p)); };
+    bool nib[2] = {}, own[2] = {};  // per kind, the layouts of x_q these widths read
     for (auto& p : ps)
-      if (int8_kernel_takes(p, !vnni_here, x16 && !vnni_here)) (p.bits == 4 ? nib : own) = true;
-    if (nib || own) {
-      const auto quantize_row = vnni_here ? (x16 ? &vnni::quantize_row16 : &vnni::quantize_row)
-                                          : (x16 ? &avx2::i8::quantize_row16 : &avx2::i8::quantize_row);
-      const void* qx = &mlx_engine::int8::quantize_x(ps[0].x, M, K, nib, own, quantize_row, x16);
+      if (int8_kernel_takes(p, !vnni_here, x16 && !vnni_here)) (p.bits == 4 ? nib : own)[kind(p)] = true;
+    for (int k = 0; k < 2; ++k) {
+      if (!nib[k] && !own[k]) continue;
+      using mlx_engine::int8::QuantizeRowFn;
+      const QuantizeRowFn quantize_row =
+          x16 ? (vnni_here ? &vnni::quantize_row16 : &avx2::i8::quantize_row16)
+          : k ? (vnni_here ? &vnni::quantize_row<true> : &avx2::i8::quantize_row<true>)
+              : (vnni_here ? &vnni::quantize_row<false> : &avx2::i8::quantize_row<false>);
+      const void* qx = &mlx_engine::int8::quantize_x(ps[0].x, M, K, nib[k], own[k], quantize_row, x16, k);
       for (auto& p : ps)
-        if (int8_kernel_takes(p, !vnni_here, x16 && !vnni_here)) p.qx = qx;
+        if (int8_kernel_takes(p, !vnni_here, x16 && !vnni_here) && kind(p) == k) p.qx = qx;
       int8_rows = vnni_here ? &vnni::rows : &avx2::i8::rows;
     }
   }
@@ -767,9 +780,9 @@ NB_MODULE(_kernels, m) {
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream; biases None: "
         "-2**(bits - 1) * scales (a symmetric weight); codebook (4 bits, no biases): element scale * kvalues[q], "
         "1: llama.cpp's kvalues_iq4nl (GGUF's IQ4_NL and IQ4_XS), 2: its kvalues_mxfp4 (E2M1 doubled, GGUF's MXFP4 "
-        "with scales 2**(e - 128)), 0: none; activations \"int8\": x quantized per 32 "
-        "elements to int8 "
-        "first (llama.cpp's Q8_0), where int8_supported(); \"int16\": to 16 bits (d = max|x| / 32639), where "
+        "with scales 2**(e - 128)), 0: none; activations \"int8\": x quantized to int8 first "
+        "as llama.cpp does (per 32 elements, its Q8_0; with super scales per 256, its Q8_K), where "
+        "int8_supported(); \"int16\": to 16 bits (d = max|x| / 32639), where "
         "int16_supported(); super: two-level scales per 256 elements, either float16 "
         "[N, K / 256, 2] with scales and biases uint8 integers sc and m, scale = super[.., 0] * sc, bias = "
         "super[.., 1] * m (GGUF's Q4_K, Q5_K, Q2_K), or float16 [N, K / 256, 1] with int8 scales sc and no biases, "

@@ -66,9 +66,9 @@ int scale_type_of(mlx::core::Dtype dtype, bool factored);
 // The zero point a symmetric weight's biases are made from: bias = zero_point_of(p) * scale (exact).
 inline float zero_point_of(const Problem& p) { return p.codebook ? -128.f : -float(1 << (p.bits - 1)); }
 
-// What the products do with x (qmatmul's `activations`): kActFloat32 take it as it is; kActInt8 quantize it per 32
-// elements to int8 (llama.cpp's Q8_0), kActInt16 to 16 bits (two int8 parts), for the integer kernels
-// (qmatmul_int8.h).
+// What the products do with x (qmatmul's `activations`): kActFloat32 take it as it is; kActInt8 quantize it to int8
+// as llama.cpp does for the weight's type (per 32 elements as its Q8_0 blocks, per 256 as its Q8_K for the K-quants
+// and IQ4_XS), kActInt16 to 16 bits per 32 (two int8 parts), for the integer kernels (qmatmul_int8.h).
 enum Activations { kActFloat32 = 0, kActInt8 = 1, kActInt16 = 2 };
 
 // int16 activations apply to products of fewer rows of x than this (decode steps, small batches); a prompt's take
@@ -79,9 +79,9 @@ constexpr int kInt16MaxRows = 64;
 Activations parse_activations(const std::string& name, const std::string& who);
 
 // Products of one x (every problem's x, M and K the same) with one or more weights as one parallel job; act int8 or
-// int16: x quantized so and the integer kernel, where the CPU has it (groups of 16 only symmetric and on AVX-512
-// VNNI, else the float32 kernel; int16 needs AVX-512 VNNI or AVX2: std::invalid_argument elsewhere). Problems of two-level scales
-// run per block of rows, their scales and biases made float32 first.
+// int16: x quantized so (int8: once per way its weights take it) and the integer kernel, where the CPU has it (groups
+// of 16 only symmetric, else the float32 kernel; int16 needs AVX-512 VNNI or AVX2: std::invalid_argument elsewhere).
+// Problems of two-level scales run per block of rows, their scales and biases made float32 first.
 void qmatmul_run(std::vector<Problem>& ps, Activations act);
 
 // What a product node does to x first (the operation before a decoder layer's products), in the same node: each graph

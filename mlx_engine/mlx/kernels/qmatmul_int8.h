@@ -1,10 +1,15 @@
 // x quantized to int8 for qmatmul's int8 kernels (AVX-512 VNNI: qmatmul_int8.inc; AVX2: qmatmul_int8_avx2.inc),
 // the one layout both read, so that either gives the same integer sums.
 //
-// x is quantized per 32 elements as llama.cpp quantizes activations for its integer dot products (its Q8_0 and Q8_1
-// blocks, quantize_row_q8_0 / _q8_1 of ggml-cpu's x86 quants.c): q = round(x * 127 / max|x|) (to nearest even), q in
-// [-127, 127], d = max|x| / 127 held in float16 (as_stored), the biases' sums d * sum(q) in float16 too (Q8_1's s).
-// (llama.cpp's K-quant products take Q8_K blocks instead: one float32 d per 256 elements; not modelled here.)
+// x is quantized as llama.cpp quantizes activations for its integer dot products, which depends on the weight's type
+// (ggml-cpu's type_traits: vec_dot_type):
+// - Q8_0 / Q8_1 blocks (quantize_row_q8_0 / _q8_1 of ggml-cpu's x86 quants.c), for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+//   IQ4_NL and float scales: per 32 elements q = round(x * 127 / max|x|) (to nearest even), q in [-127, 127],
+//   d = max|x| / 127 held in float16 (as_stored), the biases' sums d * sum(q) in float16 too (Q8_1's s);
+// - Q8_K blocks (quantize_row_q8_K_ref of ggml-quants.c, which x86 runs), for the K-quants Q2_K .. Q6_K and IQ4_XS
+//   (the weights of two-level scales here: int8_per_256): per 256 elements q = round(x * 127 / max|x|), d = 1 / (127
+//   / max|x|) in float32 (llama.cpp's q and d are these negated where its signed max is positive: the same products),
+//   the sums d * sum(q) per 32 in float32. A record keeps a d per lane, so all those of a 256 hold the same d.
 // int16 activations (AVX-512 VNNI only): d = max|x| / 32639, q = round(x / d) = 256 hi + lo with hi and lo both in
 // [-128, 127] (hi = (q + 128) >> 8), each part a record's int8 bytes as above; the kernel sums w_q * hi and w_q * lo
 // with the same vpdpbusd and takes (sum_hi << 8) + sum_lo, exact in int32. x's rounding is then at most
@@ -60,9 +65,10 @@ inline void record_scales(float* out, const float* d, int first, int lanes_per_b
 }
 
 // x [M, K] quantized (K a multiple of 32) by `row` (x16: an int16 one), into buffers of the calling thread: valid
-// until its next call;
+// until its next call with the same `slot` (0 or 1: a job whose weights take x quantized two ways keeps both);
 // the records of the nibble order (for 4-bit weights) if `nib`, those of the own order (other widths) if `own`. Many
 // rows (prefill) are split over the kernels' threads. (qmatmul.cpp)
-const QX& quantize_x(const float* x, int M, int K, bool nib, bool own, QuantizeRowFn row, bool x16 = false);
+const QX& quantize_x(const float* x, int M, int K, bool nib, bool own, QuantizeRowFn row, bool x16 = false,
+                     int slot = 0);
 
 }  // namespace mlx_engine::int8
