@@ -97,15 +97,28 @@ def test_f32_gguf_matches_transformers(made):
 
 def test_mxfp4_gguf_matches_transformers_on_its_weights(made):
     """The MXFP4_MOE file: experts in MXFP4 (read without loss), everything else Q8_0, against transformers on the
-    file's dequantized weights, the weights as stored (the experts kept quantized) and dequantized at load alike."""
+    file's dequantized weights, the weights as stored (the experts kept quantized, in their file's bytes where our
+    CPU kernels run them) and dequantized at load alike."""
     path = made.gguf["MXFP4_MOE"]
     import gguf
 
-    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    from mlx_engine.mlx import cpu_kernels
+
+    tensors = gguf.GGUFReader(path).tensors
+    kinds = {t.name: t.tensor_type.name for t in tensors}
     assert kinds["blk.0.ffn_gate_exps.weight"] == "MXFP4" and kinds["blk.1.ffn_down_exps.weight"] == "MXFP4"
     r = arch_proof.runner(path, float_weights=False)
     assert all(w[k].is_quantized for w in r.model.layers.values() for k in ("experts_gate", "experts_up",
                                                                             "experts_down"))
+    if cpu_kernels.qmatmul is not None:  # MXFP4 as stored: 4-bit integers and the E8M0 exponents, 17 bytes per 32
+        sizes = {t.name: int(t.n_bytes) for t in tensors}
+        for i, w in r.model.layers.items():
+            for k in ("gate", "up", "down"):
+                assert (w[f"experts_{k}"].codebook_id, w[f"experts_{k}"].nbytes) == (
+                    cpu_kernels.MXFP4, sizes[f"blk.{i}.ffn_{k}_exps.weight"])
+        ratio = r.backend.weights_nbytes() / sum(sizes.values())
+        print(f"gpt_oss MXFP4_MOE weights / file: {ratio:.4f}")
+        assert ratio <= 1.05, ratio
     ref = arch_proof.reference(_dequantized(made, path), made.tokens)
     for float_weights in (True, False):
         d = arch_proof.distance(arch_proof.ours(path, made.tokens, float_weights), ref)

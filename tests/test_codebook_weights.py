@@ -1,8 +1,10 @@
-"""GGUF's codebook types (IQ4_NL, IQ4_XS) held as their files hold them: 4-bit integers that index llama.cpp's 16
-levels ``kvalues_iq4nl``, times float16 scales (IQ4_NL) or int8 ones under an f16 per 256 elements (IQ4_XS). Exact
-against gguf.quants.dequantize; every CPU kernel (qmatmul and its many and int8 forms, qtake, gather_qmatmul) gives
-the dense product; the backend holds them in about the file's bytes on the CPU and, where MLX's kernels run them,
-as 8-bit affine without loss (they had been re-quantized to 8 bits from their values, with an 8-bit grid's error)."""
+"""GGUF's codebook types (IQ4_NL, IQ4_XS, MXFP4) held as their files hold them: 4-bit integers that index llama.cpp's
+16 levels (``kvalues_iq4nl``; MXFP4's ``kvalues_mxfp4``, the E2M1 values doubled), times float16 scales (IQ4_NL), int8
+ones under an f16 per 256 elements (IQ4_XS) or powers of two ``2**(e - 128)`` (MXFP4, on the device its E8M0
+exponents ``e`` themselves). Exact against gguf.quants.dequantize; every CPU kernel (qmatmul and its many and int8
+forms, qtake, gather_qmatmul) gives the dense product; the backend holds them in about the file's bytes (MXFP4 in
+exactly its bytes) on the CPU and, where MLX's kernels run them, as 8-bit affine without loss (they had been
+re-quantized to 8 bits from their values, with an 8-bit grid's error)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from mlx_engine.mlx import MLXBackend, cpu_kernels  # noqa: E402
+from mlx_engine.mlx.backend import _e8m0  # noqa: E402
 from mlx_engine.mlx.tensor import MLXQuantizedTensor, MLXTensor  # noqa: E402
 from mlx_engine.weights import QuantizedArray  # noqa: E402
 from mlx_engine.weights import quant  # noqa: E402
@@ -26,17 +29,24 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.qmatmul is None, reason="the CPU 
 
 pytestmark = pytest.mark.usefixtures("mlx_on_the_cpu")
 
-TYPES = ["IQ4_NL", "IQ4_XS"]
-ELEMENTS = {"IQ4_NL": 32, "IQ4_XS": 256}  # per block
+TYPES = ["IQ4_NL", "IQ4_XS", "MXFP4"]
+ELEMENTS = {"IQ4_NL": 32, "IQ4_XS": 256, "MXFP4": 32}  # per block
+CODEBOOK = {"IQ4_NL": 1, "IQ4_XS": 1, "MXFP4": 2}  # the kernels' ids (cpu_kernels.CODEBOOKS)
+KVALUES = {"IQ4_NL": gguf.quants.IQ4_NL.kvalues, "IQ4_XS": gguf.quants.IQ4_NL.kvalues,
+           "MXFP4": gguf.quants.MXFP4.kvalues}
 
 
-def blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random blocks (gguf cannot quantize these types): any integers and sub-scales, small finite d."""
+def blocks(type_name: str, rows: int, cols: int, seed: int = 0, exponents: tuple[int, int] = (112, 136)) -> np.ndarray:
+    """Random blocks (gguf cannot quantize these types): any integers and sub-scales, small finite d; MXFP4's
+    exponents from ``exponents`` (its scales ``2**(e - 128)``, float16 ones from 104 to 143)."""
     dt = quant.BLOCKS[type_name]
     n = rows * cols // ELEMENTS[type_name]
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (n, dt.itemsize), dtype=np.uint8).view(dt).reshape(n).copy()
-    b["d"] = rng.uniform(1e-4, 2e-3, n).astype(np.float16)
+    if type_name == "MXFP4":
+        b["e"] = rng.integers(*exponents, n)
+    else:
+        b["d"] = rng.uniform(1e-4, 2e-3, n).astype(np.float16)
     return b
 
 
@@ -44,9 +54,11 @@ def dense(type_name: str, blk: np.ndarray, rows: int) -> np.ndarray:
     return gguf.quants.dequantize(blk.view(np.uint8).reshape(rows, -1), gguf.GGMLQuantizationType[type_name])
 
 
-def device_arrays(qa: QuantizedArray):
-    """(w, scales, super or None) as MLX arrays."""
-    return (mx.array(qa.weight), mx.array(qa.scales),
+def device_arrays(qa: QuantizedArray, blk: "np.ndarray | None" = None):
+    """(w, scales, super or None) as MLX arrays: as the backend holds them on the CPU (MXFP4's scales as the
+    exponents of its blocks ``blk``, the file's bytes)."""
+    scales = qa.scales if blk is None or "e" not in blk.dtype.names else blk["e"].reshape(qa.scales.shape)
+    return (mx.array(qa.weight), mx.array(scales),
             None if qa.super_scales is None else mx.array(qa.super_scales))
 
 
@@ -59,10 +71,13 @@ def test_codebook_types_repack_exactly_in_their_bytes(tmp_path, type_name):
         qa = wf.load("w")
     want = dense(type_name, blk, 24)
     assert isinstance(qa, QuantizedArray) and (qa.bits, qa.group_size, qa.biases) == (4, 32, None)
-    np.testing.assert_array_equal(qa.codebook, gguf.quants.IQ4_NL.kvalues)
+    np.testing.assert_array_equal(qa.codebook, KVALUES[type_name])
     np.testing.assert_array_equal(qa.dequantize(), want)
     if type_name == "IQ4_NL":  # exactly the file's 18 bytes per 32 elements
         assert qa.super_scales is None and qa.scales.dtype == np.float16 and qa.nbytes == raw.nbytes
+    elif type_name == "MXFP4":  # float16 powers of two here (the device holds the file's exponents: _e8m0)
+        assert qa.super_scales is None and qa.scales.dtype == np.float16
+        np.testing.assert_array_equal(_e8m0(qa.scales), blk["e"].reshape(24, -1))
     else:  # an int8 sub-scale where the file packs 6 bits: 1.015x
         assert qa.scales.dtype == np.int8 and qa.super_scales.shape == (24, 3, 1)
         assert qa.nbytes <= 1.02 * raw.nbytes
@@ -121,27 +136,28 @@ def _activations() -> list[str]:
 @pytest.mark.parametrize("m", [1, 3, 8, 40])
 def test_qmatmul_of_a_codebook_weight_is_the_dense_product(type_name, m):
     """Decode rows (1, 3), tiles (8) and panels (40): within float32 rounding of the dense product, and bit for bit
-    the same with the float32 scales the two levels stand for; with int8 activations, of x rounded as llama.cpp
-    rounds it for the type."""
+    the same with the float scales the two levels (MXFP4's exponents) stand for; with int8 activations, of x rounded
+    as llama.cpp rounds it for the type."""
     blk = blocks(type_name, 72, 512, seed=m)
     qa = quant.repack_gguf(blk, type_name, 72, 512)
-    w, s, sup = device_arrays(qa)
+    w, s, sup = device_arrays(qa, blk)
+    cb = CODEBOOK[type_name]
     x = mx.random.normal((m, 512), key=mx.random.key(m))
-    got = cpu_kernels.qmatmul(x, w, s, None, 32, 4, "float32", sup, True)
+    got = cpu_kernels.qmatmul(x, w, s, None, 32, 4, "float32", sup, cb)
     want = x @ mx.array(dense(type_name, blk, 72)).T
     assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
-    flat = cpu_kernels.qmatmul(x, w, mx.array(qa.expanded().scales), None, 32, 4, "float32", None, True)
-    assert mx.array_equal(got, flat).item()
+    flat_scales = mx.array(qa.expanded().scales)  # (MXFP4: the float16 powers of two its exponents stand for)
+    assert mx.array_equal(got, cpu_kernels.qmatmul(x, w, flat_scales, None, 32, 4, "float32", None, cb)).item()
     # the integers read as they lie (an affine 4-bit weight) are another product altogether
-    assert not mx.array_equal(cpu_kernels.qmatmul(x, w, s, None, 32, 4, "float32", sup), got).item()
-    if "int8" in _activations():  # llama.cpp's: x rounded per 32 elements (IQ4_NL: Q8_0) or 256 (IQ4_XS: Q8_K),
-        # integer sums of kvalues[q] * x_q
-        got8 = cpu_kernels.qmatmul(x, w, s, None, 32, 4, "int8", sup, True)
+    assert not mx.array_equal(cpu_kernels.qmatmul(x, w, flat_scales, None, 32, 4, "float32", None), got).item()
+    if "int8" in _activations():  # llama.cpp's: x rounded per 32 elements (IQ4_NL, MXFP4: Q8_0) or 256 (IQ4_XS:
+        # Q8_K), integer sums of kvalues[q] * x_q
+        got8 = cpu_kernels.qmatmul(x, w, s, None, 32, 4, "int8", sup, cb)
         want8 = (q8_k_x(x) if type_name == "IQ4_XS" else int8_x(x)) @ dense(type_name, blk, 72).astype(np.float64).T
         np.testing.assert_allclose(np.array(got8), want8, rtol=0, atol=1e-5 * np.abs(want8).max())
         assert not mx.array_equal(got8, got).item()  # (x was rounded: the check above can fail)
     if "int16" in _activations():
-        got16 = cpu_kernels.qmatmul(x, w, s, None, 32, 4, "int16", sup, True)
+        got16 = cpu_kernels.qmatmul(x, w, s, None, 32, 4, "int16", sup, cb)
         if _kernels_isa() == "avx2":  # AVX2's int16 kernel leaves codebooks to the float32 one (its sign trick)
             assert mx.array_equal(got16, got).item()
         else:  # VNNI: integer sums of kvalues[q] * x_q, x rounded to 16 bits per 32
@@ -151,8 +167,8 @@ def test_qmatmul_of_a_codebook_weight_is_the_dense_product(type_name, m):
     q4, s4, b4 = mx.quantize(mx.random.normal((40, 512), key=mx.random.key(99)), group_size=32, bits=4)
     for activations in _activations():
         ys = cpu_kernels.qmatmul_many(x, [w, q4], [s, s4], [None, b4], [32, 32], [4, 4], None, activations,
-                                      supers=[sup, None], codebooks=[True, False])
-        assert mx.array_equal(ys[0], cpu_kernels.qmatmul(x, w, s, None, 32, 4, activations, sup, True)).item()
+                                      supers=[sup, None], codebooks=[cb, 0])
+        assert mx.array_equal(ys[0], cpu_kernels.qmatmul(x, w, s, None, 32, 4, activations, sup, cb)).item()
         assert mx.array_equal(ys[1], cpu_kernels.qmatmul(x, q4, s4, b4, 32, 4, activations)).item()
 
 
@@ -169,6 +185,17 @@ def test_bad_codebook_weights_are_refused():
         cpu_kernels.qtake(w, s, s, mx.array([0]), 32, 4, None, True)
     with pytest.raises(ValueError, match="one or more weights"):
         cpu_kernels.qmatmul_many(x, [w], [s], [None], [32], [4], codebooks=[True, False])
+    with pytest.raises(ValueError, match="codebook must be 0"):
+        cpu_kernels.qmatmul(x, w, s, None, 32, 4, "float32", None, 3)
+    exps = mx.full(s.shape, 127, mx.uint8)  # E8M0 exponents: MXFP4's scales only
+    for codebook in (0, 1):
+        with pytest.raises(ValueError, match="E8M0 exponents, an MXFP4"):
+            cpu_kernels.qmatmul(x, w, exps, None, 32, 4, "float32", None, codebook)
+        with pytest.raises(ValueError, match="E8M0 exponents, an MXFP4"):
+            cpu_kernels.qtake(w, exps, None, mx.array([0]), 32, 4, None, codebook)
+        with pytest.raises(ValueError, match="E8M0 exponents, an MXFP4"):
+            cpu_kernels.gather_qmatmul(x, w[None], exps[None], None, mx.array([[0]]), 32, 4, "float32", None,
+                                       codebook)
 
 
 @needs_kernels
@@ -183,19 +210,22 @@ def test_qtake_and_gather_of_a_codebook_weight(type_name):
     blk = blocks(type_name, 48, 512, seed=3)
     qa = quant.repack_gguf(blk, type_name, 48, 512)
     want = dense(type_name, blk, 48)
-    w, s, sup = device_arrays(qa)
+    w, s, sup = device_arrays(qa, blk)
+    cb = CODEBOOK[type_name]
     ids = mx.array([0, 47, 5, 5], dtype=mx.int32)
-    np.testing.assert_array_equal(np.array(cpu_kernels.qtake(w, s, None, ids, 32, 4, sup, True)), want[[0, 47, 5, 5]])
-    stack = device_arrays(qa.stacked((4,)))
-    for n in (1, 6):
+    np.testing.assert_array_equal(np.array(cpu_kernels.qtake(w, s, None, ids, 32, 4, sup, cb)), want[[0, 47, 5, 5]])
+    stack = device_arrays(qa.stacked((4,)), blk)
+    for n, activations in [(1, a) for a in _activations()] + [(6, "float32")]:
         x = mx.random.normal((n, 512), key=mx.random.key(n))
         idx = mx.array(np.random.default_rng(n).integers(0, 4, (n, 2)).astype(np.int32))
-        got = cpu_kernels.gather_qmatmul(x, stack[0], stack[1], None, idx, 32, 4, "float32", stack[2], True)
+        got = cpu_kernels.gather_qmatmul(x, stack[0], stack[1], None, idx, 32, 4, activations, stack[2], cb)
         for t in range(n):
             for j in range(2):
                 e = int(idx[t, j].item())
-                one = cpu_kernels.qmatmul(x[t:t + 1], stack[0][e], stack[1][e], None, 32, 4, "float32",
-                                          None if stack[2] is None else stack[2][e], True)
+                one = cpu_kernels.qmatmul(x[t:t + 1], stack[0][e], stack[1][e], None, 32, 4, activations,
+                                          None if stack[2] is None else stack[2][e], cb)
+                if n == 1:  # a decode step's products are qmatmul's, bit for bit
+                    assert mx.array_equal(got[t, j], one[0]).item()
                 assert mx.abs(got[t, j] - one[0]).max().item() <= 1e-5 * (1 + mx.abs(one).max().item())
 
 
@@ -204,7 +234,7 @@ def test_the_tensor_dequantizes_a_codebook_weight_exactly(type_name):
     """The tensor's own dequantization (operations other than products, rows in another dtype, no kernels)."""
     blk = blocks(type_name, 16, 512, seed=5)
     qa = quant.repack_gguf(blk, type_name, 16, 512)
-    w, s, sup = device_arrays(qa)
+    w, s, sup = device_arrays(qa, blk)
     want = dense(type_name, blk, 16)
     t = MLXQuantizedTensor(w, s, None, 32, 4, dtype=mx.float32, super_scales=sup, codebook=mx.array(qa.codebook))
     np.testing.assert_array_equal(np.array(t.a), want)
@@ -214,22 +244,49 @@ def test_the_tensor_dequantizes_a_codebook_weight_exactly(type_name):
     np.testing.assert_array_equal(np.array(rows.a), want[[3, 0]].astype(np.float16))
 
 
+@pytest.mark.parametrize("type_name", ["IQ4_XS", "MXFP4"])
 @pytest.mark.parametrize("kernels", [True, False])
-def test_the_backend_holds_iq4_xs_in_its_bytes_or_as_exact_8_bits(tmp_path, kernels, monkeypatch):
-    """On the CPU with our kernels an IQ4_XS tensor keeps its codebook in about its file's bytes; where MLX's kernels
-    run it (GPUs; here the CPU without ours) it is 8-bit affine holding the same values. Both give the dense
-    product (the re-quantization to 8 bits these types had before moved it by an 8-bit grid's step)."""
-    blk = blocks("IQ4_XS", 64, 512, seed=4)
+def test_the_backend_holds_codebook_types_in_their_bytes_or_as_exact_8_bits(tmp_path, kernels, monkeypatch,
+                                                                            type_name):
+    """On the CPU with our kernels an IQ4_XS tensor keeps its codebook in about its file's bytes, an MXFP4 one in
+    exactly its file's bytes (its E8M0 exponents as scales); where MLX's kernels run them (GPUs; here the CPU without
+    ours) they are 8-bit affine holding the same values. Both give the dense product (the re-quantization to 8 bits
+    these types had before moved it by an 8-bit grid's step)."""
+    blk = blocks(type_name, 64, 512, seed=4)
     raw = blk.view(np.uint8).reshape(64, -1)
-    want = dense("IQ4_XS", blk, 64)
-    with held_on_the_cpu(tmp_path, monkeypatch, kernels, raw, gguf.GGMLQuantizationType.IQ4_XS) as (w, x, y):
+    want = dense(type_name, blk, 64)
+    with held_on_the_cpu(tmp_path, monkeypatch, kernels, raw, gguf.GGMLQuantizationType[type_name]) as (w, x, y):
         np.testing.assert_array_equal(np.array(w.a), want)
         ref = x @ want.T
         np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
-        if kernels:
-            assert (w.bits, w.codebook is not None) == (4, True) and w.nbytes <= 1.02 * raw.nbytes
-        else:
+        if not kernels:
             assert (w.bits, w.codebook) == (8, None)
+        elif type_name == "IQ4_XS":
+            assert (w.bits, w.codebook_id) == (4, 1) and w.nbytes <= 1.02 * raw.nbytes
+        else:
+            assert (w.bits, w.codebook_id, w.scales.dtype, w.nbytes) == (4, 2, mx.uint8, raw.nbytes)
+
+
+@needs_kernels
+def test_mxfp4_exponents_of_any_range():
+    """MXFP4 scales from 2**-128 (subnormal) to 2**71: float32 on the host (not every one a float16), the file's
+    exponents on the device; the tensor's values, its rows (qtake) and its products as the file's."""
+    blk = blocks("MXFP4", 16, 256, seed=8, exponents=(0, 200))
+    blk["e"][:2] = (0, 1)  # the two subnormal scales
+    qa = quant.repack_gguf(blk, "MXFP4", 16, 256)
+    want = dense("MXFP4", blk, 16)
+    assert qa.scales.dtype == np.float32
+    np.testing.assert_array_equal(qa.dequantize(), want)
+    held = MLXBackend(device="cpu", quantized=True)._to_device(qa)
+    np.testing.assert_array_equal(np.array(held.scales), blk["e"].reshape(16, -1))
+    np.testing.assert_array_equal(np.array(held.a), want)
+    np.testing.assert_array_equal(np.array(held.take(MLXTensor(mx.array([0, 15], dtype=mx.int32))).a), want[[0, 15]])
+    x = mx.random.normal((3, 256), key=mx.random.key(8))
+    got = np.array(MLXTensor(x).linear(held).a)
+    np.testing.assert_array_equal(got, np.array(cpu_kernels.qmatmul(x, held.w, mx.array(qa.scales), None, 32, 4,
+                                                                      "float32", None, 2)))
+    ref = np.array(x, np.float64) @ want.astype(np.float64).T
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
 def test_the_avx2_kernels_with_a_codebook():
@@ -242,7 +299,8 @@ def test_the_avx2_kernels_with_a_codebook():
 
 @needs_kernels
 def test_a_codebook_our_kernels_do_not_hold_goes_to_exact_8_bits():
-    """Our kernels hold IQ4_NL's levels only: a weight of other levels is made 8-bit affine at load, the same values."""
+    """Our kernels hold IQ4_NL's and MXFP4's levels only: a weight of other levels is made 8-bit affine at load, the
+    same values; a tensor of other levels is refused."""
     blk = blocks("IQ4_NL", 8, 256, seed=6)
     qa = quant.repack_gguf(blk, "IQ4_NL", 8, 256)
     other = QuantizedArray(qa.weight, qa.scales, None, 32, 4, codebook=np.arange(-8, 8, dtype=np.int8))
@@ -251,3 +309,21 @@ def test_a_codebook_our_kernels_do_not_hold_goes_to_exact_8_bits():
     assert (held.bits, held.codebook) == (8, None) and (kept.bits, kept.codebook is not None) == (4, True)
     np.testing.assert_array_equal(np.array(held.a), other.dequantize())
     np.testing.assert_array_equal(np.array(kept.a), dense("IQ4_NL", blk, 8))
+    with pytest.raises(ValueError, match="IQ4_NL's or MXFP4's"):
+        MLXQuantizedTensor(kept.w, kept.scales, None, 32, 4, codebook=mx.array(other.codebook))
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "MXFP4"])
+def test_a_compiled_block_keeps_the_codebook(type_name):
+    """A layer's compiled block (``backend.compile``: the weights pass as their arrays, a decode step's path) runs the
+    codebook weight's product, the same bits as outside it (its spec had left the codebook out: IQ4 weights were read
+    as affine 4-bit integers there)."""
+    blk = blocks(type_name, 64, 256, seed=9)
+    backend = MLXBackend(device="cpu", quantized=True)
+    w = backend._to_device(quant.repack_gguf(blk, type_name, 64, 256))
+    x = MLXTensor(mx.random.normal((1, 256), key=mx.random.key(9)))
+    compiled = backend.compile(lambda x, w: x.linear(w))(x, w).a
+    assert mx.array_equal(compiled, x.linear(w).a).item()
+    ref = np.array(x.a, np.float64) @ dense(type_name, blk, 64).astype(np.float64).T
+    np.testing.assert_allclose(np.array(compiled), ref, rtol=0, atol=1e-5 * np.abs(ref).max())

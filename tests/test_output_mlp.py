@@ -36,7 +36,7 @@ def weight(type_name: str, rows: int, cols: int, seed: int):
     qa = quant.repack_gguf(blk, type_name, rows, cols)
     arg = (mx.array(qa.weight), mx.array(qa.scales), None if qa.biases is None else mx.array(qa.biases),
            qa.group_size, qa.bits, None if qa.super_scales is None else mx.array(qa.super_scales),
-           qa.codebook is not None)
+           cpu_kernels.codebook_id(qa.codebook))
     return arg, qa.dequantize().astype(np.float64)
 
 

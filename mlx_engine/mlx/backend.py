@@ -15,7 +15,7 @@ from mlx_engine.mlx import attention, cpu_kernels, runtime, tensor
 from mlx_engine.mlx.runtime import blas_description, mx, select_device, trim_heap
 from mlx_engine.mlx.tensor import TO_MX, MLXQuantizedTensor, MLXTensor
 from mlx_engine.weights import QuantizedArray, open_weights
-from mlx_engine.weights.quant import IQ4_NL_VALUES, codebook_to_affine, regroup
+from mlx_engine.weights.quant import codebook_to_affine, regroup
 
 
 _COMPILE_WORKS: "bool | None" = None
@@ -111,6 +111,12 @@ def _cut(host: "np.ndarray | QuantizedArray", axis: int, start: int, stop: int) 
     return np.ascontiguousarray(host[tuple(index)])
 
 
+def _e8m0(scales: np.ndarray) -> np.ndarray:
+    """MXFP4's scales ``2**(e - 128)`` (float16 or float32, as ``weights.quant`` holds them) -> the exponents ``e``
+    (uint8, the file's bytes; exact: each scale is a power of two, ``0.5 * 2**(e - 127)`` in ``frexp``'s terms)."""
+    return (np.frexp(scales.astype(np.float32))[1] + 127).astype(np.uint8)
+
+
 def _symmetric(host: QuantizedArray) -> bool:
     """Whether every bias is ``-2**(bits - 1)`` times its scale, exactly (GGUF's Q8_0, Q4_0 and Q5_0 repacked: a
     signed integer times its scale, stored as an unsigned one with that zero point)."""
@@ -148,8 +154,8 @@ class MLXBackend(Backend, LayerFusion):
             GPUs (or without our CPU kernels) those of 16-element groups (Q6_K, Q3_K, Q2_K, which only our CPU
             kernels run), to this many bits (4 or 8, group size 32); 0 keeps them dequantized (float). Default: 8
             where weights stay quantized (the closest MLX form: an 8-bit grid is 4x finer than Q6_K's own), else 0.
-            (IQ4_NL and IQ4_XS keep their codebook on the CPU with our kernels, and are 8-bit affine without loss
-            elsewhere.)
+            (IQ4_NL, IQ4_XS and MXFP4 keep their codebook on the CPU with our kernels, and are 8-bit affine without
+            loss elsewhere.)
         quantized: keep quantized weights quantized. Default: yes on GPUs (``mx.quantized_matmul``), and on the CPU
             where our CPU kernels loaded (:mod:`mlx_engine.mlx.cpu_kernels`); without them, no on the CPU, where
             MLX's own quantized matmul is far slower than a BLAS float32 matmul, so weights are dequantized at load.
@@ -235,12 +241,13 @@ class MLXBackend(Backend, LayerFusion):
             # MLX's kernels take groups of 32 or more: the closest MLX form, or float
             host = regroup(host, self._requantize) if self._requantize else host.dequantize()
         if isinstance(host, QuantizedArray) and host.codebook is not None and not (
-                ours and np.array_equal(host.codebook, IQ4_NL_VALUES)):  # (the one codebook our kernels hold)
+                ours and cpu_kernels.codebook_id(host.codebook)):  # (IQ4_NL's and MXFP4's levels: those ours hold)
             host = codebook_to_affine(host)  # MLX's kernels are affine: 8 bits hold the levels exactly
         if isinstance(host, QuantizedArray) and self._keep_quantized:
             if host.super_scales is not None and not ours:
                 host = host.expanded()  # MLX's kernels take one float scale and bias per group
-            s = mx.array(host.scales)
+            mxfp4 = ours and cpu_kernels.codebook_id(host.codebook) == cpu_kernels.MXFP4
+            s = mx.array(_e8m0(host.scales) if mxfp4 else host.scales)  # MXFP4: its exponents, as the file holds them
             b = None if host.biases is None else mx.array(host.biases)
             if self._device != "cpu":  # mx.quantized_matmul wants them in the compute dtype
                 s, b = s.astype(dt), b.astype(dt)
@@ -311,7 +318,7 @@ class MLXBackend(Backend, LayerFusion):
             for t in tensors:
                 if isinstance(t, MLXQuantizedTensor):
                     spec.append((t.group_size, t.bits, t._dtype, t.biases is None, t.activations,
-                                 t.super_scales is not None))
+                                 t.super_scales is not None, t.codebook_id))
                     flat += (t.w, t.scales) if t.biases is None else (t.w, t.scales, t.biases)
                     if t.super_scales is not None:
                         flat.append(t.super_scales)
@@ -326,7 +333,8 @@ class MLXBackend(Backend, LayerFusion):
                     it = iter(arrays)
                     args = [MLXTensor(next(it)) if s is None else
                             MLXQuantizedTensor(next(it), next(it), None if s[3] else next(it), *s[:3],
-                                               activations=s[4], super_scales=next(it) if s[5] else None)
+                                               activations=s[4], super_scales=next(it) if s[5] else None,
+                                               codebook=mx.array(cpu_kernels.CODEBOOKS[s[6]]) if s[6] else None)
                             for s in spec]
                     out = fn(*args)
                     returns_tuple[spec] = isinstance(out, tuple)

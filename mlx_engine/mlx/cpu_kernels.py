@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from mlx_engine.mlx.runtime import mx
-from mlx_engine.weights.quant import IQ4_NL_VALUES
+from mlx_engine.weights.quant import IQ4_NL_VALUES, MXFP4_VALUES
 
 qmatmul: "Callable | None" = None
 qmatmul_many: "Callable | None" = None
@@ -46,6 +46,22 @@ activation: "Callable | None" = None
 widen: "Callable | None" = None
 softmax: "Callable | None" = None
 huge_pages: "Callable | None" = None
+#: the codebooks our kernels hold (``Codebook`` in kernels/qmatmul.h), by the id their ``codebook`` arguments take
+#: (0: an affine weight): llama.cpp's ``kvalues_iq4nl`` (GGUF's IQ4_NL, IQ4_XS) and ``kvalues_mxfp4`` (MXFP4)
+CODEBOOKS = {1: IQ4_NL_VALUES, 2: MXFP4_VALUES}
+#: MXFP4's id: a weight of this codebook may hold its scales ``2**(e - 128)`` as the exponents ``e`` (uint8)
+MXFP4 = 2
+
+
+def codebook_id(levels: "np.ndarray | None") -> int:
+    """The id (a key of :data:`CODEBOOKS`) of a weight's codebook ``levels`` (int8 ``[16]``, as a NumPy or MLX array);
+    0 for None, and for levels our kernels do not hold."""
+    if levels is None:
+        return 0
+    levels = np.asarray(levels)
+    return next((i for i, v in CODEBOOKS.items() if np.array_equal(levels, v)), 0)
+
+
 # What qmatmul does with x unless a model was loaded with activations=: "float32" (the exact product of x with the
 # dequantized weight: the float model's tokens), or with $MLX_ENGINE_ACTIVATIONS=int8 where the CPU has that kernel
 # (AVX-512 VNNI or AVX2) "int8" (quantized per 32 or, for K-quants, 256 elements and integer dot products, as
@@ -113,19 +129,23 @@ def _sub_block_self_test(fn) -> str | None:
 
 
 def _codebook_self_test(fn) -> str | None:
-    """A 4-bit codebook weight (GGUF's IQ4_NL: ``scale * kvalues[q]``) against its values made here; None when they
-    agree."""
+    """A 4-bit codebook weight of each of :data:`CODEBOOKS` (GGUF's IQ4_NL, MXFP4: ``scale * kvalues[q]``; MXFP4's
+    also with its E8M0 exponents as scales) against its values made here; None when they agree."""
     k1, k2, k3 = mx.random.split(mx.random.key(17), 3)
     w = mx.random.randint(0, 2 ** 31, (24, 8), key=k1).astype(mx.uint32)  # any bits are 64 4-bit integers a row
     s = (mx.random.uniform(shape=(24, 2), key=k2) * 1e-2).astype(mx.float16)
     x = mx.random.normal((3, 64), key=k3)
     one = mx.ones((24, 2))
     q = mx.dequantize(w, one, mx.zeros_like(one), group_size=32, bits=4).astype(mx.int32)
-    levels = mx.take(mx.array(IQ4_NL_VALUES.astype(np.float32)), q).reshape(24, 2, 32)
-    want = x @ (levels * s.astype(mx.float32)[..., None]).reshape(24, 64).T
-    err = mx.abs(fn(x, w, s, None, 32, 4, "float32", None, True) - want).max().item()
-    if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
-        return f"a product of a codebook weight (IQ4_NL) off by {err:.3g}"
+    e = np.random.default_rng(17).integers(120, 136, (24, 2)).astype(np.uint8)  # MXFP4's exponents, 2**(e - 128)
+    forms = [(cid, s, s.astype(mx.float32)) for cid in CODEBOOKS]
+    forms.append((MXFP4, mx.array(e), mx.array(np.ldexp(np.float32(1), e.astype(np.int32) - 128))))
+    for cid, held, scale in forms:
+        levels = mx.take(mx.array(CODEBOOKS[cid].astype(np.float32)), q).reshape(24, 2, 32)
+        want = x @ (levels * scale[..., None]).reshape(24, 64).T
+        err = mx.abs(fn(x, w, held, None, 32, 4, "float32", None, cid) - want).max().item()
+        if not err <= 1e-4 * (1 + mx.abs(want).max().item()):
+            return f"a product of a codebook weight (codebook {cid}, {held.dtype} scales) off by {err:.3g}"
     return None
 
 

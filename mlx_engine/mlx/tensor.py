@@ -52,7 +52,7 @@ def _matvec(w: "mx.array", x: "mx.array") -> "mx.array":
 def _weight_arg(w: "MLXQuantizedTensor") -> tuple:
     """A quantized weight as our kernels' argument tuple (w, scales, biases, group size, bits, super scales,
     codebook)."""
-    return (w.w, w.scales, w.biases, w.group_size, w.bits, w.super_scales, w.codebook is not None)
+    return (w.w, w.scales, w.biases, w.group_size, w.bits, w.super_scales, w.codebook_id)
 
 
 class MLXTensor(Tensor):
@@ -108,7 +108,7 @@ class MLXTensor(Tensor):
         if isinstance(weight, MLXQuantizedTensor):
             if runtime.on_cpu and cpu_kernels.qmatmul is not None:
                 y = cpu_kernels.qmatmul(self.a, weight.w, weight.scales, weight.biases, weight.group_size, weight.bits,
-                                        weight.activations, weight.super_scales, weight.codebook is not None)
+                                        weight.activations, weight.super_scales, weight.codebook_id)
             else:
                 y = mx.quantized_matmul(self.a, weight.w, *weight.float_scales(), transpose=True,
                                         group_size=weight.group_size, bits=weight.bits)
@@ -132,7 +132,7 @@ class MLXTensor(Tensor):
                                           [w.bits for w in weights],
                                           None if shapes is None else [list(shape) for shape in shapes],
                                           weights[0].activations, supers=[w.super_scales for w in weights],
-                                          codebooks=[w.codebook is not None for w in weights])
+                                          codebooks=[w.codebook_id for w in weights])
             biases = biases if biases is not None else [None] * len(weights)
             return [MLXTensor(y if b is None else y + b.a) for y, b in zip(ys, biases)]
         return super().linear_many(weights, biases, shapes)
@@ -151,7 +151,7 @@ class MLXTensor(Tensor):
             [w.group_size for w in weights], [w.bits for w in weights],
             None if shapes is None else [list(shape) for shape in shapes], weights[0].activations, prologue,
             [t.a for t in inputs], None if out_norms is None else [raw(t) for t in out_norms], eps,
-            [w.super_scales for w in weights], [w.codebook is not None for w in weights])
+            [w.super_scales for w in weights], [w.codebook_id for w in weights])
 
     def norm_linear(self, weights, norm, eps, residual=None, shapes=None, out_norms=None):
         if residual is None or residual.shape == self.shape:
@@ -266,7 +266,7 @@ class MLXTensor(Tensor):
             if runtime.on_cpu and cpu_kernels.gather_qmatmul is not None and cpu_kernels.gather_problem() is None:
                 return MLXTensor(cpu_kernels.gather_qmatmul(self.a, weight.w, weight.scales, weight.biases, i,
                                                             weight.group_size, weight.bits, weight.activations,
-                                                            weight.super_scales, weight.codebook is not None))
+                                                            weight.super_scales, weight.codebook_id))
             y = mx.gather_qmm(self.a[:, None, None, :], weight.w, *weight.float_scales(), rhs_indices=i,
                               transpose=True, group_size=weight.group_size, bits=weight.bits)
             return MLXTensor(y.squeeze(2))
@@ -378,6 +378,13 @@ class MLXTensor(Tensor):
         return np.array(a, copy=True)
 
 
+def _e8m0_scales(e: "mx.array") -> "mx.array":
+    """MXFP4's exponents ``e`` (uint8) -> its scales ``2**(e - 128)`` float32, from the bits (``e`` 0 and 1: the
+    subnormals ``2**-128`` and ``2**-127``), as llama.cpp's ``ggml_e8m0_to_fp32_half``."""
+    u = e.astype(mx.uint32)
+    return mx.view(mx.where(u >= 2, (u - 1) << 23, mx.array(0x00200000, mx.uint32) << u), mx.float32)
+
+
 class MLXQuantizedTensor(MLXTensor):
     """An affine-quantized weight ``[rows, cols]`` (MLX's layout): ``w = scale * q + bias`` per group of
     ``group_size`` consecutive elements of a row, ``q`` packed into uint32 words, lowest bits first. A mixture of
@@ -390,15 +397,22 @@ class MLXQuantizedTensor(MLXTensor):
     are widened to ``dtype`` before any arithmetic, so dequantized values are exact in ``dtype``. ``biases`` None: a
     symmetric weight (GGUF's Q8_0, Q4_0, Q5_0), whose biases are ``-2**(bits - 1) * scales`` (exact: a power of
     two), made where needed instead of held (our CPU kernel makes them per row). ``codebook`` (int8 ``[16]``, 4 bits,
-    no biases; GGUF's IQ4_NL and IQ4_XS, on the CPU with our kernels only): element ``scale * codebook[q]``.
+    no biases; GGUF's IQ4_NL, IQ4_XS and MXFP4, on the CPU with our kernels only): element ``scale * codebook[q]``,
+    one of the levels our kernels hold (``cpu_kernels.CODEBOOKS``; ValueError for others); MXFP4's scales may be its
+    E8M0 exponents ``e`` (uint8, scale ``2**(e - 128)``), as its file holds them.
     """
 
     __slots__ = ("w", "scales", "biases", "group_size", "bits", "_shape", "_dtype", "activations", "super_scales",
-                 "codebook")
+                 "codebook", "codebook_id")
 
     def __init__(self, w, scales, biases, group_size: int, bits: int, dtype=None, activations: str | None = None,
                  super_scales=None, codebook=None):
         self.w, self.scales, self.biases, self.codebook = w, scales, biases, codebook
+        #: the codebook's id in our kernels' arguments (``cpu_kernels.CODEBOOKS``), 0 for an affine weight
+        self.codebook_id = cpu_kernels.codebook_id(codebook)
+        if codebook is not None and not self.codebook_id:
+            raise ValueError("a codebook weight's levels must be IQ4_NL's or MXFP4's (those our kernels hold); make "
+                             "others 8-bit affine first (weights.quant.codebook_to_affine)")
         #: two-level scales (GGUF's K-quants on the CPU), per 256 elements: ``scales`` and ``biases`` uint8 integers
         #: ``sc`` and ``m`` with this float16 ``[..., cols / 256, 2]`` holding ``(d, -dmin)`` (scale ``d * sc``, bias
         #: ``-dmin * m``: Q4_K, Q5_K, Q2_K), or int8 ``scales`` and no biases with ``[..., cols / 256, 1]`` holding
@@ -410,7 +424,8 @@ class MLXQuantizedTensor(MLXTensor):
         #: else the process default ``cpu_kernels.activations``); MLX's kernels elsewhere take x as it is
         self.activations = activations or cpu_kernels.activations
         self._shape = (*w.shape[:-1], w.shape[-1] * 32 // bits)  # [experts, rows, cols] for a stack
-        self._dtype = dtype if dtype is not None else (scales.dtype if super_scales is None else mx.float32)
+        self._dtype = dtype if dtype is not None else (
+            scales.dtype if super_scales is None and scales.dtype != mx.uint8 else mx.float32)
 
     def __repr__(self) -> str:
         return f"MLXQuantizedTensor(shape={self.shape}, bits={self.bits}, group_size={self.group_size})"
@@ -430,7 +445,7 @@ class MLXQuantizedTensor(MLXTensor):
             return s.astype(self._dtype), (b.astype(mx.float32) * sup[..., 1]).astype(self._dtype)
         s = self.scales if rows is None else self.scales[rows]
         if self.codebook is not None:  # as stored (float16), rounded to the dtype once with the levels
-            return s, None
+            return (_e8m0_scales(s) if s.dtype == mx.uint8 else s), None
         if s.dtype != self._dtype:
             s = s.astype(self._dtype)
         if self.biases is None:
@@ -497,7 +512,7 @@ class MLXQuantizedTensor(MLXTensor):
         if runtime.on_cpu and cpu_kernels.qtake is not None and self._dtype == mx.float32 and isinstance(i, mx.array):
             # one graph node, where MLX's CPU dequantize is about 20 (the same values, bit for bit)
             return MLXTensor(cpu_kernels.qtake(self.w, self.scales, self.biases, i, self.group_size, self.bits,
-                                               self.super_scales, self.codebook is not None))
+                                               self.super_scales, self.codebook_id))
         return MLXTensor(self._dequantized(self.w[i], *self.float_scales(i)))
 
     def dequantize(self):

@@ -40,7 +40,7 @@ using mlx_engine::Problem;
 class GatherQMatmul : public mx::Primitive {
  public:
   GatherQMatmul(mx::Stream stream, int group_size, int bits, bool symmetric, mlx_engine::Activations act,
-                bool factored, bool codebook)
+                bool factored, int codebook)
       : mx::Primitive(stream),
         group_size_(group_size),
         bits_(bits),
@@ -80,13 +80,10 @@ class GatherQMatmul : public mx::Primitive {
         p.biases = symmetric ? nullptr : static_cast<const uint8_t*>(data[3]) + size_t(e) * I * groups * scale_bytes;
         p.out = ys;
         p.M = M, p.N = p.ldo = I, p.K = K, p.group_size = gs, p.bits = bits;
-        p.codebook = codebook ? mlx_engine::kIQ4NL : nullptr;
-        p.scale_type = scales.dtype() == mx::float32 ? mlx_engine::kF32
-                       : scales.dtype() == mx::float16 ? mlx_engine::kF16
-                                                       : mlx_engine::kBF16;
+        p.codebook = mlx_engine::codebook_levels(codebook);
+        p.scale_type = mlx_engine::scale_type_of(scales.dtype(), factored);
         if (factored) {
           const bool is_signed = scales.dtype() == mx::int8;
-          p.scale_type = is_signed ? mlx_engine::kI8 : mlx_engine::kU8;
           p.super = static_cast<const uint16_t*>(data[5]) + size_t(e) * I * (K / 256) * (is_signed ? 1 : 2);
         }
         return p;
@@ -148,18 +145,18 @@ class GatherQMatmul : public mx::Primitive {
   int group_size_, bits_;
   bool symmetric_;
   mlx_engine::Activations act_;
-  bool factored_, codebook_;
+  bool factored_;
+  int codebook_;
 };
 
 mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                          const std::optional<mx::array>& biases, const mx::array& indices, int group_size, int bits,
-                         const std::string& activations, const std::optional<mx::array>& super, bool codebook) {
+                         const std::string& activations, const std::optional<mx::array>& super, int codebook) {
   const mlx_engine::Activations act = mlx_engine::parse_activations(activations, "gather_qmatmul");
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("gather_qmatmul: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   mlx_engine::check_group(group_size, bits, "gather_qmatmul");
-  if (codebook && (bits != 4 || biases))
-    throw std::invalid_argument("gather_qmatmul: a codebook weight has 4 bits and no biases");
+  mlx_engine::check_codebook(codebook, bits, biases.has_value(), scales.dtype(), super.has_value(), "gather_qmatmul");
   if (w.ndim() != 3 || w.dtype() != mx::uint32) throw std::invalid_argument("gather_qmatmul: w must be 3-D uint32");
   const int E = w.shape(0), I = w.shape(1), K = int(int64_t(w.shape(2)) * 32 / bits);
   if (x.ndim() != 2 || x.shape(1) != K)
@@ -172,7 +169,8 @@ mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array
     mlx_engine::check_factored(gshape, group_size, scales, biases ? &*biases : nullptr, *super, "gather_qmatmul");
   } else if (scales.shape() != gshape || b.shape() != gshape || scales.dtype() != b.dtype()) {
     throw std::invalid_argument("gather_qmatmul: scales and biases must both be [E, I, K / group_size] of one dtype");
-  } else if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16) {
+  } else if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16 &&
+             scales.dtype() != mx::uint8) {  // (uint8: E8M0, see check_codebook)
     throw std::invalid_argument("gather_qmatmul: scales must be float32, float16 or bfloat16");
   }
   if (indices.ndim() != 2 || indices.shape(0) != x.shape(0) ||
@@ -193,7 +191,7 @@ mx::array gather_qmatmul(const mx::array& x, const mx::array& w, const mx::array
 void register_gather_qmatmul(nb::module_& m) {
   m.def("gather_qmatmul", &gather_qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(),
         nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"), nb::arg("activations") = "float32",
-        nb::arg("super").none() = nb::none(), nb::arg("codebook") = false,
+        nb::arg("super").none() = nb::none(), nb::arg("codebook") = 0,
         "x [N, K] through the experts indices [N, k] of w [E, I, K * bits / 32] -> [N, k, I] in x's dtype "
         "(out[n, j] = x[n] @ dequantize(w[e], scales[e], biases[e]).T, e = indices[n, j]), on the CPU stream; "
         "biases None: -2**(bits - 1) * scales; activations, super (two-level scales) and codebook as qmatmul's.");

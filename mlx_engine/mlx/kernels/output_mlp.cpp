@@ -116,7 +116,7 @@ class OutputMLP : public mx::Primitive {
 };
 
 // A weight as Python gives it: (w, scales, biases or None, group_size, bits, super or None, codebook).
-using WeightArg = std::tuple<mx::array, mx::array, std::optional<mx::array>, int, int, std::optional<mx::array>, bool>;
+using WeightArg = std::tuple<mx::array, mx::array, std::optional<mx::array>, int, int, std::optional<mx::array>, int>;
 
 int add(Stage& st, std::vector<mx::array>& inputs, std::vector<mx::array>& supers, int K, const WeightArg& a) {
   return mlx_engine::add_weight(st, inputs, supers, K, std::get<0>(a), std::get<1>(a), std::get<2>(a), std::get<3>(a),

@@ -56,6 +56,7 @@ namespace {
 #define INLINE inline __attribute__((always_inline))
 
 using mlx_engine::kBF16;
+using mlx_engine::kE8M0;
 using mlx_engine::kF16;
 using mlx_engine::kF32;
 using mlx_engine::kI8;
@@ -204,12 +205,13 @@ bool int8_kernel_takes(const Problem& p, bool avx2, bool avx2_x16) {
 bool int8_per_256(const Problem& p) { return p.super != nullptr; }
 
 // Output rows [n0, n1) of p with the row kernel `rows` (`int8_rows` where p has x quantized); a problem of two-level
-// scales per block of 64 rows, the block's scales and biases made float32 first by `factored` into a buffer of the
-// thread (the kernels then read them as any other float32 scales: the same values, so the same bits as a weight held
-// with float32 scales).
+// (or E8M0) scales per block of 64 rows, the block's scales and biases made float32 first by `factored` into a buffer
+// of the thread (the kernels then read them as any other float32 scales: the same values, so the same bits as a
+// weight held with float32 scales).
 void run_rows(RowsFn float_rows, RowsFn int8_rows, FactoredFn factored, const Problem& p, int n0, int n1) {
   const RowsFn rows = p.qx ? int8_rows : float_rows;
-  if (p.scale_type != mlx_engine::kU8 && p.scale_type != mlx_engine::kI8) return rows(p, n0, n1);
+  if (p.scale_type != mlx_engine::kU8 && p.scale_type != kI8 && p.scale_type != kE8M0)
+    return rows(p, n0, n1);
   constexpr int kBlock = 64;
   const int groups = p.K / p.group_size;
   const size_t row_bytes = size_t(p.K) * p.bits / 8;
@@ -246,8 +248,32 @@ std::string mlx_engine::isa() {
 #endif
 }
 
-// kvalues_iq4nl (llama.cpp's ggml-common.h) plus 128
-const uint8_t mlx_engine::kIQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+namespace {
+// kvalues_iq4nl and kvalues_mxfp4 (llama.cpp's ggml-common.h) plus 128
+const uint8_t kIQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+const uint8_t kMXFP4[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116};
+}  // namespace
+
+const uint8_t* mlx_engine::codebook_levels(int id) {
+  return id == kCodebookIQ4NL ? kIQ4NL : id == kCodebookMXFP4 ? kMXFP4 : nullptr;
+}
+
+void mlx_engine::check_codebook(int id, int bits, bool biases, mx::Dtype dtype, bool factored,
+                                const std::string& who) {
+  if (id != kNoCodebook && id != kCodebookIQ4NL && id != kCodebookMXFP4)
+    throw std::invalid_argument(who + ": codebook must be 0 (none), 1 (IQ4_NL's levels) or 2 (MXFP4's), not " +
+                                std::to_string(id));
+  if (id != kNoCodebook && (bits != 4 || biases))
+    throw std::invalid_argument(who + ": a codebook weight has 4 bits and no biases");
+  if (dtype == mx::uint8 && !factored && id != kCodebookMXFP4)
+    throw std::invalid_argument(who + ": uint8 scales without super scales are E8M0 exponents, an MXFP4 codebook "
+                                      "weight's (codebook 2) only");
+}
+
+int mlx_engine::scale_type_of(mx::Dtype dtype, bool factored) {
+  if (factored) return dtype == mx::int8 ? kI8 : kU8;
+  return dtype == mx::float32 ? kF32 : dtype == mx::float16 ? kF16 : dtype == mx::uint8 ? kE8M0 : kBF16;
+}
 
 int mlx_engine::check_factored(const mx::Shape& gshape, int group_size, const mx::array& scales,
                                const mx::array* biases, const mx::array& super, const std::string& who) {
@@ -490,9 +516,9 @@ void mlx_engine::run_stage(const Stage& st, const std::vector<mx::array>& inputs
     p.M = M;
     p.group_size = st.group_sizes[i];
     p.bits = st.bits[i];
-    p.codebook = st.codebook[i] ? kIQ4NL : nullptr;
-    p.scale_type = scales.dtype() == mx::float32 ? kF32 : scales.dtype() == mx::float16 ? kF16 : kBF16;
-    if (st.factored[i]) p.scale_type = scales.dtype() == mx::int8 ? kI8 : mlx_engine::kU8, p.super = data[super_at++];
+    p.codebook = mlx_engine::codebook_levels(st.codebook[i]);
+    p.scale_type = mlx_engine::scale_type_of(scales.dtype(), st.factored[i]);
+    if (st.factored[i]) p.super = data[super_at++];
   }
   qmatmul_run(ps, st.act);
   size_t norm_at = w0 + 3 * ps.size();
@@ -609,7 +635,8 @@ int check_weight(int Kx, const mx::array& w, const mx::array& scales, const mx::
   }
   if (scales.shape() != gshape || biases.shape() != gshape || scales.dtype() != biases.dtype())
     throw std::invalid_argument(who + ": scales and biases must both be [N, K / group_size] of one dtype");
-  if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16)
+  if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16 &&
+      scales.dtype() != mx::uint8)  // (uint8: E8M0, see check_codebook)
     throw std::invalid_argument(who + ": scales must be float32, float16 or bfloat16");
   return N;
 }
@@ -619,13 +646,12 @@ int check_weight(int Kx, const mx::array& w, const mx::array& scales, const mx::
 int mlx_engine::add_weight(Stage& st, std::vector<mx::array>& inputs, std::vector<mx::array>& supers, int K,
                            const mx::array& w, const mx::array& scales,
                            const std::optional<mx::array>& biases, int group_size, int bits,
-                           const std::optional<mx::array>& super, bool codebook, const std::string& who) {
+                           const std::optional<mx::array>& super, int codebook, const std::string& who) {
   if (super && scales.dtype() != mx::int8 && !biases)
     throw std::invalid_argument(who + ": two-level uint8 scales need their biases (mins)");
   if (super && scales.dtype() == mx::int8 && biases)
     throw std::invalid_argument(who + ": two-level int8 scales are a symmetric weight's: give no biases");
-  if (codebook && (bits != 4 || biases))
-    throw std::invalid_argument(who + ": a codebook weight has 4 bits and no biases");
+  mlx_engine::check_codebook(codebook, bits, biases.has_value(), scales.dtype(), super.has_value(), who);
   const mx::array& b = biases ? *biases : scales;
   const int N = check_weight(K, w, scales, b, group_size, bits, super ? &*super : nullptr, who);
   st.group_sizes.push_back(group_size);
@@ -676,7 +702,7 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
                                     const std::optional<std::vector<std::optional<mx::array>>>& out_norms,
                                     float eps,
                                     const std::optional<std::vector<std::optional<mx::array>>>& supers,
-                                    const std::optional<std::vector<bool>>& codebooks) {
+                                    const std::optional<std::vector<int>>& codebooks) {
   const mlx_engine::Activations act = mlx_engine::parse_activations(activations, "qmatmul");
   const size_t n = ws.size();
   if (n == 0 || scales.size() != n || biases.size() != n || group_sizes.size() != n || bits.size() != n ||
@@ -698,7 +724,7 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
     shape.back() = mlx_engine::add_weight(st, inputs, super_inputs, x.ndim() ? x.shape(-1) : -1, ws[i], scales[i],
                                           biases[i], group_sizes[i],
                                           bits[i], supers ? (*supers)[i] : std::nullopt,
-                                          codebooks && (*codebooks)[i], "qmatmul");
+                                          codebooks ? (*codebooks)[i] : 0, "qmatmul");
     shapes.push_back(mlx_engine::out_shape(shape, out_shapes ? std::optional((*out_shapes)[i]) : std::nullopt,
                                            "qmatmul_many", i));
   }
@@ -728,9 +754,9 @@ std::vector<mx::array> qmatmul_many(const mx::array& x, const std::vector<mx::ar
 
 mx::array qmatmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                   const std::optional<mx::array>& biases, int group_size, int bits, const std::string& activations,
-                  const std::optional<mx::array>& super, bool codebook) {
+                  const std::optional<mx::array>& super, int codebook) {
   return qmatmul_many(x, {w}, {scales}, {biases}, {group_size}, {bits}, std::nullopt, activations, "none", {},
-                      std::nullopt, 0.f, std::vector<std::optional<mx::array>>{super}, std::vector<bool>{codebook})[0];
+                      std::nullopt, 0.f, std::vector<std::optional<mx::array>>{super}, std::vector<int>{codebook})[0];
 }
 
 }  // namespace
@@ -750,10 +776,11 @@ NB_MODULE(_kernels, m) {
   m.doc() = "mlx-engine's CPU kernels (MLX primitives)";
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(),
         nb::arg("group_size"), nb::arg("bits"), nb::arg("activations") = "float32",
-        nb::arg("super").none() = nb::none(), nb::arg("codebook") = false,
+        nb::arg("super").none() = nb::none(), nb::arg("codebook") = 0,
         "x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in x's dtype, on the CPU stream; biases None: "
-        "-2**(bits - 1) * scales (a symmetric weight); codebook (4 bits, no biases): element scale * kvalues[q] "
-        "(GGUF's IQ4_NL and IQ4_XS, llama.cpp's kvalues_iq4nl); activations \"int8\": x quantized to int8 first "
+        "-2**(bits - 1) * scales (a symmetric weight); codebook (4 bits, no biases): element scale * kvalues[q], "
+        "1: llama.cpp's kvalues_iq4nl (GGUF's IQ4_NL and IQ4_XS), 2: its kvalues_mxfp4 (E2M1 doubled, GGUF's MXFP4 "
+        "with scales 2**(e - 128)), 0: none; activations \"int8\": x quantized to int8 first "
         "as llama.cpp does (per 32 elements, its Q8_0; with super scales per 256, its Q8_K), where "
         "int8_supported(); \"int16\": to 16 bits (d = max|x| / 32639), where "
         "int16_supported(); super: two-level scales per 256 elements, either float16 "
@@ -767,7 +794,7 @@ NB_MODULE(_kernels, m) {
         nb::arg("eps") = 0.f, nb::arg("supers") = nb::none(), nb::arg("codebooks") = nb::none(),
         "[x @ dequantize(w_i, scales_i, biases_i).T for each weight], as one graph node and one parallel job "
         "(a biases_i of None: -2**(bits_i - 1) * scales_i; supers[i]: weight i's two-level scales, as qmatmul's "
-        "super; codebooks[i]: weight i a codebook weight, as qmatmul's codebook); "
+        "super; codebooks[i]: weight i's codebook, as qmatmul's); "
         "out_shapes: each result's shape (its elements in row-major order), instead of x.shape[:-1] + [N_i]; "
         "prologue, on float32 x first: \"norm\" (inputs [w]: x = rms_norm(x, w, eps)), \"add_norm\" "
         "([residual, w]: s = x + residual, x = rms_norm(s, w, eps), s returned first), \"silu\" or "

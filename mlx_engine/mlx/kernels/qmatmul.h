@@ -19,7 +19,11 @@ namespace mlx_engine {
 //   so, a Q4_K weight takes 4.625 bits per element (the file's 4.5), where float32 scales and biases took 6.
 // kI8: a symmetric weight (no biases) whose scales are signed integers sc (int8), super one float16 d per
 //   super-block; scale = d * sc, bias = -2**(bits - 1) * scale. Q6_K (6 bits), Q3_K (3 bits), groups of 16.
-enum ScaleType { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kI8 = 4 };
+// And a power of two per group, for the MXFP4 codebook only:
+// kE8M0: scales the E8M0 exponents e (uint8) of GGUF's MXFP4 blocks, scale = 2**(e - 128) (the halved E8M0 scale of
+//   llama.cpp's ggml_e8m0_to_fp32_half, its levels doubled), no super; held so, an MXFP4 weight takes its file's
+//   4.25 bits per element, where float16 scales took 4.5.
+enum ScaleType { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kI8 = 4, kE8M0 = 5 };
 
 // y [M, N] = x [M, K] @ dequantize(w, scales, biases).T, the weight in MLX's affine layout (see qmatmul.cpp).
 struct Problem {
@@ -32,7 +36,7 @@ struct Problem {
   const void* qx = nullptr;  // x quantized to int8 or int16 (int8::QX), for the integer kernels
   const void* super = nullptr;  // kU8: float16 [N, K / 256, 2], (d, -dmin); kI8: float16 [N, K / 256, 1], d
   int ldo = 0;  // the row stride of out (N, but for a block of a weight's rows)
-  const uint8_t* codebook = nullptr;  // 4 bits only: kIQ4NL (a codebook weight, see there), else null
+  const uint8_t* codebook = nullptr;  // 4 bits only: a codebook weight's levels plus 128 (see Codebook), else null
   // 4 bits, fewer than 4 rows of x, AVX-512 (qmatmul_decode.inc): x in blocks of 128 elements, element 8 i + j of a
   // block at 16 j + i (the nibble j of the block's 32-bit word i), its rows K rounded up to 128 apart and zero past K;
   // xsums [M, K / group_size] x's sums over each group (for the biases' term)
@@ -40,10 +44,24 @@ struct Problem {
   const float* xsums = nullptr;
 };
 
-// A 4-bit weight whose integers index a codebook: GGUF's IQ4_NL and IQ4_XS, value scale * kvalues[q] with
-// kvalues_iq4nl of llama.cpp's ggml-common.h. The kernels read q as the byte kIQ4NL[q] = kvalues[q] + 128, a
-// symmetric weight of zero point 128: (byte - 128) * scale, one rounding of the exact product, as gguf's dequantize.
-extern const uint8_t kIQ4NL[16];
+// A 4-bit weight whose integers index a codebook, value scale * kvalues[q], by the id the Python functions take
+// (`codebook`): kCodebookIQ4NL, kvalues_iq4nl of llama.cpp's ggml-common.h (GGUF's IQ4_NL and IQ4_XS);
+// kCodebookMXFP4, kvalues_mxfp4 (the E2M1 values doubled, under scales 2**(e - 128): GGUF's MXFP4). The kernels read
+// q as the byte levels[q] = kvalues[q] + 128, a symmetric weight of zero point 128: (byte - 128) * scale, one
+// rounding of the exact product, as gguf's dequantize.
+enum Codebook { kNoCodebook = 0, kCodebookIQ4NL = 1, kCodebookMXFP4 = 2 };
+
+// Codebook `id`'s levels (null for kNoCodebook).
+const uint8_t* codebook_levels(int id);
+
+// The checks of a codebook id: one of Codebook, and (but kNoCodebook) a weight of 4 bits without biases; scales of
+// `dtype` without super scales (`factored` false) uint8 (kE8M0) for kCodebookMXFP4 only; throws
+// std::invalid_argument naming `who`.
+void check_codebook(int id, int bits, bool biases, mlx::core::Dtype dtype, bool factored, const std::string& who);
+
+// The ScaleType of scales of `dtype`, with super scales (`factored`: kU8 or kI8) or without (kF32, kF16, kBF16 or
+// uint8's kE8M0).
+int scale_type_of(mlx::core::Dtype dtype, bool factored);
 
 // The zero point a symmetric weight's biases are made from: bias = zero_point_of(p) * scale (exact).
 inline float zero_point_of(const Problem& p) { return p.codebook ? -128.f : -float(1 << (p.bits - 1)); }
@@ -89,7 +107,7 @@ struct Stage {
   std::vector<bool> symmetric;  // no biases (see Problem::biases)
   std::vector<bool> out_norms;  // output i RMSNorm-ed over its last axis after the product
   std::vector<bool> factored;  // two-level scales (kU8 or kI8), the super scales among the inputs
-  std::vector<bool> codebook;  // a codebook weight (kIQ4NL)
+  std::vector<int> codebook;  // a codebook weight's Codebook, or kNoCodebook
   int prologue = kNone;
   float eps = 0.f;  // the norms' epsilon (prologue and outputs)
   Activations act = kActFloat32;  // x quantized (int8, int16) where the CPU has the kernel
@@ -127,22 +145,22 @@ void run_stage(const Stage& st, const std::vector<mlx::core::array>& inputs, con
                const int* norm_dims);
 
 // One weight of a product node: checks it for inputs of `K` elements a row (x [..., K]; biases null: a symmetric
-// weight; super: two-level scales; codebook: kIQ4NL), throwing std::invalid_argument naming `who`, and appends it to
-// `st`, its w, scales and biases (the scales again where it has none) to `inputs` and its super scales to `supers`
+// weight; super: two-level scales; codebook: a Codebook), throwing std::invalid_argument naming `who`, and appends it
+// to `st`, its w, scales and biases (the scales again where it has none) to `inputs` and its super scales to `supers`
 // (the caller appends these after the outputs' norms); returns N.
 int add_weight(Stage& st, std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& supers, int K,
                const mlx::core::array& w, const mlx::core::array& scales,
                const std::optional<mlx::core::array>& biases, int group_size, int bits,
-               const std::optional<mlx::core::array>& super, bool codebook, const std::string& who);
+               const std::optional<mlx::core::array>& super, int codebook, const std::string& who);
 
 // An output's shape: the product's own (`product`), or `given` where given, whose element count must be the
 // product's; throws std::invalid_argument naming `who` and output `i` where it is not (or a size is negative).
 mlx::core::Shape out_shape(const mlx::core::Shape& product, const std::optional<std::vector<int>>& given,
                            const std::string& who, size_t i);
 
-// Rows [n0, n0 + count) of a problem with two-level scales (kU8, kI8): their scales and biases as float32 into `s`
-// and `b` ([count, K / group_size] each; a kI8 weight's biases -2**(bits - 1) * scale), exact products, with the
-// vector code of this CPU's row kernel.
+// Rows [n0, n0 + count) of a problem with two-level scales (kU8, kI8) or E8M0 ones (kE8M0): their scales and biases
+// as float32 into `s` and `b` ([count, K / group_size] each; a symmetric weight's biases -2**(bits - 1) * scale, a
+// codebook's -128 * scale), exact, with the vector code of this CPU's row kernel.
 void factored_scales(const Problem& p, int n0, int count, float* s, float* b);
 
 // The checks of two-level scales of weights with `group_size` (16 or 32) elements per group: scales of shape

@@ -7,8 +7,9 @@
 // symmetric weight, -2**(bits - 1) * scales (exact); super: two-level scales (qmatmul's kU8 and kI8), integer scales
 // (and biases) times super's float16 per 256 elements (exact float32 products; a symmetric weight's values then
 // (q - 2**(bits - 1)) * scale, exact, as qmatmul's); codebook: 4-bit integers indexing kvalues_iq4nl (GGUF's IQ4_NL
-// and IQ4_XS), values scale * kvalues[q] rounded once, as qmatmul's and gguf's. Why: MLX dequantizes on the CPU as
-// about 20 graph nodes of shifts and masks, and a decode step looks up one row.
+// and IQ4_XS) or kvalues_mxfp4 (MXFP4, its scales float or its E8M0 exponents), values scale * kvalues[q] rounded
+// once, as qmatmul's and gguf's. Why: MLX dequantizes on the CPU as about 20 graph nodes of shifts and masks, and a
+// decode step looks up one row.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 
@@ -42,8 +43,8 @@ float scale_at(const void* base, mx::Dtype t, size_t i) {
 }
 
 // `exact`: a symmetric weight's (q - 2**(bits - 1)) * scale, exact in float32 for GGUF's two-level int8 scales
-// (where q * scale alone may not be), as the fused multiply-add of qmatmul gives it. `codebook` (kIQ4NL, or null):
-// each q read as codebook[q], zero point 128 (then always so: scale * kvalues[q], one rounding)
+// (where q * scale alone may not be), as the fused multiply-add of qmatmul gives it. `codebook` (codebook_levels, or
+// null): each q read as codebook[q], zero point 128 (then always so: scale * kvalues[q], one rounding)
 __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* row, const void* scales,
                                                                   const void* biases, mx::Dtype st, size_t g0, int K,
                                                                   int group_size, int bits, float* out,
@@ -73,7 +74,7 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* 
 
 class QTake : public mx::UnaryPrimitive {
  public:
-  QTake(mx::Stream stream, int group_size, int bits, bool symmetric, bool factored, bool codebook)
+  QTake(mx::Stream stream, int group_size, int bits, bool symmetric, bool factored, int codebook)
       : mx::UnaryPrimitive(stream),
         group_size_(group_size),
         bits_(bits),
@@ -87,7 +88,7 @@ class QTake : public mx::UnaryPrimitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     encoder.dispatch([inputs, out, gs = group_size_, bits = bits_, symmetric = symmetric_,
-                      factored = factored_, codebook = codebook_ ? mlx_engine::kIQ4NL : nullptr]() mutable {
+                      factored = factored_, codebook = mlx_engine::codebook_levels(codebook_)]() mutable {
       static thread_local std::vector<uint8_t> bufs[5];
       static thread_local std::vector<float> row_scales;  // a factored row's scales, then its biases
       const void* data[5] = {};
@@ -102,11 +103,14 @@ class QTake : public mx::UnaryPrimitive {
         r = r < 0 ? 0 : r >= N ? N - 1 : r;
         const uint8_t* row = static_cast<const uint8_t*>(data[0]) + r * row_bytes;
         float* dst = out.data<float>() + i * size_t(K);
-        if (factored) {  // the scales (and biases) as float32 first: exact products of the file's integers
-          const bool is_signed = inputs[1].dtype() == mx::int8;
+        const int scale_type = mlx_engine::scale_type_of(inputs[1].dtype(), factored);
+        if (factored || scale_type == mlx_engine::kE8M0) {
+          // the scales (and biases) as float32 first: exact products of the file's integers, or powers of two
+          const bool is_signed = scale_type != mlx_engine::kU8;
           mlx_engine::Problem p{};
-          p.scales = data[1], p.biases = is_signed ? nullptr : data[2], p.super = data[is_signed ? 2 : 3];
-          p.K = K, p.group_size = gs, p.bits = bits, p.scale_type = is_signed ? mlx_engine::kI8 : mlx_engine::kU8;
+          p.scales = data[1], p.biases = is_signed ? nullptr : data[2];
+          p.super = factored ? data[is_signed ? 2 : 3] : nullptr;
+          p.K = K, p.group_size = gs, p.bits = bits, p.scale_type = scale_type, p.codebook = codebook;
           row_scales.resize(2 * size_t(G));
           mlx_engine::factored_scales(p, int(r), 1, row_scales.data(), row_scales.data() + G);
           dequantize_row(row, row_scales.data(), is_signed ? nullptr : row_scales.data() + G, mx::float32, 0, K, gs,
@@ -139,17 +143,17 @@ class QTake : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
-  bool symmetric_, factored_, codebook_;
+  bool symmetric_, factored_;
+  int codebook_;
 };
 
 mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional<mx::array>& biases,
                 const mx::array& ids, int group_size, int bits, const std::optional<mx::array>& super,
-                bool codebook) {
+                int codebook) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("qtake: bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   mlx_engine::check_group(group_size, bits, "qtake");
-  if (codebook && (bits != 4 || biases))
-    throw std::invalid_argument("qtake: a codebook weight has 4 bits and no biases");
+  mlx_engine::check_codebook(codebook, bits, biases.has_value(), scales.dtype(), super.has_value(), "qtake");
   if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument("qtake: w must be 2-D uint32");
   const int K = int(int64_t(w.shape(1)) * 32 / bits);
   if (K % group_size) throw std::invalid_argument("qtake: the row length is not a multiple of group_size");
@@ -158,7 +162,8 @@ mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional
     mlx_engine::check_factored(gshape, group_size, scales, biases ? &*biases : nullptr, *super, "qtake");
   } else if (scales.shape() != gshape ||
              (biases && (biases->shape() != gshape || biases->dtype() != scales.dtype())) ||
-             (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16)) {
+             (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16 &&
+              scales.dtype() != mx::uint8)) {  // (uint8: E8M0, see check_codebook)
     throw std::invalid_argument("qtake: scales (and biases) must be float32, float16 or bfloat16 [N, K / group_size]");
   }
   if (!mx::issubdtype(ids.dtype(), mx::integer)) throw std::invalid_argument("qtake: ids must be integers");
@@ -178,7 +183,7 @@ mx::array qtake(const mx::array& w, const mx::array& scales, const std::optional
 
 void register_qtake(nb::module_& m) {
   m.def("qtake", &qtake, nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("ids"),
-        nb::arg("group_size"), nb::arg("bits"), nb::arg("super").none() = nb::none(), nb::arg("codebook") = false,
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("super").none() = nb::none(), nb::arg("codebook") = 0,
         "Rows ids of dequantize(w, scales, biases) -> float32 [*ids.shape, K] (biases None: -2**(bits - 1) * "
         "scales; super: two-level scales; codebook: as qmatmul's), on the CPU stream.");
 }
